@@ -1,0 +1,3 @@
+from shardnet.cli import main
+
+main()

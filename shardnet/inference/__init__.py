@@ -1,0 +1,1 @@
+"""Model loading, block execution, KV cache, generation: a consumer of the overlay."""

@@ -1,0 +1,63 @@
+"""What a node needs to know to start. Plain data: the CLI and embedding apps both fill it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from multiaddr import Multiaddr
+
+from .errors import AddressError
+
+#: Where servers listen unless told otherwise.
+DEFAULT_SERVER_LISTEN = "/ip4/0.0.0.0/tcp/4001"
+
+
+@dataclass
+class NodeConfig:
+    #: Explicit key pair (wins), else a key file path, else a fresh ephemeral identity.
+    key_pair: KeyPair | None = None
+    identity_path: Path | None = None
+    listen: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce: list[str] = field(default_factory=list)
+    bootstrap: list[str] = field(default_factory=list)
+    #: "server" nodes store and answer DHT records; "client" nodes only query.
+    dht_mode: str = "server"
+    enable_quic: bool = False
+    enable_mdns: bool = False
+    #: Seconds for a dial (all addresses of one peer together).
+    dial_timeout: float = 10.0
+    #: Seconds for opening a stream and negotiating its protocol.
+    stream_open_timeout: float = 10.0
+    #: Seconds for one DHT query (get, find_providers, find_peer).
+    dht_timeout: float = 15.0
+    #: How often the node looks for new peers through the DHT.
+    discovery_interval: float = 5.0
+    #: Bootstrap reconnect backoff: first delay, cap.
+    reconnect_initial: float = 0.5
+    reconnect_max: float = 30.0
+    #: Connection manager targets: stop auto-dialling above low, prune above high.
+    low_watermark: int = 32
+    high_watermark: int = 128
+    max_connections: int = 512
+    #: gossipsub: heartbeat seconds and per-peer, per-topic message rate ceiling.
+    pubsub_heartbeat: float = 1.0
+    pubsub_max_msgs_per_topic_per_s: float = 1000.0
+
+
+def parse_multiaddr(text: str, *, what: str = "address") -> Multiaddr:
+    try:
+        return Multiaddr(text)
+    except Exception as e:
+        raise AddressError(f"malformed multiaddr for {what}: {text!r} ({e})") from None
+
+
+def parse_peer_addr(text: str, *, what: str = "peer address") -> PeerInfo:
+    """A dialable peer address: must end in /p2p/<peer-id>."""
+    ma = parse_multiaddr(text, what=what)
+    try:
+        return info_from_p2p_addr(ma)
+    except Exception:
+        raise AddressError(f"{what} {text!r} has no /p2p/<peer-id> part") from None

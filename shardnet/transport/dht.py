@@ -1,0 +1,113 @@
+"""Kademlia DHT as shardnet uses it: bounded waits, signed values, de-duplicated providers."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.tools.anyio_service import background_trio_service
+
+from . import records
+from .config import NodeConfig
+from .errors import OverlayTimeout, RecordError
+
+log = logging.getLogger(__name__)
+
+PROVIDER_DOMAIN = b"shardnet-provider/1:"
+
+
+def provider_key(name: str) -> str:
+    """Provider records are keyed by a hash of the app's name, so any string is a valid key."""
+    return hashlib.sha256(PROVIDER_DOMAIN + name.encode()).hexdigest()
+
+
+class DHT:
+    def __init__(self, kad: KadDHT, host, config: NodeConfig) -> None:
+        self.kad = kad
+        self.host = host
+        self.timeout = config.dht_timeout
+
+    @classmethod
+    @asynccontextmanager
+    async def start(cls, host, config: NodeConfig) -> AsyncIterator[DHT]:
+        mode = DHTMode.SERVER if config.dht_mode == "server" else DHTMode.CLIENT
+        kad = KadDHT(host, mode, enable_random_walk=False)
+        kad.register_validator(records.NAMESPACE, records.ShardnetRecordValidator())
+        async with background_trio_service(kad):
+            yield cls(kad, host, config)
+
+    # -- peers -------------------------------------------------------------------------------
+    async def add_peer(self, peer_id: ID) -> None:
+        try:
+            await self.kad.add_peer(peer_id)
+        except Exception as e:
+            log.debug("routing table refused %s: %s", peer_id, e)
+
+    def routing_table_peers(self) -> list[ID]:
+        return list(self.kad.routing_table.get_peer_ids())
+
+    async def closest_peers(self, target: bytes, count: int = 20) -> list[ID]:
+        async with self._bounded("closest-peers lookup"):
+            return list(await self.kad.peer_routing.find_closest_peers_network(target, count))
+
+    async def find_peer(self, peer_id: ID) -> PeerInfo | None:
+        async with self._bounded(f"find_peer {peer_id}"):
+            return await self.kad.find_peer(peer_id)
+
+    # -- signed values -----------------------------------------------------------------------
+    async def put(self, name: str, value: bytes) -> str:
+        """Store ``value`` under ``/shardnet/<our peer id>/<name>``, signed; returns the key."""
+        key = records.record_key(self.host.get_id(), name)
+        blob = records.encode(self._key_pair(), key, value)
+        async with self._bounded(f"put {key}"):
+            await self.kad.put_value(key, blob)
+        return key
+
+    async def get(self, publisher: ID | str, name: str) -> bytes | None:
+        """The newest valid value ``publisher`` stored under ``name``, or None."""
+        key = records.record_key(publisher, name)
+        async with self._bounded(f"get {key}"):
+            blob = await self.kad.get_value(key)
+        if blob is None:
+            return None
+        try:
+            return records.decode(key, blob).data
+        except RecordError as e:
+            log.warning("discarding invalid record for %s: %s", key, e)
+            return None
+
+    # -- provider records --------------------------------------------------------------------
+    async def provide(self, name: str) -> bool:
+        async with self._bounded(f"provide {name}"):
+            return bool(await self.kad.provide(provider_key(name)))
+
+    async def find_providers(self, name: str, count: int = 20) -> list[PeerInfo]:
+        """Providers of ``name``, each peer once with the union of its addresses."""
+        async with self._bounded(f"find_providers {name}"):
+            found = await self.kad.find_providers(provider_key(name), count)
+        merged: dict[ID, list] = {}
+        for info in found:
+            addrs = merged.setdefault(info.peer_id, [])
+            for a in info.addrs:
+                if a not in addrs:
+                    addrs.append(a)
+        return [PeerInfo(pid, addrs) for pid, addrs in merged.items()]
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _key_pair(self):
+        from libp2p.crypto.keys import KeyPair
+
+        return KeyPair(self.host.get_private_key(), self.host.get_public_key())
+
+    @asynccontextmanager
+    async def _bounded(self, what: str) -> AsyncIterator[None]:
+        with trio.move_on_after(self.timeout) as scope:
+            yield
+        if scope.cancelled_caught:
+            raise OverlayTimeout(f"DHT {what} timed out after {self.timeout:g} s")

@@ -1,0 +1,133 @@
+"""Build the py-libp2p host with shardnet's settings (TCP + Noise + Yamux, QUIC behind a flag).
+
+The settings here are the configuration-level fixes for py-libp2p 0.8.1 (see compat.py for the
+patches):
+
+- ``max_connections_per_peer=1``: with the default 3, every dial waits a 250 ms "happy
+  eyeballs" delay for parallel attempts we never want.
+- the auto-connector off and watermarks at our own (small) targets: it would dial every known
+  peer up to ~100 connections; shardnet's discovery loop tops up to ``low_watermark`` instead.
+- dial retries off: shardnet retries on its own schedule with backoff (bootstrap supervision),
+  and a dead peer must fail its dial quickly rather than after three backed-off attempts.
+- fixed listen ports are probed first: py-libp2p sets SO_REUSEPORT on its listeners, so a
+  second node on the same port would bind silently and steal half the connections.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+
+from libp2p import new_host
+from libp2p.crypto.keys import KeyPair
+from libp2p.network.config import ConnectionConfig, RetryConfig
+from multiaddr import Multiaddr
+
+from .config import NodeConfig
+from .errors import PortInUseError
+
+log = logging.getLogger(__name__)
+
+
+def connection_config(config: NodeConfig) -> ConnectionConfig:
+    return ConnectionConfig(
+        max_connections_per_peer=1,
+        max_connections=config.max_connections,
+        min_connections=0,
+        low_watermark=config.low_watermark,
+        high_watermark=config.high_watermark,
+        dial_timeout=config.dial_timeout,
+    )
+
+
+def build_host(config: NodeConfig, key_pair: KeyPair, announce: list[Multiaddr]):
+    host = new_host(
+        key_pair=key_pair,
+        connection_config=connection_config(config),
+        enable_quic=config.enable_quic,
+        enable_mDNS=config.enable_mdns,
+        announce_addrs=announce or None,
+        addrs_factory=None if announce else expand_unspecified,
+    )
+    swarm = host.get_network()
+    swarm.retry_config = RetryConfig(max_retries=0)
+    # shardnet's discovery loop owns connection top-up (bounded by low_watermark); the
+    # auto-connector would otherwise dial every known peer up to the watermark midpoint.
+    swarm.auto_connector.run_background_task = _no_auto_connector
+    return host
+
+
+async def _no_auto_connector(nursery) -> None:
+    return None
+
+
+def interface_ips() -> list[str]:
+    """Every IPv4 and IPv6 address of this machine's interfaces, loopback included."""
+    import ifaddr
+
+    ips: list[str] = []
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            addr = ip.ip if isinstance(ip.ip, str) else ip.ip[0]
+            if "%" in addr or addr.startswith("fe80"):
+                continue  # link-local addresses are not dialable without a scope
+            if addr not in ips:
+                ips.append(addr)
+    return ips
+
+
+def expand_unspecified(candidates: list[Multiaddr]) -> list[Multiaddr]:
+    """Advertise 0.0.0.0 / :: listeners as one address per interface, as go-libp2p does."""
+    out: list[Multiaddr] = []
+    ips = None
+    for ma in candidates:
+        text = str(ma)
+        for family, wildcard in (("ip4", "/ip4/0.0.0.0/"), ("ip6", "/ip6/::/")):
+            if text.startswith(wildcard):
+                ips = interface_ips() if ips is None else ips
+                rest = text[len(wildcard):]
+                for ip in ips:
+                    if (":" in ip) == (family == "ip6"):
+                        out.append(Multiaddr(f"/{family}/{ip}/{rest}"))
+                break
+        else:
+            out.append(ma)
+    seen: set[str] = set()
+    return [m for m in out if not (str(m) in seen or seen.add(str(m)))]
+
+
+def check_listen_ports(listen: list[Multiaddr]) -> None:
+    """Refuse a fixed TCP/UDP port that another process already listens on."""
+    for ma in listen:
+        protos = [p.name for p in ma.protocols()]
+        for transport, kind in (("tcp", socket.SOCK_STREAM), ("udp", socket.SOCK_DGRAM)):
+            if transport not in protos:
+                continue
+            port = int(ma.value_for_protocol(transport))
+            if port == 0:
+                continue
+            if "ip6" in protos:
+                family, ip = socket.AF_INET6, ma.value_for_protocol("ip6")
+            elif "ip4" in protos:
+                family, ip = socket.AF_INET, ma.value_for_protocol("ip4")
+            else:
+                continue
+            _probe_bind(family, kind, ip, port, ma)
+
+
+def _probe_bind(family: int, kind: int, ip: str, port: int, ma: Multiaddr) -> None:
+    # Without SO_REUSEPORT this bind fails if any socket (reuseport or not) holds the port.
+    # SO_REUSEADDR keeps TIME_WAIT leftovers of our own earlier runs from counting.
+    s = socket.socket(family, kind)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((ip, port))
+        if kind == socket.SOCK_STREAM:
+            s.listen(1)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUseError(f"{ma}: port {port} is already in use by another process") from None
+        raise PortInUseError(f"{ma}: cannot bind: {e.strerror}") from None
+    finally:
+        s.close()

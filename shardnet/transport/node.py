@@ -1,0 +1,345 @@
+"""A running overlay node: host, DHT, gossipsub, bootstrap supervision and discovery.
+
+``open_node`` is the one entry point; everything it starts lives in its nursery and stops when the
+``async with`` block ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+from libp2p.crypto.keys import KeyPair
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
+
+from . import compat, identity
+from .config import NodeConfig, parse_multiaddr, parse_peer_addr
+from .dht import DHT
+from .errors import DialError, OverlayTimeout, ProtocolNotSupported, ShardnetError
+from .host import build_host, check_listen_ports
+from .pubsub import PubSub
+from .stream import Stream
+
+log = logging.getLogger(__name__)
+
+StreamHandler = Callable[[Stream], Awaitable[None]]
+
+PING_PROTOCOL = TProtocol("/ipfs/ping/1.0.0")
+
+
+@dataclass(frozen=True)
+class PeerEvent:
+    kind: str  # "discovered" | "connected" | "disconnected"
+    peer_id: ID
+
+
+class Node:
+    """The overlay as an embedding app sees it."""
+
+    def __init__(self, config: NodeConfig, key_pair: KeyPair, host, dht: DHT, pubsub: PubSub):
+        self.config = config
+        self.key_pair = key_pair
+        self.host = host
+        self.dht = dht
+        self.pubsub = pubsub
+        self.discovered: dict[ID, float] = {}
+        self._peer_watchers: list[trio.MemorySendChannel[PeerEvent]] = []
+        self._nursery: trio.Nursery | None = None
+        self.discovery_kick = trio.Event()
+        self._bootstrap_errors: dict[ID, str] = {}
+
+    # -- identity and addresses --------------------------------------------------------------
+    @property
+    def peer_id(self) -> ID:
+        return self.host.get_id()
+
+    @property
+    def listen_addrs(self) -> list[Multiaddr]:
+        """Full dialable addresses, each ending in /p2p/<our peer id>."""
+        return list(self.host.get_addrs())
+
+    def peers(self) -> list[ID]:
+        """Peers with at least one open connection."""
+        return list(self.host.get_connected_peers())
+
+    def known_peers(self) -> list[ID]:
+        """Peers we hold addresses for (connected or not), ourselves excluded."""
+        me = self.peer_id
+        return [p for p in self.host.get_peerstore().peers_with_addrs() if p != me]
+
+    def addrs_of(self, peer_id: ID) -> list[Multiaddr]:
+        return list(self.host.get_peerstore().addrs(peer_id))
+
+    # -- streams -----------------------------------------------------------------------------
+    def set_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:
+        """Serve ``protocol_id``: ``handler`` gets a :class:`Stream`; errors it raises are
+        logged and reset the stream, never the node."""
+
+        async def _run(raw) -> None:
+            stream = Stream(raw)
+            try:
+                await handler(stream)
+            except Exception as e:
+                log.warning(
+                    "handler for %s from %s failed: %s: %s",
+                    protocol_id, _short(stream.remote_peer), type(e).__name__, e,
+                )
+                await stream.reset()
+                return
+            await stream.close()
+
+        self.host.set_stream_handler(TProtocol(protocol_id), _run)
+
+    def remove_stream_handler(self, protocol_id: str) -> None:
+        self.host.remove_stream_handler(TProtocol(protocol_id))
+
+    async def new_stream(
+        self, peer: ID | str, protocol_id: str | list[str], *, timeout: float | None = None
+    ) -> Stream:
+        """Open a stream to ``peer`` (dialling it first if needed) for ``protocol_id``."""
+        peer_id = _as_peer_id(peer)
+        protocols = [protocol_id] if isinstance(protocol_id, str) else list(protocol_id)
+        timeout = self.config.stream_open_timeout if timeout is None else timeout
+        await self.ensure_connected(peer_id)
+        with trio.move_on_after(timeout) as scope:
+            try:
+                raw = await self.host.new_stream(peer_id, [TProtocol(p) for p in protocols])
+            except Exception as e:
+                msg = str(e)
+                if "protocol" in msg.lower() and ("not support" in msg.lower() or "fail" in msg.lower() or "negotiat" in msg.lower()):
+                    raise ProtocolNotSupported(
+                        f"peer {_short(peer_id)} does not support {' or '.join(protocols)}"
+                    ) from None
+                raise DialError(f"could not open {protocols[0]} to {_short(peer_id)}: {msg}") from None
+        if scope.cancelled_caught:
+            raise OverlayTimeout(f"opening {protocols[0]} to {_short(peer_id)} timed out after {timeout:g} s")
+        return Stream(raw)
+
+    # -- connections -------------------------------------------------------------------------
+    async def connect(self, addr: str | Multiaddr | PeerInfo, *, timeout: float | None = None) -> ID:
+        """Dial a peer address (ending in /p2p/<id>) and return its peer ID."""
+        info = addr if isinstance(addr, PeerInfo) else parse_peer_addr(str(addr))
+        timeout = self.config.dial_timeout if timeout is None else timeout
+        if info.peer_id == self.peer_id:
+            raise DialError("refusing to dial ourselves")
+        with trio.move_on_after(timeout) as scope:
+            try:
+                await self.host.connect(info)
+            except Exception as e:
+                raise DialError(f"could not connect to {_short(info.peer_id)}: {_reason(e)}") from None
+        if scope.cancelled_caught:
+            raise DialError(f"could not connect to {_short(info.peer_id)}: timed out after {timeout:g} s")
+        return info.peer_id
+
+    async def ensure_connected(self, peer_id: ID) -> None:
+        if peer_id in self.host.get_connected_peers():
+            return
+        addrs = self.addrs_of(peer_id)
+        if not addrs:
+            info = await self.find_peer(peer_id)
+            if info is None or not info.addrs:
+                raise DialError(f"no known address for peer {_short(peer_id)}")
+            addrs = info.addrs
+        await self.connect(PeerInfo(peer_id, addrs))
+
+    async def wait_bootstrapped(self, timeout: float | None = None) -> ID:
+        """Wait until at least one bootstrap peer is connected; DialError naming the reason if
+        none is within ``timeout`` (default: the dial timeout)."""
+        boots = [parse_peer_addr(a) for a in self.config.bootstrap]
+        if not boots:
+            raise DialError("no bootstrap peers configured")
+        timeout = self.config.dial_timeout if timeout is None else timeout
+        with trio.move_on_after(timeout):
+            while True:
+                for info in boots:
+                    if info.peer_id in self.host.get_connected_peers():
+                        return info.peer_id
+                await trio.sleep(0.05)
+        reasons = "; ".join(self._bootstrap_errors.get(b.peer_id, "no answer") for b in boots)
+        raise DialError(f"could not reach any bootstrap peer within {timeout:g} s ({reasons})")
+
+    async def disconnect(self, peer_id: ID | str) -> None:
+        with trio.move_on_after(self.config.dial_timeout):
+            await self.host.disconnect(_as_peer_id(peer_id))
+
+    async def ping(self, peer: ID | str, *, timeout: float = 10.0) -> float:
+        """Round-trip time in seconds of one libp2p ping (dialling first if needed)."""
+        peer_id = _as_peer_id(peer)
+        stream = await self.new_stream(peer_id, PING_PROTOCOL, timeout=timeout)
+        try:
+            payload = secrets.token_bytes(32)
+            t0 = time.perf_counter()
+            await stream.write(payload, timeout=timeout)
+            echo = await stream.read_exactly(32, timeout=timeout)
+            rtt = time.perf_counter() - t0
+        finally:
+            await stream.close()
+        if echo != payload:
+            raise ShardnetError(f"peer {_short(peer_id)} answered ping with different bytes")
+        return rtt
+
+    async def find_peer(self, peer_id: ID | str) -> PeerInfo | None:
+        """Ask the DHT for a peer's addresses (bounded by ``dht_timeout``)."""
+        return await self.dht.find_peer(_as_peer_id(peer_id))
+
+    # -- peer events -------------------------------------------------------------------------
+    @asynccontextmanager
+    async def peer_events(self, buffer: int = 1024) -> AsyncIterator[trio.MemoryReceiveChannel[PeerEvent]]:
+        send, recv = trio.open_memory_channel[PeerEvent](buffer)
+        self._peer_watchers.append(send)
+        try:
+            yield recv
+        finally:
+            self._peer_watchers.remove(send)
+            send.close()
+
+    def _emit(self, event: PeerEvent) -> None:
+        for ch in list(self._peer_watchers):
+            try:
+                ch.send_nowait(event)
+            except trio.WouldBlock:
+                log.warning("peer-event watcher is full; dropped %s %s", event.kind, event.peer_id)
+
+    def _note_discovered(self, peer_id: ID) -> None:
+        if peer_id == self.peer_id or peer_id in self.discovered:
+            return
+        self.discovered[peer_id] = time.time()
+        log.info("discovered peer %s", peer_id)
+        self._emit(PeerEvent("discovered", peer_id))
+
+    # -- background work ---------------------------------------------------------------------
+    async def _keep_bootstrap_connected(self, info: PeerInfo) -> None:
+        """Stay connected to one bootstrap peer: reconnect with exponential backoff."""
+        delay = self.config.reconnect_initial
+        announced_loss = False
+        while True:
+            if info.peer_id not in self.host.get_connected_peers():
+                try:
+                    await self.connect(info)
+                except ShardnetError as e:
+                    self._bootstrap_errors[info.peer_id] = str(e)
+                    if not announced_loss:
+                        log.warning("bootstrap %s unreachable (%s); retrying with backoff", _short(info.peer_id), e)
+                        announced_loss = True
+                    await trio.sleep(delay * (0.75 + 0.5 * secrets.randbelow(1000) / 1000))
+                    delay = min(delay * 2, self.config.reconnect_max)
+                    continue
+                if announced_loss:
+                    log.info("reconnected to bootstrap %s", _short(info.peer_id))
+                announced_loss = False
+                delay = self.config.reconnect_initial
+                await self.dht.add_peer(info.peer_id)
+                self._note_discovered(info.peer_id)
+                self.discovery_kick.set()
+            await trio.sleep(min(1.0, self.config.reconnect_initial * 2))
+
+    async def _discover(self) -> None:
+        """Walk the DHT for peers near ourselves and near random keys; remember and dial them."""
+        while True:
+            found: list[ID] = []
+            with trio.move_on_after(self.config.dht_timeout):
+                try:
+                    found = await self.dht.closest_peers(self.peer_id.to_bytes())
+                    found += await self.dht.closest_peers(_random_peer_id().to_bytes())
+                except Exception as e:  # discovery is best effort; the next round retries
+                    log.debug("discovery round failed: %s", e)
+            for pid in found:
+                self._note_discovered(pid)
+            await self._top_up_connections()
+            self.discovery_kick = trio.Event()
+            # Between network walks, pick up peers that reached us (inbound connections, DHT
+            # queries) within a second rather than at the next walk.
+            with trio.move_on_after(self.config.discovery_interval):
+                while not self.discovery_kick.is_set():
+                    for pid in set(self.host.get_connected_peers()) | set(self.dht.routing_table_peers()):
+                        self._note_discovered(pid)
+                    with trio.move_on_after(1.0):
+                        await self.discovery_kick.wait()
+
+    async def _top_up_connections(self) -> None:
+        """Keep direct connections to discovered peers up to the low watermark, so that
+        gossip meshes and streams do not depend on any one node (the bootstrap in particular)."""
+        connected = set(self.host.get_connected_peers())
+        want = self.config.low_watermark - len(connected)
+        for pid in list(self.discovered):
+            if want <= 0:
+                break
+            if pid in connected or not self.addrs_of(pid):
+                continue
+            try:
+                await self.connect(PeerInfo(pid, self.addrs_of(pid)), timeout=min(5.0, self.config.dial_timeout))
+                want -= 1
+            except ShardnetError as e:
+                log.debug("could not dial discovered peer %s: %s", _short(pid), e)
+
+
+@asynccontextmanager
+async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
+    """Start a node; yield it; stop everything it started when the block ends."""
+    compat.apply()
+    config = config or NodeConfig()
+    key_pair = _resolve_identity(config)
+    listen = [parse_multiaddr(a, what="--listen") for a in config.listen]
+    announce = [parse_multiaddr(a, what="--announce") for a in config.announce]
+    bootstrap = [parse_peer_addr(a, what="bootstrap address") for a in config.bootstrap]
+    check_listen_ports(listen)
+    host = build_host(config, key_pair, announce)
+    async with host.run(listen):
+        if not host.get_transport_addrs():
+            raise ShardnetError(f"could not listen on any of {', '.join(map(str, listen))}")
+        async with DHT.start(host, config) as dht, PubSub.start(host, config) as pubsub:
+            node = Node(config, key_pair, host, dht, pubsub)
+            async with trio.open_nursery() as nursery:
+                node._nursery = nursery
+                for info in bootstrap:
+                    if info.peer_id != node.peer_id:
+                        nursery.start_soon(node._keep_bootstrap_connected, info)
+                nursery.start_soon(node._discover)
+                log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
+                try:
+                    yield node
+                finally:
+                    nursery.cancel_scope.cancel()
+
+
+def _resolve_identity(config: NodeConfig) -> KeyPair:
+    if config.key_pair is not None:
+        return config.key_pair
+    if config.identity_path is not None:
+        return identity.load_or_create(config.identity_path)[0]
+    return identity.generate()
+
+
+def _random_peer_id() -> ID:
+    """A random point in the keyspace (the DHT only accepts peer-ID-shaped lookup keys)."""
+    return identity.peer_id_of(identity.generate())
+
+
+def _as_peer_id(peer: ID | str) -> ID:
+    if isinstance(peer, ID):
+        return peer
+    try:
+        return ID.from_base58(peer)
+    except Exception:
+        raise ShardnetError(f"not a peer ID: {peer!r}") from None
+
+
+def _short(peer_id: ID) -> str:
+    s = str(peer_id)
+    return s if len(s) <= 16 else f"{s[:6]}…{s[-6:]}"
+
+
+def _reason(e: Exception) -> str:
+    """The innermost cause of a dial failure, on one line."""
+    while e.__cause__ is not None and isinstance(e.__cause__, Exception):
+        e = e.__cause__
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".strip(": ")
