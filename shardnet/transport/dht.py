@@ -62,9 +62,9 @@ class DHT:
 
     # -- signed values -----------------------------------------------------------------------
     async def put(self, name: str, value: bytes) -> str:
-        """Store ``value`` under ``/shardnet/<our peer id>/<name>``, signed; returns the key."""
+        """Store ``value`` as ``name`` of ours, signed; returns the DHT key."""
         key = records.record_key(self.host.get_id(), name)
-        blob = records.encode(self._key_pair(), key, value)
+        blob = records.encode(self._key_pair(), name, value)
         async with self._bounded(f"put {key}"):
             await self.kad.put_value(key, blob)
         return key
@@ -89,15 +89,36 @@ class DHT:
 
     async def find_providers(self, name: str, count: int = 20) -> list[PeerInfo]:
         """Providers of ``name``, each peer once with the union of its addresses."""
+        key = bytes.fromhex(provider_key(name))
+        store = self.kad.provider_store
+        # py-libp2p's find_providers returns the local store alone whenever it is non-empty
+        # (a node that holds one provider record never learns of the others) and can repeat a
+        # provider. Ask the closest peers ourselves, then merge and de-duplicate.
+        found = list(store.get_providers(key))
         async with self._bounded(f"find_providers {name}"):
-            found = await self.kad.find_providers(provider_key(name), count)
+            closest = await self.kad.peer_routing.find_closest_peers_network(key)
+            me = self.host.get_id()
+
+            async def ask(peer: ID) -> None:
+                with trio.move_on_after(self.timeout / 2):
+                    try:
+                        providers, _closer = await store._get_providers_from_peer_with_closers(peer, key)
+                    except Exception as e:
+                        log.debug("GET_PROVIDERS to %s failed: %s", peer, e)
+                        return
+                    found.extend(providers or [])
+
+            async with trio.open_nursery() as nursery:
+                for peer in closest:
+                    if peer != me:
+                        nursery.start_soon(ask, peer)
         merged: dict[ID, list] = {}
         for info in found:
             addrs = merged.setdefault(info.peer_id, [])
             for a in info.addrs:
                 if a not in addrs:
                     addrs.append(a)
-        return [PeerInfo(pid, addrs) for pid, addrs in merged.items()]
+        return [PeerInfo(pid, addrs) for pid, addrs in merged.items()][:count]
 
     # -- helpers -----------------------------------------------------------------------------
     def _key_pair(self):

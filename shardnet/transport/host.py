@@ -55,10 +55,11 @@ def build_host(config: NodeConfig, key_pair: KeyPair, announce: list[Multiaddr])
     # shardnet's discovery loop owns connection top-up (bounded by low_watermark); the
     # auto-connector would otherwise dial every known peer up to the watermark midpoint.
     swarm.auto_connector.run_background_task = _no_auto_connector
+    swarm.auto_connector.maybe_connect = _no_auto_connector
     return host
 
 
-async def _no_auto_connector(nursery) -> None:
+async def _no_auto_connector(*_args) -> None:
     return None
 
 

@@ -113,12 +113,11 @@ class Node:
             try:
                 raw = await self.host.new_stream(peer_id, [TProtocol(p) for p in protocols])
             except Exception as e:
-                msg = str(e)
-                if "protocol" in msg.lower() and ("not support" in msg.lower() or "fail" in msg.lower() or "negotiat" in msg.lower()):
+                if _mentions(e, "protocol not supported", "protocols not supported"):
                     raise ProtocolNotSupported(
                         f"peer {_short(peer_id)} does not support {' or '.join(protocols)}"
                     ) from None
-                raise DialError(f"could not open {protocols[0]} to {_short(peer_id)}: {msg}") from None
+                raise DialError(f"could not open {protocols[0]} to {_short(peer_id)}: {_reason(e)}") from None
         if scope.cancelled_caught:
             raise OverlayTimeout(f"opening {protocols[0]} to {_short(peer_id)} timed out after {timeout:g} s")
         return Stream(raw)
@@ -130,6 +129,9 @@ class Node:
         timeout = self.config.dial_timeout if timeout is None else timeout
         if info.peer_id == self.peer_id:
             raise DialError("refusing to dial ourselves")
+        # py-libp2p blocks every dial to a peer for 60 s after one failure ("negative cache");
+        # a restarted bootstrap must be reachable on our own backoff schedule instead.
+        self.host.get_network()._negative_peer_cache.evict(str(info.peer_id))
         with trio.move_on_after(timeout) as scope:
             try:
                 await self.host.connect(info)
@@ -150,9 +152,12 @@ class Node:
             addrs = info.addrs
         await self.connect(PeerInfo(peer_id, addrs))
 
-    async def wait_bootstrapped(self, timeout: float | None = None) -> ID:
-        """Wait until at least one bootstrap peer is connected; DialError naming the reason if
-        none is within ``timeout`` (default: the dial timeout)."""
+    async def wait_bootstrapped(self, timeout: float | None = None, *, fail_fast: bool = True) -> ID:
+        """Wait until at least one bootstrap peer is connected.
+
+        Raises DialError naming the reasons when none is connected within ``timeout`` (default:
+        the dial timeout) or, with ``fail_fast``, as soon as every bootstrap has failed a dial.
+        """
         boots = [parse_peer_addr(a) for a in self.config.bootstrap]
         if not boots:
             raise DialError("no bootstrap peers configured")
@@ -162,9 +167,11 @@ class Node:
                 for info in boots:
                     if info.peer_id in self.host.get_connected_peers():
                         return info.peer_id
+                if fail_fast and all(b.peer_id in self._bootstrap_errors for b in boots):
+                    break
                 await trio.sleep(0.05)
         reasons = "; ".join(self._bootstrap_errors.get(b.peer_id, "no answer") for b in boots)
-        raise DialError(f"could not reach any bootstrap peer within {timeout:g} s ({reasons})")
+        raise DialError(f"could not reach any bootstrap peer ({reasons})")
 
     async def disconnect(self, peer_id: ID | str) -> None:
         with trio.move_on_after(self.config.dial_timeout):
@@ -232,6 +239,7 @@ class Node:
                     await trio.sleep(delay * (0.75 + 0.5 * secrets.randbelow(1000) / 1000))
                     delay = min(delay * 2, self.config.reconnect_max)
                     continue
+                self._bootstrap_errors.pop(info.peer_id, None)
                 if announced_loss:
                     log.info("reconnected to bootstrap %s", _short(info.peer_id))
                 announced_loss = False
@@ -292,22 +300,37 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
     bootstrap = [parse_peer_addr(a, what="bootstrap address") for a in config.bootstrap]
     check_listen_ports(listen)
     host = build_host(config, key_pair, announce)
+    # An exception from the caller's block is held here and re-raised once everything we
+    # started has stopped, so it reaches the caller as itself, not wrapped in the exception
+    # groups of our internal nurseries.
+    body_error: BaseException | None = None
     async with host.run(listen):
-        if not host.get_transport_addrs():
-            raise ShardnetError(f"could not listen on any of {', '.join(map(str, listen))}")
-        async with DHT.start(host, config) as dht, PubSub.start(host, config) as pubsub:
-            node = Node(config, key_pair, host, dht, pubsub)
-            async with trio.open_nursery() as nursery:
-                node._nursery = nursery
-                for info in bootstrap:
-                    if info.peer_id != node.peer_id:
-                        nursery.start_soon(node._keep_bootstrap_connected, info)
-                nursery.start_soon(node._discover)
-                log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
-                try:
-                    yield node
-                finally:
-                    nursery.cancel_scope.cancel()
+        try:
+            if not host.get_transport_addrs():
+                raise ShardnetError(f"could not listen on any of {', '.join(map(str, listen))}")
+            async with DHT.start(host, config) as dht, PubSub.start(host, config) as pubsub:
+                node = Node(config, key_pair, host, dht, pubsub)
+                async with trio.open_nursery() as nursery:
+                    node._nursery = nursery
+                    for info in bootstrap:
+                        if info.peer_id != node.peer_id:
+                            nursery.start_soon(node._keep_bootstrap_connected, info)
+                    nursery.start_soon(node._discover)
+                    log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
+                    try:
+                        yield node
+                    except BaseException as e:
+                        body_error = e
+                    finally:
+                        nursery.cancel_scope.cancel()
+        finally:
+            # py-libp2p's own stop path closes connections and listeners from inside a
+            # cancelled scope, so the first await aborts it and the listening socket stays
+            # open after the node is gone. Close the swarm explicitly, shielded and bounded.
+            with trio.CancelScope(shield=True), trio.move_on_after(10):
+                await host.get_network().close()
+    if body_error is not None:
+        raise body_error
 
 
 def _resolve_identity(config: NodeConfig) -> KeyPair:
@@ -337,9 +360,42 @@ def _short(peer_id: ID) -> str:
     return s if len(s) <= 16 else f"{s[:6]}…{s[-6:]}"
 
 
-def _reason(e: Exception) -> str:
-    """The innermost cause of a dial failure, on one line."""
-    while e.__cause__ is not None and isinstance(e.__cause__, Exception):
-        e = e.__cause__
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".strip(": ")
+def _mentions(e: BaseException, *needles: str) -> bool:
+    """Whether any exception in ``e``'s cause chain says one of ``needles``."""
+    seen = 0
+    cur: BaseException | None = e
+    while cur is not None and seen < 20:
+        text = str(cur).lower()
+        if any(n in text for n in needles):
+            return True
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return False
+
+
+def _reason(e: BaseException) -> str:
+    """The most specific cause of a dial failure, on one line (e.g. "Connection refused")."""
+    best = _deepest_cause(e, 0)
+    if isinstance(best, OSError) and best.strerror:
+        return best.strerror
+    text = str(best).strip().splitlines()
+    return f"{type(best).__name__}: {text[0] if text else ''}".strip(": ")
+
+
+def _deepest_cause(e: BaseException, depth: int) -> BaseException:
+    if depth > 20:
+        return e
+    children: list[BaseException] = []
+    for attr in ("errors", "exceptions"):
+        group = getattr(e, attr, None)
+        if isinstance(group, (list, tuple)):
+            children += [c for c in group if isinstance(c, BaseException)]
+    if e.__cause__ is not None:
+        children.append(e.__cause__)
+    elif e.__context__ is not None and not e.__suppress_context__:
+        children.append(e.__context__)
+    for child in children:
+        found = _deepest_cause(child, depth + 1)
+        if isinstance(found, OSError):
+            return found
+    return _deepest_cause(children[0], depth + 1) if children else e

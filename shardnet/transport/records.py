@@ -1,13 +1,18 @@
 """Signed DHT values in shardnet's own namespace (sans-IO: encode, verify, choose).
 
-Key: ``/shardnet/<peer-id>/<name>``. Only the holder of ``<peer-id>``'s key can write a valid
-record under it: the record carries the public key and an Ed25519 signature over
-(domain, key, seq, data); the DHT validator rejects anything else, and among valid records for a
-key the highest ``seq`` wins, so an old value cannot displace a new one.
+Key: ``/shardnet/<digest>`` where digest = base32(sha256(domain, publisher peer ID, name))[:32].
+Only the holder of the publisher's key can write a valid record under it: the record carries the
+public key, the name and an Ed25519 signature over (domain, key, seq, timestamp, data); the DHT
+validator recomputes the key from (public key, name) and checks the signature, rejects anything
+else, and among valid records for a key keeps the highest ``seq``, so an old value cannot displace
+a new one. The key is hashed because py-libp2p DHT servers refuse lookup keys longer than 50
+bytes that are not multihashes, so ``/shardnet/<peer-id>/<name>`` could not be routed.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -26,22 +31,35 @@ MAX_RECORD_BYTES = 64 * 1024
 MAX_NAME_CHARS = 256
 
 
+KEY_DOMAIN = b"shardnet-dht-key/1"
+DIGEST_CHARS = 32
+
+
 def record_key(peer_id: ID | str, name: str) -> str:
     if not name or len(name) > MAX_NAME_CHARS:
         raise RecordError(f"record name must be 1..{MAX_NAME_CHARS} characters")
-    return f"/{NAMESPACE}/{peer_id}/{name}"
+    pid = peer_id if isinstance(peer_id, ID) else _parse_peer_id(peer_id)
+    h = hashlib.sha256(KEY_DOMAIN + len(pid.to_bytes()).to_bytes(2, "big") + pid.to_bytes() + name.encode())
+    return f"/{NAMESPACE}/{base64.b32encode(h.digest()).decode().lower()[:DIGEST_CHARS]}"
 
 
-def split_record_key(key: str) -> tuple[str, str]:
-    parts = key.split("/", 3)
-    if len(parts) != 4 or parts[0] != "" or parts[1] != NAMESPACE or not parts[2] or not parts[3]:
+def check_record_key(key: str) -> None:
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != "" or parts[1] != NAMESPACE or len(parts[2]) != DIGEST_CHARS:
         raise RecordError(f"not a shardnet record key: {key!r}")
-    return parts[2], parts[3]
+
+
+def _parse_peer_id(text: str) -> ID:
+    try:
+        return ID.from_base58(text)
+    except Exception:
+        raise RecordError(f"not a peer ID: {text!r}") from None
 
 
 @dataclass(frozen=True)
 class SignedRecord:
     key: str
+    name: str
     seq: int
     data: bytes
     timestamp: float
@@ -56,14 +74,17 @@ def _signed_bytes(key: str, seq: int, timestamp: float, data: bytes) -> bytes:
     return cbor2.dumps([SIGNING_DOMAIN, key, seq, timestamp, data])
 
 
-def encode(key_pair: KeyPair, key: str, data: bytes, seq: int | None = None) -> bytes:
-    split_record_key(key)
+def encode(key_pair: KeyPair, name: str, data: bytes, seq: int | None = None, *,
+           key: str | None = None) -> bytes:
+    """Sign ``data`` as ``name`` of the key pair's owner (``key`` overrides, for tests only)."""
+    key = key or record_key(ID.from_pubkey(key_pair.public_key), name)
+    check_record_key(key)
     seq = time.time_ns() if seq is None else seq
     ts = time.time()
     sig = key_pair.private_key.sign(_signed_bytes(key, seq, ts, data))
     blob = cbor2.dumps(
-        {"v": RECORD_VERSION, "pk": key_pair.public_key.serialize(), "seq": seq, "ts": ts,
-         "data": data, "sig": sig}
+        {"v": RECORD_VERSION, "pk": key_pair.public_key.serialize(), "name": name, "seq": seq,
+         "ts": ts, "data": data, "sig": sig}
     )
     if len(blob) > MAX_RECORD_BYTES:
         raise RecordError(f"record is {len(blob)} bytes; the limit is {MAX_RECORD_BYTES}")
@@ -72,7 +93,7 @@ def encode(key_pair: KeyPair, key: str, data: bytes, seq: int | None = None) -> 
 
 def decode(key: str, blob: bytes) -> SignedRecord:
     """Parse and verify; raise RecordError naming the first thing wrong."""
-    peer_str, _ = split_record_key(key)
+    check_record_key(key)
     if len(blob) > MAX_RECORD_BYTES:
         raise RecordError(f"record is {len(blob)} bytes; the limit is {MAX_RECORD_BYTES}")
     try:
@@ -83,19 +104,21 @@ def decode(key: str, blob: bytes) -> SignedRecord:
         raise RecordError("record is not a CBOR map")
     if m.get("v") != RECORD_VERSION:
         raise RecordError(f"unknown record version {m.get('v')!r}")
-    pk_b, seq, ts, data, sig = (m.get(k) for k in ("pk", "seq", "ts", "data", "sig"))
-    if not (isinstance(pk_b, bytes) and isinstance(seq, int) and isinstance(ts, (int, float))
-            and isinstance(data, bytes) and isinstance(sig, bytes)):
+    pk_b, name, seq, ts, data, sig = (m.get(k) for k in ("pk", "name", "seq", "ts", "data", "sig"))
+    if not (isinstance(pk_b, bytes) and isinstance(name, str) and isinstance(seq, int)
+            and isinstance(ts, (int, float)) and isinstance(data, bytes) and isinstance(sig, bytes)):
         raise RecordError("record fields have the wrong types")
     try:
         pk = deserialize_public_key(pk_b)
     except Exception as e:
         raise RecordError(f"record public key unreadable: {e}") from None
-    if str(ID.from_pubkey(pk)) != peer_str:
+    if not name or len(name) > MAX_NAME_CHARS:
+        raise RecordError("record name out of range")
+    if record_key(ID.from_pubkey(pk), name) != key:
         raise RecordError("record is signed by a key other than the one its key names")
     if not pk.verify(_signed_bytes(key, seq, ts, data), sig):
         raise RecordError("record signature does not verify")
-    return SignedRecord(key=key, seq=seq, data=data, timestamp=float(ts), public_key=pk)
+    return SignedRecord(key=key, name=name, seq=seq, data=data, timestamp=float(ts), public_key=pk)
 
 
 class ShardnetRecordValidator(Validator):

@@ -1,0 +1,169 @@
+"""One process, several real py-libp2p hosts on loopback."""
+
+import pytest
+import trio
+
+from shardnet.protocols import echo
+from shardnet.transport import open_node
+from shardnet.transport.errors import AddressError, DialError, ProtocolNotSupported, ShardnetError
+from shardnet.transport.stream import StreamClosedError
+
+
+async def test_stream_between_two_nodes(loopback_config):
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        b.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
+        await a.connect(b.listen_addrs[0])
+        async with await a.new_stream(b.peer_id, echo.PROTOCOL_ID) as s:
+            assert await echo.echo_once(s, b"ping over the overlay") == b"ping over the overlay"
+            big = bytes(range(256)) * 4000  # ~1 MB, more than one Yamux window
+            assert await echo.echo_once(s, big[: echo.MAX_FRAME]) == big[: echo.MAX_FRAME]
+        assert a.peer_id in b.peers() and b.peer_id in a.peers()
+
+
+async def test_unknown_protocol_is_a_clear_error_and_the_node_stays_up(loopback_config):
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        b.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
+        await a.connect(b.listen_addrs[0])
+        with pytest.raises(ProtocolNotSupported, match="/no/such/1.0.0"):
+            await a.new_stream(b.peer_id, "/no/such/1.0.0")
+        # both sides keep working afterwards
+        async with await a.new_stream(b.peer_id, echo.PROTOCOL_ID) as s:
+            assert await echo.echo_once(s, b"still here") == b"still here"
+
+
+async def test_dead_peer_fails_fast_and_the_node_stays_up(loopback_config):
+    async with open_node(loopback_config()) as a:
+        async with open_node(loopback_config()) as b:
+            dead_addr, dead_id = b.listen_addrs[0], b.peer_id
+        with trio.fail_after(10):  # far below any sane hang; the dial itself gives the reason
+            with pytest.raises(DialError, match="refused"):
+                await a.connect(dead_addr)
+            with pytest.raises(DialError, match="refused"):
+                await a.new_stream(dead_id, echo.PROTOCOL_ID)
+        async with open_node(loopback_config()) as c:
+            c.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
+            await a.connect(c.listen_addrs[0])
+            assert await a.ping(c.peer_id) > 0
+
+
+async def test_peer_dying_mid_stream_gives_a_clear_error(loopback_config):
+    async with open_node(loopback_config()) as a:
+        async with open_node(loopback_config()) as b:
+            started = trio.Event()
+
+            async def stall(stream):
+                started.set()
+                await trio.sleep_forever()
+
+            b.set_stream_handler("/stall/1.0.0", stall)
+            await a.connect(b.listen_addrs[0])
+            s = await a.new_stream(b.peer_id, "/stall/1.0.0")
+            await s.write(b"x")
+            await started.wait()
+        # b is gone: the read must end promptly with an error, not hang
+        with trio.fail_after(15):
+            with pytest.raises(ShardnetError):
+                data = await s.read_exactly(10, timeout=10)
+                assert not data
+
+
+async def test_malformed_multiaddrs(loopback_config):
+    async with open_node(loopback_config()) as a:
+        for bad in ("/ip4/1.2.3/tcp/1", "not-an-addr", "/ip4/127.0.0.1/tcp/1"):
+            with pytest.raises(AddressError):
+                await a.connect(bad)
+    with pytest.raises(AddressError, match="--listen"):
+        async with open_node(loopback_config(listen=["/ip4/127.0.0.1/tcp/x"])):
+            pass
+
+
+async def test_handler_exception_resets_only_that_stream(loopback_config):
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        async def boom(stream):
+            await stream.read_some()
+            raise RuntimeError("handler bug")
+
+        b.set_stream_handler("/boom/1.0.0", boom)
+        b.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
+        await a.connect(b.listen_addrs[0])
+        s = await a.new_stream(b.peer_id, "/boom/1.0.0")
+        await s.write(b"trigger")
+        with pytest.raises(StreamClosedError):  # reset (or at least ended), never a hang
+            await s.read_exactly(1, timeout=5)
+        async with await a.new_stream(b.peer_id, echo.PROTOCOL_ID) as s2:
+            assert await echo.echo_once(s2, b"ok") == b"ok"
+
+
+async def test_dht_signed_values_and_providers(loopback_config):
+    from shardnet.transport import records
+
+    async with open_node(loopback_config()) as boot:
+        cfg = lambda: loopback_config(bootstrap=[str(boot.listen_addrs[0])])  # noqa: E731
+        async with open_node(cfg()) as a, open_node(cfg()) as b, open_node(cfg()) as c:
+            for n in (a, b, c):
+                await n.wait_bootstrapped()
+            key = await a.dht.put("greeting", b"hello v1")
+            assert key == records.record_key(a.peer_id, "greeting")
+            assert await c.dht.get(a.peer_id, "greeting") == b"hello v1"
+            await a.dht.put("greeting", b"hello v2")
+            assert await c.dht.get(a.peer_id, "greeting") == b"hello v2"
+            assert await c.dht.get(b.peer_id, "greeting") is None
+            # providers: a provides twice, b once; every provider appears exactly once
+            await a.dht.provide("model/abc")
+            await a.dht.provide("model/abc")
+            await b.dht.provide("model/abc")
+            provs = await c.dht.find_providers("model/abc")
+            ids = [p.peer_id for p in provs]
+            assert sorted(map(str, ids)) == sorted([str(a.peer_id), str(b.peer_id)])
+
+
+async def test_forged_dht_value_is_rejected_by_remote_peers(loopback_config):
+    from shardnet.transport import records
+
+    async with open_node(loopback_config()) as boot:
+        cfg = lambda: loopback_config(bootstrap=[str(boot.listen_addrs[0])])  # noqa: E731
+        async with open_node(cfg()) as victim, open_node(cfg()) as attacker, open_node(cfg()) as reader:
+            for n in (victim, attacker, reader):
+                await n.wait_bootstrapped()
+            key = records.record_key(victim.peer_id, "claim")
+            forged = records.encode(attacker.key_pair, "claim", b"i am the victim", key=key)
+            with trio.move_on_after(10):
+                try:
+                    await attacker.dht.kad.put_value(key, forged)
+                except Exception:
+                    pass
+            assert await reader.dht.get(victim.peer_id, "claim") is None
+
+
+async def test_pubsub_between_three_nodes(loopback_config):
+    async with open_node(loopback_config()) as boot:
+        cfg = lambda: loopback_config(bootstrap=[str(boot.listen_addrs[0])])  # noqa: E731
+        async with open_node(cfg()) as a, open_node(cfg()) as b, open_node(cfg()) as c:
+            async with b.pubsub.subscribe("t") as sb, c.pubsub.subscribe("t") as sc:
+                with trio.fail_after(20):
+                    while not (a.pubsub.topic_peers("t") and len(b.pubsub.topic_peers("t")) >= 1):
+                        await trio.sleep(0.1)
+                await a.pubsub.publish("t", b"hi all")
+                for sub in (sb, sc):
+                    m = await sub.receive(timeout=10)
+                    assert (m.data, m.sender, m.topic) == (b"hi all", a.peer_id, "t")
+
+
+async def test_bootstrap_reconnects_after_restart(loopback_config, tmp_path):
+    from conftest import free_port
+    from shardnet.transport import identity
+
+    kp = identity.generate()
+    port = free_port()
+    boot_cfg = lambda: loopback_config(key_pair=kp, listen=[f"/ip4/127.0.0.1/tcp/{port}"])  # noqa: E731
+    boot_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{identity.peer_id_of(kp)}"
+    cfg = loopback_config(bootstrap=[boot_addr], reconnect_initial=0.1, reconnect_max=0.5)
+    async with open_node(cfg) as a:
+        async with open_node(boot_cfg()):
+            await a.wait_bootstrapped(5, fail_fast=False)
+        with trio.fail_after(5):
+            while identity.peer_id_of(kp) in a.peers():
+                await trio.sleep(0.05)
+        async with open_node(boot_cfg()):
+            # reconnection happens on the node's own backoff, not py-libp2p's 60 s negative cache
+            await a.wait_bootstrapped(10, fail_fast=False)
