@@ -14,8 +14,10 @@ method or one module-level constant each, so they are easy to drop when upstream
    (flow control, not resets; dead connections are detected by keepalive pings).
 3. Fixed ``trio.sleep(0.1)`` calls on the disconnect path (~200 ms per disconnect). They exist
    to force a context switch, which a zero-length sleep also does.
-4. gossipsub: subscription queues of 32 messages whose overflow is only a log line. Queues are
-   enlarged and every drop is counted (``dropped_pubsub_messages()``) and logged.
+4. gossipsub: per-peer outbound RPC queues of 32 and subscription queues of 32, whose overflow
+   is a debug line at most (a burst of 400 publishes delivered 32). Both queues are enlarged and
+   every drop, outbound or inbound, is counted (``dropped_pubsub_messages()``) and logged at
+   WARNING, naming whether a control message was lost.
 5. ``import libp2p`` turns off propagation of its logger: we route it back into ``logging``.
 
 Configuration-level fixes (happy-eyeballs delay, auto-connector watermarks, gossipsub spam
@@ -38,6 +40,8 @@ _pubsub_drops = 0
 
 #: Subscription queue length for gossipsub topics (py-libp2p default: 32).
 SUBSCRIPTION_QUEUE_SIZE = 4096
+#: Outbound RPC queue length per gossipsub peer (py-libp2p default: 32).
+OUTBOUND_QUEUE_SIZE = 4096
 
 
 def apply() -> None:
@@ -231,9 +235,28 @@ def _fix_disconnect_sleeps() -> None:
 
 # 4. pubsub queues -----------------------------------------------------------------------------
 def _fix_pubsub_queues() -> None:
+    from libp2p.pubsub import gossipsub as gmod
     from libp2p.pubsub import pubsub as pmod
+    from libp2p.pubsub import rpc_queue as qmod
 
     pmod.SUBSCRIPTION_CHANNEL_SIZE = SUBSCRIPTION_QUEUE_SIZE
+    # The default is bound at definition time, so the module constant alone changes nothing.
+    defaults = list(qmod.RpcQueue.__init__.__defaults__)
+    defaults[0] = OUTBOUND_QUEUE_SIZE
+    qmod.RpcQueue.__init__.__defaults__ = tuple(defaults)
+
+    def drop_rpc(peer_id: Any, rpc: Any) -> None:
+        global _pubsub_drops
+        _pubsub_drops += 1
+        log.warning(
+            "pubsub: outbound queue to %s is full (%d RPCs); dropped an RPC with %d message(s)%s "
+            "(%d dropped so far)",
+            peer_id, OUTBOUND_QUEUE_SIZE, len(rpc.publish),
+            " and CONTROL messages" if rpc.HasField("control") else "", _pubsub_drops,
+        )
+
+    pmod.drop_rpc = drop_rpc
+    gmod.drop_rpc = drop_rpc
 
     def notify_subscriptions(self: Any, publish_message: Any) -> None:
         global _pubsub_drops

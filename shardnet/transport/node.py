@@ -76,7 +76,11 @@ class Node:
         return [p for p in self.host.get_peerstore().peers_with_addrs() if p != me]
 
     def addrs_of(self, peer_id: ID) -> list[Multiaddr]:
-        return list(self.host.get_peerstore().addrs(peer_id))
+        """Known addresses of ``peer_id`` (empty once the peerstore has forgotten it)."""
+        try:
+            return list(self.host.get_peerstore().addrs(peer_id))
+        except Exception:  # PeerStoreError: peers come and go between our look-ups
+            return []
 
     # -- streams -----------------------------------------------------------------------------
     def set_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:
@@ -261,7 +265,10 @@ class Node:
                     log.debug("discovery round failed: %s", e)
             for pid in found:
                 self._note_discovered(pid)
-            await self._top_up_connections()
+            try:
+                await self._top_up_connections()
+            except Exception as e:  # a discovery hiccup must never take the node down
+                log.warning("connection top-up failed: %s: %s", type(e).__name__, e)
             self.discovery_kick = trio.Event()
             # Between network walks, pick up peers that reached us (inbound connections, DHT
             # queries) within a second rather than at the next walk.
@@ -280,10 +287,11 @@ class Node:
         for pid in list(self.discovered):
             if want <= 0:
                 break
-            if pid in connected or not self.addrs_of(pid):
+            addrs = self.addrs_of(pid)
+            if pid in connected or not addrs:
                 continue
             try:
-                await self.connect(PeerInfo(pid, self.addrs_of(pid)), timeout=min(5.0, self.config.dial_timeout))
+                await self.connect(PeerInfo(pid, addrs), timeout=min(5.0, self.config.dial_timeout))
                 want -= 1
             except ShardnetError as e:
                 log.debug("could not dial discovered peer %s: %s", _short(pid), e)

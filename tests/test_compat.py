@@ -1,0 +1,214 @@
+"""One test (at least) per py-libp2p 0.8.1 behaviour that shardnet fixes (see compat.py, host.py)."""
+
+import logging
+import socket
+import time
+
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from multiaddr import Multiaddr
+
+from conftest import free_port
+from shardnet.transport import compat, open_node
+from shardnet.transport.errors import PortInUseError
+
+
+def _all_tasks() -> int:
+    def walk(task):
+        n = 1
+        for nursery in task.child_nurseries:
+            for child in nursery.child_tasks:
+                n += walk(child)
+        return n
+
+    return walk(trio.lowlevel.current_root_task())
+
+
+async def _bare_client(loopback_config):
+    from shardnet.transport.host import build_host
+    from shardnet.transport.identity import generate
+
+    return build_host(loopback_config(), generate(), [])
+
+
+@pytest.mark.slow
+async def test_inbound_connection_churn_frees_tasks_and_slots(loopback_config):
+    # A small connection cap makes the upstream leak fatal within the first 30 cycles:
+    # every inbound connection kept its slot and a task until the whole swarm stopped.
+    # Clients rotate identity every 40 cycles, as many distinct peers would (py-libp2p's
+    # resource manager rate-limits reconnects of any one peer, rightly).
+    cycles, per_identity = 2000, 40
+    async with open_node(loopback_config(max_connections=30, low_watermark=4, high_watermark=20)) as server:
+        swarm = server.host.get_network()
+        info = info_from_p2p_addr(server.listen_addrs[0])
+        baseline = None
+        for first in range(0, cycles, per_identity):
+            client = await _bare_client(loopback_config)
+            async with client.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+                for i in range(first, first + per_identity):
+                    with trio.fail_after(10):
+                        await client.connect(info)
+                        while client.get_id() not in server.host.get_connected_peers():
+                            await trio.sleep(0)
+                        await client.disconnect(server.peer_id)
+                        while client.get_id() in server.host.get_connected_peers():
+                            await trio.sleep(0.001)
+            await client.get_network().close()
+            if baseline is None:
+                await trio.sleep(0.2)
+                baseline = _all_tasks()
+        await trio.sleep(0.5)
+        after = _all_tasks()
+        # accept still works after thousands of cycles
+        client = await _bare_client(loopback_config)
+        async with client.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            with trio.fail_after(10):
+                await client.connect(info)
+            assert server.peer_id in client.get_connected_peers()
+            await client.disconnect(server.peer_id)
+        await client.get_network().close()
+        await trio.sleep(0.2)
+        assert swarm._inbound_limiter.borrowed_tokens == 0
+        assert after <= baseline + 10, (baseline, after)
+
+
+async def test_stream_survives_a_receiver_busy_longer_than_five_seconds(loopback_config):
+    payload = bytes(range(256)) * 8192  # 2 MiB: several receive windows
+    got = bytearray()
+    done = trio.Event()
+
+    async def slow_reader(stream):
+        await trio.sleep(6.5)  # a long forward pass; the sender's window is closed meanwhile
+        while len(got) < len(payload):
+            chunk = await stream.read_some(1 << 16, timeout=10)
+            if not chunk:
+                break
+            got.extend(chunk)
+        done.set()
+
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        b.set_stream_handler("/slow/1.0.0", slow_reader)
+        await a.connect(b.listen_addrs[0])
+        s = await a.new_stream(b.peer_id, "/slow/1.0.0")
+        await s.write(payload, timeout=30)
+        with trio.fail_after(30):
+            await done.wait()
+        assert bytes(got) == payload
+
+
+async def test_writer_blocked_on_window_is_released_when_the_peer_dies(loopback_config):
+    async with open_node(loopback_config()) as a:
+        async with open_node(loopback_config()) as b:
+            async def never_read(stream):
+                await trio.sleep_forever()
+
+            b.set_stream_handler("/sink/1.0.0", never_read)
+            await a.connect(b.listen_addrs[0])
+            s = await a.new_stream(b.peer_id, "/sink/1.0.0")
+            async with trio.open_nursery() as nursery:
+                failed = trio.Event()
+
+                async def write_forever():
+                    try:
+                        await s.write(b"x" * (4 << 20), timeout=30)
+                    except Exception:
+                        failed.set()
+
+                nursery.start_soon(write_forever)
+                await trio.sleep(0.5)
+                await b.disconnect(a.peer_id)
+                with trio.fail_after(10):
+                    await failed.wait()
+
+
+async def test_dial_skips_the_happy_eyeballs_delay(loopback_config):
+    """Measured side by side: py-libp2p's default config against shardnet's, same server."""
+    from shardnet.transport.identity import generate
+
+    async with open_node(loopback_config()) as server:
+        info = info_from_p2p_addr(server.listen_addrs[0])
+
+        async def time_connect(host):
+            async with host.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+                t0 = time.perf_counter()
+                await host.connect(info)
+                dt = time.perf_counter() - t0
+                await host.disconnect(server.peer_id)
+                return dt
+
+        upstream = min([await time_connect(new_host(key_pair=generate())) for _ in range(2)])
+        ours = min([await time_connect(await _bare_client(loopback_config)) for _ in range(2)])
+        assert ours * 3 < upstream, (ours, upstream)
+
+
+def test_disconnect_path_has_no_fixed_naps():
+    from libp2p.network.connection import swarm_connection
+    from libp2p.stream_muxer.yamux import yamux
+
+    compat.apply()
+    assert isinstance(swarm_connection.trio, compat._TrioWithoutCleanupNaps)
+    assert isinstance(yamux.trio, compat._TrioWithoutCleanupNaps)
+
+
+async def test_disconnect_is_fast_relative_to_connect(loopback_config):
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        t0 = time.perf_counter()
+        await a.connect(b.listen_addrs[0])
+        t_conn = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        await a.disconnect(b.peer_id)
+        t_disc = time.perf_counter() - t0
+        # upstream: ~200 ms of fixed sleeps vs a ~10 ms connect
+        assert t_disc < 5 * t_conn + 0.02, (t_disc, t_conn)
+
+
+async def test_gossip_burst_is_delivered_whole(loopback_config):
+    n = 400  # upstream: 10 msgs/s per peer and topic, and 32-message queues
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        await a.connect(b.listen_addrs[0])
+        async with b.pubsub.subscribe("burst") as sub:
+            with trio.fail_after(15):
+                while b.peer_id not in a.pubsub.topic_peers("burst"):
+                    await trio.sleep(0.05)
+            before = compat.dropped_pubsub_messages()
+            for i in range(n):
+                await a.pubsub.publish("burst", f"m{i}".encode())
+            got = set()
+            with trio.fail_after(30):
+                while len(got) < n:
+                    got.add((await sub.receive(timeout=10)).data)
+            assert got == {f"m{i}".encode() for i in range(n)}
+            assert compat.dropped_pubsub_messages() == before
+
+
+def test_libp2p_logs_reach_shardnet_logging(caplog):
+    compat.apply()
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("libp2p.network.swarm").warning("probe-from-libp2p")
+    assert "probe-from-libp2p" in caplog.text
+
+
+async def test_second_node_on_the_same_port_is_refused(loopback_config):
+    port = free_port()
+    async with open_node(loopback_config(listen=[f"/ip4/127.0.0.1/tcp/{port}"])):
+        with pytest.raises(PortInUseError, match=f"port {port} is already in use"):
+            async with open_node(loopback_config(listen=[f"/ip4/127.0.0.1/tcp/{port}"])):
+                pass
+    # and a wildcard listener blocks a specific one too
+    async with open_node(loopback_config(listen=[f"/ip4/0.0.0.0/tcp/{port}"])):
+        with pytest.raises(PortInUseError):
+            async with open_node(loopback_config(listen=[f"/ip4/127.0.0.1/tcp/{port}"])):
+                pass
+
+
+async def test_listening_socket_is_closed_when_the_node_stops(loopback_config):
+    async with open_node(loopback_config()) as a:
+        port = int(a.host.get_transport_addrs()[0].value_for_protocol("tcp"))
+    s = socket.socket()
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            s.connect(("127.0.0.1", port))
+    finally:
+        s.close()
