@@ -75,7 +75,7 @@ async def test_inbound_connection_churn_frees_tasks_and_slots(loopback_config):
 
 
 async def test_stream_survives_a_receiver_busy_longer_than_five_seconds(loopback_config):
-    payload = bytes(range(256)) * 8192  # 2 MiB: several receive windows
+    payload = bytes(range(256)) * 32768  # 8 MiB: more than the receiver buffers unread
     got = bytearray()
     done = trio.Event()
 
