@@ -1,0 +1,174 @@
+"""The ``shardnet`` command line and the embedding example, as real processes."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from shardnet.localswarm import LocalSwarm
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE_ID = "12D3KooWJ6qwgeXYApCdiMkT5Yx3Dse7BVqQ3hSXTGzoi2hA5Ffk"
+
+
+def shardnet(*args, timeout=60, env=None):
+    return subprocess.run([sys.executable, "-m", "shardnet", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def assert_one_line_failure(r, pattern):
+    assert r.returncode != 0, r
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, r.stderr
+    assert re.search(pattern, errors[0]), errors[0]
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    with LocalSwarm(tmp_path) as s:
+        s.start_bootstrap()
+        yield s
+
+
+def test_ping_a_live_node(swarm):
+    r = shardnet("ping", swarm.bootstrap_addr, "--count", "2")
+    assert r.returncode == 0, r.stderr
+    rtts = re.findall(r"time=([0-9.]+) ms", r.stdout)
+    assert len(rtts) == 2 and all(float(x) > 0 for x in rtts), r.stdout
+
+
+def test_peers_lists_the_swarm(swarm):
+    _, a = swarm.start_node("a")
+    _, b = swarm.start_node("b")
+    r = shardnet("peers", "--bootstrap", swarm.bootstrap_addr, "--wait", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    found = {p["peer_id"] for p in json.loads(r.stdout)}
+    assert {a["peer_id"], b["peer_id"]} <= found
+
+
+@pytest.mark.parametrize("cmd", [
+    ["ping", "/ip4/1.2.3/tcp/1"],
+    ["ping", "/ip4/127.0.0.1/tcp/1"],
+    ["peers", "--bootstrap", "/ip4/127.0.0.1/tcp/notaport/p2p/" + FAKE_ID],
+    ["node", "--listen", "/ip9/x"],
+    ["bootstrap", "--announce", "garbage"],
+])
+def test_malformed_multiaddrs_fail_in_one_line(cmd, tmp_path):
+    r = shardnet(*cmd, env={"SHARDNET_IDENTITY": str(tmp_path / "id.key")})
+    assert_one_line_failure(r, r"multiaddr|no /p2p/")
+    assert r.returncode == 1
+
+
+def test_unreachable_peers_fail_in_one_line():
+    port = free_port()
+    r = shardnet("ping", f"/ip4/127.0.0.1/tcp/{port}/p2p/{FAKE_ID}", "--timeout", "5")
+    assert_one_line_failure(r, r"could not connect .*refused")
+    r = shardnet("peers", "--bootstrap", f"/ip4/127.0.0.1/tcp/{port}/p2p/{FAKE_ID}")
+    assert_one_line_failure(r, r"could not reach any bootstrap peer .*refused")
+
+
+def test_busy_port_is_refused(tmp_path):
+    # py-libp2p listens with SO_REUSEPORT: an unchecked second bind would succeed silently
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        r = shardnet("bootstrap", "--identity", str(tmp_path / "b.key"), "--listen",
+                     f"/ip4/127.0.0.1/tcp/{port}")
+        assert_one_line_failure(r, rf"port {port} is already in use")
+    finally:
+        holder.close()
+
+
+def test_bootstrap_prints_its_full_multiaddr_and_stops_on_sigterm(tmp_path):
+    p = subprocess.Popen([sys.executable, "-m", "shardnet", "bootstrap", "--identity", str(tmp_path / "b.key"),
+                          "--listen", "/ip4/127.0.0.1/tcp/0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = p.stdout.readline()
+            lines.append(line)
+            if line.startswith("ready"):
+                break
+        addrs = [ln.strip() for ln in lines if ln.strip().startswith("/ip4/127.0.0.1/tcp/")]
+        assert addrs and re.fullmatch(r"/ip4/127\.0\.0\.1/tcp/\d+/p2p/12D3KooW\w+", addrs[0]), lines
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=20)
+    assert p.returncode == 0, err
+    assert "stopped" in out and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_demo_runs_and_cleans_up():
+    r = shardnet("demo", timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all 3 nodes know each other" in r.stdout
+    assert "echoed back: 'hello over the overlay'" in r.stdout
+    assert r.stdout.count("received 'hello, swarm'") == 2
+
+
+@pytest.mark.slow
+def test_chat_example(swarm, tmp_path):
+    def start(name):
+        return subprocess.Popen([sys.executable, str(ROOT / "examples" / "chat.py"), "--name", name,
+                                 "--bootstrap", swarm.bootstrap_addr], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=open(tmp_path / f"{name}.log", "w"),
+                                text=True, bufsize=1, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    def read_until(proc, pattern, timeout=30):
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if sel.select(max(0.0, deadline - time.monotonic())):
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                m = re.search(pattern, line)
+                if m:
+                    return m
+        raise AssertionError(f"no line matching {pattern!r}")
+
+    alice, bob = start("alice"), start("bob")
+    try:
+        a_id = read_until(alice, r"joined chat/room/lobby as alice \((\w+)\)").group(1)
+        read_until(bob, r"joined chat/room/lobby as bob")
+        for _ in range(100):  # until the room's mesh includes alice
+            bob.stdin.write("/peers\n")
+            bob.stdin.flush()
+            if int(read_until(bob, r"\[peers\] (\d+)").group(1)) >= 1:
+                break
+            time.sleep(0.2)
+        alice.stdin.write("hello bob\n")
+        alice.stdin.flush()
+        read_until(bob, r"^alice: hello bob$")
+        bob.stdin.write(f"/dm {a_id} psst\n/who {a_id}\n")
+        bob.stdin.flush()
+        read_until(alice, r"\[dm\] \w+: bob: psst")
+        read_until(bob, r"\[who\] alice")
+    finally:
+        for p in (alice, bob):
+            p.stdin.close()
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(5)
+    assert alice.returncode == 0 and bob.returncode == 0
