@@ -316,6 +316,8 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
         try:
             if not host.get_transport_addrs():
                 raise ShardnetError(f"could not listen on any of {', '.join(map(str, listen))}")
+            compat.register_peerstore(host.get_peerstore())
+            host.set_stream_handler(TProtocol(compat.LARGE_FRAMES_PROTOCOL), _refuse_stream)
             async with DHT.start(host, config) as dht, PubSub.start(host, config) as pubsub:
                 node = Node(config, key_pair, host, dht, pubsub)
                 async with trio.open_nursery() as nursery:
@@ -339,6 +341,11 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
                 await host.get_network().close()
     if body_error is not None:
         raise body_error
+
+
+async def _refuse_stream(raw) -> None:
+    """Capability markers are advertised, never spoken."""
+    await raw.reset()
 
 
 def _resolve_identity(config: NodeConfig) -> KeyPair:
