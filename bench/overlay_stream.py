@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import trio
+from libp2p.peer.id import ID
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -36,7 +37,10 @@ SMALL = 64
 # -- server (a separate process) -------------------------------------------------------------
 async def serve() -> None:
     async def sink_raw(stream: trio.SocketStream) -> None:
-        header = await _recv_exactly_raw(stream, 8)
+        try:
+            header = await _recv_exactly_raw(stream, 8)
+        except EOFError:
+            return
         total = int.from_bytes(header, "big")
         got = 0
         while got < total:
@@ -92,53 +96,70 @@ async def _recv_exactly_raw(stream: trio.SocketStream, n: int) -> bytes:
 
 
 # -- client ------------------------------------------------------------------------------------
-async def measure_raw(ports: dict, mib: int, messages: int, repeats: int) -> dict:
-    block = os.urandom(CHUNK)
-    passes = []
-    for _ in range(repeats):
+class RawSide:
+    """Raw trio TCP to the server's sink and echo ports."""
+
+    def __init__(self, ports: dict) -> None:
+        self.ports = ports
+        self.echo: trio.SocketStream | None = None
+
+    async def connect_ms(self) -> float:
         t0 = time.perf_counter()
-        s = await trio.open_tcp_stream("127.0.0.1", ports["sink"])
-        connect = time.perf_counter() - t0
+        s = await trio.open_tcp_stream("127.0.0.1", self.ports["echo"])
+        dt = time.perf_counter() - t0
+        await s.aclose()
+        return dt * 1e3
+
+    async def throughput(self, mib: int, block: bytes) -> float:
+        s = await trio.open_tcp_stream("127.0.0.1", self.ports["sink"])
         t0 = time.perf_counter()
         await s.send_all((mib * CHUNK).to_bytes(8, "big"))
         for _ in range(mib):
             await s.send_all(block)
         assert await _recv_exactly_raw(s, 2) == b"ok"
-        passes.append(mib * CHUNK / (time.perf_counter() - t0) / 1e6)
+        dt = time.perf_counter() - t0
         await s.aclose()
-    mbps = statistics.median(passes)
-    e = await trio.open_tcp_stream("127.0.0.1", ports["echo"])
-    rtts = []
-    msg = os.urandom(SMALL)
-    for _ in range(messages):
+        return mib * CHUNK / dt / 1e6
+
+    async def round_trip(self, msg: bytes) -> float:
+        if self.echo is None:
+            self.echo = await trio.open_tcp_stream("127.0.0.1", self.ports["echo"])
         t0 = time.perf_counter()
-        await e.send_all(msg)
-        await _recv_exactly_raw(e, SMALL)
-        rtts.append(time.perf_counter() - t0)
-    await e.aclose()
-    return {"mbps": mbps, "rtt_ms": statistics.median(rtts) * 1e3, "connect_ms": connect * 1e3}
+        await self.echo.send_all(msg)
+        await _recv_exactly_raw(self.echo, len(msg))
+        return time.perf_counter() - t0
 
 
-async def measure_overlay(node, addr: str, mib: int, messages: int, repeats: int) -> dict:
-    t0 = time.perf_counter()
-    peer = await node.connect(addr)
-    connect = time.perf_counter() - t0
-    mbps = statistics.median([await overlay_throughput(node, peer, mib) for _ in range(repeats)])
-    e = await node.new_stream(peer, ECHO)
-    rtts = []
-    msg = os.urandom(SMALL)
-    for _ in range(messages):
+class OverlaySide:
+    """One overlay connection (TCP + Noise + Yamux) to the server node."""
+
+    def __init__(self, node, addr: str) -> None:
+        self.node, self.addr = node, addr
+        self.peer = None
+        self.echo = None
+
+    async def connect_ms(self) -> float:
+        if self.peer is not None:
+            await self.node.disconnect(self.peer)
         t0 = time.perf_counter()
-        await e.write(msg)
-        await e.read_exactly(SMALL)
-        rtts.append(time.perf_counter() - t0)
-    await e.close()
-    await node.disconnect(peer)
-    return {"mbps": mbps, "rtt_ms": statistics.median(rtts) * 1e3, "connect_ms": connect * 1e3}
+        self.peer = await self.node.connect(self.addr)
+        dt = time.perf_counter() - t0
+        self.echo = None
+        return dt * 1e3
+
+    async def throughput(self, mib: int, block: bytes) -> float:
+        return await overlay_throughput(self.node, self.peer, mib, block)
+
+    async def round_trip(self, msg: bytes) -> float:
+        if self.echo is None:
+            self.echo = await self.node.new_stream(self.peer, ECHO)
+        t0 = time.perf_counter()
+        await self.echo.write(msg)
+        await self.echo.read_exactly(len(msg))
+        return time.perf_counter() - t0
 
 
-async def overlay_throughput(node, peer, mib: int) -> float:
-    block = os.urandom(CHUNK)
+async def overlay_throughput(node, peer, mib: int, block: bytes) -> float:
     s = await node.new_stream(peer, SINK)
     t0 = time.perf_counter()
     await s.write((mib * CHUNK).to_bytes(8, "big"))
@@ -150,20 +171,40 @@ async def overlay_throughput(node, peer, mib: int) -> float:
     return mbps
 
 
+async def measure(sides: dict, args: argparse.Namespace) -> dict:
+    """Raw and overlay measured alternately, so drift in machine load hits both alike."""
+    block, msg = os.urandom(CHUNK), os.urandom(SMALL)
+    out = {name: {"connect": [], "mbps": [], "rtt": []} for name in sides}
+    for _ in range(args.repeats):
+        for name, side in sides.items():
+            out[name]["connect"].append(await side.connect_ms())
+            out[name]["mbps"].append(await side.throughput(args.mib, block))
+    rounds = 10
+    for _ in range(rounds):
+        for name, side in sides.items():
+            for _ in range(max(1, args.messages // rounds)):
+                out[name]["rtt"].append(await side.round_trip(msg))
+    return {name: {"mbps": statistics.median(v["mbps"]), "rtt_ms": statistics.median(v["rtt"]) * 1e3,
+                   "connect_ms": statistics.median(v["connect"])} for name, v in out.items()}
+
+
 async def client(args: argparse.Namespace) -> None:
-    server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ))
     try:
         info = json.loads(server.stdout.readline())
-        raw = await measure_raw(info, args.mib, args.messages, args.repeats)
         async with open_node(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
-            ovl = await measure_overlay(node, info["overlay"], args.mib, args.messages, args.repeats)
+            result = await measure({"raw": RawSide(info), "overlay": OverlaySide(node, info["overlay"])}, args)
             wan = None
             if args.wan_rtt_ms:
+                await node.disconnect(ID.from_base58(info["overlay"].rsplit("/p2p/", 1)[1]))
                 wan = await measure_wan(node, info["overlay"], args.wan_rtt_ms, args.wan_mib)
     finally:
         server.terminate()
         server.wait(10)
-    print(f"{args.mib} MiB x {args.repeats} passes (median), {args.messages} round trips of {SMALL} bytes")
+    raw, ovl = result["raw"], result["overlay"]
+    print(f"{args.mib} MiB x {args.repeats} passes and {args.messages} round trips of {SMALL} bytes each, "
+          f"raw and overlay interleaved; medians; data path: {'py-libp2p as shipped' if args.untuned else 'shardnet'}")
     print(f"{'':24}{'raw TCP':>12}{'overlay':>12}{'ratio':>10}")
     print(f"{'throughput (MB/s)':24}{raw['mbps']:12.1f}{ovl['mbps']:12.1f}{ovl['mbps'] / raw['mbps']:10.3f}"
           f"   (overlay/raw, target >= 0.25)")
@@ -177,21 +218,19 @@ async def client(args: argparse.Namespace) -> None:
               f"{mbps:.1f} MB/s ({args.wan_mib} MiB; target >= 20 MB/s)")
 
 
-async def measure_wan(node, addr: str, rtt_ms: float, mib: int) -> float:
-    host_port = addr.split("/")
-    port = int(host_port[4])
-    peer_id = addr.rsplit("/p2p/", 1)[1]
+async def measure_wan(node, addr: str, rtt_ms: float, mib: int) -> tuple[float, float]:
+    port = int(addr.split("/")[4])
+    peer_id = ID.from_base58(addr.rsplit("/p2p/", 1)[1])
+    block = os.urandom(CHUNK)
     async with trio.open_nursery() as n:
         proxy = DelayProxy(("127.0.0.1", port), one_way_delay_s=rtt_ms / 2000)
         listen_port = await n.start(proxy.serve)
         # forget the direct address so the dial can only go through the proxy
-        from libp2p.peer.id import ID
-
-        node.host.get_peerstore().clear_addrs(ID.from_base58(peer_id))
+        node.host.get_peerstore().clear_addrs(peer_id)
         peer = await node.connect(f"/ip4/127.0.0.1/tcp/{listen_port}/p2p/{peer_id}")
         path_rtt = await node.ping(peer)  # proves the connection runs through the proxy
-        await overlay_throughput(node, peer, 4)  # let the receive window grow, as a long stream would
-        mbps = await overlay_throughput(node, peer, mib)
+        await overlay_throughput(node, peer, 4, block)  # let the window grow, as a long stream would
+        mbps = await overlay_throughput(node, peer, mib, block)
         await node.disconnect(peer)
         n.cancel_scope.cancel()
     return mbps, path_rtt
@@ -201,11 +240,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mib", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="throughput passes; the median is shown")
+    p.add_argument("--repeats", type=int, default=5, help="throughput passes; the median is shown")
     p.add_argument("--messages", type=int, default=1000)
     p.add_argument("--wan-rtt-ms", type=float, default=100.0, help="0 to skip the WAN measurement")
     p.add_argument("--wan-mib", type=int, default=64)
+    p.add_argument("--untuned", action="store_true",
+                   help="measure py-libp2p's data path as shipped (shardnet's data-path fixes off)")
     args = p.parse_args()
+    if args.untuned:
+        os.environ["SHARDNET_UNTUNED_DATA_PATH"] = "1"  # read by both processes before any node starts
     import logging
 
     logging.basicConfig(level=logging.ERROR)

@@ -212,3 +212,90 @@ async def test_listening_socket_is_closed_when_the_node_stops(loopback_config):
             s.connect(("127.0.0.1", port))
     finally:
         s.close()
+
+
+# 6. data path ----------------------------------------------------------------------------------
+async def test_data_path_is_byte_exact_under_any_chunking(loopback_config):
+    import hashlib
+    import random
+
+    rng = random.Random(7)
+    sizes = [1, 12, 64, 65507, 65519, 65536, 65537, 262144, 262145, 3_000_001]
+
+    async def digest_back(stream):
+        n = int.from_bytes(await stream.read_exactly(8), "big")
+        h, got = hashlib.sha256(), 0
+        while got < n:
+            d = await stream.read_some(rng.choice([1, 100, 70000, 1 << 20]), timeout=30)
+            assert d
+            h.update(d)
+            got += len(d)
+        await stream.write(h.digest())
+
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        b.set_stream_handler("/digest/1.0.0", digest_back)
+        await a.connect(b.listen_addrs[0])
+
+        async def one(size):
+            payload = rng.randbytes(size)
+            s = await a.new_stream(b.peer_id, "/digest/1.0.0")
+            await s.write(size.to_bytes(8, "big"))
+            pos = 0
+            while pos < size:  # irregular write sizes, including frame-boundary ones
+                n = rng.choice([1, 13, 65507, 65536, 100_000, 1 << 20])
+                await s.write(payload[pos:pos + n])
+                pos += n
+            assert await s.read_exactly(32, timeout=30) == hashlib.sha256(payload).digest()
+            await s.close()
+
+        async with trio.open_nursery() as nursery:  # several streams share the connection
+            for size in sizes:
+                nursery.start_soon(one, size)
+
+
+async def test_small_messages_do_not_trigger_a_window_update_each(loopback_config, monkeypatch):
+    from libp2p.stream_muxer.yamux import yamux
+
+    updates = 0
+    orig = yamux.Yamux._write_frame
+
+    async def counting(self, data):
+        nonlocal updates
+        if len(data) >= yamux.HEADER_SIZE and data[1] == yamux.TYPE_WINDOW_UPDATE:
+            updates += 1
+        await orig(self, data)
+
+    monkeypatch.setattr(yamux.Yamux, "_write_frame", counting)
+
+    async def echo(stream):
+        while d := await stream.read_some(64, timeout=10):
+            await stream.write(d)
+
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        b.set_stream_handler("/e/1.0.0", echo)
+        await a.connect(b.listen_addrs[0])
+        s = await a.new_stream(b.peer_id, "/e/1.0.0")
+        await s.write(b"warm")
+        await s.read_exactly(4)
+        updates = 0
+        for _ in range(500):
+            await s.write(b"x" * 64)
+            await s.read_exactly(64)
+        assert updates <= 4, updates  # upstream: one per message per side (~1000)
+
+
+async def test_large_frames_only_to_peers_that_advertise_them(loopback_config):
+    from libp2p.stream_muxer.yamux.yamux import Yamux
+
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        await a.connect(b.listen_addrs[0])
+        with trio.fail_after(10):  # identify tells a which protocols b speaks
+            while not a.host.get_peerstore().supports_protocols(b.peer_id, [compat.LARGE_FRAMES_PROTOCOL]):
+                await trio.sleep(0.05)
+        muxed = a.host.get_network().connections[b.peer_id][0].muxed_conn
+        assert isinstance(muxed, Yamux)
+        assert compat._max_frame_for(muxed) == compat.YAMUX_LARGE_FRAME
+        # a peer that never advertised the capability (any other libp2p implementation)
+        muxed.__dict__.pop("_sn_max_frame", None)
+        a.host.get_peerstore().set_protocols(b.peer_id, ["/ipfs/id/1.0.0"])
+        assert compat._max_frame_for(muxed) == compat.YAMUX_DEFAULT_FRAME

@@ -39,6 +39,7 @@ limit and heartbeat, DHT duplicates, SO_REUSEPORT) live where the host is built
 from __future__ import annotations
 
 import logging
+import os
 import types
 from typing import Any
 
@@ -47,6 +48,9 @@ import trio
 log = logging.getLogger(__name__)
 
 _applied = False
+
+#: Set to "1" to leave py-libp2p's data path as shipped (fix 6 off), for side-by-side benchmarks.
+ENV_UNTUNED_DATA_PATH = "SHARDNET_UNTUNED_DATA_PATH"
 _pubsub_drops = 0
 
 #: Subscription queue length for gossipsub topics (py-libp2p default: 32).
@@ -66,10 +70,11 @@ def apply() -> None:
     _fix_yamux_zero_window_wait()
     _fix_disconnect_sleeps()
     _fix_pubsub_queues()
-    _speed_up_noise()
-    _speed_up_secure_session()
-    _speed_up_yamux_writes()
-    _lock_free_net_stream_state()
+    if os.environ.get(ENV_UNTUNED_DATA_PATH) != "1":
+        _speed_up_noise()
+        _speed_up_secure_session()
+        _speed_up_yamux_writes()
+        _lock_free_net_stream_state()
 
 
 def dropped_pubsub_messages() -> int:
