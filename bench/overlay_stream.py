@@ -34,6 +34,12 @@ CHUNK = 1 << 20
 SMALL = 64
 
 
+def bench_config() -> NodeConfig:
+    # low_watermark 0: neither node dials the other on its own, so the only connection is the
+    # one being measured (and the WAN measurement's cannot bypass the proxy).
+    return NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], low_watermark=0)
+
+
 # -- server (a separate process) -------------------------------------------------------------
 async def serve() -> None:
     async def sink_raw(stream: trio.SocketStream) -> None:
@@ -74,7 +80,7 @@ async def serve() -> None:
                 return
             await stream.write(data)
 
-    async with open_node(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node, trio.open_nursery() as n:
+    async with open_node(bench_config()) as node, trio.open_nursery() as n:
         node.set_stream_handler(SINK, sink_overlay)
         node.set_stream_handler(ECHO, echo_overlay)
         sink_l = (await n.start(functools.partial(trio.serve_tcp, sink_raw, 0, host="127.0.0.1")))[0]
@@ -184,6 +190,9 @@ async def measure(sides: dict, args: argparse.Namespace) -> dict:
         for name, side in sides.items():
             for _ in range(max(1, args.messages // rounds)):
                 out[name]["rtt"].append(await side.round_trip(msg))
+    if args.verbose:
+        for name, v in out.items():
+            print(f"{name} passes (MB/s): {' '.join(f'{x:.0f}' for x in v['mbps'])}")
     return {name: {"mbps": statistics.median(v["mbps"]), "rtt_ms": statistics.median(v["rtt"]) * 1e3,
                    "connect_ms": statistics.median(v["connect"])} for name, v in out.items()}
 
@@ -193,8 +202,9 @@ async def client(args: argparse.Namespace) -> None:
                               env=dict(os.environ))
     try:
         info = json.loads(server.stdout.readline())
-        async with open_node(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])) as node:
+        async with open_node(bench_config()) as node:
             result = await measure({"raw": RawSide(info), "overlay": OverlaySide(node, info["overlay"])}, args)
+            default_connect = await measure_default_config_connect(info["overlay"], args.repeats)
             wan = None
             if args.wan_rtt_ms:
                 await node.disconnect(ID.from_base58(info["overlay"].rsplit("/p2p/", 1)[1]))
@@ -212,10 +222,33 @@ async def client(args: argparse.Namespace) -> None:
           f"   (overlay/raw, target <= 5)")
     print(f"{'connect (ms)':24}{raw['connect_ms']:12.2f}{ovl['connect_ms']:12.2f}"
           f"{ovl['connect_ms'] / raw['connect_ms']:10.1f}   (overlay target < 50 ms)")
+    print(f"{'connect, py-libp2p default ConnectionConfig (ms)':52}{default_connect:10.2f}"
+          f"   (happy-eyeballs delay; shardnet sets max_connections_per_peer=1)")
     if wan is not None:
         mbps, path_rtt = wan
         print(f"overlay stream over a {args.wan_rtt_ms:g} ms RTT path (ping {path_rtt * 1e3:.1f} ms): "
               f"{mbps:.1f} MB/s ({args.wan_mib} MiB; target >= 20 MB/s)")
+
+
+async def measure_default_config_connect(addr: str, repeats: int) -> float:
+    """Connect time of a py-libp2p host built with its defaults, for comparison."""
+    from libp2p import new_host
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from multiaddr import Multiaddr
+
+    from shardnet.transport.identity import generate
+
+    info = info_from_p2p_addr(Multiaddr(addr))
+    times = []
+    for _ in range(repeats):
+        host = new_host(key_pair=generate())
+        async with host.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            t0 = time.perf_counter()
+            await host.connect(info)
+            times.append((time.perf_counter() - t0) * 1e3)
+            await host.disconnect(info.peer_id)
+        await host.get_network().close()
+    return statistics.median(times)
 
 
 async def measure_wan(node, addr: str, rtt_ms: float, mib: int) -> tuple[float, float]:
@@ -225,10 +258,16 @@ async def measure_wan(node, addr: str, rtt_ms: float, mib: int) -> tuple[float, 
     async with trio.open_nursery() as n:
         proxy = DelayProxy(("127.0.0.1", port), one_way_delay_s=rtt_ms / 2000)
         listen_port = await n.start(proxy.serve)
-        # forget the direct address so the dial can only go through the proxy
+        # no connection left and no direct address known: the dial can only go through the proxy
+        with trio.fail_after(10):
+            while peer_id in node.peers():
+                await node.disconnect(peer_id)
+                await trio.sleep(0.05)
         node.host.get_peerstore().clear_addrs(peer_id)
         peer = await node.connect(f"/ip4/127.0.0.1/tcp/{listen_port}/p2p/{peer_id}")
-        path_rtt = await node.ping(peer)  # proves the connection runs through the proxy
+        path_rtt = await node.ping(peer)
+        if path_rtt < 0.9 * rtt_ms / 1000:
+            raise RuntimeError(f"ping {path_rtt * 1e3:.1f} ms: the connection bypassed the delay proxy")
         await overlay_throughput(node, peer, 4, block)  # let the window grow, as a long stream would
         mbps = await overlay_throughput(node, peer, mib, block)
         await node.disconnect(peer)
@@ -244,6 +283,7 @@ def main() -> None:
     p.add_argument("--messages", type=int, default=1000)
     p.add_argument("--wan-rtt-ms", type=float, default=100.0, help="0 to skip the WAN measurement")
     p.add_argument("--wan-mib", type=int, default=64)
+    p.add_argument("--verbose", action="store_true", help="print every throughput pass")
     p.add_argument("--untuned", action="store_true",
                    help="measure py-libp2p's data path as shipped (shardnet's data-path fixes off)")
     args = p.parse_args()
@@ -252,7 +292,7 @@ def main() -> None:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    logging.disable(logging.WARNING)  # py-libp2p sets some of its loggers to INFO explicitly
     trio.run(serve if args.serve else client, *([] if args.serve else [args]))
 
 

@@ -299,3 +299,43 @@ async def test_large_frames_only_to_peers_that_advertise_them(loopback_config):
         muxed.__dict__.pop("_sn_max_frame", None)
         a.host.get_peerstore().set_protocols(b.peer_id, ["/ipfs/id/1.0.0"])
         assert compat._max_frame_for(muxed) == compat.YAMUX_DEFAULT_FRAME
+
+
+async def test_receive_window_grows_on_a_long_path(loopback_config):
+    """100 ms RTT through a delay proxy: the window auto-tunes far past the spec's 256 KiB, so a
+    single stream is not capped at window/RTT (256 KiB / 100 ms = 2.6 MB/s)."""
+    from bench.delay_proxy import DelayProxy
+
+    size = 24 << 20
+    final_window = []
+
+    async def sink(stream):
+        got = 0
+        while got < size:
+            d = await stream.read_some(1 << 20, timeout=30)
+            assert d
+            got += len(d)
+        final_window.append(stream.raw.muxed_stream.target_recv_window)
+        await stream.write(b"ok")
+
+    async with open_node(loopback_config(low_watermark=0)) as a, open_node(loopback_config(low_watermark=0)) as b:
+        b.set_stream_handler("/sink/1.0.0", sink)
+        port = int(b.host.get_transport_addrs()[0].value_for_protocol("tcp"))
+        async with trio.open_nursery() as nursery:
+            proxy_port = await nursery.start(DelayProxy(("127.0.0.1", port), 0.05).serve)
+            await a.connect(f"/ip4/127.0.0.1/tcp/{proxy_port}/p2p/{b.peer_id}")
+            assert await a.ping(b.peer_id) >= 0.09  # really through the proxy
+            s = await a.new_stream(b.peer_id, "/sink/1.0.0")
+            block = b"z" * (1 << 20)
+            for _ in range(size >> 20):
+                await s.write(block, timeout=60)
+            assert await s.read_exactly(2, timeout=60) == b"ok"
+            nursery.cancel_scope.cancel()
+    assert final_window and final_window[0] >= 8 << 20, final_window
+
+
+def test_allocator_tuning_is_idempotent():
+    from shardnet.transport import allocator
+
+    assert allocator.tune() is True  # Linux with glibc, as on every machine this project targets
+    assert allocator.tune() is True

@@ -20,7 +20,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
-from . import compat, identity
+from . import allocator, compat, identity
 from .config import NodeConfig, parse_multiaddr, parse_peer_addr
 from .dht import DHT
 from .errors import DialError, OverlayTimeout, ProtocolNotSupported, ShardnetError
@@ -302,6 +302,8 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
     """Start a node; yield it; stop everything it started when the block ends."""
     compat.apply()
     config = config or NodeConfig()
+    if config.tune_allocator:
+        allocator.tune()
     key_pair = _resolve_identity(config)
     listen = [parse_multiaddr(a, what="--listen") for a in config.listen]
     announce = [parse_multiaddr(a, what="--announce") for a in config.announce]
