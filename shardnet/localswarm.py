@@ -30,13 +30,15 @@ def shardnet_argv(*args: str) -> list[str]:
 class ShardnetProcess:
     """One ``shardnet`` child process with line-oriented stdout and a log file for stderr."""
 
-    def __init__(self, name: str, args: list[str], *, workdir: Path, env: dict | None = None) -> None:
+    def __init__(self, name: str, args: list[str], *, workdir: Path, env: dict | None = None,
+                 prefix: list[str] | None = None) -> None:
         self.name = name
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")
         child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        # prefix: e.g. ["ip", "netns", "exec", "ns1"] to run the node inside a network namespace
         self.proc = subprocess.Popen(
-            shardnet_argv(*args),
+            [*(prefix or []), *shardnet_argv(*args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

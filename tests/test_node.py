@@ -167,3 +167,14 @@ async def test_bootstrap_reconnects_after_restart(loopback_config, tmp_path):
         async with open_node(boot_cfg()):
             # reconnection happens on the node's own backoff, not py-libp2p's 60 s negative cache
             await a.wait_bootstrapped(10, fail_fast=False)
+
+
+async def test_quic_transport_behind_a_flag(loopback_config):
+    cfg = lambda: loopback_config(listen=["/ip4/127.0.0.1/udp/0/quic-v1"], enable_quic=True)  # noqa: E731
+    async with open_node(cfg()) as a, open_node(cfg()) as b:
+        assert "/quic-v1/" in str(b.listen_addrs[0])
+        b.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
+        await a.connect(b.listen_addrs[0])
+        async with await a.new_stream(b.peer_id, echo.PROTOCOL_ID) as s:
+            assert await echo.echo_once(s, b"over quic") == b"over quic"
+        assert await a.ping(b.peer_id) > 0

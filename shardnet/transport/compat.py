@@ -35,10 +35,15 @@ method or one module-level constant each, so they are easy to drop when upstream
    - Window updates follow go-yamux (credit when half the target window is owed) from a 2 MiB
      initial target, instead of one WINDOW_UPDATE frame per read.
    - Yamux's locks and NetStream's state lock take a free lock without a scheduler round trip.
+7. mDNS advertises the raw transport addresses, so a node listening on 0.0.0.0 tells the LAN
+   to dial ``/ip4/0.0.0.0/...`` (which only works when both run on one host). It now advertises
+   what the host advertises everywhere else (``get_addrs()``: per-interface or announced).
 
-Configuration-level fixes (happy-eyeballs delay, auto-connector watermarks, gossipsub spam
-limit and heartbeat, DHT duplicates, SO_REUSEPORT) live where the host is built
-(:mod:`shardnet.transport.host`) because they are settings, not patches.
+Fixes that are settings or wrappers rather than patches live where they are used, each tested
+too: host.py (250 ms happy-eyeballs dial delay, auto-connector dialling ~100 peers, dial
+retries, SO_REUSEPORT letting two nodes share a port), pubsub.py (120 s heartbeat, 10 msgs/s
+spam limit), dht.py (incomplete and duplicated provider lookups, unroutable long keys),
+node.py (60 s negative dial cache, listening sockets left open at shutdown), allocator.py.
 """
 
 from __future__ import annotations
@@ -75,6 +80,7 @@ def apply() -> None:
     _fix_yamux_zero_window_wait()
     _fix_disconnect_sleeps()
     _fix_pubsub_queues()
+    _fix_mdns_addresses()
     if os.environ.get(ENV_UNTUNED_DATA_PATH) != "1":
         _speed_up_noise()
         _speed_up_secure_session()
@@ -271,6 +277,18 @@ def _fix_pubsub_queues() -> None:
                 )
 
     pmod.Pubsub.notify_subscriptions = notify_subscriptions
+
+
+# 7. mDNS addresses ----------------------------------------------------------------------------
+def _fix_mdns_addresses() -> None:
+    from libp2p.discovery.mdns import broadcaster
+
+    def _resolve_host_addrs(self: Any) -> list[str]:
+        if self.host is None:
+            return self.listen_addrs or []
+        return [str(a).rsplit("/p2p/", 1)[0] for a in self.host.get_addrs()]
+
+    broadcaster.PeerBroadcaster._resolve_host_addrs = _resolve_host_addrs
 
 
 # 6. data path ---------------------------------------------------------------------------------
