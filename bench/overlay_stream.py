@@ -292,7 +292,7 @@ def main() -> None:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    logging.disable(logging.WARNING)  # py-libp2p sets some of its loggers to INFO explicitly
+    logging.disable(logging.CRITICAL)  # py-libp2p logs routine churn loudly, some loggers at INFO
     trio.run(serve if args.serve else client, *([] if args.serve else [args]))
 
 
