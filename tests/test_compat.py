@@ -339,3 +339,18 @@ def test_allocator_tuning_is_idempotent():
 
     assert allocator.tune() is True  # Linux with glibc, as on every machine this project targets
     assert allocator.tune() is True
+
+
+async def test_auto_connector_does_not_dial_known_peers(loopback_config):
+    """Upstream's auto-connector dials known peers until ~100 connections whenever the count is
+    low; shardnet turns it off (its discovery loop tops up to ``low_watermark`` instead)."""
+    async with open_node(loopback_config()) as other:
+        info = info_from_p2p_addr(other.listen_addrs[0])
+        host = await _bare_client(loopback_config)
+        async with host.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
+            swarm = host.get_network()
+            await swarm.auto_connector.maybe_connect()
+            await trio.sleep(0.5)
+            assert host.get_connected_peers() == []
+        await swarm.close()
