@@ -1,5 +1,7 @@
 """One process, several real py-libp2p hosts on loopback."""
 
+from contextlib import AsyncExitStack, asynccontextmanager
+
 import pytest
 import trio
 
@@ -94,59 +96,66 @@ async def test_handler_exception_resets_only_that_stream(loopback_config):
             assert await echo.echo_once(s2, b"ok") == b"ok"
 
 
+@asynccontextmanager
+async def bootstrapped_nodes(loopback_config, n):
+    """A bootstrap node and ``n`` nodes joined through it, all in this process."""
+    async with open_node(loopback_config()) as boot, AsyncExitStack() as stack:
+        cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
+        nodes = [await stack.enter_async_context(open_node(cfg)) for _ in range(n)]
+        for node in nodes:
+            await node.wait_bootstrapped()
+        yield nodes
+
+
 async def test_dht_signed_values_and_providers(loopback_config):
     from shardnet.transport import records
 
-    async with open_node(loopback_config()) as boot:
-        cfg = lambda: loopback_config(bootstrap=[str(boot.listen_addrs[0])])  # noqa: E731
-        async with open_node(cfg()) as a, open_node(cfg()) as b, open_node(cfg()) as c:
-            for n in (a, b, c):
-                await n.wait_bootstrapped()
-            key = await a.dht.put("greeting", b"hello v1")
-            assert key == records.record_key(a.peer_id, "greeting")
-            assert await c.dht.get(a.peer_id, "greeting") == b"hello v1"
-            await a.dht.put("greeting", b"hello v2")
-            assert await c.dht.get(a.peer_id, "greeting") == b"hello v2"
-            assert await c.dht.get(b.peer_id, "greeting") is None
-            # providers: a provides twice, b once; every provider appears exactly once
-            await a.dht.provide("model/abc")
-            await a.dht.provide("model/abc")
-            await b.dht.provide("model/abc")
-            provs = await c.dht.find_providers("model/abc")
-            ids = [p.peer_id for p in provs]
-            assert sorted(map(str, ids)) == sorted([str(a.peer_id), str(b.peer_id)])
+    async with bootstrapped_nodes(loopback_config, 3) as (a, b, c):
+        key = await a.dht.put("greeting", b"hello v1")
+        assert key == records.record_key(a.peer_id, "greeting")
+        assert await c.dht.get(a.peer_id, "greeting") == b"hello v1"
+        await a.dht.put("greeting", b"hello v2")
+        assert await c.dht.get(a.peer_id, "greeting") == b"hello v2"
+        assert await c.dht.get(b.peer_id, "greeting") is None
+        # providers: a provides twice, b once; every provider appears exactly once
+        await a.dht.provide("model/abc")
+        await a.dht.provide("model/abc")
+        await b.dht.provide("model/abc")
+        provs = await c.dht.find_providers("model/abc")
+        ids = [p.peer_id for p in provs]
+        assert sorted(map(str, ids)) == sorted([str(a.peer_id), str(b.peer_id)])
 
 
 async def test_forged_dht_value_is_rejected_by_remote_peers(loopback_config):
     from shardnet.transport import records
 
-    async with open_node(loopback_config()) as boot:
-        cfg = lambda: loopback_config(bootstrap=[str(boot.listen_addrs[0])])  # noqa: E731
-        async with open_node(cfg()) as victim, open_node(cfg()) as attacker, open_node(cfg()) as reader:
-            for n in (victim, attacker, reader):
-                await n.wait_bootstrapped()
-            key = records.record_key(victim.peer_id, "claim")
-            forged = records.encode(attacker.key_pair, "claim", b"i am the victim", key=key)
+    async with bootstrapped_nodes(loopback_config, 3) as (victim, attacker, reader):
+        key = records.record_key(victim.peer_id, "claim")
+        forged = records.encode(attacker.key_pair, "claim", b"i am the victim", key=key)
+        genuine = records.encode(victim.key_pair, "claim", b"the real claim")
+        # The attacker skips its own validator and sends PUT_VALUE straight to the others.
+        for target in (reader, victim):
             with trio.move_on_after(10):
-                try:
-                    await attacker.dht.kad.put_value(key, forged)
-                except Exception:
-                    pass
-            assert await reader.dht.get(victim.peer_id, "claim") is None
+                accepted = await attacker.dht.kad.value_store._store_at_peer(
+                    target.peer_id, key.encode(), forged)
+            assert not accepted
+            assert target.dht.kad.value_store.get(key.encode()) is None
+        # the same path accepts a genuine record, so the refusal above is the validator's
+        with trio.move_on_after(10):
+            assert await attacker.dht.kad.value_store._store_at_peer(reader.peer_id, key.encode(), genuine)
+        assert await reader.dht.get(victim.peer_id, "claim") == b"the real claim"
 
 
 async def test_pubsub_between_three_nodes(loopback_config):
-    async with open_node(loopback_config()) as boot:
-        cfg = lambda: loopback_config(bootstrap=[str(boot.listen_addrs[0])])  # noqa: E731
-        async with open_node(cfg()) as a, open_node(cfg()) as b, open_node(cfg()) as c:
-            async with b.pubsub.subscribe("t") as sb, c.pubsub.subscribe("t") as sc:
-                with trio.fail_after(20):
-                    while not (a.pubsub.topic_peers("t") and len(b.pubsub.topic_peers("t")) >= 1):
-                        await trio.sleep(0.1)
-                await a.pubsub.publish("t", b"hi all")
-                for sub in (sb, sc):
-                    m = await sub.receive(timeout=10)
-                    assert (m.data, m.sender, m.topic) == (b"hi all", a.peer_id, "t")
+    async with bootstrapped_nodes(loopback_config, 3) as (a, b, c):
+        async with b.pubsub.subscribe("t") as sb, c.pubsub.subscribe("t") as sc:
+            with trio.fail_after(20):
+                while not (a.pubsub.topic_peers("t") and len(b.pubsub.topic_peers("t")) >= 1):
+                    await trio.sleep(0.1)
+            await a.pubsub.publish("t", b"hi all")
+            for sub in (sb, sc):
+                m = await sub.receive(timeout=10)
+                assert (m.data, m.sender, m.topic) == (b"hi all", a.peer_id, "t")
 
 
 async def test_bootstrap_reconnects_after_restart(loopback_config, tmp_path):
