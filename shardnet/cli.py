@@ -59,8 +59,18 @@ def run(main: Callable[[], Awaitable[Any]]) -> Any:
     except (ShardnetError, BaseExceptionGroup) as e:
         first = _first_shardnet_error(e)
         if first is None:
-            raise
+            _unexpected(e)
         fail(str(first))
+    except Exception as e:
+        _unexpected(e)
+
+
+def _unexpected(e: BaseException) -> None:
+    """A bug, not a user error: still one line, with the traceback in the debug log."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    log.debug("unexpected failure", exc_info=e)
+    fail(f"unexpected {type(e).__name__}: {e} (run with -v for the traceback)")
 
 
 def _first_shardnet_error(e: BaseException) -> ShardnetError | None:

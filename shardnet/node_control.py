@@ -16,7 +16,6 @@ from typing import Any
 import trio
 
 from .protocols import echo
-from .transport.errors import ShardnetError
 from .transport.node import Node
 
 log = logging.getLogger(__name__)
@@ -103,7 +102,7 @@ class NodeControl:
             cid = cmd.get("id")
             result = await self._execute(cmd)
             self.emit({"event": "result", "id": cid, "ok": True, **result})
-        except (ShardnetError, ValueError, KeyError, TypeError, ConnectionError) as e:
+        except Exception as e:  # a bad or failed command is answered, never fatal to the node
             self.emit({"event": "result", "id": cid, "ok": False, "error": f"{type(e).__name__}: {e}"})
 
     async def _execute(self, cmd: dict) -> dict[str, Any]:

@@ -172,3 +172,17 @@ def test_chat_example(swarm, tmp_path):
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait(5)
     assert alice.returncode == 0 and bob.returncode == 0
+
+
+def test_node_control_answers_bad_commands_and_keeps_serving(swarm):
+    p, _ = swarm.start_node("c")
+    p.proc.stdin.write(b"this is not json\n[1, 2]\n")
+    p.proc.stdin.flush()
+    for _ in range(2):
+        ev = p.wait_event(lambda e: e.get("event") == "result", 10)
+        assert ev["ok"] is False and ev["error"]
+    for bad in ({"cmd": "nope"}, {"cmd": "ping", "peer": "not-a-peer-id"}, {"cmd": "echo"},
+                {"cmd": "echo", "peer": FAKE_ID, "data": "x"}):
+        r = p.command(bad, 30)
+        assert r["ok"] is False and r["error"], r
+    assert p.command({"cmd": "peers"})["ok"] is True

@@ -354,3 +354,29 @@ async def test_auto_connector_does_not_dial_known_peers(loopback_config):
             await trio.sleep(0.5)
             assert host.get_connected_peers() == []
         await swarm.close()
+
+
+def test_chunk_buffer_behaves_like_the_bytearray_it_replaces():
+    import random
+
+    rng = random.Random(3)
+    ref, buf = bytearray(), compat._ChunkBuffer()
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.4:
+            data = rng.randbytes(rng.randint(0, 300))
+            ref.extend(data)
+            buf.extend(data)
+        elif op < 0.6:
+            n = rng.randint(0, 400)
+            assert buf[:n] == bytes(ref[:n])
+            del ref[:n]
+            del buf[:n]
+        elif op < 0.9:
+            n = rng.choice([-1, rng.randint(0, 400)])
+            expect = bytes(ref) if n < 0 or n >= len(ref) else bytes(ref[:n])
+            del ref[: len(expect)]
+            assert buf.take(n) == expect
+        else:
+            assert bytes(buf) == bytes(ref)
+        assert len(buf) == len(ref) and bool(buf) == bool(ref)

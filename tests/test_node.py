@@ -187,3 +187,20 @@ async def test_quic_transport_behind_a_flag(loopback_config):
         async with await a.new_stream(b.peer_id, echo.PROTOCOL_ID) as s:
             assert await echo.echo_once(s, b"over quic") == b"over quic"
         assert await a.ping(b.peer_id) > 0
+
+
+async def test_peer_events_report_connections(loopback_config):
+    async with open_node(loopback_config(low_watermark=0)) as a:
+        async with a.peer_events() as events:
+            async with open_node(loopback_config(low_watermark=0)) as b:
+                await b.connect(a.listen_addrs[0])
+                seen = []
+                with trio.fail_after(10):
+                    while ("connected", b.peer_id) not in seen:
+                        ev = await events.receive()
+                        seen.append((ev.kind, ev.peer_id))
+            with trio.fail_after(10):
+                while ("disconnected", b.peer_id) not in seen:
+                    ev = await events.receive()
+                    seen.append((ev.kind, ev.peer_id))
+        assert seen.index(("connected", b.peer_id)) < seen.index(("disconnected", b.peer_id))

@@ -638,8 +638,13 @@ class _ChunkBuffer:
         if not isinstance(key, slice) or key.start not in (None, 0) or key.step not in (None, 1):
             raise TypeError("only buf[:n] is supported")
         stop = self._len if key.stop is None else min(key.stop, self._len)
-        data = b"".join(self._chunks)
-        return data[:stop]
+        parts, have = [], 0
+        for chunk in self._chunks:  # only as many chunks as the slice needs
+            if have >= stop:
+                break
+            parts.append(chunk[: stop - have])
+            have += len(parts[-1])
+        return b"".join(parts)
 
     def __delitem__(self, key: slice) -> None:
         if not isinstance(key, slice) or key.start not in (None, 0) or key.step not in (None, 1):

@@ -41,6 +41,35 @@ class PeerEvent:
     peer_id: ID
 
 
+#: How many discovered peers a node remembers (the oldest are forgotten first).
+MAX_DISCOVERED = 10_000
+
+
+class _ConnectionEvents:
+    """py-libp2p network notifee that turns (dis)connections into PeerEvents."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def connected(self, network, conn) -> None:
+        self.node._emit(PeerEvent("connected", conn.muxed_conn.peer_id))
+
+    async def disconnected(self, network, conn) -> None:
+        self.node._emit(PeerEvent("disconnected", conn.muxed_conn.peer_id))
+
+    async def opened_stream(self, network, stream) -> None:
+        pass
+
+    async def closed_stream(self, network, stream) -> None:
+        pass
+
+    async def listen(self, network, multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network, multiaddr) -> None:
+        pass
+
+
 class Node:
     """The overlay as an embedding app sees it."""
 
@@ -50,9 +79,9 @@ class Node:
         self.host = host
         self.dht = dht
         self.pubsub = pubsub
+        #: Peers met through discovery, oldest first, at most MAX_DISCOVERED (value: when).
         self.discovered: dict[ID, float] = {}
         self._peer_watchers: list[trio.MemorySendChannel[PeerEvent]] = []
-        self._nursery: trio.Nursery | None = None
         self.discovery_kick = trio.Event()
         self._bootstrap_errors: dict[ID, str] = {}
 
@@ -222,6 +251,8 @@ class Node:
     def _note_discovered(self, peer_id: ID) -> None:
         if peer_id == self.peer_id or peer_id in self.discovered:
             return
+        if len(self.discovered) >= MAX_DISCOVERED:  # long-lived nodes see endless churn
+            self.discovered.pop(next(iter(self.discovered)))
         self.discovered[peer_id] = time.time()
         log.info("discovered peer %s", peer_id)
         self._emit(PeerEvent("discovered", peer_id))
@@ -322,8 +353,8 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
             host.set_stream_handler(TProtocol(compat.LARGE_FRAMES_PROTOCOL), _refuse_stream)
             async with DHT.start(host, config) as dht, PubSub.start(host, config) as pubsub:
                 node = Node(config, key_pair, host, dht, pubsub)
+                host.get_network().register_notifee(_ConnectionEvents(node))
                 async with trio.open_nursery() as nursery:
-                    node._nursery = nursery
                     for info in bootstrap:
                         if info.peer_id != node.peer_id:
                             nursery.start_soon(node._keep_bootstrap_connected, info)
