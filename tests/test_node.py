@@ -133,6 +133,8 @@ async def test_forged_dht_value_is_rejected_by_remote_peers(loopback_config):
         key = records.record_key(victim.peer_id, "claim")
         forged = records.encode(attacker.key_pair, "claim", b"i am the victim", key=key)
         genuine = records.encode(victim.key_pair, "claim", b"the real claim")
+        for src, dst in ((attacker, reader), (attacker, victim), (victim, reader)):
+            await src.connect(dst.listen_addrs[0])  # so a refusal below can only be validation
         # The attacker skips its own validator and sends PUT_VALUE straight to the others.
         for target in (reader, victim):
             with trio.move_on_after(10):
@@ -140,9 +142,9 @@ async def test_forged_dht_value_is_rejected_by_remote_peers(loopback_config):
                     target.peer_id, key.encode(), forged)
             assert not accepted
             assert target.dht.kad.value_store.get(key.encode()) is None
-        # the same path accepts a genuine record, so the refusal above is the validator's
+        # the same path accepts the genuine record, so the refusal above is the validator's
         with trio.move_on_after(10):
-            assert await attacker.dht.kad.value_store._store_at_peer(reader.peer_id, key.encode(), genuine)
+            assert await victim.dht.kad.value_store._store_at_peer(reader.peer_id, key.encode(), genuine)
         assert await reader.dht.get(victim.peer_id, "claim") == b"the real claim"
 
 
