@@ -1,0 +1,222 @@
+"""A Hugging Face checkpoint in a local directory, read selectively.
+
+A compute peer never materializes the whole model: it asks for the tensors of its layers and
+``safe_open`` reads just those. The manifest (the model's identity) hashes each tensor's raw
+bytes straight from the file, streaming, so computing it costs I/O, not memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cbor2
+
+log = logging.getLogger(__name__)
+
+MANIFEST_VERSION = 1
+MANIFEST_CACHE = ".shardnet-manifest.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class CheckpointError(Exception):
+    """The directory is not a usable checkpoint."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+class Checkpoint:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser().resolve()
+        cfg_file = self.path / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(f"{self.path} has no config.json")
+        try:
+            self.raw_config = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+        self.model_type = self.raw_config.get("model_type", "")
+        if self.model_type not in SUPPORTED_FAMILIES:
+            raise CheckpointError(
+                f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+        self.entries = self._index()
+        self.num_layers = int(self.raw_config["num_hidden_layers"])
+        self._config = None
+        self._manifest: dict | None = None
+
+    # -- structure ---------------------------------------------------------------------------
+    @property
+    def config(self):
+        """The transformers config object (read from the local directory only)."""
+        if self._config is None:
+            from transformers import AutoConfig
+
+            self._config = AutoConfig.from_pretrained(str(self.path), local_files_only=True)
+            # what from_pretrained would pick for a whole model; standalone layers get none
+            self._config._attn_implementation = "sdpa"
+        return self._config
+
+    def _index(self) -> dict[str, TensorEntry]:
+        index_file = self.path / "model.safetensors.index.json"
+        if index_file.is_file():
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+            files = sorted({self.path / f for f in weight_map.values()})
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path} has no *.safetensors files")
+        entries: dict[str, TensorEntry] = {}
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f} is listed in the index but missing")
+            for name, e in _read_safetensors_header(f).items():
+                entries[name] = e
+        return entries
+
+    def layer_tensors(self, layer: int) -> list[str]:
+        prefix = f"model.layers.{layer}."
+        return sorted(n for n in self.entries if n.startswith(prefix))
+
+    def head_tensors(self) -> dict[str, str | None]:
+        """Names of the embedding, final norm and LM head (None when tied to the embedding)."""
+        lm = "lm_head.weight" if "lm_head.weight" in self.entries else None
+        return {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": lm}
+
+    def load(self, names: list[str], dtype: Any = None, device: str = "cpu") -> dict:
+        """Load exactly ``names`` (torch tensors), nothing else."""
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            if n not in self.entries:
+                raise CheckpointError(f"tensor {n} is not in {self.path}")
+            by_file.setdefault(self.entries[n].file, []).append(n)
+        out = {}
+        for f, ns in by_file.items():
+            with safe_open(str(f), framework="pt", device=device) as st:
+                for n in ns:
+                    t = st.get_tensor(n)
+                    out[n] = t.to(dtype) if dtype is not None else t
+        return out
+
+    # -- identity ----------------------------------------------------------------------------
+    def manifest(self) -> dict:
+        """Content hashes of config, tokenizer files and every layer's tensors (cached on disk)."""
+        if self._manifest is None:
+            self._manifest = self._load_cached_manifest() or self._compute_manifest()
+        return self._manifest
+
+    @property
+    def model_id(self) -> str:
+        return model_id_of(self.manifest())
+
+    def _fingerprint(self) -> list:
+        files = sorted({e.file for e in self.entries.values()} | {self.path / "config.json"}
+                       | {self.path / t for t in TOKENIZER_FILES if (self.path / t).exists()})
+        return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+    def _load_cached_manifest(self) -> dict | None:
+        try:
+            cached = json.loads((self.path / MANIFEST_CACHE).read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        if cached.get("fingerprint") != self._fingerprint():
+            return None
+        return cached.get("manifest")
+
+    def _compute_manifest(self) -> dict:
+        log.info("hashing %s for its manifest (once; cached in %s)", self.path, MANIFEST_CACHE)
+        tensors_hash = {}
+        for name in sorted(self.entries):
+            tensors_hash[name] = _hash_tensor(self.entries[name])
+
+        def group(names: list[str]) -> str:
+            h = hashlib.sha256()
+            for n in sorted(names):
+                h.update(n.encode() + b"\0" + bytes.fromhex(tensors_hash[n]))
+            return h.hexdigest()
+
+        head = self.head_tensors()
+        manifest = {
+            "version": MANIFEST_VERSION,
+            "model_type": self.model_type,
+            "num_layers": self.num_layers,
+            "config": hashlib.sha256(_canonical_json(self.raw_config)).hexdigest(),
+            "tokenizer": {t: hashlib.sha256((self.path / t).read_bytes()).hexdigest()
+                          for t in TOKENIZER_FILES if (self.path / t).exists()},
+            "layers": [group(self.layer_tensors(i)) for i in range(self.num_layers)],
+            "embed": group([head["embed"]]),
+            "norm": group([head["norm"]]),
+            "lm_head": group([head["lm_head"]]) if head["lm_head"] else "tied",
+        }
+        try:
+            (self.path / MANIFEST_CACHE).write_text(
+                json.dumps({"fingerprint": self._fingerprint(), "manifest": manifest}, indent=1))
+        except OSError:
+            pass  # read-only model directory: recompute next time
+        return manifest
+
+
+def model_id_of(manifest: dict) -> str:
+    """The model ID every protocol message carries: a hash of the whole manifest."""
+    return hashlib.sha256(cbor2.dumps(manifest, canonical=True)).hexdigest()
+
+
+def _canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _read_safetensors_header(f: Path) -> dict[str, TensorEntry]:
+    with open(f, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{f} is not a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 << 20:
+            raise CheckpointError(f"{f}: implausible safetensors header size {n}")
+        try:
+            header = json.loads(fh.read(n))
+        except json.JSONDecodeError:
+            raise CheckpointError(f"{f}: corrupt safetensors header") from None
+    base = 8 + n
+    size = os.path.getsize(f)
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        if not 0 <= a <= b or base + b > size:
+            raise CheckpointError(f"{f}: tensor {name} lies outside the file")
+        out[name] = TensorEntry(f, meta["dtype"], tuple(meta["shape"]), base + a, base + b)
+    return out
+
+
+def _hash_tensor(e: TensorEntry) -> str:
+    h = hashlib.sha256(f"{e.dtype}:{list(e.shape)}:".encode())
+    with open(e.file, "rb") as fh:
+        fh.seek(e.start)
+        left = e.end - e.start
+        while left:
+            chunk = fh.read(min(left, 1 << 22))
+            if not chunk:
+                raise CheckpointError(f"{e.file} ends inside a tensor")
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()

@@ -1,0 +1,128 @@
+"""Train shardnet's embedded default models, reproducibly, on an offline corpus.
+
+    python tools/train_default_model.py [--steps 600] [--out shardnet/models]
+
+Corpus: the top-level modules of the Python standard library of the running interpreter (always
+present, no download). Tokenizer: byte-level BPE (2,048 tokens) trained with ``tokenizers``.
+Models, Llama architecture, sharing the tokenizer:
+
+- ``tiny-llama``: 8 layers, hidden 224 (about 5.1 M parameters), the swarm's target model;
+- ``tiny-llama-draft``: 1 layer, hidden 224, the draft for speculative decoding.
+
+Both are trained with the same seeded data order and saved in Hugging Face format (config.json,
+model.safetensors in float16, tokenizer.json), small enough to ship in the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+SEED = 1234
+VOCAB = 2048
+SEQ = 128
+BATCH = 32
+
+
+def corpus_text() -> str:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.glob("*.py") if not p.name.startswith("_"))
+    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+
+
+def train_tokenizer(text: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text[i:i + 100_000] for i in range(0, len(text), 100_000)], trainer)
+    return tok
+
+
+def make_model(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=224, intermediate_size=640, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def batches(ids: torch.Tensor, steps: int, rng: random.Random):
+    n = len(ids) - SEQ - 1
+    for _ in range(steps):
+        starts = [rng.randrange(n) for _ in range(BATCH)]
+        yield torch.stack([ids[s:s + SEQ + 1] for s in starts])
+
+
+def train(model, ids: torch.Tensor, steps: int, name: str, lr: float = 3e-3) -> float:
+    rng = random.Random(SEED)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    model.train()
+    t0, loss_avg = time.time(), None
+    for step, batch in enumerate(batches(ids, steps, rng), start=1):
+        warm = min(1.0, step / 30)
+        for g in opt.param_groups:  # linear warm-up, cosine decay to 10 %
+            g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        out = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone())
+        loss = out.loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
+        if step % 20 == 0 or step == steps:
+            print(f"[{name}] step {step}/{steps} loss {loss_avg:.3f} ({time.time() - t0:.0f} s)", flush=True)
+    model.eval()
+    return loss_avg
+
+
+def save(model, tok, out: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(out, safe_serialization=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                   eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--draft-steps", type=int, default=400)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "shardnet" / "models")
+    args = p.parse_args()
+    torch.manual_seed(SEED)
+    random.seed(SEED)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    text = corpus_text()
+    print(f"corpus: {len(text) / 1e6:.1f} MB of Python {sys.version.split()[0]} stdlib source", flush=True)
+    tok = train_tokenizer(text)
+    ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
+    print(f"tokens: {len(ids) / 1e6:.2f} M", flush=True)
+    for name, layers, steps in (("tiny-llama", 8, args.steps), ("tiny-llama-draft", 1, args.draft_steps)):
+        torch.manual_seed(SEED)
+        model = make_model(layers)
+        n = sum(p.numel() for p in model.parameters())
+        print(f"[{name}] {layers} layers, {n / 1e6:.2f} M parameters", flush=True)
+        train(model, ids, steps, name)
+        save(model, tok, args.out / name)
+        print(f"[{name}] saved to {args.out / name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
