@@ -1,0 +1,275 @@
+"""The client ("head"): tokenizer, embeddings, final norm and LM head; generation through a chain.
+
+    model = LocalModel("path/to/checkpoint")
+    client = Client(node, model)
+    async for tok in client.generate("def main(", max_new_tokens=32):
+        print(tok.text, end="")
+
+Compute peers see hidden states, never token ids; with ``logits_on_last=True`` the last peer
+applies the final norm and LM head and returns logits (for clients too thin to hold the head).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import trio
+
+from shardnet.protocols import activation as ap
+from shardnet.protocols.block_claim import Claim
+from shardnet.transport.errors import ShardnetError
+from shardnet.transport.node import Node
+
+from . import wire
+from .block import Head, pick_device, resolve_dtype
+from .checkpoint import Checkpoint
+from .claims import NoRouteError, find_claims, plan_route
+from .endpoint import OPEN_TIMEOUT, STEP_TIMEOUT, ActivationEndpoint, InferenceError, MessageStream, new_session_id
+from .sampling import SamplingParams, next_token
+
+log = logging.getLogger(__name__)
+
+
+class LocalModel:
+    """What a client holds of a model: tokenizer, embeddings, final norm, LM head, identity."""
+
+    def __init__(self, path: str | Path, *, dtype: str = "float32", device: str | None = None,
+                 lm_head: bool = True) -> None:
+        from tokenizers import Tokenizer
+
+        self.ckpt = Checkpoint(path)
+        self.model_id = self.ckpt.model_id
+        self.dtype = resolve_dtype(dtype)
+        self.device = pick_device(device)
+        self.head = Head(self.ckpt, dtype=self.dtype, device=self.device, lm_head=lm_head)
+        tok_file = self.ckpt.path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ShardnetError(f"{self.ckpt.path} has no tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(tok_file))
+        self.eos_ids = self._eos_ids()
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        eos = self.ckpt.raw_config.get("eos_token_id")
+        for v in eos if isinstance(eos, list) else [eos]:
+            if isinstance(v, int):
+                ids.add(v)
+        tc = self.ckpt.path / "tokenizer_config.json"
+        if tc.is_file():
+            tok = json.loads(tc.read_text()).get("eos_token")
+            if isinstance(tok, str) and self.tokenizer.token_to_id(tok) is not None:
+                ids.add(self.tokenizer.token_to_id(tok))
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+@dataclass
+class Token:
+    id: int
+    text: str
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    chain: list[Claim] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class InferenceSession:
+    """One open chain: feed hidden states (or token ids) in order, get outputs back."""
+
+    def __init__(self, client: Client, route: list[Claim], max_len: int) -> None:
+        self.client, self.route, self.max_len = client, route, max_len
+        self.session = new_session_id()
+        self.up: MessageStream | None = None
+        self.ret: MessageStream | None = None
+        self.length = 0
+        self.step_no = 0
+        self.error: InferenceError | None = None
+
+    async def _open(self, nursery: trio.Nursery) -> None:
+        node, route, s = self.client.node, self.client_route(), self.session
+        ep = ActivationEndpoint.of(node)
+        returns = ep.expect_return(s, route[-1].peer)
+        first = route[0]
+        try:
+            await node.connect(_info(first))
+            self.up = MessageStream(await node.new_stream(first.peer, ap.PROTOCOL_ID))
+            me = {"peer": str(node.peer_id), "addrs": [str(a) for a in node.listen_addrs]}
+            await self.up.send(ap.open_msg(
+                s, model=self.client.model.model_id, layers=(first.start, first.end), max_len=self.max_len,
+                chain=[ap.Hop(c.peer, list(c.addrs), (c.start, c.end)) for c in route[1:]],
+                ret=me, logits=self.client.logits_on_last))
+            reply = await self.up.recv(OPEN_TIMEOUT * len(route))
+            if reply is None:
+                raise InferenceError("next_hop", f"{first.peer[:16]}… closed the stream")
+            if reply.type == "error":
+                raise InferenceError(reply["code"], reply["msg"])
+            if reply.type != "ready":
+                raise InferenceError("unexpected", f"first hop answered {reply.type}")
+            with trio.fail_after(OPEN_TIMEOUT):
+                self.ret = await returns.receive()
+        except trio.TooSlowError:
+            raise InferenceError("timeout", "the chain did not become ready in time") from None
+        finally:
+            ep.forget_return(s)
+        nursery.start_soon(self._watch_errors)
+
+    def client_route(self) -> list[Claim]:
+        return self.route
+
+    async def _watch_errors(self) -> None:
+        """Errors come back on the first hop's stream; stop waiting for results when one does."""
+        try:
+            msg = await self.up.recv(10 * 365 * 86400)
+            if msg is not None and msg.type == "error":
+                self.error = InferenceError(msg["code"], msg["msg"])
+        except (ShardnetError, ap.ActivationProtocolError) as e:
+            self.error = InferenceError("next_hop", str(e))
+        if self.error is not None:
+            log.warning("chain reported %s", self.error)
+            await self.ret.close()
+
+    async def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Send [1, tokens, hidden] for the next positions; returns the last block's output
+        ([1, tokens, hidden], or [1, 1, vocab] logits when the last peer holds the head)."""
+        if self.error:
+            raise self.error
+        dtype, shape, payload = wire.to_payload(hidden.to(self.client.model.dtype))
+        await self.up.send(ap.tensor_msg("step", self.session, n=self.step_no, pos=self.length,
+                                         dtype=dtype, shape=shape, payload=payload))
+        try:
+            msg = await self.ret.recv(STEP_TIMEOUT)
+        except trio.TooSlowError:
+            raise self.error or InferenceError("timeout", f"no result within {STEP_TIMEOUT:g} s") from None
+        except ShardnetError:
+            msg = None
+        if msg is None:
+            raise self.error or InferenceError("next_hop", "the return stream closed")
+        if msg.type == "error":
+            raise InferenceError(msg["code"], msg["msg"])
+        if msg.type != "result" or msg["n"] != self.step_no:
+            raise InferenceError("unexpected", f"expected result {self.step_no}, got {msg.type}")
+        self.step_no += 1
+        self.length += hidden.shape[1]
+        return wire.from_message(msg)
+
+    async def close(self) -> None:
+        if self.up is not None:
+            with trio.move_on_after(5), _quiet():
+                await self.up.send(ap.Message("close", self.session))
+                await self.up.close()
+        if self.ret is not None:
+            getattr(self.ret, "done", trio.Event()).set()
+
+
+class Client:
+    def __init__(self, node: Node, model: LocalModel, *, logits_on_last: bool = False,
+                 route: list[Claim] | None = None) -> None:
+        self.node, self.model = node, model
+        self.logits_on_last = logits_on_last
+        self.fixed_route = route
+        self.last_stats: GenerationStats | None = None
+        ActivationEndpoint.of(node)  # accept the chain's direct return
+
+    async def find_route(self, *, timeout: float = 30.0) -> list[Claim]:
+        if self.fixed_route:
+            return self.fixed_route
+        deadline = trio.current_time() + timeout
+        last_error: Exception | None = None
+        while trio.current_time() < deadline:
+            claims = await find_claims(self.node, self.model.model_id,
+                                       timeout=max(1.0, min(15.0, deadline - trio.current_time())))
+            try:
+                return plan_route(claims, self.model.ckpt.num_layers)
+            except NoRouteError as e:
+                last_error = e
+            await trio.sleep(1.0)
+        raise NoRouteError(f"after {timeout:g} s: {last_error}")
+
+    @asynccontextmanager
+    async def session(self, max_len: int, route: list[Claim] | None = None) -> AsyncIterator[InferenceSession]:
+        route = route or await self.find_route()
+        sess = InferenceSession(self, route, max_len)
+        async with trio.open_nursery() as nursery:
+            try:
+                await sess._open(nursery)
+                yield sess
+            finally:
+                await sess.close()
+                nursery.cancel_scope.cancel()
+
+    async def generate(self, prompt: str | list[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
+                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                       stop_at_eos: bool = True) -> AsyncIterator[Token]:
+        """Yield generated tokens one at a time (text in, text out)."""
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        ids = self.model.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ShardnetError("empty prompt")
+        stats = GenerationStats(prompt_tokens=len(ids))
+        route = await self.find_route()
+        stats.chain = route
+        self.last_stats = stats
+        out_ids: list[int] = []
+        async with self.session(len(ids) + max_new_tokens, route) as sess:
+            t0 = time.perf_counter()
+            feed = torch.tensor([ids])
+            for i in range(max_new_tokens):
+                logits = await self._logits(sess, feed)
+                if i == 0:
+                    stats.prefill_s = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                tok = next_token(logits, params, gen)
+                if stop_at_eos and tok in self.model.eos_ids:
+                    break
+                out_ids.append(tok)
+                stats.new_tokens += 1
+                stats.decode_s = time.perf_counter() - t0
+                # decode incrementally so multi-token characters come out whole
+                text = self.model.decode(out_ids)
+                prev = self.model.decode(out_ids[:-1]) if len(out_ids) > 1 else ""
+                yield Token(tok, text[len(prev):])
+                feed = torch.tensor([[tok]])
+
+    async def _logits(self, sess: InferenceSession, ids: torch.Tensor) -> torch.Tensor:
+        out = await sess.forward(self.model.head.embed(ids))
+        if self.logits_on_last:
+            return out[0, -1].float()
+        return self.model.head.logits(out[:, -1:, :])[0, -1]
+
+
+def _info(c: Claim):
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerinfo import PeerInfo
+    from multiaddr import Multiaddr
+
+    return PeerInfo(ID.from_base58(c.peer), [Multiaddr(a.split("/p2p/")[0]) for a in c.addrs])
+
+
+class _quiet:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return exc_type is not None and issubclass(exc_type, ShardnetError)

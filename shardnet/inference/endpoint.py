@@ -1,0 +1,350 @@
+"""The activation protocol on a node: serving a block, and receiving a chain's direct return.
+
+One ``ActivationEndpoint`` per node owns the ``/shardnet/activation/1.0.0`` handler. A stream
+whose first message is ``open`` is a session for the block this node serves; one whose first
+message is ``attach`` is the last hop of a chain returning results straight to a client session
+of this node (accepted only from the peer that session expects).
+
+Per session a block server: checks the model ID, layer range and KV budget; opens the next hop
+(or the return stream to the client, if it is last); answers ``ready`` upstream; then for each
+``step`` runs its layers (in a worker thread, one forward at a time per block) and passes the
+output on. Errors go back upstream as ``error`` messages, relayed hop by hop to the client; a
+failing session never affects the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from shardnet.protocols import activation as ap
+from shardnet.transport.errors import ShardnetError
+from shardnet.transport.node import Node
+from shardnet.transport.stream import Stream
+
+from . import wire
+from .block import Block, Head
+
+log = logging.getLogger(__name__)
+
+OPEN_TIMEOUT = 30.0
+STEP_TIMEOUT = 120.0
+
+
+class InferenceError(ShardnetError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class MessageStream:
+    """A Stream carrying activation-protocol messages."""
+
+    def __init__(self, stream: Stream, max_frame: int = ap.DEFAULT_MAX_FRAME) -> None:
+        self.stream = stream
+        self.decoder = ap.ActivationDecoder(max_frame)
+        self.pending: list[ap.Message] = []
+        self._send_lock = trio.Lock()
+
+    @property
+    def remote_peer(self) -> str:
+        return str(self.stream.remote_peer)
+
+    async def send(self, msg: ap.Message) -> None:
+        data = ap.encode(msg)
+        async with self._send_lock:
+            await self.stream.write(data, timeout=STEP_TIMEOUT)
+
+    async def recv(self, timeout: float) -> ap.Message | None:
+        """Next message, or None at end of stream. Raises ActivationProtocolError on bad input."""
+        with trio.fail_after(timeout):
+            while not self.pending:
+                data = await self.stream.read_some(1 << 20, timeout=timeout)
+                if not data:
+                    if self.decoder.pending:
+                        raise ap.ActivationProtocolError("malformed", "stream ended inside a frame")
+                    return None
+                self.pending.extend(self.decoder.feed(data))
+        return self.pending.pop(0)
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+
+@dataclass
+class KvBudget:
+    """Bytes of KV cache this block may hold across sessions."""
+
+    limit: int
+    used: int = 0
+    sessions: dict[bytes, int] = field(default_factory=dict)
+
+    def reserve(self, session: bytes, nbytes: int) -> None:
+        if self.used + nbytes > self.limit:
+            raise InferenceError("kv_budget", f"session needs {nbytes} bytes of KV cache; "
+                                 f"{self.limit - self.used} of {self.limit} are free")
+        self.sessions[session] = nbytes
+        self.used += nbytes
+
+    def release(self, session: bytes) -> None:
+        self.used -= self.sessions.pop(session, 0)
+
+
+@dataclass
+class ServedBlock:
+    block: Block
+    model_id: str
+    kv: KvBudget
+    head: Head | None = None  # present when this peer may apply norm + LM head (last block)
+    idle_timeout: float = 300.0
+    compute: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
+    sessions_served: int = 0
+
+
+class ActivationEndpoint:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.served: ServedBlock | None = None
+        self._returns: dict[bytes, tuple[str, trio.MemorySendChannel]] = {}
+        node.set_stream_handler(ap.PROTOCOL_ID, self._handle)
+
+    @classmethod
+    def of(cls, node: Node) -> ActivationEndpoint:
+        ep = getattr(node, "_activation_endpoint", None)
+        if ep is None:
+            ep = node._activation_endpoint = cls(node)
+        return ep
+
+    def serve(self, served: ServedBlock) -> None:
+        self.served = served
+
+    # -- client side: waiting for the chain's direct return ------------------------------------
+    def expect_return(self, session: bytes, from_peer: str) -> trio.MemoryReceiveChannel:
+        send, recv = trio.open_memory_channel[MessageStream](1)
+        self._returns[session] = (from_peer, send)
+        return recv
+
+    def forget_return(self, session: bytes) -> None:
+        entry = self._returns.pop(session, None)
+        if entry:
+            entry[1].close()
+
+    # -- every incoming activation stream ------------------------------------------------------
+    async def _handle(self, stream: Stream) -> None:
+        ms = MessageStream(stream)
+        try:
+            first = await ms.recv(OPEN_TIMEOUT)
+        except ap.ActivationProtocolError as e:
+            await _reply_error(ms, b"\0" * ap.SESSION_ID_BYTES, e.code, e.message)
+            return
+        if first is None:
+            return
+        if first.type == "attach":
+            await self._accept_return(ms, first)
+        elif first.type == "open":
+            await self._serve_session(ms, first)
+        else:
+            await _reply_error(ms, first.session, "unexpected", f"a session starts with open, not {first.type}")
+
+    async def _accept_return(self, ms: MessageStream, first: ap.Message) -> None:
+        entry = self._returns.get(first.session)
+        if entry is None or entry[0] != ms.remote_peer:
+            await _reply_error(ms, first.session, "unknown_session", "no session of ours expects this return stream")
+            return
+        done = trio.Event()
+        ms.done = done  # the client session sets it when finished with the stream
+        try:
+            entry[1].send_nowait(ms)
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            await _reply_error(ms, first.session, "unknown_session", "return stream already attached")
+            return
+        await done.wait()  # keep the handler (and so the stream) alive while the client reads it
+
+    # -- server side ---------------------------------------------------------------------------
+    async def _serve_session(self, up: MessageStream, op: ap.Message) -> None:
+        s = op.session
+        sb = self.served
+        try:
+            if sb is None:
+                raise InferenceError("no_block", "this peer serves no block")
+            if op["model"] != sb.model_id:
+                raise InferenceError("wrong_model", f"this peer serves model {sb.model_id[:16]}…, "
+                                     f"not {op['model'][:16]}…")
+            start, end = op["layers"]
+            if (start, end) != (sb.block.start, sb.block.end):
+                raise InferenceError("layers", f"layers {start}:{end} requested; this peer serves exactly "
+                                     f"{sb.block.start}:{sb.block.end} of {sb.block.ckpt.num_layers}")
+            if op.get("logits") and not op["chain"] and sb.head is None:
+                raise InferenceError("no_head", "this peer does not hold the LM head")
+            sb.kv.reserve(s, op["max_len"] * sb.block.kv_bytes_per_token())
+        except InferenceError as e:
+            await _reply_error(up, s, e.code, str(e).split(": ", 1)[1])
+            return
+        sb.sessions_served += 1
+        down: MessageStream | None = None
+        try:
+            try:
+                down = await self._open_next(op)
+            except InferenceError as e:
+                await _reply_error(up, s, e.code, str(e).split(": ", 1)[1])
+                return
+            await up.send(ap.Message("ready", s))
+            async with trio.open_nursery() as nursery:
+                if op["chain"]:
+                    nursery.start_soon(_relay_errors, down, up, nursery.cancel_scope)
+                await self._step_loop(sb, op, up, down)
+                nursery.cancel_scope.cancel()
+        except (ShardnetError, trio.TooSlowError) as e:
+            log.info("session %s ended: %s", s.hex()[:8], e)
+        finally:
+            sb.kv.release(s)
+            if down is not None:
+                if hasattr(down, "done"):
+                    down.done.set()
+                with trio.move_on_after(5):
+                    await down.close()
+
+    async def _open_next(self, op: ap.Message) -> MessageStream:
+        """Open the next hop with the rest of the chain, or the return stream to the client."""
+        s, chain = op.session, op["chain"]
+        if chain:
+            nxt = chain[0]
+            target, first = nxt, ap.open_msg(
+                s, model=op["model"], layers=tuple(nxt["layers"]), max_len=op["max_len"],
+                chain=[ap.Hop(h["peer"], h["addrs"], tuple(h["layers"])) for h in chain[1:]],
+                ret=op["ret"], logits=op.get("logits", False))
+        else:
+            target, first = op["ret"], ap.Message("attach", s)
+        try:
+            await self.node.connect(_peer_info(target))
+            stream = await self.node.new_stream(target["peer"], ap.PROTOCOL_ID)
+        except ShardnetError as e:
+            raise InferenceError("next_hop", f"cannot reach {target['peer'][:16]}…: {e}") from None
+        ms = MessageStream(stream)
+        await ms.send(first)
+        if chain:
+            reply = await ms.recv(OPEN_TIMEOUT)
+            if reply is None or reply.type == "error":
+                await ms.close()
+                code = reply["code"] if reply else "next_hop"
+                msg = reply["msg"] if reply else "next hop closed the stream"
+                raise InferenceError(code, msg)
+            if reply.type != "ready":
+                raise InferenceError("unexpected", f"next hop answered {reply.type}")
+        return ms
+
+    async def _step_loop(self, sb: ServedBlock, op: ap.Message, up: MessageStream, down: MessageStream) -> None:
+        s = op.session
+        last = not op["chain"]
+        want_logits = last and op.get("logits", False)
+        cache = sb.block.new_cache()
+        length, expected_step = 0, 0
+        hidden_size = sb.block.config.hidden_size
+        while True:
+            try:
+                msg = await up.recv(sb.idle_timeout)
+            except trio.TooSlowError:
+                await _reply_error(up, s, "idle", f"no step for {sb.idle_timeout:g} s; session expired")
+                return
+            except ap.ActivationProtocolError as e:
+                await _reply_error(up, s, e.code, e.message)
+                return
+            if msg is None:
+                return
+            if msg.session != s:
+                await _reply_error(up, msg.session, "unknown_session", "this stream carries another session")
+                return
+            if msg.type == "close":
+                if not last:
+                    await down.send(ap.Message("close", s))
+                return
+            if msg.type != "step":
+                await _reply_error(up, s, "unexpected", f"expected step or close, got {msg.type}")
+                return
+            problem = _check_step(msg, expected_step, length, op["max_len"], hidden_size)
+            if problem:
+                await _reply_error(up, s, problem[0], problem[1], n=msg["n"])
+                return
+            hidden = wire.from_message(msg)
+            async with sb.compute:
+                out = await trio.to_thread.run_sync(sb.block.forward, hidden, cache, length)
+                kind = "hidden"
+                if want_logits:
+                    out = await trio.to_thread.run_sync(sb.head.logits, out[:, -1:, :])
+                    kind = "logits"
+            length += hidden.shape[1]
+            expected_step += 1
+            dtype, shape, payload = wire.to_payload(out if kind == "logits" else out.to(hidden.dtype))
+            if last:
+                await down.send(ap.tensor_msg("result", s, n=msg["n"], pos=msg["pos"], dtype=dtype,
+                                              shape=shape, payload=payload, result_kind=kind))
+            else:
+                await down.send(ap.tensor_msg("step", s, n=msg["n"], pos=msg["pos"], dtype=dtype,
+                                              shape=shape, payload=payload))
+
+
+def _check_step(msg: ap.Message, expected_step: int, length: int, max_len: int,
+                hidden_size: int) -> tuple[str, str] | None:
+    shape = msg["shape"]
+    if len(shape) != 3 or shape[0] != 1 or shape[1] < 1:
+        return "shape", f"hidden states must be [1, tokens, {hidden_size}], got {shape}"
+    if shape[2] != hidden_size:
+        return "hidden_size", f"hidden size {shape[2]} does not match the model's {hidden_size}"
+    if msg["n"] != expected_step:
+        return "step_order", f"step {msg['n']} arrived, expected {expected_step}"
+    if msg["pos"] != length:
+        return "position", f"step starts at position {msg['pos']}, the KV cache holds {length}"
+    if length + shape[1] > max_len:
+        return "too_long", f"{length + shape[1]} tokens exceed the session's max_len {max_len}"
+    return None
+
+
+async def _relay_errors(down: MessageStream, up: MessageStream, scope: trio.CancelScope) -> None:
+    """Errors from further down the chain travel back up, hop by hop."""
+    try:
+        while True:
+            msg = await down.recv(10 * 365 * 86400)
+            if msg is None:
+                await _reply_error(up, b"\0" * ap.SESSION_ID_BYTES, "next_hop", "next hop closed the stream")
+                break
+            if msg.type == "error":
+                await up.send(msg)
+                break
+    except (ShardnetError, ap.ActivationProtocolError) as e:
+        await _reply_error(up, b"\0" * ap.SESSION_ID_BYTES, "next_hop", f"next hop failed: {e}")
+    scope.cancel()
+
+
+async def _reply_error(ms: MessageStream, session: bytes, code: str, msg: str, n: int | None = None) -> None:
+    log.info("error reply to %s: %s: %s", ms.remote_peer[:16], code, msg)
+    with trio.move_on_after(5):
+        try:
+            await ms.send(ap.error_msg(session, code, msg, n))
+        except ShardnetError:
+            pass
+
+
+def _peer_info(ref: dict):
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerinfo import PeerInfo
+    from multiaddr import Multiaddr
+
+    addrs = []
+    for a in ref["addrs"]:
+        try:
+            addrs.append(Multiaddr(a.split("/p2p/")[0]))
+        except Exception:
+            continue
+    return PeerInfo(ID.from_base58(ref["peer"]), addrs)
+
+
+def new_session_id() -> bytes:
+    return os.urandom(ap.SESSION_ID_BYTES)
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,224 @@
+"""``/shardnet/activation/1.0.0``: activations streamed through a chain of blocks (sans-IO).
+
+Wire format: a sequence of frames. Each frame is
+
+    u32 frame_length | u32 header_length | CBOR header | raw tensor bytes (possibly empty)
+
+(big-endian lengths). The header is a CBOR map with ``v`` (message version, 1), ``t`` (type)
+and ``s`` (16-byte session ID), plus per type:
+
+    open    model (hex model ID), layers [start, end], max_len, chain [{peer, addrs, layers}...]
+            (the hops after the receiver), ret {peer, addrs} (where the last hop returns),
+            logits (bool: the last hop applies norm + LM head and returns logits)
+    ready   -                        (sent upstream once the rest of the chain is ready)
+    attach  -                        (last hop -> client, first frame of the return stream)
+    step    n (step number), pos (first position), dtype, shape   + tensor bytes
+    result  n, pos, dtype, shape, kind ("hidden" | "logits")      + tensor bytes
+    close   -
+    error   code, msg, n (optional)
+
+Tensors are never pickled: a dtype name, a shape, and the little-endian element bytes, whose
+length must equal prod(shape) * itemsize. Everything is checked before a message is returned;
+a bad frame raises ``ActivationProtocolError`` with a code and a message naming the problem.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import cbor2
+
+from .framing import FrameDecoder, FrameError, encode_frame
+
+PROTOCOL_ID = "/shardnet/activation/1.0.0"
+MESSAGE_VERSION = 1
+SESSION_ID_BYTES = 16
+DEFAULT_MAX_FRAME = 256 << 20
+
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MESSAGE_TYPES = ("open", "ready", "attach", "step", "result", "close", "error")
+RESULT_KINDS = ("hidden", "logits")
+_HDR = struct.Struct(">I")
+
+
+class ActivationProtocolError(ValueError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Hop:
+    peer: str
+    addrs: list[str]
+    layers: tuple[int, int]
+
+    def to_wire(self) -> dict:
+        return {"peer": self.peer, "addrs": list(self.addrs), "layers": list(self.layers)}
+
+
+@dataclass
+class Message:
+    type: str
+    session: bytes
+    fields: dict[str, Any] = field(default_factory=dict)
+    payload: bytes = b""
+
+    def __getitem__(self, key: str) -> Any:
+        return self.fields[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+
+# -- constructors ------------------------------------------------------------------------------
+def open_msg(session: bytes, *, model: str, layers: tuple[int, int], max_len: int, chain: list[Hop],
+             ret: dict, logits: bool = False) -> Message:
+    return Message("open", session, {"model": model, "layers": list(layers), "max_len": max_len,
+                                     "chain": [h.to_wire() for h in chain], "ret": ret, "logits": logits})
+
+
+def tensor_msg(kind: str, session: bytes, *, n: int, pos: int, dtype: str, shape: list[int],
+               payload: bytes, result_kind: str = "hidden") -> Message:
+    f = {"n": n, "pos": pos, "dtype": dtype, "shape": list(shape)}
+    if kind == "result":
+        f["kind"] = result_kind
+    return Message(kind, session, f, payload)
+
+
+def error_msg(session: bytes, code: str, msg: str, n: int | None = None) -> Message:
+    f: dict[str, Any] = {"code": code, "msg": msg}
+    if n is not None:
+        f["n"] = n
+    return Message("error", session, f)
+
+
+# -- codec -------------------------------------------------------------------------------------
+def encode(msg: Message, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    header = cbor2.dumps({"v": MESSAGE_VERSION, "t": msg.type, "s": msg.session, **msg.fields})
+    try:
+        return encode_frame(_HDR.pack(len(header)) + header + msg.payload, max_frame)
+    except FrameError as e:
+        raise ActivationProtocolError("too_large", str(e)) from None
+
+
+class ActivationDecoder:
+    """Feed bytes, get validated messages."""
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.frames = FrameDecoder(max_frame)
+
+    def feed(self, data: bytes) -> list[Message]:
+        try:
+            frames = self.frames.feed(data)
+        except FrameError as e:
+            raise ActivationProtocolError("too_large", str(e)) from None
+        return [decode_frame(f) for f in frames]
+
+    @property
+    def pending(self) -> int:
+        return self.frames.pending
+
+
+def decode_frame(frame: bytes) -> Message:
+    if len(frame) < _HDR.size:
+        raise ActivationProtocolError("malformed", "frame shorter than its header length")
+    (hlen,) = _HDR.unpack_from(frame)
+    if hlen > len(frame) - _HDR.size:
+        raise ActivationProtocolError("malformed", f"header length {hlen} exceeds the frame")
+    try:
+        header = cbor2.loads(frame[_HDR.size:_HDR.size + hlen])
+    except Exception as e:
+        raise ActivationProtocolError("malformed", f"header is not CBOR ({e})") from None
+    if not isinstance(header, dict):
+        raise ActivationProtocolError("malformed", "header is not a CBOR map")
+    payload = frame[_HDR.size + hlen:]
+    version = header.pop("v", None)
+    if version != MESSAGE_VERSION:
+        raise ActivationProtocolError("version", f"unsupported message version {version!r} (speak {MESSAGE_VERSION})")
+    mtype = header.pop("t", None)
+    if mtype not in MESSAGE_TYPES:
+        raise ActivationProtocolError("unknown_type", f"unknown message type {mtype!r}")
+    session = header.pop("s", None)
+    if not isinstance(session, bytes) or len(session) != SESSION_ID_BYTES:
+        raise ActivationProtocolError("malformed", f"session ID must be {SESSION_ID_BYTES} bytes")
+    msg = Message(mtype, session, header, payload)
+    _VALIDATORS[mtype](msg)
+    if mtype not in ("step", "result") and payload:
+        raise ActivationProtocolError("malformed", f"{mtype} carries {len(payload)} unexpected payload bytes")
+    return msg
+
+
+def _need(msg: Message, key: str, typ: type) -> Any:
+    v = msg.fields.get(key)
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise ActivationProtocolError("malformed", f"{msg.type}.{key} missing or of the wrong type")
+    return v
+
+
+def _layers(v: Any, where: str) -> tuple[int, int]:
+    if (not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+            or not 0 <= v[0] < v[1]):
+        raise ActivationProtocolError("malformed", f"{where} must be [start, end] with 0 <= start < end")
+    return v[0], v[1]
+
+
+def _peer_ref(v: Any, where: str) -> None:
+    if not isinstance(v, dict) or not isinstance(v.get("peer"), str) or not isinstance(v.get("addrs"), list) \
+            or not all(isinstance(a, str) for a in v["addrs"]):
+        raise ActivationProtocolError("malformed", f"{where} must be {{peer: str, addrs: [str]}}")
+
+
+def _v_open(msg: Message) -> None:
+    model = _need(msg, "model", str)
+    if len(model) != 64 or any(c not in "0123456789abcdef" for c in model):
+        raise ActivationProtocolError("malformed", "open.model must be a 64-digit hex model ID")
+    _layers(msg.fields.get("layers"), "open.layers")
+    max_len = _need(msg, "max_len", int)
+    if max_len <= 0:
+        raise ActivationProtocolError("malformed", "open.max_len must be positive")
+    chain = _need(msg, "chain", list)
+    if len(chain) > 256:
+        raise ActivationProtocolError("malformed", "open.chain is longer than 256 hops")
+    for i, hop in enumerate(chain):
+        _peer_ref(hop, f"open.chain[{i}]")
+        _layers(hop.get("layers"), f"open.chain[{i}].layers")
+    _peer_ref(msg.fields.get("ret"), "open.ret")
+    if not isinstance(msg.fields.get("logits", False), bool):
+        raise ActivationProtocolError("malformed", "open.logits must be a boolean")
+
+
+def _v_tensor(msg: Message) -> None:
+    for key in ("n", "pos"):
+        if _need(msg, key, int) < 0:
+            raise ActivationProtocolError("malformed", f"{msg.type}.{key} must be >= 0")
+    dtype = msg.fields.get("dtype")
+    if dtype not in DTYPE_SIZES:
+        raise ActivationProtocolError("dtype", f"unsupported dtype {dtype!r} (use {', '.join(DTYPE_SIZES)})")
+    shape = msg.fields.get("shape")
+    if (not isinstance(shape, list) or not 1 <= len(shape) <= 4
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise ActivationProtocolError("shape", f"shape must be 1 to 4 non-negative integers, got {shape!r}")
+    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if expected != len(msg.payload):
+        raise ActivationProtocolError(
+            "shape", f"shape {shape} of {dtype} needs {expected} bytes, the frame carries {len(msg.payload)}")
+    if msg.type == "result" and msg.fields.get("kind") not in RESULT_KINDS:
+        raise ActivationProtocolError("malformed", f"result.kind must be one of {RESULT_KINDS}")
+
+
+def _v_error(msg: Message) -> None:
+    _need(msg, "code", str)
+    _need(msg, "msg", str)
+
+
+def _v_none(msg: Message) -> None:
+    pass
+
+
+_VALIDATORS = {"open": _v_open, "ready": _v_none, "attach": _v_none, "step": _v_tensor,
+               "result": _v_tensor, "close": _v_none, "error": _v_error}

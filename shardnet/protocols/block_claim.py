@@ -1,0 +1,100 @@
+"""``/shardnet/block-claim/1.0.0``: a compute peer's signed claim to serve a layer range (sans-IO).
+
+A claim says: peer P serves layers [start, end) of model M, has room for ``kv_tokens`` tokens
+of KV cache, estimates ``tput`` tokens/s, is reachable at ``addrs``, until ``expires`` (Unix
+time). It is signed with the peer's Ed25519 identity key, so anyone can check it came from P
+and was not altered; it travels through the DHT (a signed value plus a provider record), the
+gossipsub topic ``/shardnet/block-claim/1.0.0/<model>``, and this protocol's stream (a peer
+answers a request with its current claims).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import cbor2
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.serialization import deserialize_public_key
+from libp2p.peer.id import ID
+
+PROTOCOL_ID = "/shardnet/block-claim/1.0.0"
+CLAIM_VERSION = 1
+SIGNING_DOMAIN = b"shardnet-block-claim/1"
+MAX_CLAIM_BYTES = 16 * 1024
+
+
+class ClaimError(ValueError):
+    """A claim is malformed, forged or expired."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    model: str
+    start: int
+    end: int
+    kv_tokens: int
+    tput: float
+    addrs: tuple[str, ...]
+    expires: float
+    peer: str
+
+    def covers(self, layer: int) -> bool:
+        return self.start <= layer < self.end
+
+
+def topic(model_id: str) -> str:
+    return f"{PROTOCOL_ID}/{model_id}"
+
+
+def _body(c: Claim) -> dict:
+    d = asdict(c)
+    d["addrs"] = list(c.addrs)
+    return d
+
+
+def encode(key_pair: KeyPair, claim: Claim) -> bytes:
+    if str(ID.from_pubkey(key_pair.public_key)) != claim.peer:
+        raise ClaimError("a claim must be signed by the peer it names")
+    body = _body(claim)
+    sig = key_pair.private_key.sign(cbor2.dumps([SIGNING_DOMAIN, body], canonical=True))
+    blob = cbor2.dumps({"v": CLAIM_VERSION, "claim": body, "pk": key_pair.public_key.serialize(), "sig": sig})
+    if len(blob) > MAX_CLAIM_BYTES:
+        raise ClaimError(f"claim of {len(blob)} bytes exceeds {MAX_CLAIM_BYTES}")
+    return blob
+
+
+def decode(blob: bytes, *, now: float | None = None) -> Claim:
+    """Verify and return the claim; ClaimError naming the first problem otherwise."""
+    if len(blob) > MAX_CLAIM_BYTES:
+        raise ClaimError(f"claim of {len(blob)} bytes exceeds {MAX_CLAIM_BYTES}")
+    try:
+        m = cbor2.loads(blob)
+    except Exception as e:
+        raise ClaimError(f"claim is not CBOR ({e})") from None
+    if not isinstance(m, dict) or m.get("v") != CLAIM_VERSION:
+        raise ClaimError(f"unknown claim version {m.get('v') if isinstance(m, dict) else None!r}")
+    body, pk_b, sig = m.get("claim"), m.get("pk"), m.get("sig")
+    if not isinstance(body, dict) or not isinstance(pk_b, bytes) or not isinstance(sig, bytes):
+        raise ClaimError("claim fields have the wrong types")
+    try:
+        c = Claim(model=body["model"], start=body["start"], end=body["end"], kv_tokens=body["kv_tokens"],
+                  tput=float(body["tput"]), addrs=tuple(body["addrs"]), expires=float(body["expires"]),
+                  peer=body["peer"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ClaimError(f"claim body incomplete ({e})") from None
+    if not (isinstance(c.model, str) and isinstance(c.peer, str) and all(isinstance(a, str) for a in c.addrs)
+            and isinstance(c.start, int) and isinstance(c.end, int) and 0 <= c.start < c.end
+            and isinstance(c.kv_tokens, int) and c.kv_tokens >= 0):
+        raise ClaimError("claim body has the wrong types or an empty layer range")
+    try:
+        pk = deserialize_public_key(pk_b)
+    except Exception as e:
+        raise ClaimError(f"claim public key unreadable ({e})") from None
+    if str(ID.from_pubkey(pk)) != c.peer:
+        raise ClaimError("claim is signed by a key other than its peer's")
+    if not pk.verify(cbor2.dumps([SIGNING_DOMAIN, body], canonical=True), sig):
+        raise ClaimError("claim signature does not verify")
+    if c.expires < (time.time() if now is None else now):
+        raise ClaimError("claim has expired")
+    return c
