@@ -290,15 +290,171 @@ def ping(maddr: str, count: int, timeout: float) -> None:
     run(_main)
 
 
+def model_path_option(f):
+    return click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                        default=None, help="Checkpoint directory (default: the shipped tiny-llama).")(f)
+
+
+def _model_dir(path: Path | None) -> Path:
+    from .models import default_model_path
+
+    return path or default_model_path()
+
+
 @main.command()
-@click.option("--nodes", default=3, show_default=True, help="Compute nodes to start besides the bootstrap.")
-@click.option("--timeout", default=60.0, show_default=True, help="Give up after this many seconds.")
-def demo(nodes: int, timeout: float) -> None:
-    """Start a local swarm (bootstrap + nodes, separate processes), show it working, stop it."""
-    from .demo import run_overlay_demo
+@identity_option
+@network_options(DEFAULT_SERVER_LISTEN)
+@model_path_option
+@click.option("--layers", default=None, metavar="START:END", help="Layers to serve (default: all).")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
+@click.option("--kv-budget-mb", default=512, show_default=True, help="KV cache memory for all sessions.")
+@click.option("--hold-head", is_flag=True, help="Also hold the final norm and LM head (last block only).")
+@click.option("--events", is_flag=True, help="JSON events on stdout, JSON commands on stdin.")
+@_wrap_errors
+def join(identity, listen, announce, bootstrap, quic, mdns, model_path, layers, dtype, device, kv_budget_mb,
+         hold_head, events) -> None:
+    """Serve a block of a model's layers to the swarm."""
+    from .inference.block import parse_layers
+    from .inference.checkpoint import Checkpoint, CheckpointError
+    from .inference.peer import serve_block
+    from .node_control import NodeControl
+    from .transport import open_node
+
+    path = _model_dir(model_path)
+    try:
+        ckpt = Checkpoint(path)
+        start, end = parse_layers(layers or f"0:{ckpt.num_layers}", ckpt.num_layers)
+    except CheckpointError as e:
+        fail(str(e))
+    cfg = make_config(identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,
+                      quic=quic, mdns=mdns, default_listen=DEFAULT_SERVER_LISTEN)
+
+    async def _main() -> None:
+        async with open_node(cfg) as n, serve_block(n, str(path), start, end, dtype=dtype, device=device,
+                                                    kv_budget_bytes=kv_budget_mb << 20, hold_head=hold_head) as info:
+            if events:
+                _emit({"event": "serving", "model": info.model_id, "layers": [start, end]})
+            else:
+                _say(f"serving layers {start}:{end} of {path.name} (model {info.model_id[:16]}…)")
+            control = NodeControl(n, emit=_emit if events else None, say=_say)
+            await control.run(topics=[], read_commands=events)
+
+    run(_main)
+
+
+@main.command()
+@network_options("/ip4/0.0.0.0/tcp/0")
+@model_path_option
+@click.argument("prompt")
+@click.option("--max-new-tokens", "-n", default=48, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--seed", default=None, type=int)
+@click.option("--logits-on-last", is_flag=True, help="Let the last peer apply the LM head (thin client).")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
+@_wrap_errors
+def generate(listen, announce, bootstrap, quic, mdns, model_path, prompt, max_new_tokens, temperature, top_p,
+             top_k, seed, logits_on_last, dtype) -> None:
+    """Generate text from PROMPT through the swarm; print tokens as they arrive."""
+    from .inference.client import Client, LocalModel
+    from .transport import open_node
+
+    if not bootstrap and not mdns:
+        fail("generate needs --bootstrap MADDR (or --mdns)", 2)
+    path = _model_dir(model_path)
+    cfg = make_config(identity=None, listen=listen, announce=announce, bootstrap=bootstrap, quic=quic,
+                      mdns=mdns, default_listen="/ip4/0.0.0.0/tcp/0", persistent=False, dht_mode="client")
+
+    async def _main() -> None:
+        model = await trio.to_thread.run_sync(lambda: LocalModel(path, dtype=dtype, lm_head=not logits_on_last))
+        async with open_node(cfg) as n:
+            if bootstrap:
+                await n.wait_bootstrapped()
+            client = Client(n, model, logits_on_last=logits_on_last)
+            await _stream_generation(client, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_p=top_p, top_k=top_k, seed=seed)
+
+    run(_main)
+
+
+async def _stream_generation(client, prompt: str, **kw) -> None:
+    log.info("finding peers for model %s…", client.model.model_id[:16])
+    sys.stdout.write(prompt)
+    async for tok in client.generate(prompt, **kw):
+        sys.stdout.write(tok.text)
+        sys.stdout.flush()
+    st = client.last_stats
+    sys.stdout.write("\n")
+    click.echo(f"-- {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s decode, prefill {st.prefill_s * 1000:.0f} ms")
+    click.echo("-- chain: " + " -> ".join(f"{c.peer[:12]}… [{c.start}:{c.end}]" for c in st.chain))
+
+
+@main.group()
+def model() -> None:
+    """Model files: random checkpoints, manifests."""
+
+
+@model.command("init-random")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--family", default="llama", type=click.Choice(["llama", "mistral", "qwen2", "qwen3"]), show_default=True)
+@click.option("--layers", default=4, show_default=True)
+@click.option("--hidden", default=64, show_default=True)
+@click.option("--heads", default=4, show_default=True)
+@click.option("--kv-heads", default=2, show_default=True)
+@click.option("--intermediate", default=None, type=int)
+@click.option("--vocab", default=512, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--shards", default=1, show_default=True, help="Split the weights into this many files.")
+def model_init_random(out, family, layers, hidden, heads, kv_heads, intermediate, vocab, seed, dtype, shards) -> None:
+    """Write a random checkpoint (any size) to OUT."""
+    from .inference.random_model import init_random
+
+    if hidden % heads or heads % kv_heads:
+        fail("--hidden must be a multiple of --heads, and --heads of --kv-heads", 2)
+    path = init_random(out, family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                       intermediate=intermediate, vocab=vocab, seed=seed, dtype=dtype, shards=shards)
+    _say(f"wrote {family} ({layers} layers, hidden {hidden}) to {path}")
+
+
+@model.command("manifest")
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def model_manifest(path, as_json) -> None:
+    """Print a checkpoint's model ID (and its manifest with --json)."""
+    from .inference.checkpoint import Checkpoint, CheckpointError
 
     try:
-        run_overlay_demo(nodes=nodes, timeout=timeout, say=_say)
+        ck = Checkpoint(path)
+        m = ck.manifest()
+    except CheckpointError as e:
+        fail(str(e))
+    if as_json:
+        _say(json.dumps({"model_id": ck.model_id, "manifest": m}, indent=2))
+    else:
+        _say(f"model id: {ck.model_id}")
+        _say(f"family:   {m['model_type']}, {m['num_layers']} layers")
+
+
+@main.command()
+@model_path_option
+@click.option("--prompt", default=None, help="Prompt (default: the start of a Python function).")
+@click.option("--max-new-tokens", "-n", default=48, show_default=True)
+@click.option("--peers", default=3, show_default=True, help="Compute peers to start.")
+@click.option("--timeout", default=120.0, show_default=True, help="Give up after this many seconds.")
+@click.option("--overlay-only", is_flag=True, help="Only show the overlay (discovery, streams, gossip).")
+def demo(model_path, prompt, max_new_tokens, peers, timeout, overlay_only) -> None:
+    """Start a local swarm serving the shipped model, generate, print the layer map, stop it all."""
+    from .demo import run_model_demo, run_overlay_demo
+
+    try:
+        if overlay_only:
+            run_overlay_demo(nodes=peers, timeout=timeout, say=_say)
+        else:
+            run_model_demo(model_path=_model_dir(model_path), peers=peers, prompt=prompt,
+                           max_new_tokens=max_new_tokens, timeout=timeout, say=_say)
     except ShardnetError as e:
         fail(str(e))
 

@@ -1,8 +1,10 @@
 """``shardnet demo``: a local swarm of real processes, shown working, then stopped.
 
-Until model serving lands, the demo exercises the overlay itself: a bootstrap node and N nodes as
-separate processes discover each other through the DHT, exchange a gossipsub message, open a
-custom-protocol stream between two nodes introduced only by the bootstrap, and ping each other.
+The default demo starts a bootstrap node and N compute peers (separate processes on loopback),
+each serving a contiguous block of the shipped model's layers, then generates text through them
+from this process, printing tokens as they arrive, the layer map and tokens per second.
+``--overlay-only`` shows the overlay alone: discovery through the DHT, a custom-protocol stream
+between nodes introduced only by the bootstrap, ping, and gossipsub.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Callable
 
 from .localswarm import LocalSwarm
 from .transport.errors import ShardnetError
+
+DEFAULT_PROMPT = "def __init__(self"
 
 TOPIC = "shardnet-demo"
 
@@ -65,5 +69,63 @@ def run_overlay_demo(*, nodes: int, timeout: float, say: Callable[[str], None]) 
         for i, (p, _) in enumerate(members[1:], start=2):
             ev = p.wait_event(lambda e: e.get("event") == "message", timeout)
             say(f"  node{i} received {ev['data']!r} from {ev['from'][:12]}…")
+        say("stopping every process ...")
+    say(f"done in {time.monotonic() - t_start:.1f} s")
+
+
+def split_layers(num_layers: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous, nearly equal ranges covering 0..num_layers."""
+    if not 1 <= parts <= num_layers:
+        raise ShardnetError(f"cannot split {num_layers} layers over {parts} peers")
+    bounds = [round(i * num_layers / parts) for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+def run_model_demo(*, model_path, peers: int, prompt: str | None, max_new_tokens: int, timeout: float,
+                   say: Callable[[str], None]) -> None:
+    import sys
+
+    import trio
+
+    from .inference.checkpoint import Checkpoint
+    from .inference.client import Client, LocalModel
+    from .transport import NodeConfig, open_node
+
+    path = model_path
+    ckpt = Checkpoint(path)
+    ranges = split_layers(ckpt.num_layers, peers)
+    prompt = prompt or DEFAULT_PROMPT
+    t_start = time.monotonic()
+    with LocalSwarm() as swarm:
+        say(f"model {path.name}: {ckpt.num_layers} layers, id {ckpt.model_id[:16]}…")
+        say("starting a bootstrap node ...")
+        boot = swarm.start_bootstrap(timeout)
+        say(f"starting {peers} compute peers (each loads only its layers) ...")
+        started = [swarm.spawn_node(f"peer{i + 1}", "--layers", f"{a}:{b}", "--model", str(path), command="join")
+                   for i, (a, b) in enumerate(ranges)]
+        for i, (p, (a, b)) in enumerate(zip(started, ranges)):
+            ready = swarm.wait_ready(p, timeout)  # "ready" follows "serving"
+            say(f"  peer{i + 1} (pid {p.pid}) serves layers {a}:{b} as {ready['peer_id'][:16]}…")
+
+        async def generate() -> None:
+            model = await trio.to_thread.run_sync(LocalModel, path)
+            async with open_node(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot],
+                                            dht_mode="client")) as node:
+                await node.wait_bootstrapped(timeout)
+                client = Client(node, model)
+                say(f"generating from {prompt!r} (greedy, {max_new_tokens} tokens):\n")
+                sys.stdout.write(prompt)
+                async for tok in client.generate(prompt, max_new_tokens=max_new_tokens):
+                    sys.stdout.write(tok.text)
+                    sys.stdout.flush()
+                st = client.last_stats
+                say("\n")
+                say("layer map (the chain the client used):")
+                for c in st.chain:
+                    say(f"  layers {c.start:>2}:{c.end:<2}  {c.peer}")
+                say(f"{st.new_tokens} tokens at {st.tokens_per_s:.1f} tok/s (decode), "
+                    f"prefill of {st.prompt_tokens} tokens in {st.prefill_s * 1000:.0f} ms")
+
+        trio.run(generate)
         say("stopping every process ...")
     say(f"done in {time.monotonic() - t_start:.1f} s")

@@ -158,13 +158,22 @@ class LocalSwarm:
         self.bootstrap, self.bootstrap_addr = p, addrs[0]
         return addrs[0]
 
-    def start_node(self, name: str, *extra: str, timeout: float = 30.0) -> tuple[ShardnetProcess, dict]:
+    def start_node(self, name: str, *extra: str, timeout: float = 30.0,
+                   command: str = "node") -> tuple[ShardnetProcess, dict]:
+        """``shardnet node`` (or ``join``, with ``command``) in --events mode; waits for ready."""
+        p = self.spawn_node(name, *extra, command=command)
+        return p, self.wait_ready(p, timeout)
+
+    def spawn_node(self, name: str, *extra: str, command: str = "node") -> ShardnetProcess:
+        """Start without waiting (several nodes load in parallel); then ``wait_ready``."""
         if self.bootstrap_addr is None:
             raise ShardnetError("start the bootstrap first")
-        p = self._spawn(name, ["node", "--events", "--identity", str(self.workdir / f"{name}.key"),
-                               "--listen", "/ip4/127.0.0.1/tcp/0", "--bootstrap", self.bootstrap_addr, *extra])
-        ready = p.wait_event(lambda e: e.get("event") == "ready", timeout)
-        return p, ready
+        return self._spawn(name, [command, "--events", "--identity", str(self.workdir / f"{name}.key"),
+                                  "--listen", "/ip4/127.0.0.1/tcp/0", "--bootstrap", self.bootstrap_addr, *extra])
+
+    @staticmethod
+    def wait_ready(p: ShardnetProcess, timeout: float = 30.0) -> dict:
+        return p.wait_event(lambda e: e.get("event") == "ready", timeout)
 
     def _spawn(self, name: str, args: list[str]) -> ShardnetProcess:
         p = ShardnetProcess(name, args, workdir=self.workdir)

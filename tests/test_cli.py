@@ -114,8 +114,8 @@ def test_bootstrap_prints_its_full_multiaddr_and_stops_on_sigterm(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_runs_and_cleans_up():
-    r = shardnet("demo", timeout=180)
+def test_overlay_demo_runs_and_cleans_up():
+    r = shardnet("demo", "--overlay-only", timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all 3 nodes know each other" in r.stdout
     assert "echoed back: 'hello over the overlay'" in r.stdout
