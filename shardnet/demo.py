@@ -73,14 +73,6 @@ def run_overlay_demo(*, nodes: int, timeout: float, say: Callable[[str], None]) 
     say(f"done in {time.monotonic() - t_start:.1f} s")
 
 
-def split_layers(num_layers: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous, nearly equal ranges covering 0..num_layers."""
-    if not 1 <= parts <= num_layers:
-        raise ShardnetError(f"cannot split {num_layers} layers over {parts} peers")
-    bounds = [round(i * num_layers / parts) for i in range(parts + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(parts)]
-
-
 def run_model_demo(*, model_path, peers: int, prompt: str | None, max_new_tokens: int, timeout: float,
                    say: Callable[[str], None]) -> None:
     import sys
@@ -89,6 +81,7 @@ def run_model_demo(*, model_path, peers: int, prompt: str | None, max_new_tokens
 
     from .inference.checkpoint import Checkpoint
     from .inference.client import Client, LocalModel
+    from .inference.layout import split_layers
     from .transport import NodeConfig, open_node
 
     path = model_path

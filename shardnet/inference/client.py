@@ -106,7 +106,7 @@ class InferenceSession:
         self.step_no = 0
         self.error: InferenceError | None = None
 
-    async def _open(self, nursery: trio.Nursery) -> None:
+    async def _open(self) -> None:
         node, route, s = self.client.node, self.client_route(), self.session
         ep = ActivationEndpoint.of(node)
         returns = ep.expect_return(s, route[-1].peer)
@@ -132,7 +132,6 @@ class InferenceSession:
             raise InferenceError("timeout", "the chain did not become ready in time") from None
         finally:
             ep.forget_return(s)
-        nursery.start_soon(self._watch_errors)
 
     def client_route(self) -> list[Claim]:
         return self.route
@@ -210,13 +209,22 @@ class Client:
     async def session(self, max_len: int, route: list[Claim] | None = None) -> AsyncIterator[InferenceSession]:
         route = route or await self.find_route()
         sess = InferenceSession(self, route, max_len)
-        async with trio.open_nursery() as nursery:
-            try:
-                await sess._open(nursery)
-                yield sess
-            finally:
+        body_error: BaseException | None = None
+        try:
+            await sess._open()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sess._watch_errors)
+                try:
+                    yield sess
+                except BaseException as e:  # re-raised below as itself, not as an exception group
+                    body_error = e
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
                 await sess.close()
-                nursery.cancel_scope.cancel()
+        if body_error is not None:
+            raise body_error
 
     async def generate(self, prompt: str | list[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None,

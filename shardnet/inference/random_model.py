@@ -21,7 +21,8 @@ _TOKENIZER_TEXT = (
 
 
 def make_config(family: str, *, layers: int, hidden: int, heads: int, kv_heads: int | None,
-                intermediate: int | None, vocab: int, max_positions: int = 2048):
+                intermediate: int | None, vocab: int, max_positions: int = 2048,
+                sliding_window: int | None = None):
     from transformers import AutoConfig
 
     kw = dict(
@@ -29,9 +30,12 @@ def make_config(family: str, *, layers: int, hidden: int, heads: int, kv_heads: 
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
         max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        # larger than the usual 0.02, so a random model's output depends on its context (near-zero
+        # weights make every prompt continue with one repeated token, a weak test)
+        initializer_range=0.25,
     )
     if family == "mistral":
-        kw["sliding_window"] = None
+        kw["sliding_window"] = sliding_window
     if family == "qwen3":
         kw["head_dim"] = hidden // heads
     return AutoConfig.for_model(family, **kw)
@@ -53,14 +57,15 @@ def write_tokenizer(out: Path, vocab: int) -> None:
 
 def init_random(out: str | Path, family: str = "llama", *, layers: int = 4, hidden: int = 64,
                 heads: int = 4, kv_heads: int | None = 2, intermediate: int | None = None,
-                vocab: int = 512, seed: int = 0, dtype: str = "float32", shards: int = 1) -> Path:
+                vocab: int = 512, seed: int = 0, dtype: str = "float32", shards: int = 1,
+                sliding_window: int | None = None) -> Path:
     """Create a random ``family`` checkpoint in ``out``; returns the directory."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = make_config(family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                      intermediate=intermediate, vocab=vocab)
+                      intermediate=intermediate, vocab=vocab, sliding_window=sliding_window)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     if family == "qwen2":
