@@ -138,6 +138,7 @@ class LocalSwarm:
     def __init__(self, workdir: Path | None = None) -> None:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="shardnet-swarm-")
         self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.procs: list[ShardnetProcess] = []
         self.bootstrap_addr: str | None = None
         self.bootstrap: ShardnetProcess | None = None

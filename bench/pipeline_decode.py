@@ -1,0 +1,115 @@
+"""Greedy decode through a chain of peers vs the same model in one process, in one run.
+
+    python bench/pipeline_decode.py [--model PATH] [--peers 3] [--tokens 64] [--repeats 3]
+
+Starts a bootstrap node and --peers compute peers (``shardnet join``, separate processes on
+loopback, each serving a contiguous block), then measures, alternating so load drift hits both:
+
+- in one process: transformers' ``AutoModelForCausalLM`` greedy decode with its KV cache;
+- through the chain: ``Client.generate`` (greedy), from this process.
+
+Prints decode tokens/s for each (prefill excluded), the ratio, and the per-hop overhead:
+(chain time per token - local time per token) / (peers + 1), the number of network hops a token
+crosses (client -> first peer -> ... -> last peer -> client).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from shardnet.inference.checkpoint import Checkpoint  # noqa: E402
+from shardnet.inference.client import Client, LocalModel  # noqa: E402
+from shardnet.inference.layout import split_layers  # noqa: E402
+from shardnet.localswarm import LocalSwarm  # noqa: E402
+from shardnet.models import default_model_path  # noqa: E402
+from shardnet.transport import NodeConfig, open_node  # noqa: E402
+
+PROMPT = "def __init__(self"
+
+
+def local_decode(model, ids: list[int], tokens: int) -> tuple[float, list[int]]:
+    """Seconds per decoded token (prefill excluded) and the tokens, transformers in one process."""
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), use_cache=True)
+        cache, nxt = out.cache, int(out.logits[0, -1].argmax())
+        got = [nxt]
+        t0 = time.perf_counter()
+        for _ in range(tokens - 1):
+            out = model(torch.tensor([[nxt]]), cache=cache, use_cache=True)
+            cache, nxt = out.cache, int(out.logits[0, -1].argmax())
+            got.append(nxt)
+        return (time.perf_counter() - t0) / (tokens - 1), got
+
+
+async def chain_decode(client: Client, ids: list[int], tokens: int) -> tuple[float, list[int]]:
+    got = [t.id async for t in client.generate(ids, max_new_tokens=tokens, stop_at_eos=False)]
+    st = client.last_stats
+    return st.decode_s / max(st.new_tokens - 1, 1), got
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=default_model_path())
+    p.add_argument("--peers", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    logging.disable(logging.CRITICAL)
+    torch.set_num_threads(1)  # each peer process is single-threaded too: a like-for-like compute budget
+
+    from transformers import AutoModelForCausalLM
+
+    ckpt = Checkpoint(args.model)
+    ranges = split_layers(ckpt.num_layers, args.peers)
+    ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    model = LocalModel(args.model)
+    ids = model.encode(PROMPT)
+
+    with LocalSwarm() as swarm:
+        boot = swarm.start_bootstrap()
+        procs = [swarm.spawn_node(f"p{i}", "--model", str(args.model), "--layers", f"{a}:{b}", command="join")
+                 for i, (a, b) in enumerate(ranges)]
+        for pr in procs:
+            swarm.wait_ready(pr, 120)
+
+        async def run() -> tuple[list[float], list[float], bool]:
+            local, chain, same = [], [], True
+            async with open_node(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot],
+                                            dht_mode="client")) as node:
+                await node.wait_bootstrapped(30)
+                client = Client(node, model)
+                await chain_decode(client, ids, 4)  # warm-up: route, connections
+                for _ in range(args.repeats):
+                    t_local, want = local_decode(ref, ids, args.tokens)
+                    t_chain, got = await chain_decode(client, ids, args.tokens)
+                    local.append(t_local)
+                    chain.append(t_chain)
+                    same = same and got == want
+            return local, chain, same
+
+        local, chain, same = trio.run(run)
+
+    t_local, t_chain = statistics.median(local), statistics.median(chain)
+    hops = args.peers + 1
+    print(f"model {args.model.name}: {ckpt.num_layers} layers over {args.peers} peers {ranges}; "
+          f"{args.tokens} tokens x {args.repeats} runs, greedy, medians")
+    print(f"{'':28}{'one process':>14}{'chain':>12}{'ratio':>10}")
+    print(f"{'decode (tok/s)':28}{1 / t_local:14.1f}{1 / t_chain:12.1f}{t_local / t_chain:10.3f}   (chain/local)")
+    print(f"{'time per token (ms)':28}{t_local * 1e3:14.2f}{t_chain * 1e3:12.2f}")
+    print(f"per-hop overhead: {(t_chain - t_local) / hops * 1e3:.2f} ms over {hops} network hops per token")
+    print(f"greedy tokens identical to transformers: {same}")
+
+
+if __name__ == "__main__":
+    main()
