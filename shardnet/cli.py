@@ -354,9 +354,10 @@ def join(identity, listen, announce, bootstrap, quic, mdns, model_path, layers, 
 @click.option("--seed", default=None, type=int)
 @click.option("--logits-on-last", is_flag=True, help="Let the last peer apply the LM head (thin client).")
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--route-timeout", default=30.0, show_default=True, help="Seconds to wait for peers covering the model.")
 @_wrap_errors
 def generate(listen, announce, bootstrap, quic, mdns, model_path, prompt, max_new_tokens, temperature, top_p,
-             top_k, seed, logits_on_last, dtype) -> None:
+             top_k, seed, logits_on_last, dtype, route_timeout) -> None:
     """Generate text from PROMPT through the swarm; print tokens as they arrive."""
     from .inference.client import Client, LocalModel
     from .transport import open_node
@@ -372,7 +373,7 @@ def generate(listen, announce, bootstrap, quic, mdns, model_path, prompt, max_ne
         async with open_node(cfg) as n:
             if bootstrap:
                 await n.wait_bootstrapped()
-            client = Client(n, model, logits_on_last=logits_on_last)
+            client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout)
             await _stream_generation(client, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, seed=seed)
 

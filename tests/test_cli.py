@@ -186,3 +186,46 @@ def test_node_control_answers_bad_commands_and_keeps_serving(swarm):
         r = p.command(bad, 30)
         assert r["ok"] is False and r["error"], r
     assert p.command({"cmd": "peers"})["ok"] is True
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from shardnet.inference.random_model import init_random
+
+    return init_random(tmp_path_factory.mktemp("cli-model") / "m", "llama", layers=4, hidden=32, heads=2,
+                       kv_heads=1, vocab=300, seed=4)
+
+
+@pytest.mark.slow
+def test_join_then_generate_through_two_peers(swarm, tiny_model):
+    procs = [swarm.spawn_node(f"j{a}", "--model", str(tiny_model), "--layers", f"{a}:{b}", command="join")
+             for a, b in ((0, 2), (2, 4))]
+    for p in procs:
+        swarm.wait_ready(p, 120)
+    r = shardnet("generate", "--model", str(tiny_model), "--bootstrap", swarm.bootstrap_addr, "-n", "6",
+                 "hello world", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("hello world")
+    assert re.search(r"-- \d+ tokens, [0-9.]+ tok/s decode", r.stdout), r.stdout
+    assert re.search(r"-- chain: \S+ \[0:2\] -> \S+ \[2:4\]", r.stdout), r.stdout
+
+
+def test_generate_without_peers_fails_in_one_line(swarm, tiny_model):
+    r = shardnet("generate", "--model", str(tiny_model), "--bootstrap", swarm.bootstrap_addr,
+                 "--route-timeout", "2", "hi", timeout=120)
+    assert_one_line_failure(r, r"no live peer serves layers starting at 0")
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--layers", "3:2"], r"outside the model's 0:4"),
+    (["--layers", "0:9"], r"outside the model's 0:4"),
+    (["--layers", "x"], r"not START:END"),
+])
+def test_join_with_bad_layers_fails_in_one_line(tiny_model, tmp_path, args, pattern):
+    r = shardnet("join", "--model", str(tiny_model), "--identity", str(tmp_path / "k"), *args)
+    assert_one_line_failure(r, pattern)
+
+
+def test_join_with_a_non_model_directory_fails_in_one_line(tmp_path):
+    r = shardnet("join", "--model", str(tmp_path), "--identity", str(tmp_path / "k"))
+    assert_one_line_failure(r, r"has no config.json")

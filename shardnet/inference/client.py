@@ -183,16 +183,19 @@ class InferenceSession:
 
 class Client:
     def __init__(self, node: Node, model: LocalModel, *, logits_on_last: bool = False,
-                 route: list[Claim] | None = None) -> None:
+                 route: list[Claim] | None = None, route_timeout: float = 30.0) -> None:
         self.node, self.model = node, model
+        self.route_timeout = route_timeout
         self.logits_on_last = logits_on_last
         self.fixed_route = route
         self.last_stats: GenerationStats | None = None
         ActivationEndpoint.of(node)  # accept the chain's direct return
 
-    async def find_route(self, *, timeout: float = 30.0) -> list[Claim]:
+    async def find_route(self, *, timeout: float | None = None) -> list[Claim]:
+        """A chain covering every layer; waits up to ``timeout`` for peers to appear."""
         if self.fixed_route:
             return self.fixed_route
+        timeout = self.route_timeout if timeout is None else timeout
         deadline = trio.current_time() + timeout
         last_error: Exception | None = None
         while trio.current_time() < deadline:
