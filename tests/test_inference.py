@@ -166,3 +166,22 @@ def test_model_id_depends_on_every_layer(tmp_path):
     ma, mb, mc = Checkpoint(a).manifest(), Checkpoint(b).manifest(), Checkpoint(c).manifest()
     assert Checkpoint(a).model_id == Checkpoint(b).model_id != Checkpoint(c).model_id
     assert ma["layers"] == mb["layers"] and ma["layers"][0] != mc["layers"][0]
+
+
+async def test_idle_sessions_expire_and_free_their_kv(loopback_config, checkpoints):
+    path = checkpoints["llama"]
+    async with AsyncExitStack() as stack:
+        peer = await stack.enter_async_context(open_node(loopback_config()))
+        info = await stack.enter_async_context(serve_block(peer, str(path), 0, 4, idle_timeout=0.5))
+        node = await stack.enter_async_context(open_node(loopback_config()))
+        await node.connect(peer.listen_addrs[0])
+        from shardnet.inference.claims import fetch_claims
+
+        client = Client(node, LocalModel(path), route=await fetch_claims(node, str(peer.peer_id)))
+        async with client.session(16) as sess:
+            await sess.forward(client.model.head.embed(torch.tensor([[1, 2, 3]])))
+            assert info.served.kv.used > 0
+            await trio.sleep(1.5)
+            with pytest.raises(InferenceError, match="idle"):
+                await sess.forward(client.model.head.embed(torch.tensor([[4]])))
+        assert info.served.kv.used == 0
