@@ -229,3 +229,15 @@ def test_join_with_bad_layers_fails_in_one_line(tiny_model, tmp_path, args, patt
 def test_join_with_a_non_model_directory_fails_in_one_line(tmp_path):
     r = shardnet("join", "--model", str(tmp_path), "--identity", str(tmp_path / "k"))
     assert_one_line_failure(r, r"has no config.json")
+
+
+@pytest.mark.slow
+def test_model_demo_serves_the_shipped_model():
+    r = shardnet("demo", "--max-new-tokens", "16", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    for i in (1, 2, 3):
+        assert re.search(rf"peer{i} \(pid \d+\) serves layers \d+:\d+", out), out
+    assert re.search(r"layers +0:3 +12D3KooW\w+\n +layers +3:6 +12D3KooW\w+\n +layers +6:8 +12D3KooW\w+", out), out
+    assert re.search(r"\d+ tokens at [0-9.]+ tok/s", out), out
+    assert "def __init__(self" in out
