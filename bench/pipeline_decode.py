@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as shardnet.inference sets it; before torch loads
+
+import torch  # noqa: E402
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

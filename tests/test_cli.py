@@ -238,6 +238,6 @@ def test_model_demo_serves_the_shipped_model():
     out = r.stdout
     for i in (1, 2, 3):
         assert re.search(rf"peer{i} \(pid \d+\) serves layers \d+:\d+", out), out
-    assert re.search(r"layers +0:3 +12D3KooW\w+\n +layers +3:6 +12D3KooW\w+\n +layers +6:8 +12D3KooW\w+", out), out
+    assert re.search(r"layers +0:3 +12D3KooW\w+\n +layers +3:5 +12D3KooW\w+\n +layers +5:8 +12D3KooW\w+", out), out
     assert re.search(r"\d+ tokens at [0-9.]+ tok/s", out), out
     assert "def __init__(self" in out

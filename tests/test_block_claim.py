@@ -1,0 +1,59 @@
+import random
+
+import cbor2
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardnet.inference.claims import NoRouteError, plan_route
+from shardnet.protocols import block_claim as bc
+from shardnet.transport import identity
+
+KP = identity.generate()
+ME = str(identity.peer_id_of(KP))
+MODEL = "ab" * 32
+
+
+def claim(start=0, end=4, peer=ME, expires=4e9, **kw):
+    return bc.Claim(model=MODEL, start=start, end=end, kv_tokens=kw.get("kv", 1000), tput=12.5,
+                    addrs=("/ip4/127.0.0.1/tcp/1",), expires=expires, peer=peer)
+
+
+def test_roundtrip_and_signature():
+    c = claim()
+    assert bc.decode(bc.encode(KP, c)) == c
+
+
+def test_tampered_forged_and_expired_claims_are_refused():
+    blob = bc.encode(KP, claim())
+    m = cbor2.loads(blob)
+    m["claim"]["end"] = 8  # claim more layers than signed
+    with pytest.raises(bc.ClaimError, match="signature"):
+        bc.decode(cbor2.dumps(m))
+    other = identity.generate()
+    with pytest.raises(bc.ClaimError, match="signed by the peer it names"):
+        bc.encode(other, claim())
+    m = cbor2.loads(blob)
+    m["pk"] = other.public_key.serialize()
+    with pytest.raises(bc.ClaimError, match="key other than its peer's"):
+        bc.decode(cbor2.dumps(m))
+    with pytest.raises(bc.ClaimError, match="expired"):
+        bc.decode(bc.encode(KP, claim(expires=1000.0)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=500))
+def test_arbitrary_bytes_raise_only_claim_errors(blob):
+    with pytest.raises(bc.ClaimError):
+        bc.decode(blob)
+
+
+def test_route_covers_every_layer_exactly_and_names_gaps():
+    cs = [claim(0, 3, peer="a"), claim(0, 2, peer="b"), claim(3, 6, peer="c"), claim(2, 6, peer="d"),
+          claim(6, 8, peer="e")]
+    route = plan_route(cs, 8, rng=random.Random(0))
+    assert [(c.start, c.end) for c in route] == [(0, 3), (3, 6), (6, 8)]
+    with pytest.raises(NoRouteError, match="starting at 6"):
+        plan_route(cs[:4], 8)
+    with pytest.raises(NoRouteError, match="starting at 0"):
+        plan_route([claim(1, 8)], 8)
