@@ -27,16 +27,25 @@ def test_roundtrip_and_signature():
 def test_tampered_forged_and_expired_claims_are_refused():
     blob = bc.encode(KP, claim())
     m = cbor2.loads(blob)
-    m["claim"]["end"] = 8  # claim more layers than signed
+    m["body"]["end"] = 8  # claim more layers than signed
     with pytest.raises(bc.ClaimError, match="signature"):
         bc.decode(cbor2.dumps(m))
     other = identity.generate()
     with pytest.raises(bc.ClaimError, match="signed by the peer it names"):
         bc.encode(other, claim())
     m = cbor2.loads(blob)
-    m["pk"] = other.public_key.serialize()
-    with pytest.raises(bc.ClaimError, match="key other than its peer's"):
+    m["pk"] = other.public_key.serialize()  # swap in another key: the signature no longer holds
+    with pytest.raises(bc.ClaimError, match="signature"):
         bc.decode(cbor2.dumps(m))
+    from dataclasses import asdict
+
+    from shardnet.transport import envelope
+
+    body = {**asdict(claim()), "addrs": ["/ip4/127.0.0.1/tcp/1"]}  # validly signed, by someone else
+    forged = envelope.seal(other, domain=bc.SIGNING_DOMAIN, version=bc.CLAIM_VERSION, body=body,
+                           max_bytes=bc.MAX_CLAIM_BYTES, error=bc.ClaimError, what="claim")
+    with pytest.raises(bc.ClaimError, match="key other than its peer's"):
+        bc.decode(forged)
     with pytest.raises(bc.ClaimError, match="expired"):
         bc.decode(bc.encode(KP, claim(expires=1000.0)))
 

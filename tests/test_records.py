@@ -30,7 +30,7 @@ def test_someone_else_cannot_write_under_my_peer_id():
 def test_tampered_data_fails_signature():
     key = records.record_key(ME, "name")
     m = cbor2.loads(records.encode(KP, "name", b"good"))
-    m["data"] = b"bad!"
+    m["body"]["data"] = b"bad!"
     with pytest.raises(RecordError, match="signature"):
         records.decode(key, cbor2.dumps(m))
 
@@ -40,7 +40,7 @@ def test_record_moved_to_another_key_fails():
     with pytest.raises(RecordError, match="other than the one its key names"):
         records.decode(records.record_key(ME, "b"), blob)
     m = cbor2.loads(blob)
-    m["name"] = "b"  # renaming it does not help: the signature covers the key
+    m["body"]["name"] = "b"  # renaming it does not help: the signature covers the key
     with pytest.raises(RecordError, match="signature"):
         records.decode(records.record_key(ME, "b"), cbor2.dumps(m))
 

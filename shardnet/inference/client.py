@@ -31,7 +31,7 @@ from . import wire
 from .block import Head, pick_device, resolve_dtype
 from .checkpoint import Checkpoint
 from .claims import NoRouteError, find_claims, plan_route
-from .endpoint import OPEN_TIMEOUT, STEP_TIMEOUT, ActivationEndpoint, InferenceError, MessageStream, new_session_id
+from .endpoint import FOREVER, OPEN_TIMEOUT, STEP_TIMEOUT, ActivationEndpoint, InferenceError, MessageStream, new_session_id
 from .sampling import SamplingParams, next_token
 
 log = logging.getLogger(__name__)
@@ -137,9 +137,10 @@ class InferenceSession:
         return self.route
 
     async def _watch_errors(self) -> None:
-        """Errors come back on the first hop's stream; stop waiting for results when one does."""
+        """Errors come back on the first hop's stream; stop waiting for results when one does.
+        Lives as long as the session (cancelled when it closes)."""
         try:
-            msg = await self.up.recv(10 * 365 * 86400)
+            msg = await self.up.recv(FOREVER)
             if msg is not None and msg.type == "error":
                 self.error = InferenceError(msg["code"], msg["msg"])
         except (ShardnetError, ap.ActivationProtocolError) as e:

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 OPEN_TIMEOUT = 30.0
 STEP_TIMEOUT = 120.0
+FOREVER = 10 * 365 * 86400.0
 
 
 class InferenceError(ShardnetError):
@@ -203,8 +204,6 @@ class ActivationEndpoint:
         finally:
             sb.kv.release(s)
             if down is not None:
-                if hasattr(down, "done"):
-                    down.done.set()
                 with trio.move_on_after(5):
                     await down.close()
 
@@ -304,10 +303,11 @@ def _check_step(msg: ap.Message, expected_step: int, length: int, max_len: int,
 
 
 async def _relay_errors(down: MessageStream, up: MessageStream, scope: trio.CancelScope) -> None:
-    """Errors from further down the chain travel back up, hop by hop."""
+    """Errors from further down the chain travel back up, hop by hop. Runs for the session's
+    life (the step loop's idle timeout bounds that), so it waits without a deadline of its own."""
     try:
         while True:
-            msg = await down.recv(10 * 365 * 86400)
+            msg = await down.recv(FOREVER)
             if msg is None:
                 await _reply_error(up, b"\0" * ap.SESSION_ID_BYTES, "next_hop", "next hop closed the stream")
                 break

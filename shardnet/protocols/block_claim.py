@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-import cbor2
 from libp2p.crypto.keys import KeyPair
-from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.peer.id import ID
+
+from shardnet.transport import envelope
 
 PROTOCOL_ID = "/shardnet/block-claim/1.0.0"
 CLAIM_VERSION = 1
@@ -56,27 +56,14 @@ def _body(c: Claim) -> dict:
 def encode(key_pair: KeyPair, claim: Claim) -> bytes:
     if str(ID.from_pubkey(key_pair.public_key)) != claim.peer:
         raise ClaimError("a claim must be signed by the peer it names")
-    body = _body(claim)
-    sig = key_pair.private_key.sign(cbor2.dumps([SIGNING_DOMAIN, body], canonical=True))
-    blob = cbor2.dumps({"v": CLAIM_VERSION, "claim": body, "pk": key_pair.public_key.serialize(), "sig": sig})
-    if len(blob) > MAX_CLAIM_BYTES:
-        raise ClaimError(f"claim of {len(blob)} bytes exceeds {MAX_CLAIM_BYTES}")
-    return blob
+    return envelope.seal(key_pair, domain=SIGNING_DOMAIN, version=CLAIM_VERSION, body=_body(claim),
+                         max_bytes=MAX_CLAIM_BYTES, error=ClaimError, what="claim")
 
 
 def decode(blob: bytes, *, now: float | None = None) -> Claim:
     """Verify and return the claim; ClaimError naming the first problem otherwise."""
-    if len(blob) > MAX_CLAIM_BYTES:
-        raise ClaimError(f"claim of {len(blob)} bytes exceeds {MAX_CLAIM_BYTES}")
-    try:
-        m = cbor2.loads(blob)
-    except Exception as e:
-        raise ClaimError(f"claim is not CBOR ({e})") from None
-    if not isinstance(m, dict) or m.get("v") != CLAIM_VERSION:
-        raise ClaimError(f"unknown claim version {m.get('v') if isinstance(m, dict) else None!r}")
-    body, pk_b, sig = m.get("claim"), m.get("pk"), m.get("sig")
-    if not isinstance(body, dict) or not isinstance(pk_b, bytes) or not isinstance(sig, bytes):
-        raise ClaimError("claim fields have the wrong types")
+    body, pk = envelope.open_envelope(blob, domain=SIGNING_DOMAIN, version=CLAIM_VERSION,
+                                      max_bytes=MAX_CLAIM_BYTES, error=ClaimError, what="claim")
     try:
         c = Claim(model=body["model"], start=body["start"], end=body["end"], kv_tokens=body["kv_tokens"],
                   tput=float(body["tput"]), addrs=tuple(body["addrs"]), expires=float(body["expires"]),
@@ -87,14 +74,8 @@ def decode(blob: bytes, *, now: float | None = None) -> Claim:
             and isinstance(c.start, int) and isinstance(c.end, int) and 0 <= c.start < c.end
             and isinstance(c.kv_tokens, int) and c.kv_tokens >= 0):
         raise ClaimError("claim body has the wrong types or an empty layer range")
-    try:
-        pk = deserialize_public_key(pk_b)
-    except Exception as e:
-        raise ClaimError(f"claim public key unreadable ({e})") from None
     if str(ID.from_pubkey(pk)) != c.peer:
         raise ClaimError("claim is signed by a key other than its peer's")
-    if not pk.verify(cbor2.dumps([SIGNING_DOMAIN, body], canonical=True), sig):
-        raise ClaimError("claim signature does not verify")
     if c.expires < (time.time() if now is None else now):
         raise ClaimError("claim has expired")
     return c

@@ -2,7 +2,7 @@
 
 Key: ``/shardnet/<digest>`` where digest = base32(sha256(domain, publisher peer ID, name))[:32].
 Only the holder of the publisher's key can write a valid record under it: the record carries the
-public key, the name and an Ed25519 signature over (domain, key, seq, timestamp, data); the DHT
+public key and a signed body {key, name, seq, timestamp, data} (see envelope.py); the DHT
 validator recomputes the key from (public key, name) and checks the signature, rejects anything
 else, and among valid records for a key keeps the highest ``seq``, so an old value cannot displace
 a new one. The key is hashed because py-libp2p DHT servers refuse lookup keys longer than 50
@@ -16,12 +16,11 @@ import hashlib
 import time
 from dataclasses import dataclass
 
-import cbor2
 from libp2p.crypto.keys import KeyPair, PublicKey
-from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.peer.id import ID
 from libp2p.records.validator import Validator
 
+from . import envelope
 from .errors import RecordError
 
 NAMESPACE = "shardnet"
@@ -70,54 +69,32 @@ class SignedRecord:
         return ID.from_pubkey(self.public_key)
 
 
-def _signed_bytes(key: str, seq: int, timestamp: float, data: bytes) -> bytes:
-    return cbor2.dumps([SIGNING_DOMAIN, key, seq, timestamp, data])
-
-
 def encode(key_pair: KeyPair, name: str, data: bytes, seq: int | None = None, *,
            key: str | None = None) -> bytes:
     """Sign ``data`` as ``name`` of the key pair's owner (``key`` overrides, for tests only)."""
     key = key or record_key(ID.from_pubkey(key_pair.public_key), name)
     check_record_key(key)
-    seq = time.time_ns() if seq is None else seq
-    ts = time.time()
-    sig = key_pair.private_key.sign(_signed_bytes(key, seq, ts, data))
-    blob = cbor2.dumps(
-        {"v": RECORD_VERSION, "pk": key_pair.public_key.serialize(), "name": name, "seq": seq,
-         "ts": ts, "data": data, "sig": sig}
-    )
-    if len(blob) > MAX_RECORD_BYTES:
-        raise RecordError(f"record is {len(blob)} bytes; the limit is {MAX_RECORD_BYTES}")
-    return blob
+    body = {"key": key, "name": name, "seq": time.time_ns() if seq is None else seq,
+            "ts": time.time(), "data": data}
+    return envelope.seal(key_pair, domain=SIGNING_DOMAIN, version=RECORD_VERSION, body=body,
+                         max_bytes=MAX_RECORD_BYTES, error=RecordError, what="record")
 
 
 def decode(key: str, blob: bytes) -> SignedRecord:
     """Parse and verify; raise RecordError naming the first thing wrong."""
     check_record_key(key)
-    if len(blob) > MAX_RECORD_BYTES:
-        raise RecordError(f"record is {len(blob)} bytes; the limit is {MAX_RECORD_BYTES}")
-    try:
-        m = cbor2.loads(blob)
-    except Exception as e:
-        raise RecordError(f"record is not CBOR: {e}") from None
-    if not isinstance(m, dict):
-        raise RecordError("record is not a CBOR map")
-    if m.get("v") != RECORD_VERSION:
-        raise RecordError(f"unknown record version {m.get('v')!r}")
-    pk_b, name, seq, ts, data, sig = (m.get(k) for k in ("pk", "name", "seq", "ts", "data", "sig"))
-    if not (isinstance(pk_b, bytes) and isinstance(name, str) and isinstance(seq, int)
-            and isinstance(ts, (int, float)) and isinstance(data, bytes) and isinstance(sig, bytes)):
+    body, pk = envelope.open_envelope(blob, domain=SIGNING_DOMAIN, version=RECORD_VERSION,
+                                      max_bytes=MAX_RECORD_BYTES, error=RecordError, what="record")
+    name, seq, ts, data = (body.get(k) for k in ("name", "seq", "ts", "data"))
+    if not (isinstance(name, str) and isinstance(seq, int) and isinstance(ts, (int, float))
+            and isinstance(data, bytes)):
         raise RecordError("record fields have the wrong types")
-    try:
-        pk = deserialize_public_key(pk_b)
-    except Exception as e:
-        raise RecordError(f"record public key unreadable: {e}") from None
     if not name or len(name) > MAX_NAME_CHARS:
         raise RecordError("record name out of range")
-    if record_key(ID.from_pubkey(pk), name) != key:
+    # The signature covers the key, so a record cannot be moved; and the key is derived from the
+    # signer's peer ID, so nobody but that peer can write it.
+    if body.get("key") != key or record_key(ID.from_pubkey(pk), name) != key:
         raise RecordError("record is signed by a key other than the one its key names")
-    if not pk.verify(_signed_bytes(key, seq, ts, data), sig):
-        raise RecordError("record signature does not verify")
     return SignedRecord(key=key, name=name, seq=seq, data=data, timestamp=float(ts), public_key=pk)
 
 
