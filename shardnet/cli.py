@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import sys
 import time

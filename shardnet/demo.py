@@ -46,7 +46,7 @@ def run_overlay_demo(*, nodes: int, timeout: float, say: Callable[[str], None]) 
                     seen.add(ev["peer_id"])
         say(f"  all {nodes} nodes know each other after {time.monotonic() - t0:.2f} s")
 
-        (first, first_id), (last, last_id) = members[0], members[-1]
+        (first, _), (_, last_id) = members[0], members[-1]
         say(f"custom-protocol stream node1 -> node{nodes} (echo) ...")
         r = first.command({"cmd": "echo", "peer": last_id, "data": "hello over the overlay"}, timeout)
         if not r["ok"]:

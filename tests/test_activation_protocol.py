@@ -5,7 +5,6 @@ import struct
 
 import cbor2
 import pytest
-import torch
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -47,7 +47,7 @@ async def test_inbound_connection_churn_frees_tasks_and_slots(loopback_config):
         for first in range(0, cycles, per_identity):
             client = await _bare_client(loopback_config)
             async with client.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
-                for i in range(first, first + per_identity):
+                for _ in range(first, first + per_identity):
                     with trio.fail_after(10):
                         await client.connect(info)
                         while client.get_id() not in server.host.get_connected_peers():

@@ -27,7 +27,7 @@ def checkpoints(tmp_path_factory):
     # qwen2 split over two weight files (an index), with non-zero q/k/v biases
     return {fam: init_random(root / fam, fam, layers=4, hidden=64, heads=4, kv_heads=2, vocab=512, seed=seed,
                              shards=2 if fam == "qwen2" else 1, sliding_window=5 if fam == "mistral" else None)
-            for fam, seed in (("llama", 11), ("mistral", 12), ("qwen2", 13))}
+            for fam, seed in (("llama", 11), ("mistral", 12), ("qwen2", 13), ("qwen3", 14))}
 
 
 def reference(path, prompt=PROMPT, new=NEW_TOKENS):
@@ -68,7 +68,7 @@ async def last_logits(client, seq):
     return out[0, -1].float() if client.logits_on_last else client.model.head.logits(out)[0, -1]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("peers", [1, 2, 3, 4])
 async def test_greedy_output_matches_transformers(loopback_config, checkpoints, family, peers):
     path = checkpoints[family]

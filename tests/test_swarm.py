@@ -78,7 +78,7 @@ def test_swarm_of_processes(tmp_path):
             assert r["ok"]
             others = set(r["connected"]) - {boot_id}
             assert others, f"{me} lost every peer with the bootstrap"
-        for i, (p, me) in enumerate(nodes):
+        for i, (p, _) in enumerate(nodes):
             target = ids[(i + 1) % N_NODES]
             r = p.command({"cmd": "echo", "peer": target, "data": f"still here {i}"}, 20)
             assert r["ok"] and r["data"] == f"still here {i}", r

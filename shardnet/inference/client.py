@@ -107,7 +107,7 @@ class InferenceSession:
         self.error: InferenceError | None = None
 
     async def _open(self) -> None:
-        node, route, s = self.client.node, self.client_route(), self.session
+        node, route, s = self.client.node, self.route, self.session
         ep = ActivationEndpoint.of(node)
         returns = ep.expect_return(s, route[-1].peer)
         first = route[0]
@@ -132,9 +132,6 @@ class InferenceSession:
             raise InferenceError("timeout", "the chain did not become ready in time") from None
         finally:
             ep.forget_return(s)
-
-    def client_route(self) -> list[Claim]:
-        return self.route
 
     async def _watch_errors(self) -> None:
         """Errors come back on the first hop's stream; stop waiting for results when one does.

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 
 import trio
@@ -344,7 +343,3 @@ def _peer_info(ref: dict):
 
 def new_session_id() -> bytes:
     return os.urandom(ap.SESSION_ID_BYTES)
-
-
-def now() -> float:
-    return time.time()

@@ -160,7 +160,6 @@ async def _close_quietly(closer: Any) -> None:
 
 # 2. yamux zero-window wait --------------------------------------------------------------------
 def _fix_yamux_zero_window_wait() -> None:
-    from libp2p.stream_muxer.exceptions import MuxedStreamError
     from libp2p.stream_muxer.yamux import yamux as ymod
 
     stream_cls = ymod.YamuxStream
