@@ -6,7 +6,9 @@ Starts a bootstrap node and --peers compute peers (``shardnet join``, separate p
 loopback, each serving a contiguous block), then measures, alternating so load drift hits both:
 
 - in one process: transformers' ``AutoModelForCausalLM`` greedy decode with its KV cache;
-- through the chain: ``Client.generate`` (greedy), from this process.
+- through the chain: ``Client.generate`` (greedy), from this process;
+- through the chain with speculative decoding (the shipped draft proposes k tokens, one traversal
+  verifies them).
 
 Prints decode tokens/s for each (prefill excluded), the ratio, and the per-hop overhead:
 (chain time per token - local time per token) / (peers + 1), the number of network hops a token
@@ -34,7 +36,8 @@ from shardnet.inference.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.client import Client, LocalModel  # noqa: E402
 from shardnet.inference.layout import split_layers  # noqa: E402
 from shardnet.localswarm import LocalSwarm  # noqa: E402
-from shardnet.models import default_model_path  # noqa: E402
+from shardnet.inference.speculative import ModelDrafter  # noqa: E402
+from shardnet.models import default_draft_path, default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 
 PROMPT = "def __init__(self"
@@ -54,8 +57,8 @@ def local_decode(model, ids: list[int], tokens: int) -> tuple[float, list[int]]:
         return (time.perf_counter() - t0) / (tokens - 1), got
 
 
-async def chain_decode(client: Client, ids: list[int], tokens: int) -> tuple[float, list[int]]:
-    got = [t.id async for t in client.generate(ids, max_new_tokens=tokens, stop_at_eos=False)]
+async def chain_decode(client: Client, ids: list[int], tokens: int, **kw) -> tuple[float, list[int]]:
+    got = [t.id async for t in client.generate(ids, max_new_tokens=tokens, stop_at_eos=False, **kw)]
     st = client.last_stats
     return st.decode_s / max(st.new_tokens - 1, 1), got
 
@@ -66,6 +69,9 @@ def main() -> None:
     p.add_argument("--peers", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--draft", type=Path, default=default_draft_path(),
+                   help="draft model for the speculative row (greedy, k drafted tokens per traversal)")
+    p.add_argument("-k", type=int, default=4)
     args = p.parse_args()
     logging.basicConfig(level=logging.ERROR)
     logging.disable(logging.CRITICAL)
@@ -86,8 +92,10 @@ def main() -> None:
         for pr in procs:
             swarm.wait_ready(pr, 120)
 
-        async def run() -> tuple[list[float], list[float], bool]:
-            local, chain, same = [], [], True
+        drafter = ModelDrafter(args.draft, vocab_size=ckpt.config.vocab_size)
+
+        async def run() -> tuple[list[float], list[float], list[float], bool, object]:
+            local, chain, spec, same, sp = [], [], [], True, None
             async with open_node(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot],
                                             dht_mode="client")) as node:
                 await node.wait_bootstrapped(30)
@@ -96,14 +104,17 @@ def main() -> None:
                 for _ in range(args.repeats):
                     t_local, want = local_decode(ref, ids, args.tokens)
                     t_chain, got = await chain_decode(client, ids, args.tokens)
+                    t_spec, got_spec = await chain_decode(client, ids, args.tokens, drafter=drafter, k=args.k)
+                    sp = client.last_stats.speculation
                     local.append(t_local)
                     chain.append(t_chain)
-                    same = same and got == want
-            return local, chain, same
+                    spec.append(t_spec)
+                    same = same and got == want and got_spec == want
+            return local, chain, spec, same, sp
 
-        local, chain, same = trio.run(run)
+        local, chain, spec, same, sp = trio.run(run)
 
-    t_local, t_chain = statistics.median(local), statistics.median(chain)
+    t_local, t_chain, t_spec = statistics.median(local), statistics.median(chain), statistics.median(spec)
     hops = args.peers + 1
     print(f"model {args.model.name}: {ckpt.num_layers} layers over {args.peers} peers {ranges}; "
           f"{args.tokens} tokens x {args.repeats} runs, greedy, medians")
@@ -111,7 +122,10 @@ def main() -> None:
     print(f"{'decode (tok/s)':28}{1 / t_local:14.1f}{1 / t_chain:12.1f}{t_local / t_chain:10.3f}   (chain/local)")
     print(f"{'time per token (ms)':28}{t_local * 1e3:14.2f}{t_chain * 1e3:12.2f}")
     print(f"per-hop overhead: {(t_chain - t_local) / hops * 1e3:.2f} ms over {hops} network hops per token")
-    print(f"greedy tokens identical to transformers: {same}")
+    print(f"speculative through the chain (draft {args.draft.name}, k={args.k}): {1 / t_spec:.1f} tok/s, "
+          f"{t_chain / t_spec:.2f}x plain chain decode; {sp.tokens_per_traversal:.2f} tokens per traversal, "
+          f"{sp.acceptance:.0%} of drafts accepted")
+    print(f"greedy tokens identical to transformers (plain and speculative): {same}")
 
 
 if __name__ == "__main__":

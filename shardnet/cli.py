@@ -354,11 +354,17 @@ def join(identity, listen, announce, bootstrap, quic, mdns, model_path, layers, 
 @click.option("--logits-on-last", is_flag=True, help="Let the last peer apply the LM head (thin client).")
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
 @click.option("--route-timeout", default=30.0, show_default=True, help="Seconds to wait for peers covering the model.")
+@click.option("--speculate", type=click.Choice(["none", "draft", "ngram"]), default="none", show_default=True,
+              help="Speculative decoding with a local draft model or prompt lookup (greedy only).")
+@click.option("--draft", "draft_path", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Draft checkpoint for --speculate draft (default: the shipped tiny-llama-draft).")
+@click.option("-k", "draft_k", default=4, show_default=True, help="Drafted tokens verified per traversal.")
 @_wrap_errors
 def generate(listen, announce, bootstrap, quic, mdns, model_path, prompt, max_new_tokens, temperature, top_p,
-             top_k, seed, logits_on_last, dtype, route_timeout) -> None:
+             top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k) -> None:
     """Generate text from PROMPT through the swarm; print tokens as they arrive."""
     from .inference.client import Client, LocalModel
+    from .inference.speculative import ModelDrafter, NGramDrafter
     from .transport import open_node
 
     if not bootstrap and not mdns:
@@ -367,14 +373,26 @@ def generate(listen, announce, bootstrap, quic, mdns, model_path, prompt, max_ne
     cfg = make_config(identity=None, listen=listen, announce=announce, bootstrap=bootstrap, quic=quic,
                       mdns=mdns, default_listen="/ip4/0.0.0.0/tcp/0", persistent=False, dht_mode="client")
 
+    drafter = None
+    if speculate != "none" and temperature > 0:
+        fail("--speculate is greedy-only so far: use --temperature 0", 2)
+
     async def _main() -> None:
+        nonlocal drafter
         model = await trio.to_thread.run_sync(lambda: LocalModel(path, dtype=dtype, lm_head=not logits_on_last))
+        if speculate == "ngram":
+            drafter = NGramDrafter()
+        elif speculate == "draft":
+            from .models import default_draft_path
+
+            drafter = await trio.to_thread.run_sync(lambda: ModelDrafter(
+                draft_path or default_draft_path(), vocab_size=model.ckpt.config.vocab_size))
         async with open_node(cfg) as n:
             if bootstrap:
                 await n.wait_bootstrapped()
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout)
             await _stream_generation(client, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     top_p=top_p, top_k=top_k, seed=seed)
+                                     top_p=top_p, top_k=top_k, seed=seed, drafter=drafter, k=draft_k)
 
     run(_main)
 
@@ -388,6 +406,10 @@ async def _stream_generation(client, prompt: str, **kw) -> None:
     st = client.last_stats
     sys.stdout.write("\n")
     click.echo(f"-- {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s decode, prefill {st.prefill_s * 1000:.0f} ms")
+    if st.speculation.traversals:
+        sp = st.speculation
+        click.echo(f"-- speculation: {sp.traversals} traversals, {sp.tokens_per_traversal:.2f} tokens each, "
+                   f"{sp.acceptance:.0%} of drafts accepted")
     click.echo("-- chain: " + " -> ".join(f"{c.peer[:12]}… [{c.start}:{c.end}]" for c in st.chain))
 
 

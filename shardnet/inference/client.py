@@ -33,6 +33,7 @@ from .checkpoint import Checkpoint
 from .claims import NoRouteError, find_claims, plan_route
 from .endpoint import FOREVER, OPEN_TIMEOUT, STEP_TIMEOUT, ActivationEndpoint, InferenceError, MessageStream, new_session_id
 from .sampling import SamplingParams, next_token
+from .speculative import Drafter, SpeculationStats, accept_greedy
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     chain: list[Claim] = field(default_factory=list)
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
 
     @property
     def tokens_per_s(self) -> float:
@@ -146,14 +148,18 @@ class InferenceSession:
             log.warning("chain reported %s", self.error)
             await self.ret.close()
 
-    async def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Send [1, tokens, hidden] for the next positions; returns the last block's output
-        ([1, tokens, hidden], or [1, 1, vocab] logits when the last peer holds the head)."""
+    async def forward(self, hidden: torch.Tensor, *, pos: int | None = None, logits_for: int = 1) -> torch.Tensor:
+        """Send [1, tokens, hidden] for positions ``pos``.. (default: right after the last step;
+        lower rolls every peer's KV cache back to ``pos`` first). Returns the last block's output:
+        [1, tokens, hidden], or [1, logits_for, vocab] logits when the last peer holds the head."""
         if self.error:
             raise self.error
+        pos = self.length if pos is None else pos
+        if not 0 <= pos <= self.length:
+            raise ValueError(f"position {pos} is outside 0..{self.length}")
         dtype, shape, payload = wire.to_payload(hidden.to(self.client.model.dtype))
-        await self.up.send(ap.tensor_msg("step", self.session, n=self.step_no, pos=self.length,
-                                         dtype=dtype, shape=shape, payload=payload))
+        await self.up.send(ap.tensor_msg("step", self.session, n=self.step_no, pos=pos, dtype=dtype, shape=shape,
+                                         payload=payload, logits_for=logits_for if logits_for != 1 else None))
         try:
             msg = await self.ret.recv(STEP_TIMEOUT)
         except trio.TooSlowError:
@@ -167,7 +173,7 @@ class InferenceSession:
         if msg.type != "result" or msg["n"] != self.step_no:
             raise InferenceError("unexpected", f"expected result {self.step_no}, got {msg.type}")
         self.step_no += 1
-        self.length += hidden.shape[1]
+        self.length = pos + hidden.shape[1]
         return wire.from_message(msg)
 
     async def close(self) -> None:
@@ -228,10 +234,16 @@ class Client:
             raise body_error
 
     async def generate(self, prompt: str | list[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
-                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                       stop_at_eos: bool = True) -> AsyncIterator[Token]:
-        """Yield generated tokens one at a time (text in, text out)."""
+                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_at_eos: bool = True,
+                       drafter: Drafter | None = None, k: int = 4) -> AsyncIterator[Token]:
+        """Yield generated tokens one at a time (text in, text out).
+
+        With a ``drafter`` (greedy only, for now) each chain traversal verifies up to ``k``
+        drafted tokens; the output is identical to plain greedy decoding.
+        """
         params = SamplingParams(temperature, top_p, top_k, seed)
+        if drafter is not None and not params.greedy:
+            raise ShardnetError("speculative decoding is greedy-only so far; use temperature 0")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         ids = self.model.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -241,31 +253,48 @@ class Client:
         stats.chain = route
         self.last_stats = stats
         out_ids: list[int] = []
-        async with self.session(len(ids) + max_new_tokens, route) as sess:
+        extra = k + 1 if drafter is not None else 0  # drafts may run past the final length
+        async with self.session(len(ids) + max_new_tokens + extra, route) as sess:
             t0 = time.perf_counter()
-            feed = torch.tensor([ids])
-            for i in range(max_new_tokens):
-                logits = await self._logits(sess, feed)
-                if i == 0:
-                    stats.prefill_s = time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                tok = next_token(logits, params, gen)
-                if stop_at_eos and tok in self.model.eos_ids:
-                    break
-                out_ids.append(tok)
-                stats.new_tokens += 1
-                stats.decode_s = time.perf_counter() - t0
-                # decode incrementally so multi-token characters come out whole
-                text = self.model.decode(out_ids)
-                prev = self.model.decode(out_ids[:-1]) if len(out_ids) > 1 else ""
-                yield Token(tok, text[len(prev):])
-                feed = torch.tensor([[tok]])
+            logits = await self._logits(sess, torch.tensor([ids]), pos=0)
+            stats.prefill_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            pending = [next_token(logits[-1], params, gen)]
+            while pending:
+                for tok in pending:
+                    if stop_at_eos and tok in self.model.eos_ids or len(out_ids) >= max_new_tokens:
+                        return
+                    out_ids.append(tok)
+                    stats.new_tokens += 1
+                    stats.decode_s = time.perf_counter() - t0
+                    # decode incrementally so multi-token characters come out whole
+                    text = self.model.decode(out_ids)
+                    prev = self.model.decode(out_ids[:-1]) if len(out_ids) > 1 else ""
+                    yield Token(tok, text[len(prev):])
+                if len(out_ids) >= max_new_tokens:
+                    return
+                seq = ids + out_ids
+                if drafter is None:
+                    logits = await self._logits(sess, torch.tensor([[seq[-1]]]), pos=len(seq) - 1)
+                    pending = [next_token(logits[-1], params, gen)]
+                    continue
+                drafts = drafter.propose(seq, min(k, max_new_tokens - len(out_ids)))
+                feed = [seq[-1]] + drafts
+                logits = await self._logits(sess, torch.tensor([feed]), pos=len(seq) - 1, every_position=True)
+                pending = accept_greedy(drafts, logits.argmax(-1).tolist())
+                spec = stats.speculation
+                spec.traversals += 1
+                spec.drafted += len(drafts)
+                spec.accepted += len(pending) - 1
 
-    async def _logits(self, sess: InferenceSession, ids: torch.Tensor) -> torch.Tensor:
-        out = await sess.forward(self.model.head.embed(ids))
+    async def _logits(self, sess: InferenceSession, ids: torch.Tensor, *, pos: int,
+                      every_position: bool = False) -> torch.Tensor:
+        """Logits [positions, vocab]: for the last position of ``ids``, or for each of them."""
+        want = ids.shape[1] if every_position else 1
+        out = await sess.forward(self.model.head.embed(ids), pos=pos, logits_for=want)
         if self.logits_on_last:
-            return out[0, -1].float()
-        return self.model.head.logits(out[:, -1:, :])[0, -1]
+            return out[0, -want:].float()
+        return self.model.head.logits(out[:, -want:, :])[0]
 
 
 def _info(c: Claim):

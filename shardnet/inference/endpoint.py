@@ -267,12 +267,17 @@ class ActivationEndpoint:
             if problem:
                 await _reply_error(up, s, problem[0], problem[1], n=msg["n"])
                 return
+            if msg["pos"] < length:
+                # Rollback: the client rejected speculated tokens; forget everything from pos on.
+                cache.crop(msg["pos"] - length)
+                length = msg["pos"]
             hidden = wire.from_message(msg)
             async with sb.compute:
                 out = await trio.to_thread.run_sync(sb.block.forward, hidden, cache, length)
                 kind = "hidden"
                 if want_logits:
-                    out = await trio.to_thread.run_sync(sb.head.logits, out[:, -1:, :])
+                    last = min(msg.get("logits_for", 1), out.shape[1])
+                    out = await trio.to_thread.run_sync(sb.head.logits, out[:, -last:, :])
                     kind = "logits"
             length += hidden.shape[1]
             expected_step += 1
@@ -282,7 +287,7 @@ class ActivationEndpoint:
                                               shape=shape, payload=payload, result_kind=kind))
             else:
                 await down.send(ap.tensor_msg("step", s, n=msg["n"], pos=msg["pos"], dtype=dtype,
-                                              shape=shape, payload=payload))
+                                              shape=shape, payload=payload, logits_for=msg.get("logits_for")))
 
 
 def _check_step(msg: ap.Message, expected_step: int, length: int, max_len: int,
@@ -294,8 +299,8 @@ def _check_step(msg: ap.Message, expected_step: int, length: int, max_len: int,
         return "hidden_size", f"hidden size {shape[2]} does not match the model's {hidden_size}"
     if msg["n"] != expected_step:
         return "step_order", f"step {msg['n']} arrived, expected {expected_step}"
-    if msg["pos"] != length:
-        return "position", f"step starts at position {msg['pos']}, the KV cache holds {length}"
+    if msg["pos"] > length:
+        return "position", f"step starts at position {msg['pos']}, past the {length} the KV cache holds"
     if length + shape[1] > max_len:
         return "too_long", f"{length + shape[1]} tokens exceed the session's max_len {max_len}"
     return None

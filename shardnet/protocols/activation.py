@@ -13,6 +13,9 @@ and ``s`` (16-byte session ID), plus per type:
     ready   -                        (sent upstream once the rest of the chain is ready)
     attach  -                        (last hop -> client, first frame of the return stream)
     step    n (step number), pos (first position), dtype, shape   + tensor bytes
+            pos may be below the receiver's cache length: the cache is first cut back to pos
+            (rollback after rejected speculation); logits_for (optional, default 1): how many
+            final positions the last hop returns logits for, when it holds the LM head
     result  n, pos, dtype, shape, kind ("hidden" | "logits")      + tensor bytes
     close   -
     error   code, msg, n (optional)
@@ -83,10 +86,12 @@ def open_msg(session: bytes, *, model: str, layers: tuple[int, int], max_len: in
 
 
 def tensor_msg(kind: str, session: bytes, *, n: int, pos: int, dtype: str, shape: list[int],
-               payload: bytes, result_kind: str = "hidden") -> Message:
+               payload: bytes, result_kind: str = "hidden", logits_for: int | None = None) -> Message:
     f = {"n": n, "pos": pos, "dtype": dtype, "shape": list(shape)}
     if kind == "result":
         f["kind"] = result_kind
+    if logits_for is not None:
+        f["logits_for"] = logits_for
     return Message(kind, session, f, payload)
 
 
@@ -209,6 +214,9 @@ def _v_tensor(msg: Message) -> None:
             "shape", f"shape {shape} of {dtype} needs {expected} bytes, the frame carries {len(msg.payload)}")
     if msg.type == "result" and msg.fields.get("kind") not in RESULT_KINDS:
         raise ActivationProtocolError("malformed", f"result.kind must be one of {RESULT_KINDS}")
+    lf = msg.fields.get("logits_for", 1)
+    if not isinstance(lf, int) or isinstance(lf, bool) or lf < 1:
+        raise ActivationProtocolError("malformed", f"{msg.type}.logits_for must be a positive integer")
 
 
 def _v_error(msg: Message) -> None:
