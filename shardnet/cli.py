@@ -355,7 +355,7 @@ def join(identity, listen, announce, bootstrap, quic, mdns, model_path, layers, 
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
 @click.option("--route-timeout", default=30.0, show_default=True, help="Seconds to wait for peers covering the model.")
 @click.option("--speculate", type=click.Choice(["none", "draft", "ngram"]), default="none", show_default=True,
-              help="Speculative decoding with a local draft model or prompt lookup (greedy only).")
+              help="Speculative decoding with a local draft model or prompt lookup (lossless, any sampling).")
 @click.option("--draft", "draft_path", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Draft checkpoint for --speculate draft (default: the shipped tiny-llama-draft).")
 @click.option("-k", "draft_k", default=4, show_default=True, help="Drafted tokens verified per traversal.")
@@ -374,8 +374,6 @@ def generate(listen, announce, bootstrap, quic, mdns, model_path, prompt, max_ne
                       mdns=mdns, default_listen="/ip4/0.0.0.0/tcp/0", persistent=False, dht_mode="client")
 
     drafter = None
-    if speculate != "none" and temperature > 0:
-        fail("--speculate is greedy-only so far: use --temperature 0", 2)
 
     async def _main() -> None:
         nonlocal drafter

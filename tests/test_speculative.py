@@ -73,3 +73,118 @@ async def test_speculative_greedy_equals_plain_greedy(loopback_config, reference
     assert spec.traversals < NEW  # fewer chain traversals than tokens
     if drafter_kind == "model":
         assert spec.acceptance > 0.2, spec  # the shipped draft agrees with its target fairly often
+
+
+# -- lossless sampling -----------------------------------------------------------------------------
+def chi2_homogeneity(a: dict, b: dict) -> tuple[float, int]:
+    """Two-sample chi-square statistic over the union of outcomes (rare ones pooled), and its
+    degrees of freedom."""
+    na, nb = sum(a.values()), sum(b.values())
+    keys = sorted(set(a) | set(b), key=lambda x: -(a.get(x, 0) + b.get(x, 0)))
+    cells, pool = [], [0, 0]
+    for key in keys:
+        ca, cb = a.get(key, 0), b.get(key, 0)
+        if (ca + cb) * min(na, nb) / (na + nb) < 5:  # expected count under 5: pool it
+            pool[0] += ca
+            pool[1] += cb
+        else:
+            cells.append((ca, cb))
+    if sum(pool):
+        cells.append(tuple(pool))
+    stat = 0.0
+    for ca, cb in cells:
+        tot = ca + cb
+        for obs, n in ((ca, na), (cb, nb)):
+            exp = tot * n / (na + nb)
+            stat += (obs - exp) ** 2 / exp
+    return stat, len(cells) - 1
+
+
+def chi2_pvalue(stat: float, dof: int) -> float:
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory):
+    from shardnet.inference.random_model import init_random
+
+    root = tmp_path_factory.mktemp("spec-sample")
+    target = init_random(root / "t", "llama", layers=2, hidden=32, heads=2, kv_heads=1, vocab=12, seed=21)
+    draft = init_random(root / "d", "llama", layers=1, hidden=32, heads=2, kv_heads=1, vocab=12, seed=22)
+    return target, draft
+
+
+def _sample_locally(target, draft, n, *, speculate, accept=None, k=3, new=2):
+    """``n`` seeded continuations of ``new`` tokens, the target computed in this process with the
+    same code paths the client uses (probabilities, drafter.sample, accept_sampled)."""
+    from collections import Counter
+
+    from transformers import AutoModelForCausalLM
+
+    from shardnet.inference.sampling import SamplingParams, next_token, probabilities
+    from shardnet.inference.speculative import accept_sampled
+
+    accept = accept or accept_sampled
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    drafter = ModelDrafter(draft, vocab_size=12)
+    prompt = [3, 1, 4]
+    counts = Counter()
+    with torch.inference_mode():
+        for seed in range(n):
+            gen = torch.Generator().manual_seed(seed)
+            seq = list(prompt)
+            while len(seq) < len(prompt) + new:
+                if speculate:
+                    drafts, q = drafter.sample(seq, k, params, gen, 12)
+                    logits = model(torch.tensor([seq + drafts])).logits[0, len(seq) - 1:]
+                    p = torch.stack([probabilities(row, params) for row in logits])
+                    seq += accept(drafts, q, p, gen)
+                else:
+                    seq.append(next_token(model(torch.tensor([seq])).logits[0, -1], params, gen))
+            counts[tuple(seq[len(prompt):len(prompt) + new])] += 1
+    return counts
+
+
+@pytest.mark.slow
+def test_speculative_sampling_has_the_target_distribution(small_models):
+    """Threshold: with N = 3000 seeded samples per side, the two-sample chi-square test on the
+    joint distribution of the first two sampled tokens (144 outcomes, rare ones pooled) rejects
+    equal distributions at p < 0.001 by chance once in a thousand runs; and the same test must
+    reject a deliberately wrong acceptance rule (keep every draft), so it has the power to see
+    a broken sampler."""
+    target, draft = small_models
+    plain = _sample_locally(target, draft, 3000, speculate=False)
+    spec = _sample_locally(target, draft, 3000, speculate=True)
+    stat, dof = chi2_homogeneity(plain, spec)
+    assert chi2_pvalue(stat, dof) > 1e-3, (stat, dof)
+
+    def keep_all(drafts, q, p, gen):  # wrong: ignores p entirely
+        return drafts + [int(torch.multinomial(p[len(drafts)], 1, generator=gen))]
+
+    broken = _sample_locally(target, draft, 3000, speculate=True, accept=keep_all)
+    stat, dof = chi2_homogeneity(plain, broken)
+    assert chi2_pvalue(stat, dof) < 1e-6, (stat, dof)
+
+
+async def test_speculative_sampling_through_the_chain_is_seeded(loopback_config):
+    path = default_model_path()
+    async with AsyncExitStack() as stack:
+        peer = await stack.enter_async_context(open_node(loopback_config()))
+        await stack.enter_async_context(serve_block(peer, str(path), 0, 8))
+        node = await stack.enter_async_context(open_node(loopback_config()))
+        await node.connect(peer.listen_addrs[0])
+        from shardnet.inference.claims import fetch_claims
+
+        model = LocalModel(path)
+        client = Client(node, model, route=await fetch_claims(node, str(peer.peer_id)))
+        drafter = ModelDrafter(default_draft_path(), vocab_size=model.ckpt.config.vocab_size)
+
+        async def run(seed):
+            return [t.id async for t in client.generate(PROMPT, max_new_tokens=24, temperature=0.8, top_k=40,
+                                                        seed=seed, stop_at_eos=False, drafter=drafter, k=3)]
+
+        a, b, c = await run(1), await run(1), await run(2)
+    assert a == b and a != c and len(a) == 24
+    assert client.last_stats.speculation.traversals < 24

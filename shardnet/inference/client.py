@@ -32,8 +32,8 @@ from .block import Head, pick_device, resolve_dtype
 from .checkpoint import Checkpoint
 from .claims import NoRouteError, find_claims, plan_route
 from .endpoint import FOREVER, OPEN_TIMEOUT, STEP_TIMEOUT, ActivationEndpoint, InferenceError, MessageStream, new_session_id
-from .sampling import SamplingParams, next_token
-from .speculative import Drafter, SpeculationStats, accept_greedy
+from .sampling import SamplingParams, next_token, probabilities
+from .speculative import Drafter, SpeculationStats, accept_greedy, accept_sampled
 
 log = logging.getLogger(__name__)
 
@@ -238,12 +238,11 @@ class Client:
                        drafter: Drafter | None = None, k: int = 4) -> AsyncIterator[Token]:
         """Yield generated tokens one at a time (text in, text out).
 
-        With a ``drafter`` (greedy only, for now) each chain traversal verifies up to ``k``
-        drafted tokens; the output is identical to plain greedy decoding.
+        With a ``drafter`` each chain traversal verifies up to ``k`` drafted tokens: greedy output is
+        identical to plain greedy decoding, and sampled output has exactly the distribution of
+        plain sampling (lossless speculative sampling).
         """
         params = SamplingParams(temperature, top_p, top_k, seed)
-        if drafter is not None and not params.greedy:
-            raise ShardnetError("speculative decoding is greedy-only so far; use temperature 0")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         ids = self.model.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -278,10 +277,19 @@ class Client:
                     logits = await self._logits(sess, torch.tensor([[seq[-1]]]), pos=len(seq) - 1)
                     pending = [next_token(logits[-1], params, gen)]
                     continue
-                drafts = drafter.propose(seq, min(k, max_new_tokens - len(out_ids)))
+                budget = min(k, max_new_tokens - len(out_ids))
+                vocab = self.model.ckpt.config.vocab_size
+                if params.greedy:
+                    drafts = drafter.propose(seq, budget)
+                else:
+                    drafts, q = drafter.sample(seq, budget, params, gen, vocab)
                 feed = [seq[-1]] + drafts
                 logits = await self._logits(sess, torch.tensor([feed]), pos=len(seq) - 1, every_position=True)
-                pending = accept_greedy(drafts, logits.argmax(-1).tolist())
+                if params.greedy:
+                    pending = accept_greedy(drafts, logits.argmax(-1).tolist())
+                else:
+                    p = torch.stack([probabilities(row, params) for row in logits])
+                    pending = accept_sampled(drafts, q, p, gen)
                 spec = stats.speculation
                 spec.traversals += 1
                 spec.drafted += len(drafts)
