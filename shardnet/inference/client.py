@@ -120,7 +120,7 @@ class InferenceSession:
             await self.up.send(ap.open_msg(
                 s, model=self.client.model.model_id, layers=(first.start, first.end), max_len=self.max_len,
                 chain=[ap.Hop(c.peer, list(c.addrs), (c.start, c.end)) for c in route[1:]],
-                ret=me, logits=self.client.logits_on_last))
+                ret=me, logits=self.client.logits_on_last, wire=self.client.wire))
             reply = await self.up.recv(OPEN_TIMEOUT * len(route))
             if reply is None:
                 raise InferenceError("next_hop", f"{first.peer[:16]}… closed the stream")
@@ -157,7 +157,7 @@ class InferenceSession:
         pos = self.length if pos is None else pos
         if not 0 <= pos <= self.length:
             raise ValueError(f"position {pos} is outside 0..{self.length}")
-        dtype, shape, payload = wire.to_payload(hidden.to(self.client.model.dtype))
+        dtype, shape, payload = wire.to_payload(hidden, self.client.wire)
         await self.up.send(ap.tensor_msg("step", self.session, n=self.step_no, pos=pos, dtype=dtype, shape=shape,
                                          payload=payload, logits_for=logits_for if logits_for != 1 else None))
         try:
@@ -187,8 +187,12 @@ class InferenceSession:
 
 class Client:
     def __init__(self, node: Node, model: LocalModel, *, logits_on_last: bool = False,
-                 route: list[Claim] | None = None, route_timeout: float = 30.0) -> None:
+                 route: list[Claim] | None = None, route_timeout: float = 30.0, wire: str | None = None) -> None:
         self.node, self.model = node, model
+        if wire is not None and wire not in ap.WIRE_DTYPES:
+            raise ShardnetError(f"unknown wire dtype {wire!r} (choose from {', '.join(ap.WIRE_DTYPES)})")
+        #: how hidden states travel between hops (None: the model's dtype, uncompressed)
+        self.wire = wire
         self.route_timeout = route_timeout
         self.logits_on_last = logits_on_last
         self.fixed_route = route

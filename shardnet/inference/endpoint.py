@@ -214,7 +214,7 @@ class ActivationEndpoint:
             target, first = nxt, ap.open_msg(
                 s, model=op["model"], layers=tuple(nxt["layers"]), max_len=op["max_len"],
                 chain=[ap.Hop(h["peer"], h["addrs"], tuple(h["layers"])) for h in chain[1:]],
-                ret=op["ret"], logits=op.get("logits", False))
+                ret=op["ret"], logits=op.get("logits", False), wire=op.get("wire"))
         else:
             target, first = op["ret"], ap.Message("attach", s)
         try:
@@ -281,7 +281,8 @@ class ActivationEndpoint:
                     kind = "logits"
             length += hidden.shape[1]
             expected_step += 1
-            dtype, shape, payload = wire.to_payload(out if kind == "logits" else out.to(hidden.dtype))
+            # hidden states go on in the session's wire dtype (default: as they came); logits in float32
+            dtype, shape, payload = wire.to_payload(out, None if kind == "logits" else op.get("wire", msg["dtype"]))
             if last:
                 await down.send(ap.tensor_msg("result", s, n=msg["n"], pos=msg["pos"], dtype=dtype,
                                               shape=shape, payload=payload, result_kind=kind))

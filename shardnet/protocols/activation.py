@@ -9,7 +9,9 @@ and ``s`` (16-byte session ID), plus per type:
 
     open    model (hex model ID), layers [start, end], max_len, chain [{peer, addrs, layers}...]
             (the hops after the receiver), ret {peer, addrs} (where the last hop returns),
-            logits (bool: the last hop applies norm + LM head and returns logits)
+            logits (bool: the last hop applies norm + LM head and returns logits),
+            wire (optional: dtype every hop sends hidden states in: float32, float16, bfloat16,
+            or int8q = int8 with a float32 scale per position)
     ready   -                        (sent upstream once the rest of the chain is ready)
     attach  -                        (last hop -> client, first frame of the return stream)
     step    n (step number), pos (first position), dtype, shape   + tensor bytes
@@ -42,6 +44,10 @@ SESSION_ID_BYTES = 16
 DEFAULT_MAX_FRAME = 256 << 20
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: Compressed hidden states: int8 values with one float32 scale per position (the last axis is the
+#: hidden dimension): payload = prod(shape) bytes of int8, then prod(shape[:-1]) float32 scales.
+QUANTIZED = "int8q"
+WIRE_DTYPES = (*DTYPE_SIZES, QUANTIZED)
 MESSAGE_TYPES = ("open", "ready", "attach", "step", "result", "close", "error")
 RESULT_KINDS = ("hidden", "logits")
 _HDR = struct.Struct(">I")
@@ -80,9 +86,18 @@ class Message:
 
 # -- constructors ------------------------------------------------------------------------------
 def open_msg(session: bytes, *, model: str, layers: tuple[int, int], max_len: int, chain: list[Hop],
-             ret: dict, logits: bool = False) -> Message:
-    return Message("open", session, {"model": model, "layers": list(layers), "max_len": max_len,
-                                     "chain": [h.to_wire() for h in chain], "ret": ret, "logits": logits})
+             ret: dict, logits: bool = False, wire: str | None = None) -> Message:
+    f = {"model": model, "layers": list(layers), "max_len": max_len, "chain": [h.to_wire() for h in chain],
+         "ret": ret, "logits": logits}
+    if wire is not None:
+        f["wire"] = wire
+    return Message("open", session, f)
+
+
+def payload_size(dtype: str, shape: list[int]) -> int:
+    if dtype == QUANTIZED:
+        return math.prod(shape) + 4 * math.prod(shape[:-1])
+    return math.prod(shape) * DTYPE_SIZES[dtype]
 
 
 def tensor_msg(kind: str, session: bytes, *, n: int, pos: int, dtype: str, shape: list[int],
@@ -195,6 +210,8 @@ def _v_open(msg: Message) -> None:
     _peer_ref(msg.fields.get("ret"), "open.ret")
     if not isinstance(msg.fields.get("logits", False), bool):
         raise ActivationProtocolError("malformed", "open.logits must be a boolean")
+    if msg.fields.get("wire", "float32") not in WIRE_DTYPES:
+        raise ActivationProtocolError("dtype", f"unsupported wire dtype {msg.fields.get('wire')!r}")
 
 
 def _v_tensor(msg: Message) -> None:
@@ -202,13 +219,15 @@ def _v_tensor(msg: Message) -> None:
         if _need(msg, key, int) < 0:
             raise ActivationProtocolError("malformed", f"{msg.type}.{key} must be >= 0")
     dtype = msg.fields.get("dtype")
-    if dtype not in DTYPE_SIZES:
-        raise ActivationProtocolError("dtype", f"unsupported dtype {dtype!r} (use {', '.join(DTYPE_SIZES)})")
+    if dtype not in WIRE_DTYPES:
+        raise ActivationProtocolError("dtype", f"unsupported dtype {dtype!r} (use {', '.join(WIRE_DTYPES)})")
     shape = msg.fields.get("shape")
     if (not isinstance(shape, list) or not 1 <= len(shape) <= 4
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         raise ActivationProtocolError("shape", f"shape must be 1 to 4 non-negative integers, got {shape!r}")
-    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    if dtype == QUANTIZED and not shape[-1]:
+        raise ActivationProtocolError("shape", "int8q needs a non-empty last axis")
+    expected = payload_size(dtype, shape)
     if expected != len(msg.payload):
         raise ActivationProtocolError(
             "shape", f"shape {shape} of {dtype} needs {expected} bytes, the frame carries {len(msg.payload)}")
