@@ -25,7 +25,7 @@ from libp2p.peer.id import ID
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.delay_proxy import DelayProxy  # noqa: E402
+from bench.wan_emulator import DelayProxy  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 
 SINK = "/bench/sink/1.0.0"

@@ -304,7 +304,7 @@ async def test_large_frames_only_to_peers_that_advertise_them(loopback_config):
 async def test_receive_window_grows_on_a_long_path(loopback_config):
     """100 ms RTT through a delay proxy: the window auto-tunes far past the spec's 256 KiB, so a
     single stream is not capped at window/RTT (256 KiB / 100 ms = 2.6 MB/s)."""
-    from bench.delay_proxy import DelayProxy
+    from bench.wan_emulator import DelayProxy
 
     size = 24 << 20
     final_window = []
