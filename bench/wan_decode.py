@@ -6,7 +6,8 @@ A bootstrap, 3 compute peers (``shardnet join``, separate processes, the shipped
 0:3, 3:5, 5:8) and the client each sit behind a WAN emulator (bench/wan_emulator.py): every
 peer announces its proxy's address, so every connection crosses one emulated edge with the given
 one-way delay, jitter and bandwidth cap in each direction. Alternating runs measure greedy decode
-without and with speculation (the shipped draft proposes k tokens; one traversal verifies them).
+without speculation, with it (the shipped draft proposes k tokens; one traversal verifies them),
+and with --depth verify chunks in flight.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                 client = Client(node, model, route_timeout=60)
                 route = await client.find_route()
                 ping = await node.ping(route[0].peer)  # shows the emulated edge: ~2 x delay
-                plain, spec, same, sp = [], [], True, None
+                plain, spec, piped, same, sp = [], [], [], True, None
                 want = None
                 for _ in range(args.repeats):
                     got = [t.id async for t in client.generate(PROMPT, max_new_tokens=args.tokens, stop_at_eos=False)]
@@ -88,20 +89,24 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                                                                   drafter=drafter, k=args.k)]
                     spec.append(client.last_stats.tokens_per_s)
                     sp = client.last_stats.speculation
+                    got_p = [t.id async for t in client.generate(PROMPT, max_new_tokens=args.tokens, stop_at_eos=False,
+                                                                  drafter=drafter, k=args.k, depth=args.depth)]
+                    piped.append(client.last_stats.tokens_per_s)
                     want = want or got
-                    same = same and got == want and got_s == want
+                    same = same and got == want and got_s == want and got_p == want
         finally:
             for p in procs:
                 p.stop()
             nursery.cancel_scope.cancel()
-    tp, ts = statistics.median(plain), statistics.median(spec)
+    tp, ts, tq = statistics.median(plain), statistics.median(spec), statistics.median(piped)
     print(f"WAN edge: {args.delay_ms:g} ms one way (+ up to {args.jitter_ms:g} ms jitter), {args.mbit:g} Mbit/s cap; "
           f"client -> first peer ping {ping * 1e3:.1f} ms")
     print(f"tiny-llama over 3 peers {ranges}, {args.tokens} greedy tokens x {args.repeats} runs, medians")
     print(f"plain pipeline decode:       {tp:6.2f} tok/s")
     print(f"speculative (draft, k={args.k}):   {ts:6.2f} tok/s   {ts / tp:.2f}x plain; "
           f"{sp.tokens_per_traversal:.2f} tokens per traversal, {sp.acceptance:.0%} of drafts accepted")
-    print(f"greedy output identical with and without speculation: {same}")
+    print(f"speculative, {args.depth} chunks in flight: {tq:6.2f} tok/s   {tq / tp:.2f}x plain")
+    print(f"greedy output identical in all three: {same}")
 
 
 def main() -> None:
@@ -112,6 +117,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("-k", type=int, default=4)
+    p.add_argument("--depth", type=int, default=2, help="verify chunks in flight for the pipelined row")
     args = p.parse_args()
     logging.disable(logging.CRITICAL)
     import tempfile

@@ -221,3 +221,24 @@ def _as_message(dtype, shape, payload):
 
     return ap.decode_frame(ap.encode(ap.tensor_msg("step", b"x" * 16, n=0, pos=0, dtype=dtype, shape=shape,
                                                    payload=payload))[4:])
+
+
+@pytest.mark.parametrize("drafter_kind,k,depth", [("ngram", 2, 2), ("model", 1, 3), ("model", 3, 2),
+                                                  ("model", 4, 4), ("ngram", 4, 3)])
+async def test_pipelined_verify_chunks_keep_greedy_output(loopback_config, reference_ids, drafter_kind, k, depth):
+    path = default_model_path()
+    async with AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(open_node(loopback_config()))
+        cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
+        for a, b in ((0, 3), (3, 5), (5, 8)):
+            peer = await stack.enter_async_context(open_node(cfg))
+            await stack.enter_async_context(serve_block(peer, str(path), a, b))
+        node = await stack.enter_async_context(open_node(cfg))
+        await node.wait_bootstrapped()
+        model = LocalModel(path)
+        drafter = NGramDrafter() if drafter_kind == "ngram" else ModelDrafter(default_draft_path(),
+                                                                               vocab_size=model.ckpt.config.vocab_size)
+        client = Client(node, model)
+        got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
+                                                    drafter=drafter, k=k, depth=depth)]
+    assert got == reference_ids

@@ -152,14 +152,32 @@ class InferenceSession:
         """Send [1, tokens, hidden] for positions ``pos``.. (default: right after the last step;
         lower rolls every peer's KV cache back to ``pos`` first). Returns the last block's output:
         [1, tokens, hidden], or [1, logits_for, vocab] logits when the last peer holds the head."""
+        n = await self.send(hidden, pos=pos, logits_for=logits_for)
+        got, out = await self.receive()
+        if got != n:
+            raise InferenceError("unexpected", f"expected result {n}, got {got}")
+        return out
+
+    async def send(self, hidden: torch.Tensor, *, pos: int | None = None, logits_for: int = 1,
+                   epoch: int = 0) -> int:
+        """Send one step without waiting for its result (several may be in flight); returns its
+        step number. Results come back in order through ``receive``."""
         if self.error:
             raise self.error
         pos = self.length if pos is None else pos
         if not 0 <= pos <= self.length:
             raise ValueError(f"position {pos} is outside 0..{self.length}")
         dtype, shape, payload = wire.to_payload(hidden, self.client.wire)
-        await self.up.send(ap.tensor_msg("step", self.session, n=self.step_no, pos=pos, dtype=dtype, shape=shape,
-                                         payload=payload, logits_for=logits_for if logits_for != 1 else None))
+        n = self.step_no
+        await self.up.send(ap.tensor_msg("step", self.session, n=n, pos=pos, dtype=dtype, shape=shape,
+                                         payload=payload, logits_for=logits_for if logits_for != 1 else None,
+                                         epoch=epoch))
+        self.step_no += 1
+        self.length = pos + hidden.shape[1]
+        return n
+
+    async def receive(self) -> tuple[int, torch.Tensor]:
+        """The next result: (its step number, the tensor)."""
         try:
             msg = await self.ret.recv(STEP_TIMEOUT)
         except trio.TooSlowError:
@@ -170,11 +188,9 @@ class InferenceSession:
             raise self.error or InferenceError("next_hop", "the return stream closed")
         if msg.type == "error":
             raise InferenceError(msg["code"], msg["msg"])
-        if msg.type != "result" or msg["n"] != self.step_no:
-            raise InferenceError("unexpected", f"expected result {self.step_no}, got {msg.type}")
-        self.step_no += 1
-        self.length = pos + hidden.shape[1]
-        return wire.from_message(msg)
+        if msg.type != "result":
+            raise InferenceError("unexpected", f"expected a result, got {msg.type}")
+        return msg["n"], wire.from_message(msg)
 
     async def close(self) -> None:
         if self.up is not None:
@@ -239,12 +255,15 @@ class Client:
 
     async def generate(self, prompt: str | list[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_at_eos: bool = True,
-                       drafter: Drafter | None = None, k: int = 4) -> AsyncIterator[Token]:
+                       drafter: Drafter | None = None, k: int = 4, depth: int = 1) -> AsyncIterator[Token]:
         """Yield generated tokens one at a time (text in, text out).
 
         With a ``drafter`` each chain traversal verifies up to ``k`` drafted tokens: greedy output is
         identical to plain greedy decoding, and sampled output has exactly the distribution of
-        plain sampling (lossless speculative sampling).
+        plain sampling (lossless speculative sampling). With greedy decoding, ``depth`` > 1 keeps
+        that many verify chunks in flight, drafting ahead on the assumption that earlier chunks
+        are fully accepted; a rejection starts a new epoch and the stale chunks are discarded
+        (and dropped by the peers). Output stays identical to plain greedy decoding.
         """
         params = SamplingParams(temperature, top_p, top_k, seed)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
@@ -256,13 +275,18 @@ class Client:
         stats.chain = route
         self.last_stats = stats
         out_ids: list[int] = []
-        extra = k + 1 if drafter is not None else 0  # drafts may run past the final length
+        extra = (k + 1) * max(depth, 1) if drafter is not None else 0  # drafts may run past the end
         async with self.session(len(ids) + max_new_tokens + extra, route) as sess:
             t0 = time.perf_counter()
             logits = await self._logits(sess, torch.tensor([ids]), pos=0)
             stats.prefill_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             pending = [next_token(logits[-1], params, gen)]
+            if drafter is not None and params.greedy and depth > 1:
+                async for tok in self._pipelined(sess, ids, pending[0], drafter, k, depth, max_new_tokens,
+                                                 stop_at_eos, stats, t0):
+                    yield tok
+                return
             while pending:
                 for tok in pending:
                     if stop_at_eos and tok in self.model.eos_ids or len(out_ids) >= max_new_tokens:
@@ -298,6 +322,67 @@ class Client:
                 spec.traversals += 1
                 spec.drafted += len(drafts)
                 spec.accepted += len(pending) - 1
+
+    async def _pipelined(self, sess: InferenceSession, prompt: list[int], first: int, drafter: Drafter, k: int,
+                         depth: int, max_new: int, stop_at_eos: bool, stats: GenerationStats,
+                         t0: float) -> AsyncIterator[Token]:
+        """Greedy speculative decoding with up to ``depth`` verify chunks in flight."""
+        out: list[int] = []
+        spec = list(prompt)  # accepted text plus every draft in flight
+        inflight: list[tuple[int, int, list[int]]] = []  # (step number, epoch, drafts)
+        epoch = 0
+        todo = [first]
+        while True:
+            for tok in todo:  # emit accepted tokens
+                if stop_at_eos and tok in self.model.eos_ids or len(out) >= max_new:
+                    return
+                out.append(tok)
+                stats.new_tokens += 1
+                stats.decode_s = time.perf_counter() - t0
+                text = self.model.decode(out)
+                prev = self.model.decode(out[:-1]) if len(out) > 1 else ""
+                yield Token(tok, text[len(prev):])
+            if len(out) >= max_new:
+                return
+            if todo:  # the accepted text changed: drafts continue from it
+                spec = prompt + out + [d for _, e, ds in inflight if e == epoch for d in ds]
+            todo = []
+            # keep `depth` chunks in flight, drafting ahead as if earlier chunks were all accepted
+            while len(inflight) < depth and len(spec) - len(prompt) < max_new:
+                drafts = drafter.propose(spec, k)
+                if not drafts and inflight:
+                    break  # nothing to speculate on: wait for a result first
+                feed = [spec[-1]] + drafts
+                n = await sess.send(self.model.head.embed(torch.tensor([feed])), pos=len(spec) - 1,
+                                    logits_for=len(feed), epoch=epoch)
+                inflight.append((n, epoch, drafts))
+                spec += drafts
+                stats.speculation.traversals += 1
+                stats.speculation.drafted += len(drafts)
+                if not drafts:
+                    break
+            n, result = await sess.receive()
+            while inflight and inflight[0][0] < n:  # chunks the peers dropped as stale
+                inflight.pop(0)
+            sent_n, sent_epoch, drafts = inflight.pop(0)
+            if sent_n != n:
+                raise InferenceError("unexpected", f"result {n} does not match step {sent_n}")
+            if sent_epoch != epoch:
+                continue  # stale: a rejection came back earlier
+            if self.logits_on_last:
+                targets = result[0].float().argmax(-1).tolist()
+            else:
+                targets = self.model.head.logits(result)[0].argmax(-1).tolist()
+            kept = accept_greedy(drafts, targets)
+            stats.speculation.accepted += len(kept) - 1
+            later = [x for x in inflight if x[1] == epoch]
+            if len(kept) == len(drafts) + 1 and later:
+                # all accepted: the next chunk in flight verifies what follows, bonus included
+                todo = kept[:-1]
+            else:
+                todo = kept
+                if later:
+                    epoch += 1  # everything in flight drafted past a rejection: fence it off
 
     async def _logits(self, sess: InferenceSession, ids: torch.Tensor, *, pos: int,
                       every_position: bool = False) -> torch.Tensor:

@@ -267,6 +267,12 @@ class ActivationEndpoint:
             if problem:
                 await _reply_error(up, s, problem[0], problem[1], n=msg["n"])
                 return
+            expected_step = msg["n"] + 1
+            epoch = msg.get("e", 0)
+            if any(m.type == "step" and m.get("e", 0) > epoch for m in up.pending):
+                # Fencing: a newer speculation epoch is already queued behind this chunk, so the
+                # client has discarded it. Skip it here and downstream (step numbers may skip).
+                continue
             if msg["pos"] < length:
                 # Rollback: the client rejected speculated tokens; forget everything from pos on.
                 cache.crop(msg["pos"] - length)
@@ -280,15 +286,15 @@ class ActivationEndpoint:
                     out = await trio.to_thread.run_sync(sb.head.logits, out[:, -last:, :])
                     kind = "logits"
             length += hidden.shape[1]
-            expected_step += 1
             # hidden states go on in the session's wire dtype (default: as they came); logits in float32
             dtype, shape, payload = wire.to_payload(out, None if kind == "logits" else op.get("wire", msg["dtype"]))
             if last:
                 await down.send(ap.tensor_msg("result", s, n=msg["n"], pos=msg["pos"], dtype=dtype,
                                               shape=shape, payload=payload, result_kind=kind))
             else:
-                await down.send(ap.tensor_msg("step", s, n=msg["n"], pos=msg["pos"], dtype=dtype,
-                                              shape=shape, payload=payload, logits_for=msg.get("logits_for")))
+                await down.send(ap.tensor_msg("step", s, n=msg["n"], pos=msg["pos"], dtype=dtype, shape=shape,
+                                              payload=payload, logits_for=msg.get("logits_for"),
+                                              epoch=msg.get("e")))
 
 
 def _check_step(msg: ap.Message, expected_step: int, length: int, max_len: int,
@@ -298,8 +304,8 @@ def _check_step(msg: ap.Message, expected_step: int, length: int, max_len: int,
         return "shape", f"hidden states must be [1, tokens, {hidden_size}], got {shape}"
     if shape[2] != hidden_size:
         return "hidden_size", f"hidden size {shape[2]} does not match the model's {hidden_size}"
-    if msg["n"] != expected_step:
-        return "step_order", f"step {msg['n']} arrived, expected {expected_step}"
+    if msg["n"] < expected_step:
+        return "step_order", f"step {msg['n']} arrived after step {expected_step - 1}"
     if msg["pos"] > length:
         return "position", f"step starts at position {msg['pos']}, past the {length} the KV cache holds"
     if length + shape[1] > max_len:

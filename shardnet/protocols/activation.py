@@ -17,7 +17,9 @@ and ``s`` (16-byte session ID), plus per type:
     step    n (step number), pos (first position), dtype, shape   + tensor bytes
             pos may be below the receiver's cache length: the cache is first cut back to pos
             (rollback after rejected speculation); logits_for (optional, default 1): how many
-            final positions the last hop returns logits for, when it holds the LM head
+            final positions the last hop returns logits for, when it holds the LM head;
+            e (optional, default 0): speculation epoch. Step numbers only increase but may skip:
+            a peer drops a chunk when a step of a newer epoch is already queued behind it
     result  n, pos, dtype, shape, kind ("hidden" | "logits")      + tensor bytes
     close   -
     error   code, msg, n (optional)
@@ -101,12 +103,15 @@ def payload_size(dtype: str, shape: list[int]) -> int:
 
 
 def tensor_msg(kind: str, session: bytes, *, n: int, pos: int, dtype: str, shape: list[int],
-               payload: bytes, result_kind: str = "hidden", logits_for: int | None = None) -> Message:
+               payload: bytes, result_kind: str = "hidden", logits_for: int | None = None,
+               epoch: int | None = None) -> Message:
     f = {"n": n, "pos": pos, "dtype": dtype, "shape": list(shape)}
     if kind == "result":
         f["kind"] = result_kind
     if logits_for is not None:
         f["logits_for"] = logits_for
+    if epoch:
+        f["e"] = epoch
     return Message(kind, session, f, payload)
 
 
@@ -236,6 +241,9 @@ def _v_tensor(msg: Message) -> None:
     lf = msg.fields.get("logits_for", 1)
     if not isinstance(lf, int) or isinstance(lf, bool) or lf < 1:
         raise ActivationProtocolError("malformed", f"{msg.type}.logits_for must be a positive integer")
+    ep = msg.fields.get("e", 0)
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 0:
+        raise ActivationProtocolError("malformed", f"{msg.type}.e must be a non-negative integer")
 
 
 def _v_error(msg: Message) -> None:
