@@ -359,11 +359,12 @@ def join(identity, listen, announce, bootstrap, quic, mdns, model_path, layers, 
 @click.option("--draft", "draft_path", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Draft checkpoint for --speculate draft (default: the shipped tiny-llama-draft).")
 @click.option("-k", "draft_k", default=4, show_default=True, help="Drafted tokens verified per traversal.")
+@click.option("--depth", default=1, show_default=True, help="Verify chunks in flight (greedy speculation).")
 @click.option("--wire", type=click.Choice(["float32", "float16", "bfloat16", "int8q"]), default=None,
               help="How hidden states travel between peers (default: the model dtype; int8q = int8 + scales).")
 @_wrap_errors
 def generate(listen, announce, bootstrap, quic, mdns, model_path, prompt, max_new_tokens, temperature, top_p,
-             top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k, wire) -> None:
+             top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k, depth, wire) -> None:
     """Generate text from PROMPT through the swarm; print tokens as they arrive."""
     from .inference.client import Client, LocalModel
     from .inference.speculative import ModelDrafter, NGramDrafter
@@ -392,7 +393,7 @@ def generate(listen, announce, bootstrap, quic, mdns, model_path, prompt, max_ne
                 await n.wait_bootstrapped()
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout, wire=wire)
             await _stream_generation(client, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     top_p=top_p, top_k=top_k, seed=seed, drafter=drafter, k=draft_k)
+                                     top_p=top_p, top_k=top_k, seed=seed, drafter=drafter, k=draft_k, depth=depth)
 
     run(_main)
 

@@ -242,3 +242,40 @@ async def test_pipelined_verify_chunks_keep_greedy_output(loopback_config, refer
         got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
                                                     drafter=drafter, k=k, depth=depth)]
     assert got == reference_ids
+
+
+async def test_speculation_across_emulated_wan_edges(loopback_config, reference_ids):
+    """Every peer behind a WAN emulator (it announces the proxy's address), so each connection
+    crosses a delayed, jittery, rate-capped edge: output still identical, chunks in flight."""
+    import trio
+
+    from bench.wan_emulator import Link, WanProxy
+    from conftest import free_port
+
+    path = default_model_path()
+    link = Link(delay=0.01, jitter=0.003, rate=20e6)
+    async with trio.open_nursery() as nursery:  # the proxies outlive every node
+        async with AsyncExitStack() as stack:
+            async def behind_wan(seed, **kw):
+                real, pub = free_port(), free_port()
+                await nursery.start(WanProxy(("127.0.0.1", real), link, seed=seed, port=pub).serve)
+                return await stack.enter_async_context(open_node(loopback_config(
+                    listen=[f"/ip4/127.0.0.1/tcp/{real}"], announce=[f"/ip4/127.0.0.1/tcp/{pub}"],
+                    low_watermark=0, **kw)))
+
+            boot = await behind_wan(0)
+            boot_addr = [str(boot.listen_addrs[0])]
+            for i, (a, b) in enumerate(((0, 4), (4, 8))):
+                peer = await behind_wan(i + 1, bootstrap=boot_addr)
+                await stack.enter_async_context(serve_block(peer, str(path), a, b))
+            node = await behind_wan(9, bootstrap=boot_addr)
+            await node.wait_bootstrapped()
+            model = LocalModel(path)
+            client = Client(node, model)
+            route = await client.find_route()
+            assert await node.ping(route[0].peer) >= 0.02  # two delayed edges: really through the WAN
+            drafter = ModelDrafter(default_draft_path(), vocab_size=model.ckpt.config.vocab_size)
+            got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
+                                                        drafter=drafter, k=2, depth=3)]
+        nursery.cancel_scope.cancel()
+    assert got == reference_ids
