@@ -1,6 +1,7 @@
 import os
 import socket
 import sys
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,21 @@ def loopback_config():
         return NodeConfig(**kw)
 
     return make
+
+
+@asynccontextmanager
+async def local_chain(loopback_config, path, ranges, **serve_kw):
+    """A bootstrap, one node per layer range serving it, and a client node (all in this process);
+    yields the client node once it has joined."""
+    from shardnet.inference.peer import serve_block
+    from shardnet.transport import open_node
+
+    async with AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(open_node(loopback_config()))
+        cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
+        for a, b in ranges:
+            peer = await stack.enter_async_context(open_node(cfg))
+            await stack.enter_async_context(serve_block(peer, str(path), a, b, **serve_kw))
+        client_node = await stack.enter_async_context(open_node(cfg))
+        await client_node.wait_bootstrapped()
+        yield client_node

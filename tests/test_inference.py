@@ -1,6 +1,6 @@
 """Sharded inference against single-process transformers, on real hosts over loopback."""
 
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 
 import pytest
 import torch
@@ -14,6 +14,8 @@ from shardnet.inference.endpoint import InferenceError
 from shardnet.inference.peer import serve_block
 from shardnet.inference.random_model import init_random
 from shardnet.transport import open_node
+
+from conftest import local_chain
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11]
 NEW_TOKENS = 12
@@ -42,18 +44,7 @@ def reference(path, prompt=PROMPT, new=NEW_TOKENS):
     return seq[len(prompt):], logits
 
 
-@asynccontextmanager
-async def swarm(loopback_config, path, ranges, **serve_kw):
-    """A bootstrap, one node per layer range serving it, and a client node."""
-    async with AsyncExitStack() as stack:
-        boot = await stack.enter_async_context(open_node(loopback_config()))
-        cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
-        for a, b in ranges:
-            peer = await stack.enter_async_context(open_node(cfg))
-            await stack.enter_async_context(serve_block(peer, str(path), a, b, **serve_kw))
-        client_node = await stack.enter_async_context(open_node(cfg))
-        await client_node.wait_bootstrapped()
-        yield client_node
+swarm = local_chain
 
 
 async def generate_ids(client, prompt=PROMPT, new=NEW_TOKENS, **kw):

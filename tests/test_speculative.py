@@ -11,6 +11,8 @@ from shardnet.inference.speculative import ModelDrafter, NGramDrafter, accept_gr
 from shardnet.models import default_draft_path, default_model_path
 from shardnet.transport import open_node
 
+from conftest import local_chain
+
 PROMPT = "def __init__(self, name):\n        self.name = name\n        self."
 NEW = 40
 
@@ -54,14 +56,7 @@ def test_model_drafter_follows_the_accepted_text():
 @pytest.mark.parametrize("drafter_kind,k", [("ngram", 1), ("ngram", 4), ("model", 1), ("model", 3), ("model", 6)])
 async def test_speculative_greedy_equals_plain_greedy(loopback_config, reference_ids, drafter_kind, k):
     path = default_model_path()
-    async with AsyncExitStack() as stack:
-        boot = await stack.enter_async_context(open_node(loopback_config()))
-        cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
-        for a, b in ((0, 4), (4, 8)):
-            peer = await stack.enter_async_context(open_node(cfg))
-            await stack.enter_async_context(serve_block(peer, str(path), a, b))
-        node = await stack.enter_async_context(open_node(cfg))
-        await node.wait_bootstrapped()
+    async with local_chain(loopback_config, path, [(0, 4), (4, 8)]) as node:
         model = LocalModel(path)
         drafter = NGramDrafter() if drafter_kind == "ngram" else ModelDrafter(default_draft_path(),
                                                                                vocab_size=model.ckpt.config.vocab_size)
@@ -198,14 +193,7 @@ async def test_compressed_activations(loopback_config, reference_ids, wire, iden
     from shardnet.inference import wire as wire_mod
 
     path = default_model_path()
-    async with AsyncExitStack() as stack:
-        boot = await stack.enter_async_context(open_node(loopback_config()))
-        cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
-        for a, b in ((0, 4), (4, 8)):
-            peer = await stack.enter_async_context(open_node(cfg))
-            await stack.enter_async_context(serve_block(peer, str(path), a, b))
-        node = await stack.enter_async_context(open_node(cfg))
-        await node.wait_bootstrapped()
+    async with local_chain(loopback_config, path, [(0, 4), (4, 8)]) as node:
         client = Client(node, LocalModel(path), wire=wire)
         got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False)]
     assert got[:identical] == reference_ids[:identical]
@@ -227,14 +215,7 @@ def _as_message(dtype, shape, payload):
                                                   ("model", 4, 4), ("ngram", 4, 3)])
 async def test_pipelined_verify_chunks_keep_greedy_output(loopback_config, reference_ids, drafter_kind, k, depth):
     path = default_model_path()
-    async with AsyncExitStack() as stack:
-        boot = await stack.enter_async_context(open_node(loopback_config()))
-        cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
-        for a, b in ((0, 3), (3, 5), (5, 8)):
-            peer = await stack.enter_async_context(open_node(cfg))
-            await stack.enter_async_context(serve_block(peer, str(path), a, b))
-        node = await stack.enter_async_context(open_node(cfg))
-        await node.wait_bootstrapped()
+    async with local_chain(loopback_config, path, [(0, 3), (3, 5), (5, 8)]) as node:
         model = LocalModel(path)
         drafter = NGramDrafter() if drafter_kind == "ngram" else ModelDrafter(default_draft_path(),
                                                                                vocab_size=model.ckpt.config.vocab_size)

@@ -289,15 +289,10 @@ class Client:
                 return
             while pending:
                 for tok in pending:
-                    if stop_at_eos and tok in self.model.eos_ids or len(out_ids) >= max_new_tokens:
+                    emitted = self._emit(out_ids, tok, stats, t0, max_new_tokens, stop_at_eos)
+                    if emitted is None:
                         return
-                    out_ids.append(tok)
-                    stats.new_tokens += 1
-                    stats.decode_s = time.perf_counter() - t0
-                    # decode incrementally so multi-token characters come out whole
-                    text = self.model.decode(out_ids)
-                    prev = self.model.decode(out_ids[:-1]) if len(out_ids) > 1 else ""
-                    yield Token(tok, text[len(prev):])
+                    yield emitted
                 if len(out_ids) >= max_new_tokens:
                     return
                 seq = ids + out_ids
@@ -323,6 +318,19 @@ class Client:
                 spec.drafted += len(drafts)
                 spec.accepted += len(pending) - 1
 
+    def _emit(self, out: list[int], tok: int, stats: GenerationStats, t0: float, max_new: int,
+              stop_at_eos: bool) -> Token | None:
+        """Append an accepted token and return it with its text, or None when generation ends."""
+        if stop_at_eos and tok in self.model.eos_ids or len(out) >= max_new:
+            return None
+        out.append(tok)
+        stats.new_tokens += 1
+        stats.decode_s = time.perf_counter() - t0
+        # decode incrementally so multi-token characters come out whole
+        text = self.model.decode(out)
+        prev = self.model.decode(out[:-1]) if len(out) > 1 else ""
+        return Token(tok, text[len(prev):])
+
     async def _pipelined(self, sess: InferenceSession, prompt: list[int], first: int, drafter: Drafter, k: int,
                          depth: int, max_new: int, stop_at_eos: bool, stats: GenerationStats,
                          t0: float) -> AsyncIterator[Token]:
@@ -334,14 +342,10 @@ class Client:
         todo = [first]
         while True:
             for tok in todo:  # emit accepted tokens
-                if stop_at_eos and tok in self.model.eos_ids or len(out) >= max_new:
+                emitted = self._emit(out, tok, stats, t0, max_new, stop_at_eos)
+                if emitted is None:
                     return
-                out.append(tok)
-                stats.new_tokens += 1
-                stats.decode_s = time.perf_counter() - t0
-                text = self.model.decode(out)
-                prev = self.model.decode(out[:-1]) if len(out) > 1 else ""
-                yield Token(tok, text[len(prev):])
+                yield emitted
             if len(out) >= max_new:
                 return
             if todo:  # the accepted text changed: drafts continue from it
