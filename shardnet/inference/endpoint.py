@@ -282,8 +282,8 @@ class ActivationEndpoint:
                 out = await trio.to_thread.run_sync(sb.block.forward, hidden, cache, length)
                 kind = "hidden"
                 if want_logits:
-                    last = min(msg.get("logits_for", 1), out.shape[1])
-                    out = await trio.to_thread.run_sync(sb.head.logits, out[:, -last:, :])
+                    n_logits = min(msg.get("logits_for", 1), out.shape[1])
+                    out = await trio.to_thread.run_sync(sb.head.logits, out[:, -n_logits:, :])
                     kind = "logits"
             length += hidden.shape[1]
             # hidden states go on in the session's wire dtype (default: as they came); logits in float32
