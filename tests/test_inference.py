@@ -171,8 +171,8 @@ async def test_idle_sessions_expire_and_free_their_kv(loopback_config, checkpoin
         client = Client(node, LocalModel(path), route=await fetch_claims(node, str(peer.peer_id)))
         async with client.session(16) as sess:
             await sess.forward(client.model.head.embed(torch.tensor([[1, 2, 3]])))
-            assert info.served.kv.used > 0
+            assert info.kv.used > 0
             await trio.sleep(1.5)
             with pytest.raises(InferenceError, match="idle"):
                 await sess.forward(client.model.head.embed(torch.tensor([[4]])))
-        assert info.served.kv.used == 0
+        assert info.kv.used == 0

@@ -54,7 +54,7 @@ class ClaimPublisher:
                                ("gossip", self.node.pubsub.publish(bc.topic(claim.model), self.current))):
                 try:
                     await coro
-                except (ShardnetError, Exception) as e:  # best effort; the next round retries
+                except Exception as e:  # best effort; the next round retries
                     log.info("publishing claim (%s) failed: %s", what, e)
             if first:
                 log.info("claimed layers %d:%d of model %s…", claim.start, claim.end, claim.model[:16])

@@ -24,6 +24,7 @@ import trio
 
 from shardnet.protocols import activation as ap
 from shardnet.protocols.block_claim import Claim
+from shardnet.transport.config import peer_info
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
 
@@ -114,7 +115,7 @@ class InferenceSession:
         returns = ep.expect_return(s, route[-1].peer)
         first = route[0]
         try:
-            await node.connect(_info(first))
+            await node.connect(peer_info(first.peer, first.addrs))
             self.up = MessageStream(await node.new_stream(first.peer, ap.PROTOCOL_ID))
             me = {"peer": str(node.peer_id), "addrs": [str(a) for a in node.listen_addrs]}
             await self.up.send(ap.open_msg(
@@ -396,14 +397,6 @@ class Client:
         if self.logits_on_last:
             return out[0, -want:].float()
         return self.model.head.logits(out[:, -want:, :])[0]
-
-
-def _info(c: Claim):
-    from libp2p.peer.id import ID
-    from libp2p.peer.peerinfo import PeerInfo
-    from multiaddr import Multiaddr
-
-    return PeerInfo(ID.from_base58(c.peer), [Multiaddr(a.split("/p2p/")[0]) for a in c.addrs])
 
 
 class _quiet:

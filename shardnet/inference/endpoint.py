@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import trio
 
 from shardnet.protocols import activation as ap
+from shardnet.transport.config import peer_info
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream
@@ -195,7 +196,7 @@ class ActivationEndpoint:
             await up.send(ap.Message("ready", s))
             async with trio.open_nursery() as nursery:
                 if op["chain"]:
-                    nursery.start_soon(_relay_errors, down, up, nursery.cancel_scope)
+                    nursery.start_soon(_relay_errors, s, down, up, nursery.cancel_scope)
                 await self._step_loop(sb, op, up, down)
                 nursery.cancel_scope.cancel()
         except (ShardnetError, trio.TooSlowError) as e:
@@ -218,7 +219,7 @@ class ActivationEndpoint:
         else:
             target, first = op["ret"], ap.Message("attach", s)
         try:
-            await self.node.connect(_peer_info(target))
+            await self.node.connect(peer_info(target["peer"], target["addrs"]))
             stream = await self.node.new_stream(target["peer"], ap.PROTOCOL_ID)
         except ShardnetError as e:
             raise InferenceError("next_hop", f"cannot reach {target['peer'][:16]}…: {e}") from None
@@ -313,20 +314,20 @@ def _check_step(msg: ap.Message, expected_step: int, length: int, max_len: int,
     return None
 
 
-async def _relay_errors(down: MessageStream, up: MessageStream, scope: trio.CancelScope) -> None:
+async def _relay_errors(s: bytes, down: MessageStream, up: MessageStream, scope: trio.CancelScope) -> None:
     """Errors from further down the chain travel back up, hop by hop. Runs for the session's
     life (the step loop's idle timeout bounds that), so it waits without a deadline of its own."""
     try:
         while True:
             msg = await down.recv(FOREVER)
             if msg is None:
-                await _reply_error(up, b"\0" * ap.SESSION_ID_BYTES, "next_hop", "next hop closed the stream")
+                await _reply_error(up, s, "next_hop", "next hop closed the stream")
                 break
             if msg.type == "error":
                 await up.send(msg)
                 break
     except (ShardnetError, ap.ActivationProtocolError) as e:
-        await _reply_error(up, b"\0" * ap.SESSION_ID_BYTES, "next_hop", f"next hop failed: {e}")
+        await _reply_error(up, s, "next_hop", f"next hop failed: {e}")
     scope.cancel()
 
 
@@ -337,20 +338,6 @@ async def _reply_error(ms: MessageStream, session: bytes, code: str, msg: str, n
             await ms.send(ap.error_msg(session, code, msg, n))
         except ShardnetError:
             pass
-
-
-def _peer_info(ref: dict):
-    from libp2p.peer.id import ID
-    from libp2p.peer.peerinfo import PeerInfo
-    from multiaddr import Multiaddr
-
-    addrs = []
-    for a in ref["addrs"]:
-        try:
-            addrs.append(Multiaddr(a.split("/p2p/")[0]))
-        except Exception:
-            continue
-    return PeerInfo(ID.from_base58(ref["peer"]), addrs)
 
 
 def new_session_id() -> bytes:

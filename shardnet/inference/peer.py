@@ -6,7 +6,6 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import torch
 import trio
@@ -24,14 +23,6 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_BUDGET = 512 << 20
 
 
-@dataclass
-class PeerInfo:
-    model_id: str
-    start: int
-    end: int
-    served: ServedBlock
-
-
 def measure_throughput(block: Block, tokens: int = 16) -> float:
     """Tokens per second of one decode-like forward (a rough figure for claims and routing)."""
     hidden = torch.zeros(1, 1, block.config.hidden_size, dtype=block.dtype, device=block.device)
@@ -47,7 +38,7 @@ def measure_throughput(block: Block, tokens: int = 16) -> float:
 async def serve_block(node: Node, model_path: str, start: int, end: int, *, dtype: str = "float32",
                       device: str | None = None, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
                       idle_timeout: float = 300.0, hold_head: bool = False,
-                      claim_ttl: float = 120.0) -> AsyncIterator[PeerInfo]:
+                      claim_ttl: float = 120.0) -> AsyncIterator[ServedBlock]:
     ckpt = Checkpoint(model_path)
     model_id = ckpt.model_id
     tdtype, dev = resolve_dtype(dtype), pick_device(device)
@@ -72,6 +63,6 @@ async def serve_block(node: Node, model_path: str, start: int, end: int, *, dtyp
     async with trio.open_nursery() as nursery:
         await nursery.start(lambda task_status: publisher.run(ttl=claim_ttl, task_status=task_status))
         try:
-            yield PeerInfo(model_id, start, end, served)
+            yield served
         finally:
             nursery.cancel_scope.cancel()

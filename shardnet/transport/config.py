@@ -57,6 +57,24 @@ def parse_multiaddr(text: str, *, what: str = "address") -> Multiaddr:
         raise AddressError(f"malformed multiaddr for {what}: {text!r} ({e})") from None
 
 
+def peer_info(peer_id: str, addrs) -> PeerInfo:
+    """A peer ID and its addresses as text (a claim's or a chain hop's); addresses that do not
+    parse are skipped, any /p2p/ suffix is dropped."""
+    from libp2p.peer.id import ID
+
+    try:
+        pid = ID.from_base58(peer_id)
+    except Exception:
+        raise AddressError(f"not a peer ID: {peer_id!r}") from None
+    parsed = []
+    for a in addrs:
+        try:
+            parsed.append(Multiaddr(a.split("/p2p/")[0]))
+        except Exception:
+            continue
+    return PeerInfo(pid, parsed)
+
+
 def parse_peer_addr(text: str, *, what: str = "peer address") -> PeerInfo:
     """A dialable peer address: must end in /p2p/<peer-id>."""
     ma = parse_multiaddr(text, what=what)
