@@ -1,13 +1,23 @@
-"""Decode over an emulated WAN: plain pipeline vs speculative decoding, in one run.
+"""Decode over an emulated WAN, the headline benchmark: plain vs speculative vs pipelined, one run.
 
-    python bench/wan_decode.py [--delay-ms 25] [--jitter-ms 2] [--mbit 100] [--tokens 48] [-k 4]
+    python bench/wan_decode.py [--peers 4] [--delay-ms 20] [--jitter-ms 1] [--mbit 100] [--tokens 96]
+                               [-k 6] [--depth 4] [--ngram-k 8] [--repeats 3]
 
-A bootstrap, 3 compute peers (``shardnet join``, separate processes, the shipped tiny-llama split
-0:3, 3:5, 5:8) and the client each sit behind a WAN emulator (bench/wan_emulator.py): every
-peer announces its proxy's address, so every connection crosses one emulated edge with the given
-one-way delay, jitter and bandwidth cap in each direction. Alternating runs measure greedy decode
-without speculation, with it (the shipped draft proposes k tokens; one traversal verifies them),
-and with --depth verify chunks in flight.
+A bootstrap, ``--peers`` compute peers (``shardnet join``, separate processes, the shipped
+tiny-llama split evenly) and the client each sit behind a WAN emulator (bench/wan_emulator.py):
+every node announces its proxy's address, so every connection crosses one emulated edge with the
+given one-way delay, jitter and bandwidth cap in each direction. A ring traversal (client ->
+peer 1 -> ... -> peer n -> client) crosses n + 1 edges: about 100 ms with 4 peers at 20 ms.
+
+Alternating runs (greedy, same prompt) measure: plain decode; speculative decode with the
+shipped draft model and with the n-gram drafter (one verify chunk at a time); and both with
+``--depth`` verify chunks in flight. Per mode: tok/s, the ratio to plain, tokens gained per
+traversal, the share of drafts accepted, the share of chunks sent that went stale, and the
+analytical ceiling (shardnet/inference/throughput.py, docs/performance.md) with the share of it
+reached. The ceiling is what the mode's own acceptance outcomes would give if a chunk's trip cost
+only the WAN (the emulated delays and serialisation at the cap) plus computation measured in
+this process (each block, the client's embedding and head, the drafting): the gap to it is the
+overhead of the real stack (framing, encryption, multiplexing, scheduling on shared cores).
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import os
 import socket
 import statistics
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -30,7 +42,8 @@ from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.client import Client, LocalModel  # noqa: E402
 from shardnet.inference.layout import split_layers  # noqa: E402
-from shardnet.inference.speculative import ModelDrafter  # noqa: E402
+from shardnet.inference.speculative import ModelDrafter, NGramDrafter, SpeculationStats  # noqa: E402
+from shardnet.inference.throughput import ceiling  # noqa: E402
 from shardnet.localswarm import ShardnetProcess  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
@@ -44,10 +57,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class Mode:
+    name: str
+    drafter: object
+    k: int
+    depth: int
+    rates: list[float] = field(default_factory=list)
+    stats: list[SpeculationStats] = field(default_factory=list)
+    ids: list[list[int]] = field(default_factory=list)
+
+    def total(self, attr: str) -> float:
+        return sum(getattr(s, attr) for s in self.stats)
+
+    @property
+    def ring(self) -> float:
+        """Mean send-to-result time of a verify chunk."""
+        return self.total("round_trip_s") / self.total("verified")
+
+
 async def run(args: argparse.Namespace, workdir: Path) -> None:
     link = Link(delay=args.delay_ms / 1e3, jitter=args.jitter_ms / 1e3, rate=args.mbit * 1e6 / 8)
     ckpt = Checkpoint(default_model_path())
-    ranges = split_layers(ckpt.num_layers, 3)
+    ranges = split_layers(ckpt.num_layers, args.peers)
     procs: list[ShardnetProcess] = []
     async with trio.open_nursery() as nursery:
         async def behind_wan(seed: int) -> tuple[int, int]:
@@ -70,9 +102,16 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                     f"/ip4/127.0.0.1/tcp/{pub}", "--bootstrap", boot_addr], workdir=workdir))
             for p in procs[1:]:
                 await trio.to_thread.run_sync(p.wait_event, lambda e: e.get("event") == "ready", 120)
-            real, pub = await behind_wan(9)
+            real, pub = await behind_wan(99)
             model = LocalModel(default_model_path())
-            drafter = ModelDrafter(default_draft_path(), vocab_size=ckpt.config.vocab_size)
+            draft = ModelDrafter(default_draft_path(), vocab_size=ckpt.config.vocab_size)
+            ngram = NGramDrafter()
+            modes = [Mode("plain decode", None, 0, 1),
+                     Mode(f"speculative, draft model, k={args.k}", draft, args.k, 1),
+                     Mode(f"speculative, n-gram, k={args.ngram_k}", ngram, args.ngram_k, 1),
+                     Mode(f"pipelined, draft model, k={args.k}, depth {args.depth}", draft, args.k, args.depth),
+                     Mode(f"pipelined, n-gram, k={args.ngram_k}, depth {args.depth}", ngram, args.ngram_k,
+                          args.depth)]
             cfg = NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{real}"], announce=[f"/ip4/127.0.0.1/tcp/{pub}"],
                              bootstrap=[boot_addr], dht_mode="client", low_watermark=0)
             async with open_node(cfg) as node:
@@ -80,44 +119,110 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                 client = Client(node, model, route_timeout=60)
                 route = await client.find_route()
                 ping = await node.ping(route[0].peer)  # shows the emulated edge: ~2 x delay
-                plain, spec, piped, same, sp = [], [], [], True, None
-                want = None
+                for m in modes:  # warm-up: connections along the ring, lazy initialisation
+                    [t async for t in client.generate(PROMPT, max_new_tokens=8, stop_at_eos=False,
+                                                      drafter=m.drafter, k=m.k, depth=m.depth)]
                 for _ in range(args.repeats):
-                    got = [t.id async for t in client.generate(PROMPT, max_new_tokens=args.tokens, stop_at_eos=False)]
-                    plain.append(client.last_stats.tokens_per_s)
-                    got_s = [t.id async for t in client.generate(PROMPT, max_new_tokens=args.tokens, stop_at_eos=False,
-                                                                  drafter=drafter, k=args.k)]
-                    spec.append(client.last_stats.tokens_per_s)
-                    sp = client.last_stats.speculation
-                    got_p = [t.id async for t in client.generate(PROMPT, max_new_tokens=args.tokens, stop_at_eos=False,
-                                                                  drafter=drafter, k=args.k, depth=args.depth)]
-                    piped.append(client.last_stats.tokens_per_s)
-                    want = want or got
-                    same = same and got == want and got_s == want and got_p == want
+                    for m in modes:
+                        m.ids.append([t.id async for t in client.generate(
+                            PROMPT, max_new_tokens=args.tokens, stop_at_eos=False, drafter=m.drafter, k=m.k,
+                            depth=m.depth)])
+                        st = client.last_stats
+                        m.rates.append(st.tokens_per_s)
+                        m.stats.append(st.speculation)
         finally:
             for p in procs:
                 p.stop()
             nursery.cancel_scope.cancel()
-    tp, ts, tq = statistics.median(plain), statistics.median(spec), statistics.median(piped)
+    compute = {m.k + 1: measure_compute(ckpt, ranges, model, m.k + 1) for m in modes}
+    report(args, ranges, ping, modes, compute)
+
+
+def measure_compute(ckpt: Checkpoint, ranges, model: LocalModel, positions: int, context: int = 64,
+                    reps: int = 30) -> tuple[float, float]:
+    """Seconds of computation per chunk of ``positions`` tokens at ``context`` tokens of history,
+    measured here one block at a time: (summed over the chain's blocks, at the client: embedding
+    and head)."""
+    import torch
+
+    from shardnet.inference.block import Block
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    hidden = ckpt.config.hidden_size
+    x = torch.randn(1, positions, hidden)
+    chain = 0.0
+    with torch.inference_mode():
+        for a, b in ranges:
+            block = Block(ckpt, a, b)
+            cache = block.new_cache()
+            block.forward(torch.randn(1, context, hidden), cache, 0)
+
+            def step() -> None:
+                block.forward(x, cache, context)
+                cache.crop(-positions)
+
+            chain += timed(step)
+        ids = torch.randint(0, ckpt.config.vocab_size, (1, positions))
+        client = timed(lambda: model.head.logits(model.head.embed(ids)))
+    return chain, client
+
+
+def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], compute: dict) -> None:
+    plain = statistics.median(modes[0].rates)
+    edges = len(ranges) + 1
+    hidden_bytes = 4 * Checkpoint(default_model_path()).config.hidden_size
+
+    def latency(positions: int) -> float:
+        """The ring's physics: every edge's mean one-way delay and serialisation at the cap."""
+        return edges * (args.delay_ms / 1e3 + args.jitter_ms / 2e3 + positions * hidden_bytes / (args.mbit * 1e6 / 8))
+
     print(f"WAN edge: {args.delay_ms:g} ms one way (+ up to {args.jitter_ms:g} ms jitter), {args.mbit:g} Mbit/s cap; "
           f"client -> first peer ping {ping * 1e3:.1f} ms")
-    print(f"tiny-llama over 3 peers {ranges}, {args.tokens} greedy tokens x {args.repeats} runs, medians")
-    print(f"plain pipeline decode:       {tp:6.2f} tok/s")
-    print(f"speculative (draft, k={args.k}):   {ts:6.2f} tok/s   {ts / tp:.2f}x plain; "
-          f"{sp.tokens_per_traversal:.2f} tokens per traversal, {sp.acceptance:.0%} of drafts accepted")
-    print(f"speculative, {args.depth} chunks in flight: {tq:6.2f} tok/s   {tq / tp:.2f}x plain")
-    print(f"greedy output identical in all three: {same}")
+    print(f"tiny-llama over {len(ranges)} peers {ranges}; a traversal crosses {edges} edges: "
+          f"{latency(1) * 1e3:.1f} ms of WAN, {modes[0].ring * 1e3:.1f} ms measured for plain decode")
+    print(f"{args.tokens} greedy tokens x {args.repeats} runs per mode, alternating; medians")
+    print(f"{'mode':<40} {'tok/s':>7} {'x plain':>8} {'tok/trav':>8} {'accepted':>8} {'stale':>6} "
+          f"{'ceiling':>8} {'reached':>8}")
+    for m in modes:
+        rate = statistics.median(m.rates)
+        total = SpeculationStats()
+        for st in m.stats:
+            for f in SpeculationStats.__dataclass_fields__:
+                setattr(total, f, getattr(total, f) + getattr(st, f))
+        chain, client = compute[m.k + 1]
+        draft = total.draft_s / total.chunks
+        ring = latency(m.k + 1) + chain + client  # from deciding on a chunk to having its result
+        top = ceiling(total, m.depth, ring, draft, service=draft + client)
+        acc = f"{total.acceptance:.0%}" if total.drafted else "-"
+        print(f"{m.name:<40} {rate:7.2f} {rate / plain:7.2f}x {total.tokens_per_traversal:8.2f} {acc:>8} "
+              f"{total.stale / max(1, total.chunks):6.0%} {top:8.2f} {rate / top:8.0%}")
+    same = all(ids == modes[0].ids[0] for m in modes for ids in m.ids)
+    print(f"greedy output identical in every mode and run: {same}")
+    print("ceiling: shardnet/inference/throughput.py over each mode's own acceptance outcomes, with the WAN")
+    print("delays above plus compute measured in this process per chunk: " + ", ".join(
+        f"{n} position{'s' if n > 1 else ''} {c[0] * 1e3:.1f} ms chain + {c[1] * 1e3:.1f} ms client"
+        for n, c in sorted(compute.items())) + f"; drafting {modes[1].name.split(', ')[1]}: "
+        f"{modes[1].total('draft_s') / modes[1].total('chunks') * 1e3:.1f} ms per chunk")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--delay-ms", type=float, default=25.0)
-    p.add_argument("--jitter-ms", type=float, default=2.0)
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--delay-ms", type=float, default=20.0)
+    p.add_argument("--jitter-ms", type=float, default=1.0)
     p.add_argument("--mbit", type=float, default=100.0)
-    p.add_argument("--tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("-k", type=int, default=4)
-    p.add_argument("--depth", type=int, default=2, help="verify chunks in flight for the pipelined row")
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("-k", type=int, default=6, help="drafts per chunk for the draft model")
+    p.add_argument("--ngram-k", type=int, default=8, help="drafts per chunk for the n-gram drafter")
+    p.add_argument("--depth", type=int, default=4, help="verify chunks in flight for the pipelined rows")
     args = p.parse_args()
     logging.disable(logging.CRITICAL)
     import tempfile

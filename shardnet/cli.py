@@ -359,7 +359,7 @@ def join(identity, listen, announce, bootstrap, quic, mdns, model_path, layers, 
 @click.option("--draft", "draft_path", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Draft checkpoint for --speculate draft (default: the shipped tiny-llama-draft).")
 @click.option("-k", "draft_k", default=4, show_default=True, help="Drafted tokens verified per traversal.")
-@click.option("--depth", default=1, show_default=True, help="Verify chunks in flight (greedy speculation).")
+@click.option("--depth", default=1, show_default=True, help="Verify chunks kept in flight by speculation.")
 @click.option("--wire", type=click.Choice(["float32", "float16", "bfloat16", "int8q"]), default=None,
               help="How hidden states travel between peers (default: the model dtype; int8q = int8 + scales).")
 @_wrap_errors
@@ -407,10 +407,10 @@ async def _stream_generation(client, prompt: str, **kw) -> None:
     st = client.last_stats
     sys.stdout.write("\n")
     click.echo(f"-- {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s decode, prefill {st.prefill_s * 1000:.0f} ms")
-    if st.speculation.traversals:
-        sp = st.speculation
-        click.echo(f"-- speculation: {sp.traversals} traversals, {sp.tokens_per_traversal:.2f} tokens each, "
-                   f"{sp.acceptance:.0%} of drafts accepted")
+    sp = st.speculation
+    if sp.drafted:
+        click.echo(f"-- speculation: {sp.verified} traversals, {sp.tokens_per_traversal:.2f} tokens each, "
+                   f"{sp.acceptance:.0%} of drafts accepted, {sp.stale} stale chunks discarded")
     click.echo("-- chain: " + " -> ".join(f"{c.peer[:12]}… [{c.start}:{c.end}]" for c in st.chain))
 
 

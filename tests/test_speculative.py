@@ -4,14 +4,13 @@ from contextlib import AsyncExitStack
 
 import pytest
 import torch
+from conftest import local_chain
 
 from shardnet.inference.client import Client, LocalModel
 from shardnet.inference.peer import serve_block
 from shardnet.inference.speculative import ModelDrafter, NGramDrafter, accept_greedy
 from shardnet.models import default_draft_path, default_model_path
 from shardnet.transport import open_node
-
-from conftest import local_chain
 
 PROMPT = "def __init__(self, name):\n        self.name = name\n        self."
 NEW = 40
@@ -65,7 +64,7 @@ async def test_speculative_greedy_equals_plain_greedy(loopback_config, reference
                                                     drafter=drafter, k=k)]
     assert got == reference_ids
     spec = client.last_stats.speculation
-    assert spec.traversals < NEW  # fewer chain traversals than tokens
+    assert spec.verified < NEW  # fewer chain traversals than tokens
     if drafter_kind == "model":
         assert spec.acceptance > 0.2, spec  # the shipped draft agrees with its target fairly often
 
@@ -110,60 +109,108 @@ def small_models(tmp_path_factory):
     return target, draft
 
 
-def _sample_locally(target, draft, n, *, speculate, accept=None, k=3, new=2):
-    """``n`` seeded continuations of ``new`` tokens, the target computed in this process with the
-    same code paths the client uses (probabilities, drafter.sample, accept_sampled)."""
+class InProcessSession:
+    """The session interface ``generate_on`` drives (send, receive), served by one Block holding
+    every layer in this process, under the peers' rules: a position below the cache length rolls
+    the cache back, and a step is dropped when a newer epoch is already queued behind it."""
+
+    def __init__(self, block, *, drop_stale: bool = True) -> None:
+        self.block, self.cache, self.length = block, block.new_cache(), 0
+        self.queue: list[tuple] = []
+        self.step_no, self.drop_stale = 0, drop_stale
+
+    async def send(self, hidden, *, pos, logits_for=1, epoch=0):
+        self.queue.append((self.step_no, hidden, pos, logits_for, epoch))
+        self.step_no += 1
+        return self.step_no - 1
+
+    async def receive(self):
+        while True:
+            n, hidden, pos, logits_for, epoch = self.queue.pop(0)
+            if not (self.drop_stale and any(q[4] > epoch for q in self.queue)):
+                break
+        if pos < self.length:
+            self.cache.crop(pos - self.length)
+            self.length = pos
+        out = self.block.forward(hidden, self.cache, self.length)
+        self.length += hidden.shape[1]
+        return n, out
+
+
+async def _sample_locally(target, draft, n, *, k=3, depth=1, speculate=True, new=4, last=2, accept=None,
+                          drop_stale=None):
+    """The last ``last`` of ``new`` tokens sampled with seeds 0..n-1, through the client's decode loop
+    (generate_on: drafting, chunks in flight, acceptance, fencing) over an in-process session.
+    The first token comes from the prefill; the later ones from verify chunks."""
     from collections import Counter
 
-    from transformers import AutoModelForCausalLM
+    from shardnet.inference import client as client_mod
+    from shardnet.inference.block import Block
+    from shardnet.inference.client import GenerationStats, generate_on
+    from shardnet.inference.sampling import Randomness, SamplingParams
 
-    from shardnet.inference.sampling import SamplingParams, next_token, probabilities
-    from shardnet.inference.speculative import accept_sampled
-
-    accept = accept or accept_sampled
-    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    drafter = ModelDrafter(draft, vocab_size=12)
+    model = LocalModel(target)
+    block = Block(model.ckpt, 0, model.ckpt.num_layers)
+    drafter = ModelDrafter(draft, vocab_size=12) if speculate else None
+    params = SamplingParams(temperature=1.0)
     prompt = [3, 1, 4]
     counts = Counter()
-    with torch.inference_mode():
-        for seed in range(n):
-            gen = torch.Generator().manual_seed(seed)
-            seq = list(prompt)
-            while len(seq) < len(prompt) + new:
-                if speculate:
-                    drafts, q = drafter.sample(seq, k, params, gen, 12)
-                    logits = model(torch.tensor([seq + drafts])).logits[0, len(seq) - 1:]
-                    p = torch.stack([probabilities(row, params) for row in logits])
-                    seq += accept(drafts, q, p, gen)
-                else:
-                    seq.append(next_token(model(torch.tensor([seq])).logits[0, -1], params, gen))
-            counts[tuple(seq[len(prompt):len(prompt) + new])] += 1
+    real_accept = client_mod.accept_sampled
+    client_mod.accept_sampled = accept or real_accept
+    try:
+        with torch.inference_mode():
+            for seed in range(n):
+                # by default, both ways of losing stale chunks
+                sess = InProcessSession(block, drop_stale=seed % 2 == 0 if drop_stale is None else drop_stale)
+                got = [t.id async for t in generate_on(
+                    sess, model, prompt, params=params, rng=Randomness(seed), drafter=drafter, k=k, depth=depth,
+                    max_new=new, stop_at_eos=False, stats=GenerationStats())]
+                counts[tuple(got[-last:])] += 1
+    finally:
+        client_mod.accept_sampled = real_accept
     return counts
 
 
+async def test_seeded_sampling_does_not_depend_on_which_stale_chunks_were_dropped(small_models):
+    """Whether a peer drops a stale chunk depends on timing; the numbers a seed gives must not."""
+    target, draft = small_models
+    a = await _sample_locally(target, draft, 40, k=2, depth=3, drop_stale=True, new=8, last=8)
+    b = await _sample_locally(target, draft, 40, k=2, depth=3, drop_stale=False, new=8, last=8)
+    assert a == b and len(a) > 10  # 40 seeds: many different continuations, each the same both ways
+
+
+_PLAIN: dict = {}
+
+
 @pytest.mark.slow
-def test_speculative_sampling_has_the_target_distribution(small_models):
+@pytest.mark.parametrize("k,depth", [(3, 1), (1, 3)])
+async def test_speculative_sampling_has_the_target_distribution(small_models, k, depth):
     """Threshold: with N = 3000 seeded samples per side, the two-sample chi-square test on the
-    joint distribution of the first two sampled tokens (144 outcomes, rare ones pooled) rejects
+    joint distribution of the 3rd and 4th sampled tokens (144 outcomes, rare ones pooled) rejects
     equal distributions at p < 0.001 by chance once in a thousand runs; and the same test must
     reject a deliberately wrong acceptance rule (keep every draft), so it has the power to see
-    a broken sampler."""
+    a broken sampler. Runs through the client's decode loop, with one verify chunk at a time and
+    with several in flight (drafts of later chunks assume earlier ones are accepted whole)."""
+    from shardnet.inference.sampling import draw
+
     target, draft = small_models
-    plain = _sample_locally(target, draft, 3000, speculate=False)
-    spec = _sample_locally(target, draft, 3000, speculate=True)
+    if "plain" not in _PLAIN:
+        _PLAIN["plain"] = await _sample_locally(target, draft, 3000, speculate=False)
+    plain = _PLAIN["plain"]
+    spec = await _sample_locally(target, draft, 3000, k=k, depth=depth)
     stat, dof = chi2_homogeneity(plain, spec)
     assert chi2_pvalue(stat, dof) > 1e-3, (stat, dof)
 
-    def keep_all(drafts, q, p, gen):  # wrong: ignores p entirely
-        return drafts + [int(torch.multinomial(p[len(drafts)], 1, generator=gen))]
+    def keep_all(drafts, q, p, rng, start):  # wrong: ignores p entirely
+        return drafts + [draw(p[len(drafts)], rng.uniform(start + len(drafts), "target"))]
 
-    broken = _sample_locally(target, draft, 3000, speculate=True, accept=keep_all)
+    broken = await _sample_locally(target, draft, 3000, k=k, depth=depth, accept=keep_all)
     stat, dof = chi2_homogeneity(plain, broken)
     assert chi2_pvalue(stat, dof) < 1e-6, (stat, dof)
 
 
-async def test_speculative_sampling_through_the_chain_is_seeded(loopback_config):
+@pytest.mark.parametrize("depth", [1, 3])
+async def test_speculative_sampling_through_the_chain_is_seeded(loopback_config, depth):
     path = default_model_path()
     async with AsyncExitStack() as stack:
         peer = await stack.enter_async_context(open_node(loopback_config()))
@@ -178,11 +225,12 @@ async def test_speculative_sampling_through_the_chain_is_seeded(loopback_config)
 
         async def run(seed):
             return [t.id async for t in client.generate(PROMPT, max_new_tokens=24, temperature=0.8, top_k=40,
-                                                        seed=seed, stop_at_eos=False, drafter=drafter, k=3)]
+                                                        seed=seed, stop_at_eos=False, drafter=drafter, k=3,
+                                                        depth=depth)]
 
         a, b, c = await run(1), await run(1), await run(2)
     assert a == b and a != c and len(a) == 24
-    assert client.last_stats.speculation.traversals < 24
+    assert client.last_stats.speculation.verified < 24
 
 
 # -- activation compression -------------------------------------------------------------------------
@@ -229,9 +277,9 @@ async def test_speculation_across_emulated_wan_edges(loopback_config, reference_
     """Every peer behind a WAN emulator (it announces the proxy's address), so each connection
     crosses a delayed, jittery, rate-capped edge: output still identical, chunks in flight."""
     import trio
+    from conftest import free_port
 
     from bench.wan_emulator import Link, WanProxy
-    from conftest import free_port
 
     path = default_model_path()
     link = Link(delay=0.01, jitter=0.003, rate=20e6)

@@ -7,10 +7,15 @@ present, no download). Tokenizer: byte-level BPE (2,048 tokens) trained with ``t
 Models, Llama architecture, sharing the tokenizer:
 
 - ``tiny-llama``: 8 layers, hidden 224 (about 5.1 M parameters), the swarm's target model;
-- ``tiny-llama-draft``: 1 layer, hidden 224, the draft for speculative decoding.
+- ``tiny-llama-draft``: 1 layer, hidden 224, the draft for speculative decoding, distilled from
+  the target: trained to match the target's next-token distribution (KL divergence) on the
+  corpus and on the target's own continuations of corpus snippets, greedy and sampled. A draft
+  only pays when the target agrees with it, and a target's own output (repetitive, in a tiny
+  model) is what the draft is asked to predict at decode time.
 
 Both are trained with the same seeded data order and saved in Hugging Face format (config.json,
 model.safetensors in float16, tokenizer.json), small enough to ship in the repository.
+``--draft-only`` distills a new draft from the shipped target without touching it.
 """
 
 from __future__ import annotations
@@ -90,6 +95,61 @@ def train(model, ids: torch.Tensor, steps: int, name: str, lr: float = 3e-3) -> 
     return loss_avg
 
 
+@torch.no_grad()
+def teacher_continuations(teacher, ids: torch.Tensor, n: int, rng: random.Random) -> torch.Tensor:
+    """``n`` sequences of SEQ + 1 tokens: a 16-token corpus snippet continued by the teacher, half
+    greedily, half sampled at temperature 0.8 (seeded)."""
+    prompt_len, out = 16, []
+    gen = torch.Generator().manual_seed(SEED)
+    for first in range(0, n, 64):
+        starts = [rng.randrange(len(ids) - prompt_len) for _ in range(min(64, n - first))]
+        seq = torch.stack([ids[s:s + prompt_len] for s in starts])
+        sampled = torch.arange(len(starts)) % 2 == 1
+        res = teacher(input_ids=seq, use_cache=True)
+        cache, logits = res.past_key_values, res.logits[:, -1]
+        while seq.shape[1] < SEQ + 1:
+            greedy = logits.argmax(-1)
+            drawn = torch.multinomial(torch.softmax(logits / 0.8, -1), 1, generator=gen)[:, 0]
+            nxt = torch.where(sampled, drawn, greedy)[:, None]
+            seq = torch.cat([seq, nxt], 1)
+            res = teacher(input_ids=nxt, past_key_values=cache, use_cache=True)
+            cache, logits = res.past_key_values, res.logits[:, -1]
+        out.append(seq)
+        print(f"[distill] teacher continuations {first + len(starts)}/{n}", flush=True)
+    return torch.cat(out)
+
+
+def distill(student, teacher, ids: torch.Tensor, steps: int, lr: float = 3e-3) -> float:
+    """Train ``student`` on KL(teacher || student) over the next-token distributions; batches
+    alternate between corpus windows and teacher continuations."""
+    rng = random.Random(SEED)
+    continuations = teacher_continuations(teacher, ids, 2048, rng)
+    corpus = batches(ids, steps, rng)
+    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    student.train()
+    t0, loss_avg = time.time(), None
+    for step in range(1, steps + 1):
+        batch = next(corpus) if step % 2 else continuations[[rng.randrange(len(continuations))
+                                                             for _ in range(BATCH)]]
+        warm = min(1.0, step / 30)
+        for g in opt.param_groups:
+            g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        with torch.no_grad():
+            target = torch.log_softmax(teacher(input_ids=batch[:, :-1]).logits.float(), -1)
+        pred = torch.log_softmax(student(input_ids=batch[:, :-1]).logits.float(), -1)
+        loss = torch.nn.functional.kl_div(pred.flatten(0, 1), target.flatten(0, 1), log_target=True,
+                                          reduction="batchmean")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
+        if step % 20 == 0 or step == steps:
+            print(f"[distill] step {step}/{steps} KL {loss_avg:.3f} ({time.time() - t0:.0f} s)", flush=True)
+    student.eval()
+    return loss_avg
+
+
 def save(model, tok, out: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
@@ -103,7 +163,9 @@ def save(model, tok, out: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--draft-steps", type=int, default=400)
+    p.add_argument("--draft-steps", type=int, default=800)
+    p.add_argument("--draft-only", action="store_true",
+                   help="distill a new draft from the target already in --out; leave the target as it is")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "shardnet" / "models")
     args = p.parse_args()
     torch.manual_seed(SEED)
@@ -111,17 +173,33 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     text = corpus_text()
     print(f"corpus: {len(text) / 1e6:.1f} MB of Python {sys.version.split()[0]} stdlib source", flush=True)
-    tok = train_tokenizer(text)
-    ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
-    print(f"tokens: {len(ids) / 1e6:.2f} M", flush=True)
-    for name, layers, steps in (("tiny-llama", 8, args.steps), ("tiny-llama-draft", 1, args.draft_steps)):
+    if args.draft_only:
+        from tokenizers import Tokenizer
+        from transformers import AutoModelForCausalLM
+
+        tok = Tokenizer.from_file(str(args.out / "tiny-llama" / "tokenizer.json"))
+        ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
+        target = AutoModelForCausalLM.from_pretrained(args.out / "tiny-llama", dtype=torch.float32).eval()
+    else:
+        tok = train_tokenizer(text)
+        ids = torch.tensor(tok.encode(text).ids, dtype=torch.long)
         torch.manual_seed(SEED)
-        model = make_model(layers)
-        n = sum(p.numel() for p in model.parameters())
-        print(f"[{name}] {layers} layers, {n / 1e6:.2f} M parameters", flush=True)
-        train(model, ids, steps, name)
-        save(model, tok, args.out / name)
-        print(f"[{name}] saved to {args.out / name}", flush=True)
+        target = make_model(8)
+        print(f"[tiny-llama] 8 layers, {sum(p.numel() for p in target.parameters()) / 1e6:.2f} M parameters",
+              flush=True)
+        train(target, ids, args.steps, "tiny-llama")
+        save(target, tok, args.out / "tiny-llama")
+        # distil from the weights as shipped (float16), the model peers will actually serve
+        target = target.to(torch.float16).float().eval()
+        print(f"[tiny-llama] saved to {args.out / 'tiny-llama'}", flush=True)
+    print(f"tokens: {len(ids) / 1e6:.2f} M", flush=True)
+    torch.manual_seed(SEED)
+    draft = make_model(1)
+    print(f"[tiny-llama-draft] 1 layer, {sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M parameters, "
+          f"distilled from tiny-llama", flush=True)
+    distill(draft, target, ids, args.draft_steps)
+    save(draft, tok, args.out / "tiny-llama-draft")
+    print(f"[tiny-llama-draft] saved to {args.out / 'tiny-llama-draft'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -32,8 +33,16 @@ from . import wire
 from .block import Head, pick_device, resolve_dtype
 from .checkpoint import Checkpoint
 from .claims import NoRouteError, find_claims, plan_route
-from .endpoint import FOREVER, OPEN_TIMEOUT, STEP_TIMEOUT, ActivationEndpoint, InferenceError, MessageStream, new_session_id
-from .sampling import SamplingParams, next_token, probabilities
+from .endpoint import (
+    FOREVER,
+    OPEN_TIMEOUT,
+    STEP_TIMEOUT,
+    ActivationEndpoint,
+    InferenceError,
+    MessageStream,
+    new_session_id,
+)
+from .sampling import Randomness, SamplingParams, next_token, probabilities
 from .speculative import Drafter, SpeculationStats, accept_greedy, accept_sampled
 
 log = logging.getLogger(__name__)
@@ -95,6 +104,18 @@ class GenerationStats:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class _Chunk:
+    """A verify chunk in flight."""
+
+    n: int  # step number
+    epoch: int  # of the speculation: a rejection ends one
+    start: int  # position of the first draft
+    drafts: list[int]
+    q: torch.Tensor | None  # the distributions sampled drafts were drawn from
+    sent: float  # perf_counter() when sent
 
 
 class InferenceSession:
@@ -261,13 +282,15 @@ class Client:
 
         With a ``drafter`` each chain traversal verifies up to ``k`` drafted tokens: greedy output is
         identical to plain greedy decoding, and sampled output has exactly the distribution of
-        plain sampling (lossless speculative sampling). With greedy decoding, ``depth`` > 1 keeps
-        that many verify chunks in flight, drafting ahead on the assumption that earlier chunks
-        are fully accepted; a rejection starts a new epoch and the stale chunks are discarded
-        (and dropped by the peers). Output stays identical to plain greedy decoding.
+        plain sampling (lossless speculative sampling). ``depth`` > 1 keeps that many verify chunks
+        in flight, drafting ahead on the assumption that earlier chunks are fully accepted; a
+        rejection starts a new epoch and the stale chunks are discarded (and dropped by the peers
+        that see the newer epoch first). A seed fixes the output whatever the depth and timing.
         """
         params = SamplingParams(temperature, top_p, top_k, seed)
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        if k < 0 or depth < 1:
+            raise ShardnetError("need k >= 0 and depth >= 1")
+        rng = Randomness(seed)
         ids = self.model.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ShardnetError("empty prompt")
@@ -275,128 +298,119 @@ class Client:
         route = await self.find_route()
         stats.chain = route
         self.last_stats = stats
-        out_ids: list[int] = []
-        extra = (k + 1) * max(depth, 1) if drafter is not None else 0  # drafts may run past the end
+        if drafter is None:
+            k, depth = 0, 1
+        extra = (k + 1) * depth  # drafts may run past the end
         async with self.session(len(ids) + max_new_tokens + extra, route) as sess:
-            t0 = time.perf_counter()
-            logits = await self._logits(sess, torch.tensor([ids]), pos=0)
-            stats.prefill_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            pending = [next_token(logits[-1], params, gen)]
-            if drafter is not None and params.greedy and depth > 1:
-                async for tok in self._pipelined(sess, ids, pending[0], drafter, k, depth, max_new_tokens,
-                                                 stop_at_eos, stats, t0):
-                    yield tok
-                return
-            while pending:
-                for tok in pending:
-                    emitted = self._emit(out_ids, tok, stats, t0, max_new_tokens, stop_at_eos)
-                    if emitted is None:
-                        return
-                    yield emitted
-                if len(out_ids) >= max_new_tokens:
-                    return
-                seq = ids + out_ids
-                if drafter is None:
-                    logits = await self._logits(sess, torch.tensor([[seq[-1]]]), pos=len(seq) - 1)
-                    pending = [next_token(logits[-1], params, gen)]
-                    continue
-                budget = min(k, max_new_tokens - len(out_ids))
-                vocab = self.model.ckpt.config.vocab_size
-                if params.greedy:
-                    drafts = drafter.propose(seq, budget)
-                else:
-                    drafts, q = drafter.sample(seq, budget, params, gen, vocab)
-                feed = [seq[-1]] + drafts
-                logits = await self._logits(sess, torch.tensor([feed]), pos=len(seq) - 1, every_position=True)
-                if params.greedy:
-                    pending = accept_greedy(drafts, logits.argmax(-1).tolist())
-                else:
-                    p = torch.stack([probabilities(row, params) for row in logits])
-                    pending = accept_sampled(drafts, q, p, gen)
-                spec = stats.speculation
-                spec.traversals += 1
-                spec.drafted += len(drafts)
-                spec.accepted += len(pending) - 1
+            async for tok in generate_on(sess, self.model, ids, params=params, rng=rng, drafter=drafter, k=k,
+                                         depth=depth, max_new=max_new_tokens, stop_at_eos=stop_at_eos,
+                                         stats=stats, logits_on_last=self.logits_on_last):
+                yield tok
 
-    def _emit(self, out: list[int], tok: int, stats: GenerationStats, t0: float, max_new: int,
-              stop_at_eos: bool) -> Token | None:
-        """Append an accepted token and return it with its text, or None when generation ends."""
-        if stop_at_eos and tok in self.model.eos_ids or len(out) >= max_new:
-            return None
-        out.append(tok)
-        stats.new_tokens += 1
-        stats.decode_s = time.perf_counter() - t0
-        # decode incrementally so multi-token characters come out whole
-        text = self.model.decode(out)
-        prev = self.model.decode(out[:-1]) if len(out) > 1 else ""
-        return Token(tok, text[len(prev):])
 
-    async def _pipelined(self, sess: InferenceSession, prompt: list[int], first: int, drafter: Drafter, k: int,
-                         depth: int, max_new: int, stop_at_eos: bool, stats: GenerationStats,
-                         t0: float) -> AsyncIterator[Token]:
-        """Greedy speculative decoding with up to ``depth`` verify chunks in flight."""
-        out: list[int] = []
-        spec = list(prompt)  # accepted text plus every draft in flight
-        inflight: list[tuple[int, int, list[int]]] = []  # (step number, epoch, drafts)
-        epoch = 0
-        todo = [first]
-        while True:
-            for tok in todo:  # emit accepted tokens
-                emitted = self._emit(out, tok, stats, t0, max_new, stop_at_eos)
-                if emitted is None:
-                    return
-                yield emitted
-            if len(out) >= max_new:
+def _emit(model: LocalModel, out: list[int], tok: int, stats: GenerationStats, t0: float, max_new: int,
+          stop_at_eos: bool) -> Token | None:
+    """Append an accepted token and return it with its text, or None when generation ends."""
+    if stop_at_eos and tok in model.eos_ids or len(out) >= max_new:
+        return None
+    out.append(tok)
+    stats.new_tokens += 1
+    stats.decode_s = time.perf_counter() - t0
+    # decode incrementally so multi-token characters come out whole
+    text = model.decode(out)
+    prev = model.decode(out[:-1]) if len(out) > 1 else ""
+    return Token(tok, text[len(prev):])
+
+
+async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[int], *, params: SamplingParams,
+                      rng: Randomness, drafter: Drafter | None, k: int, depth: int, max_new: int,
+                      stop_at_eos: bool, stats: GenerationStats, logits_on_last: bool = False) -> AsyncIterator[Token]:
+    """Prefill ``prompt`` through an open session, then decode with up to ``depth`` verify chunks
+    of up to ``k`` drafts in flight. Plain decoding is the case k = 0, depth = 1: each chunk is the
+    last token alone. ``sess`` needs only ``send`` and ``receive``."""
+    t0 = time.perf_counter()
+    n = await sess.send(model.head.embed(torch.tensor([prompt])), pos=0)
+    got, result = await sess.receive()
+    if got != n:
+        raise InferenceError("unexpected", f"expected result {n}, got {got}")
+    stats.prefill_s = time.perf_counter() - t0
+    logits = result[0, -1].float() if logits_on_last else model.head.logits(result[:, -1:])[0, -1]
+    first = next_token(logits, params, rng, len(prompt))
+    t0 = time.perf_counter()
+    spec_stats = stats.speculation
+    vocab = model.ckpt.config.vocab_size
+    out: list[int] = []
+    spec = list(prompt)  # accepted text plus every draft in flight
+    # chunks of the current epoch in flight, oldest first; results of older steps are stale
+    inflight: deque[_Chunk] = deque()
+    epoch, stale_below = 0, 0
+    todo = [first]
+    while True:
+        for tok in todo:  # emit accepted tokens
+            emitted = _emit(model, out, tok, stats, t0, max_new, stop_at_eos)
+            if emitted is None:
                 return
-            if todo:  # the accepted text changed: drafts continue from it
-                spec = prompt + out + [d for _, e, ds in inflight if e == epoch for d in ds]
-            todo = []
-            # keep `depth` chunks in flight, drafting ahead as if earlier chunks were all accepted
-            while len(inflight) < depth and len(spec) - len(prompt) < max_new:
-                drafts = drafter.propose(spec, k)
-                if not drafts and inflight:
-                    break  # nothing to speculate on: wait for a result first
-                feed = [spec[-1]] + drafts
-                n = await sess.send(self.model.head.embed(torch.tensor([feed])), pos=len(spec) - 1,
-                                    logits_for=len(feed), epoch=epoch)
-                inflight.append((n, epoch, drafts))
-                spec += drafts
-                stats.speculation.traversals += 1
-                stats.speculation.drafted += len(drafts)
-                if not drafts:
-                    break
+            yield emitted
+        if len(out) >= max_new:
+            return
+        if todo:  # the accepted text changed: drafts continue from it
+            spec = prompt + out + [d for c in inflight for d in c.drafts]
+        todo = []
+        # keep `depth` chunks in flight, drafting ahead as if earlier chunks were all accepted
+        while len(inflight) < depth and len(spec) - len(prompt) < max_new:
+            budget = min(k, max_new - (len(spec) - len(prompt)))
+            t_draft = time.perf_counter()
+            q = None
+            if drafter is None or budget <= 0:
+                drafts = []
+            elif params.greedy:
+                drafts = drafter.propose(spec, budget)
+            else:
+                drafts, q = drafter.sample(spec, budget, params, rng, vocab)
+            spec_stats.draft_s += time.perf_counter() - t_draft
+            if not drafts and inflight:
+                break  # nothing to speculate on: wait for a result first
+            feed = [spec[-1]] + drafts
+            n = await sess.send(model.head.embed(torch.tensor([feed])), pos=len(spec) - 1,
+                                logits_for=len(feed), epoch=epoch)
+            inflight.append(_Chunk(n, epoch, len(spec), drafts, q, time.perf_counter()))
+            spec += drafts
+            spec_stats.chunks += 1
+            if not drafts:
+                break
+        t_wait = time.perf_counter()
+        n, result = await sess.receive()
+        while n < stale_below:  # a stale chunk the peers computed anyway
             n, result = await sess.receive()
-            while inflight and inflight[0][0] < n:  # chunks the peers dropped as stale
-                inflight.pop(0)
-            sent_n, sent_epoch, drafts = inflight.pop(0)
-            if sent_n != n:
-                raise InferenceError("unexpected", f"result {n} does not match step {sent_n}")
-            if sent_epoch != epoch:
-                continue  # stale: a rejection came back earlier
-            if self.logits_on_last:
-                targets = result[0].float().argmax(-1).tolist()
-            else:
-                targets = self.model.head.logits(result)[0].argmax(-1).tolist()
-            kept = accept_greedy(drafts, targets)
-            stats.speculation.accepted += len(kept) - 1
-            later = [x for x in inflight if x[1] == epoch]
-            if len(kept) == len(drafts) + 1 and later:
-                # all accepted: the next chunk in flight verifies what follows, bonus included
-                todo = kept[:-1]
-            else:
-                todo = kept
-                if later:
-                    epoch += 1  # everything in flight drafted past a rejection: fence it off
-
-    async def _logits(self, sess: InferenceSession, ids: torch.Tensor, *, pos: int,
-                      every_position: bool = False) -> torch.Tensor:
-        """Logits [positions, vocab]: for the last position of ``ids``, or for each of them."""
-        want = ids.shape[1] if every_position else 1
-        out = await sess.forward(self.model.head.embed(ids), pos=pos, logits_for=want)
-        if self.logits_on_last:
-            return out[0, -want:].float()
-        return self.model.head.logits(out[:, -want:, :])[0]
+        spec_stats.wait_s += time.perf_counter() - t_wait
+        chunk = inflight.popleft()
+        if chunk.n != n:
+            raise InferenceError("unexpected", f"result {n} does not match step {chunk.n}")
+        spec_stats.round_trip_s += time.perf_counter() - chunk.sent
+        logits = result[0].float() if logits_on_last else model.head.logits(result)[0]
+        if params.greedy:
+            kept = accept_greedy(chunk.drafts, logits.argmax(-1).tolist())
+        else:
+            p = torch.stack([probabilities(row, params) for row in logits])
+            kept = accept_sampled(chunk.drafts, chunk.q, p, rng, chunk.start)
+        spec_stats.verified += 1
+        spec_stats.drafted += len(chunk.drafts)
+        spec_stats.accepted += len(kept) - 1
+        if len(kept) == len(chunk.drafts) + 1 and inflight:
+            # all accepted: the next chunk in flight verifies what follows, bonus included
+            todo = kept[:-1]
+            spec_stats.carried += 1
+        else:
+            todo = kept
+            if inflight:
+                # everything in flight drafted past a rejection: fence it off. The client forgets
+                # those chunks now, so what it does next never depends on whether the peers
+                # computed them or dropped them (which is timing): a seed fixes the output.
+                epoch += 1
+                stale_below = inflight[-1].n + 1
+                spec_stats.stale += len(inflight)
+                inflight.clear()
+        spec_stats.tokens += len(todo)
 
 
 class _quiet:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import asynccontextmanager
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import torch
 import trio

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +42,34 @@ def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def next_token(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [vocab]."""
+class Randomness:
+    """Seeded uniform numbers keyed by (position, purpose) instead of drawn from one stream.
+
+    With verify chunks in flight, how many drafts are made before a given result is read depends
+    on timing (which stale chunks the peers dropped); a single generator would then give the
+    same seed different outputs. Keyed numbers do not depend on the order they are asked for.
+    They also keep speculative sampling lossless: the numbers used at position i are fresh for
+    every decision made there, independent of everything that fixed the text before i.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed if seed is not None else secrets.randbits(63)
+
+    def uniform(self, position: int, purpose: str) -> float:
+        """A number in [0, 1)."""
+        digest = hashlib.blake2b(f"{self.seed}:{position}:{purpose}".encode(), digest_size=8).digest()
+        return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
+
+
+def draw(dist: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sampling: the token whose probability interval holds ``u`` (never one with
+    zero probability). ``dist``: [vocab], non-negative, need not be normalised."""
+    cdf = torch.cumsum(dist.double(), 0)
+    return min(int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True)), dist.shape[0] - 1)
+
+
+def next_token(logits: torch.Tensor, p: SamplingParams, rng: Randomness | None, position: int) -> int:
+    """The token at ``position`` given the logits [vocab] before it."""
     if p.greedy:
         return int(torch.argmax(logits))
-    return int(torch.multinomial(probabilities(logits, p), 1, generator=generator))
+    return draw(probabilities(logits, p), rng.uniform(position, "target"))

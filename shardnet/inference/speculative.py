@@ -22,15 +22,19 @@ from typing import Protocol
 
 import torch
 
+from .sampling import Randomness, SamplingParams, draw, probabilities
+from .static_decoder import StaticKVDecoder
+
 
 class Drafter(Protocol):
     def propose(self, ids: list[int], k: int) -> list[int]:
         """Up to ``k`` greedy guesses of the tokens that follow ``ids``."""
 
-    def sample(self, ids: list[int], k: int, params, generator: torch.Generator | None,
+    def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
                vocab_size: int) -> tuple[list[int], torch.Tensor]:
-        """Up to ``k`` drafted tokens, each drawn from the drafter's distribution, and those
-        distributions ([len(tokens), vocab_size] float32) for verification."""
+        """Up to ``k`` drafted tokens, each drawn from the drafter's distribution with
+        ``rng.uniform(position, "draft")``, and those distributions ([len(tokens), vocab_size]
+        float32) for verification."""
 
 
 class NGramDrafter:
@@ -52,7 +56,7 @@ class NGramDrafter:
                         return cont
         return []
 
-    def sample(self, ids: list[int], k: int, params, generator: torch.Generator | None,
+    def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
                vocab_size: int) -> tuple[list[int], torch.Tensor]:
         # A lookup is deterministic: its distribution is a point mass on each proposed token.
         tokens = [t for t in self.propose(ids, k) if t < vocab_size]
@@ -63,43 +67,56 @@ class NGramDrafter:
 
 
 class ModelDrafter:
-    """A small local model proposing greedily (the shipped tiny-llama-draft, for instance). It
-    keeps its own KV cache in step with the accepted text, cutting it back after rejections."""
+    """A small local model (the shipped tiny-llama-draft, for instance) run over a static KV
+    cache (see static_decoder), captured in a CUDA graph on a GPU. Its cache follows the
+    accepted text: each call keeps the longest prefix it shares with the new text and feeds the
+    rest, so rejected drafts cost a rollback, not a recomputation."""
 
-    def __init__(self, path: str | Path, *, vocab_size: int | None = None, device: str = "cpu") -> None:
+    def __init__(self, path: str | Path, *, vocab_size: int | None = None, device: str = "cpu",
+                 max_len: int = 4096, cuda_graph: bool | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
-        if vocab_size is not None and self.model.config.vocab_size != vocab_size:
-            raise ValueError(f"draft vocabulary ({self.model.config.vocab_size}) differs from the "
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+        if vocab_size is not None and model.config.vocab_size != vocab_size:
+            raise ValueError(f"draft vocabulary ({model.config.vocab_size}) differs from the "
                              f"target's ({vocab_size}); drafts would be meaningless")
-        self.device = device
-        self.cache = None
-        self.fed: list[int] = []  # the tokens self.cache holds
+        self.decoder = StaticKVDecoder(model, max_len, cuda_graph=cuda_graph)
+        self.fed: list[int] = []  # the tokens the decoder's cache holds
+
+    @property
+    def graphed(self) -> bool:
+        return self.decoder.graph is not None
 
     @torch.inference_mode()
     def propose(self, ids: list[int], k: int) -> list[int]:
-        if k <= 0:
-            return []
-        return self._run(self._align(ids), k, lambda logits: (int(logits.argmax()), None))[0]
+        if k <= 0 or len(ids) + k > self.decoder.max_len:
+            return []  # past the draft's cache: decode on without speculation
+        logits = self.decoder.feed(self._align(ids))
+        drafts = [logits.argmax()]
+        for _ in range(k - 1):
+            drafts.append(self.decoder.step(drafts[-1]).argmax())
+        tokens = torch.stack(drafts).tolist()  # one device sync for the whole chunk
+        self.fed += tokens[:-1]
+        return tokens
 
     @torch.inference_mode()
-    def sample(self, ids: list[int], k: int, params, generator: torch.Generator | None,
+    def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
                vocab_size: int) -> tuple[list[int], torch.Tensor]:
-        from .sampling import probabilities
-
-        if k <= 0:
+        if k <= 0 or len(ids) + k > self.decoder.max_len:
             return [], torch.zeros(0, vocab_size)
-
-        def pick(logits: torch.Tensor) -> tuple[int, torch.Tensor]:
-            q = probabilities(logits[:vocab_size], params)
-            return int(torch.multinomial(q, 1, generator=generator)), q
-
-        tokens, qs = self._run(self._align(ids), k, pick)
+        logits = self.decoder.feed(self._align(ids))
+        tokens, qs = [], []
+        for j in range(k):
+            if j:
+                self.fed.append(tokens[-1])
+                logits = self.decoder.step(torch.tensor(tokens[-1], device=self.decoder.device))
+            q = probabilities(logits[:vocab_size].float().cpu(), params)
+            tokens.append(draw(q, rng.uniform(len(ids) + j, "draft")))
+            qs.append(q)
         return tokens, torch.stack(qs)
 
     def _align(self, ids: list[int]) -> list[int]:
-        """Cut the cache back to the longest prefix it shares with ``ids`` (keeping at least one
+        """Roll the cache back to the longest prefix it shares with ``ids`` (keeping at least one
         token to feed); return the tokens still to feed."""
         common = 0
         for a, b in zip(self.fed, ids, strict=False):
@@ -107,37 +124,40 @@ class ModelDrafter:
                 break
             common += 1
         common = min(common, len(ids) - 1)
-        if self.cache is not None and common < len(self.fed):
-            self.cache.crop(common - len(self.fed))
-        self.fed = self.fed[:common]
+        self.decoder.rollback(common)
+        self.fed = ids[:]
         return ids[common:]
-
-    def _run(self, feed: list[int], k: int, pick) -> tuple[list[int], list]:
-        out, dists = [], []
-        for _ in range(k):
-            res = self.model(torch.tensor([feed], device=self.device), cache=self.cache, use_cache=True)
-            self.cache = res.cache
-            self.fed += feed
-            tok, dist = pick(res.logits[0, -1].float())
-            out.append(tok)
-            dists.append(dist)
-            feed = [tok]
-        return out, dists
 
 
 @dataclass
 class SpeculationStats:
-    traversals: int = 0
-    drafted: int = 0
+    """What the verify chunks of one generation did. A chunk either ends a *cycle* (something
+    was rejected, or nothing was in flight behind it: the next chunk starts one ring traversal
+    later) or is *carried* (fully accepted with the next chunk already in flight)."""
+
+    chunks: int = 0  # verify chunks sent
+    verified: int = 0  # chunks whose result was used
+    stale: int = 0  # chunks discarded after a rejection ahead of them
+    carried: int = 0
+    drafted: int = 0  # drafts in verified chunks
     accepted: int = 0
+    tokens: int = 0  # tokens the verified chunks yielded
+    draft_s: float = 0.0  # time spent drafting
+    wait_s: float = 0.0  # time spent waiting for results
+    round_trip_s: float = 0.0  # summed send-to-result time of verified chunks
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def cycles(self) -> int:
+        return self.verified - self.carried
+
+    @property
     def tokens_per_traversal(self) -> float:
-        return (self.accepted + self.traversals) / self.traversals if self.traversals else 0.0
+        """Tokens gained per verified chunk."""
+        return self.tokens / self.verified if self.verified else 0.0
 
 
 def accept_greedy(drafts: list[int], target_tokens: list[int]) -> list[int]:
@@ -149,17 +169,16 @@ def accept_greedy(drafts: list[int], target_tokens: list[int]) -> list[int]:
     return drafts[:i] + [target_tokens[i]]
 
 
-def accept_sampled(drafts: list[int], q: torch.Tensor, p: torch.Tensor,
-                   generator: torch.Generator | None) -> list[int]:
+def accept_sampled(drafts: list[int], q: torch.Tensor, p: torch.Tensor, rng: Randomness,
+                   start: int) -> list[int]:
     """Lossless speculative sampling. ``q[i]``: the distribution drafts[i] was drawn from;
     ``p[i]``: the target's distribution at the same position (``p`` has one more row, for the
-    bonus token after the last draft)."""
+    bonus token after the last draft); ``start``: the position of drafts[0] in the text."""
     for i, x in enumerate(drafts):
-        r = float(torch.rand((), generator=generator))
-        if r * float(q[i, x]) <= float(p[i, x]):  # kept with probability min(1, p/q)
+        r = rng.uniform(start + i, "accept")
+        if r * float(q[i, x]) < float(p[i, x]):  # kept with probability min(1, p/q)
             continue
         residual = (p[i] - q[i]).clamp_min(0.0)
-        total = float(residual.sum())
-        dist = residual / total if total > 0 else p[i]
-        return drafts[:i] + [int(torch.multinomial(dist, 1, generator=generator))]
-    return drafts + [int(torch.multinomial(p[len(drafts)], 1, generator=generator))]
+        dist = residual if float(residual.sum()) > 0 else p[i]
+        return drafts[:i] + [draw(dist, rng.uniform(start + i, "residual"))]
+    return drafts + [draw(p[len(drafts)], rng.uniform(start + len(drafts), "target"))]
