@@ -34,6 +34,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import torch  # noqa: E402
 import trio  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -81,6 +82,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
     ckpt = Checkpoint(default_model_path())
     ranges = split_layers(ckpt.num_layers, args.peers)
     procs: list[ShardnetProcess] = []
+    threads = max(1, (os.cpu_count() or 1) // (args.peers + 1))  # the peers and the client share the cores
+    torch.set_num_threads(threads)
     async with trio.open_nursery() as nursery:
         async def behind_wan(seed: int) -> tuple[int, int]:
             real, pub = free_port(), free_port()
@@ -98,7 +101,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                 real, pub = await behind_wan(i + 1)
                 procs.append(ShardnetProcess(f"p{i}", [
                     "join", "--events", "--identity", str(workdir / f"p{i}.key"), "--model", str(default_model_path()),
-                    "--layers", f"{a}:{b}", "--listen", f"/ip4/127.0.0.1/tcp/{real}", "--announce",
+                    "--layers", f"{a}:{b}", "--threads", str(threads), "--listen", f"/ip4/127.0.0.1/tcp/{real}",
+                    "--announce",
                     f"/ip4/127.0.0.1/tcp/{pub}", "--bootstrap", boot_addr], workdir=workdir))
             for p in procs[1:]:
                 await trio.to_thread.run_sync(p.wait_event, lambda e: e.get("event") == "ready", 120)
@@ -143,8 +147,6 @@ def measure_compute(ckpt: Checkpoint, ranges, model: LocalModel, positions: int,
     """Seconds of computation per chunk of ``positions`` tokens at ``context`` tokens of history,
     measured here one block at a time: (summed over the chain's blocks, at the client: embedding
     and head)."""
-    import torch
-
     from shardnet.inference.block import Block
 
     def timed(fn) -> float:

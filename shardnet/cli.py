@@ -309,10 +309,13 @@ def _model_dir(path: Path | None) -> Path:
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
 @click.option("--kv-budget-mb", default=512, show_default=True, help="KV cache memory for all sessions.")
 @click.option("--hold-head", is_flag=True, help="Also hold the final norm and LM head (last block only).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for block computation (default: torch's choice). Use 1 when several "
+                   "peers share a machine: small blocks lose more to thread hand-offs than they gain.")
 @click.option("--events", is_flag=True, help="JSON events on stdout, JSON commands on stdin.")
 @_wrap_errors
 def join(identity, listen, announce, bootstrap, quic, mdns, model_path, layers, dtype, device, kv_budget_mb,
-         hold_head, events) -> None:
+         hold_head, threads, events) -> None:
     """Serve a block of a model's layers to the swarm."""
     from .inference.block import parse_layers
     from .inference.checkpoint import Checkpoint, CheckpointError
@@ -320,6 +323,10 @@ def join(identity, listen, announce, bootstrap, quic, mdns, model_path, layers, 
     from .node_control import NodeControl
     from .transport import open_node
 
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     path = _model_dir(model_path)
     try:
         ckpt = Checkpoint(path)

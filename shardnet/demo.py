@@ -9,6 +9,7 @@ between nodes introduced only by the bootstrap, ping, and gossipsub.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -94,7 +95,9 @@ def run_model_demo(*, model_path, peers: int, prompt: str | None, max_new_tokens
         say("starting a bootstrap node ...")
         boot = swarm.start_bootstrap(timeout)
         say(f"starting {peers} compute peers (each loads only its layers) ...")
-        started = [swarm.spawn_node(f"peer{i + 1}", "--layers", f"{a}:{b}", "--model", str(path), command="join")
+        threads = max(1, (os.cpu_count() or 1) // (peers + 1))  # the peers and the client share the cores
+        started = [swarm.spawn_node(f"peer{i + 1}", "--layers", f"{a}:{b}", "--model", str(path), "--threads",
+                                    str(threads), command="join")
                    for i, (a, b) in enumerate(ranges)]
         for i, (p, (a, b)) in enumerate(zip(started, ranges)):
             ready = swarm.wait_ready(p, timeout)  # "ready" follows "serving"

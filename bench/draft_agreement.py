@@ -1,0 +1,69 @@
+"""How often a draft model's greedy choice agrees with the target's, on the target's own output.
+
+    python bench/draft_agreement.py [--draft PATH ...] [--tokens 96]
+
+For six code prompts the target (the shipped tiny-llama) continues greedily; then, at every
+position of those continuations, the draft's argmax is compared with the target's (teacher
+forcing: both see the same text). This per-token agreement is the acceptance rate greedy
+speculative decoding gets from the draft (docs/performance.md). The n-gram drafter's agreement
+is shown too, over the positions where it proposes anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from shardnet.inference.client import LocalModel  # noqa: E402
+from shardnet.inference.speculative import NGramDrafter  # noqa: E402
+from shardnet.models import default_draft_path, default_model_path  # noqa: E402
+
+PROMPTS = ["def __init__(self, name):\n        self.name = name\n        self.",
+           "import os\nimport sys\n\ndef main():\n    ", "class Parser:\n    def parse(self, text):\n        ",
+           "    for i in range(len(items)):\n        if ", '"""Return the number of', "    except ValueError:\n        "]
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--draft", type=Path, action="append", help="draft checkpoint(s) (default: the shipped one)")
+    p.add_argument("--tokens", type=int, default=96)
+    args = p.parse_args()
+    model = LocalModel(default_model_path())
+    target = AutoModelForCausalLM.from_pretrained(str(default_model_path()), dtype=torch.float32).eval()
+    texts = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = model.encode(prompt)
+            out = target.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0]
+            texts.append((len(ids), out, target(out[None]).logits[0].argmax(-1)))
+    for path in args.draft or [default_draft_path()]:
+        draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        agree = total = 0
+        with torch.inference_mode():
+            for n_prompt, out, want in texts:
+                got = draft(out[None]).logits[0].argmax(-1)
+                span = slice(n_prompt - 1, len(out) - 1)  # predictions of the generated tokens
+                agree += int((got[span] == want[span]).sum())
+                total += span.stop - span.start
+        print(f"{path}: greedy agreement with the target {agree / total:.1%} over {total} positions")
+    ngram, proposed, right = NGramDrafter(), 0, 0
+    for n_prompt, out, _ in texts:
+        seq = out.tolist()
+        for i in range(n_prompt, len(seq)):
+            guess = ngram.propose(seq[:i], 1)
+            if guess:
+                proposed += 1
+                right += guess[0] == seq[i]
+    print(f"n-gram drafter: proposes at {proposed} positions, right at {right / max(1, proposed):.1%} of them")
+
+
+if __name__ == "__main__":
+    main()
