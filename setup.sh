@@ -5,12 +5,17 @@ cd "$(dirname "$0")"
 
 say() { printf '[setup] %s\n' "$*"; }
 
-# py-libp2p 0.8.1 builds fastecdsa from source, which needs the GMP headers.
-if ! dpkg -s libgmp-dev >/dev/null 2>&1; then
-    say "installing libgmp-dev (needed to build fastecdsa)"
+# System packages: py-libp2p 0.8.1 builds fastecdsa from source, which needs the GMP headers;
+# the NAT lab (shardnet/natlab.py, its tests) needs iproute2 and nftables.
+missing=""
+for pkg in libgmp-dev iproute2 nftables; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing="$missing $pkg"
+done
+if [ -n "$missing" ]; then
+    say "installing$missing"
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libgmp-dev >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
 fi
 
 PY=${PYTHON:-python3}

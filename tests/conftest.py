@@ -9,6 +9,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# The test models are tiny: one torch thread computes them faster than two that hand work to each
+# other (and in-process peers, clients and test code share the machine's few cores).
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
 # A test never touches the user's real identity.
 os.environ.setdefault("SHARDNET_IDENTITY", "/nonexistent/shardnet-test-identity.key")
 
