@@ -210,6 +210,30 @@ def test_join_then_generate_through_two_peers(swarm, tiny_model):
     assert re.search(r"-- chain: \S+ \[0:2\] -> \S+ \[2:4\]", r.stdout), r.stdout
 
 
+@pytest.mark.slow
+def test_generate_with_speculation_and_chunks_in_flight(swarm):
+    """The shipped model and draft, served by one `join`: speculative greedy output equals plain
+    greedy output, and seeded sampling with 3 chunks in flight repeats itself exactly."""
+    p = swarm.spawn_node("all", "--threads", "1", command="join")
+    swarm.wait_ready(p, 120)
+
+    def gen(*extra):
+        r = shardnet("generate", "--bootstrap", swarm.bootstrap_addr, "-n", "24", *extra, "def main(", timeout=120)
+        assert r.returncode == 0, r.stderr
+        text, _, report = r.stdout.partition("\n-- ")
+        return text, report
+
+    plain, _ = gen()
+    for extra in (["--speculate", "draft", "-k", "5", "--depth", "3"], ["--speculate", "ngram", "--depth", "2"]):
+        text, report = gen(*extra)
+        assert text == plain, extra
+    assert re.search(r"-- speculation: \d+ traversals, [0-9.]+ tokens each, \d+% of drafts accepted", report), report
+    sampled = ["--temperature", "0.8", "--top-k", "40", "--seed", "7", "--speculate", "draft", "--depth", "3"]
+    first, _ = gen(*sampled)
+    again, _ = gen(*sampled)
+    assert first == again and first != plain
+
+
 def test_generate_without_peers_fails_in_one_line(swarm, tiny_model):
     r = shardnet("generate", "--model", str(tiny_model), "--bootstrap", swarm.bootstrap_addr,
                  "--route-timeout", "2", "hi", timeout=120)
