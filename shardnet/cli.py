@@ -112,13 +112,16 @@ def network_options(default_listen: str | None):
                          help="Bootstrap peer (/ip4/../tcp/../p2p/ID), repeatable.")(f)
         f = click.option("--quic", is_flag=True, help="Also enable the QUIC transport.")(f)
         f = click.option("--mdns", is_flag=True, help="Discover peers on the LAN with mDNS.")(f)
+        f = click.option("--relay", "relays", multiple=True, metavar="MADDR",
+                         help="Hold a slot at this circuit relay (/ip4/../tcp/../p2p/ID), repeatable: peers "
+                              "that cannot dial us (NAT) reach us through it.")(f)
         return f
 
     return deco
 
 
 def make_config(*, identity: Path | None, listen, announce, bootstrap, quic: bool, mdns: bool,
-                default_listen: str, persistent: bool = True, dht_mode: str = "server") -> NodeConfig:
+                default_listen: str, persistent: bool = True, dht_mode: str = "server", relays=()) -> NodeConfig:
     from .transport import identity as ident
 
     for a in listen:
@@ -127,6 +130,8 @@ def make_config(*, identity: Path | None, listen, announce, bootstrap, quic: boo
         parse_multiaddr(a, what="--announce")
     for a in bootstrap:
         parse_peer_addr(a, what="--bootstrap")
+    for a in relays:
+        parse_peer_addr(a, what="--relay")
     cfg = NodeConfig(
         listen=list(listen) or [default_listen],
         announce=list(announce),
@@ -134,6 +139,7 @@ def make_config(*, identity: Path | None, listen, announce, bootstrap, quic: boo
         enable_quic=quic,
         enable_mdns=mdns,
         dht_mode=dht_mode,
+        relays=list(relays),
     )
     if persistent:
         path = identity or ident.default_identity_path()
@@ -180,22 +186,38 @@ def id_cmd(identity: Path | None) -> None:
     _say(f"identity: {path} ({'created' if created else 'existing'})")
 
 
-@main.command()
-@identity_option
-@network_options(DEFAULT_SERVER_LISTEN)
-@_wrap_errors
-def bootstrap(identity, listen, announce, bootstrap, quic, mdns) -> None:
-    """Run a bootstrap / DHT server node; print its full multiaddrs; run until stopped."""
-    from .transport import open_node
+def relay_limit_options(f):
+    f = click.option("--reservation-ttl", default=3600.0, show_default=True, help="Seconds a reservation lasts.")(f)
+    f = click.option("--max-reservations", default=128, show_default=True)(f)
+    f = click.option("--max-circuits-per-peer", default=16, show_default=True)(f)
+    f = click.option("--circuit-mb", default=1024.0, show_default=True, help="MiB per direction per circuit.")(f)
+    f = click.option("--circuit-seconds", default=3600.0, show_default=True, help="Lifetime of a circuit.")(f)
+    return f
 
-    cfg = make_config(identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,
-                      quic=quic, mdns=mdns, default_listen=DEFAULT_SERVER_LISTEN)
+
+def _relay_limits(reservation_ttl, max_reservations, max_circuits_per_peer, circuit_mb, circuit_seconds):
+    from .transport.nat.relay import RelayLimits
+
+    if min(reservation_ttl, max_reservations, max_circuits_per_peer, circuit_mb, circuit_seconds) <= 0:
+        fail("relay limits must be positive", 2)
+    return RelayLimits(reservation_ttl=reservation_ttl, max_reservations=max_reservations,
+                       max_circuits_per_peer=max_circuits_per_peer, circuit_bytes=int(circuit_mb * (1 << 20)),
+                       circuit_duration=circuit_seconds)
+
+
+def _serve_forever(cfg: NodeConfig, title: str) -> None:
+    from .transport import open_node
 
     async def _main() -> None:
         async with open_node(cfg) as node:
-            _say(f"bootstrap node {node.peer_id}")
+            _say(f"{title} {node.peer_id}")
             for a in node.listen_addrs:
                 _say(f"  {a}")
+            lim = cfg.relay_service
+            if lim is not None:
+                _say(f"relay: reservations {lim.reservation_ttl:g} s (at most {lim.max_reservations}), "
+                     f"{lim.max_circuits_per_peer} circuits per peer, {lim.circuit_bytes >> 20} MiB and "
+                     f"{lim.circuit_duration:g} s per circuit")
             _say("ready; stop with Ctrl-C")
             await trio.sleep_forever()
 
@@ -206,15 +228,45 @@ def bootstrap(identity, listen, announce, bootstrap, quic, mdns) -> None:
 @main.command()
 @identity_option
 @network_options(DEFAULT_SERVER_LISTEN)
+@click.option("--serve-relay", is_flag=True, help="Also be a circuit relay (limits as for `shardnet relay`).")
+@relay_limit_options
+@_wrap_errors
+def bootstrap(identity, listen, announce, bootstrap, quic, mdns, relays, serve_relay, **limits) -> None:
+    """Run a bootstrap / DHT server node; print its full multiaddrs; run until stopped."""
+    cfg = make_config(relays=relays, identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,
+                      quic=quic, mdns=mdns, default_listen=DEFAULT_SERVER_LISTEN)
+    if serve_relay:
+        cfg.relay_service = _relay_limits(**limits)
+    _serve_forever(cfg, "bootstrap node")
+
+
+@main.command()
+@identity_option
+@network_options(DEFAULT_SERVER_LISTEN)
+@relay_limit_options
+@_wrap_errors
+def relay(identity, listen, announce, bootstrap, quic, mdns, relays, **limits) -> None:
+    """Run a circuit relay v2 (hop + stop), also a bootstrap / DHT server; run until stopped.
+
+    Peers behind NAT reserve a slot (`--relay MADDR` on any command) and are reached through it."""
+    cfg = make_config(relays=relays, identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,
+                      quic=quic, mdns=mdns, default_listen=DEFAULT_SERVER_LISTEN)
+    cfg.relay_service = _relay_limits(**limits)
+    _serve_forever(cfg, "relay node")
+
+
+@main.command()
+@identity_option
+@network_options(DEFAULT_SERVER_LISTEN)
 @click.option("--subscribe", "topics", multiple=True, metavar="TOPIC", help="Print messages on TOPIC.")
 @click.option("--events", is_flag=True,
               help="Machine interface: JSON events on stdout, JSON commands on stdin.")
 @_wrap_errors
-def node(identity, listen, announce, bootstrap, quic, mdns, topics, events) -> None:
+def node(identity, listen, announce, bootstrap, quic, mdns, relays, topics, events) -> None:
     """Join the overlay through --bootstrap and stay up until stopped."""
     from .transport import open_node
 
-    cfg = make_config(identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,
+    cfg = make_config(relays=relays, identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,
                       quic=quic, mdns=mdns, default_listen=DEFAULT_SERVER_LISTEN)
     if not bootstrap and not mdns:
         log.warning("no --bootstrap given: this node will only know peers that dial it")
@@ -236,13 +288,13 @@ def node(identity, listen, announce, bootstrap, quic, mdns, topics, events) -> N
 @click.option("--wait", default=3.0, show_default=True, help="Seconds to spend discovering.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @_wrap_errors
-def peers(listen, announce, bootstrap, quic, mdns, wait, as_json) -> None:
+def peers(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> None:
     """List the peers reachable through --bootstrap (joins with a throwaway identity)."""
     from .transport import open_node
 
     if not bootstrap and not mdns:
         fail("peers needs --bootstrap MADDR (or --mdns)", 2)
-    cfg = make_config(identity=None, listen=listen, announce=announce, bootstrap=bootstrap,
+    cfg = make_config(relays=relays, identity=None, listen=listen, announce=announce, bootstrap=bootstrap,
                       quic=quic, mdns=mdns, default_listen="/ip4/0.0.0.0/tcp/0",
                       persistent=False, dht_mode="client")
 
@@ -314,7 +366,7 @@ def _model_dir(path: Path | None) -> Path:
                    "peers share a machine: small blocks lose more to thread hand-offs than they gain.")
 @click.option("--events", is_flag=True, help="JSON events on stdout, JSON commands on stdin.")
 @_wrap_errors
-def join(identity, listen, announce, bootstrap, quic, mdns, model_path, layers, dtype, device, kv_budget_mb,
+def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, layers, dtype, device, kv_budget_mb,
          hold_head, threads, events) -> None:
     """Serve a block of a model's layers to the swarm."""
     from .inference.block import parse_layers
@@ -333,7 +385,7 @@ def join(identity, listen, announce, bootstrap, quic, mdns, model_path, layers, 
         start, end = parse_layers(layers or f"0:{ckpt.num_layers}", ckpt.num_layers)
     except CheckpointError as e:
         fail(str(e))
-    cfg = make_config(identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,
+    cfg = make_config(relays=relays, identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,
                       quic=quic, mdns=mdns, default_listen=DEFAULT_SERVER_LISTEN)
 
     async def _main() -> None:
@@ -370,7 +422,7 @@ def join(identity, listen, announce, bootstrap, quic, mdns, model_path, layers, 
 @click.option("--wire", type=click.Choice(["float32", "float16", "bfloat16", "int8q"]), default=None,
               help="How hidden states travel between peers (default: the model dtype; int8q = int8 + scales).")
 @_wrap_errors
-def generate(listen, announce, bootstrap, quic, mdns, model_path, prompt, max_new_tokens, temperature, top_p,
+def generate(listen, announce, bootstrap, quic, mdns, relays, model_path, prompt, max_new_tokens, temperature, top_p,
              top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k, depth, wire) -> None:
     """Generate text from PROMPT through the swarm; print tokens as they arrive."""
     from .inference.client import Client, LocalModel
@@ -380,7 +432,7 @@ def generate(listen, announce, bootstrap, quic, mdns, model_path, prompt, max_ne
     if not bootstrap and not mdns:
         fail("generate needs --bootstrap MADDR (or --mdns)", 2)
     path = _model_dir(model_path)
-    cfg = make_config(identity=None, listen=listen, announce=announce, bootstrap=bootstrap, quic=quic,
+    cfg = make_config(relays=relays, identity=None, listen=listen, announce=announce, bootstrap=bootstrap, quic=quic,
                       mdns=mdns, default_listen="/ip4/0.0.0.0/tcp/0", persistent=False, dht_mode="client")
 
     drafter = None

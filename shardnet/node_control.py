@@ -123,6 +123,13 @@ class NodeControl:
         if op == "find_peer":
             info = await n.find_peer(cmd["peer"])
             return {"found": info is not None, "addrs": [str(a) for a in (info.addrs if info else [])]}
+        if op == "connect":
+            peer = await n.connect(cmd["addr"], timeout=float(cmd.get("timeout", n.config.dial_timeout)))
+            return {"peer": str(peer), "connections": n.connections(peer)}
+        if op == "status":
+            return {"addrs": [str(a) for a in n.listen_addrs],
+                    "reservations": [str(r) for r in n.relay_client.reservations],
+                    "connections": {str(p): n.connections(p) for p in n.peers()}}
         if op == "peers":
             return {"connected": [str(p) for p in n.peers()], "discovered": [str(p) for p in n.discovered]}
         if op == "topic_peers":

@@ -45,6 +45,12 @@ class NodeConfig:
     #: gossipsub: heartbeat seconds and per-peer, per-topic message rate ceiling.
     pubsub_heartbeat: float = 1.0
     pubsub_max_msgs_per_topic_per_s: float = 1000.0
+    #: Relays (/ip4/../tcp/../p2p/ID) to hold a slot at, so peers that cannot dial us reach us
+    #: through them: our /p2p-circuit addresses are advertised with the others.
+    relays: list[str] = field(default_factory=list)
+    #: Serve circuit relay v2 (hop) for other peers within these limits (a RelayLimits);
+    #: None: not a relay.
+    relay_service: object | None = None
     #: Raise glibc's mmap threshold for this process (see allocator.py): ~2.5x faster large
     #: transfers from the start. Off leaves the process allocator untouched.
     tune_allocator: bool = True

@@ -25,6 +25,7 @@ from .config import NodeConfig, parse_multiaddr, parse_peer_addr
 from .dht import DHT
 from .errors import DialError, OverlayTimeout, ProtocolNotSupported, ShardnetError
 from .host import build_host, check_listen_ports
+from .nat.relay import RelayClient, RelayService, is_relayed, parse_circuit_addr
 from .pubsub import PubSub
 from .stream import Stream
 
@@ -84,6 +85,9 @@ class Node:
         self._peer_watchers: list[trio.MemorySendChannel[PeerEvent]] = []
         self.discovery_kick = trio.Event()
         self._bootstrap_errors: dict[ID, str] = {}
+        #: accepts circuits through relays, dials /p2p-circuit addresses, holds reservations
+        self.relay_client = RelayClient(self)
+        self.relay_service = None
 
     # -- identity and addresses --------------------------------------------------------------
     @property
@@ -98,6 +102,17 @@ class Node:
     def peers(self) -> list[ID]:
         """Peers with at least one open connection."""
         return list(self.host.get_connected_peers())
+
+    def connections(self, peer: ID | str) -> list[dict]:
+        """The open connections to ``peer``: whether each runs through a relay, and where to."""
+        out = []
+        for conn in self.host.get_network().get_connections(_as_peer_id(peer)):
+            try:
+                addrs = [str(a) for a in conn.get_transport_addresses()]
+            except Exception:
+                addrs = []
+            out.append({"relayed": is_relayed(conn), "addrs": addrs})
+        return out
 
     def known_peers(self) -> list[ID]:
         """Peers we hold addresses for (connected or not), ourselves excluded."""
@@ -162,6 +177,11 @@ class Node:
         timeout = self.config.dial_timeout if timeout is None else timeout
         if info.peer_id == self.peer_id:
             raise DialError("refusing to dial ourselves")
+        direct = [a for a in info.addrs if "/p2p-circuit" not in str(a)]
+        circuits = [a for a in info.addrs if "/p2p-circuit" in str(a)]
+        if circuits and not direct:
+            return await self._connect_via_relay(info.peer_id, circuits, timeout)
+        info = PeerInfo(info.peer_id, direct)
         # py-libp2p blocks every dial to a peer for 60 s after one failure ("negative cache");
         # a restarted bootstrap must be reachable on our own backoff schedule instead.
         self.host.get_network()._negative_peer_cache.evict(str(info.peer_id))
@@ -173,6 +193,20 @@ class Node:
         if scope.cancelled_caught:
             raise DialError(f"could not connect to {_short(info.peer_id)}: timed out after {timeout:g} s")
         return info.peer_id
+
+    async def _connect_via_relay(self, peer_id: ID, circuits: list[Multiaddr], timeout: float) -> ID:
+        errors = []
+        for addr in circuits:
+            try:
+                relay, _ = parse_circuit_addr(f"{addr}/p2p/{peer_id}" if not str(addr).endswith(str(peer_id))
+                                              else addr)
+                await self.relay_client.dial(relay, peer_id, timeout=timeout)
+                return peer_id
+            except trio.TooSlowError:
+                errors.append(f"{addr}: timed out after {timeout:g} s")
+            except (ShardnetError, ValueError) as e:
+                errors.append(str(e))
+        raise DialError(f"could not reach {_short(peer_id)} through a relay: {'; '.join(errors)}")
 
     async def ensure_connected(self, peer_id: ID) -> None:
         if peer_id in self.host.get_connected_peers():
@@ -339,6 +373,7 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
     listen = [parse_multiaddr(a, what="--listen") for a in config.listen]
     announce = [parse_multiaddr(a, what="--announce") for a in config.announce]
     bootstrap = [parse_peer_addr(a, what="bootstrap address") for a in config.bootstrap]
+    relays = [parse_peer_addr(a, what="relay address") for a in config.relays]
     check_listen_ports(listen)
     host = build_host(config, key_pair, announce)
     # An exception from the caller's block is held here and re-raised once everything we
@@ -354,10 +389,14 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
             async with DHT.start(host, config) as dht, PubSub.start(host, config) as pubsub:
                 node = Node(config, key_pair, host, dht, pubsub)
                 host.get_network().register_notifee(_ConnectionEvents(node))
+                if config.relay_service is not None:
+                    node.relay_service = RelayService(node, config.relay_service)
                 async with trio.open_nursery() as nursery:
                     for info in bootstrap:
                         if info.peer_id != node.peer_id:
                             nursery.start_soon(node._keep_bootstrap_connected, info)
+                    for info in relays:
+                        nursery.start_soon(node.relay_client.keep_reservation, info)
                     nursery.start_soon(node._discover)
                     log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
                     try:

@@ -1,0 +1,394 @@
+"""Circuit relay v2 on a shardnet node: the relay's hop service, and the client side (reserve a
+slot, keep it, accept circuits through the stop protocol, dial through a relay).
+
+A relayed connection is a hop stream at the dialer and a stop stream at the target, spliced by
+the relay; both ends then run the usual security and multiplexer handshake over it, so it is a
+full libp2p connection (Noise end to end: the relay sees ciphertext) registered in the swarm
+like any other, and every protocol (activation streams included) runs over it unchanged.
+py-libp2p 0.8.1 ships a circuit v2 module, but its listener answers the stop protocol in two
+places with different replies; this one is built on the sans-IO codec in relay_messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import ConnectionType
+from libp2p.custom_types import TProtocol
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
+
+from ..errors import DialError, ShardnetError
+from .relay_messages import (
+    HOP_PROTOCOL, STOP_PROTOCOL, FrameBuffer, HopMessage, HopType, Limit, Peer, RelayProtocolError, Reservation,
+    Status, StopMessage, StopType, decode_hop, decode_stop, encode_hop, encode_stop)
+
+log = logging.getLogger(__name__)
+
+IO_TIMEOUT = 10.0  # seconds for any one protocol exchange
+COPY_CHUNK = 1 << 16
+
+
+class RelayError(ShardnetError):
+    """A relay refused or failed; ``status`` says why."""
+
+    def __init__(self, status: int | None, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    reservation_ttl: float = 3600.0  # seconds a reservation lasts unless refreshed
+    max_reservations: int = 128
+    max_circuits_per_peer: int = 16  # open circuits from or to any one peer
+    circuit_bytes: int = 1 << 30  # per direction, per circuit
+    circuit_duration: float = 3600.0  # seconds
+
+
+def circuit_addr(relay_addr: Multiaddr, relay: ID, target: ID | None = None) -> Multiaddr:
+    """``<relay addr>/p2p/<relay>/p2p-circuit[/p2p/<target>]``."""
+    base = str(relay_addr).split("/p2p/")[0]
+    tail = f"/p2p/{target}" if target else ""
+    return Multiaddr(f"{base}/p2p/{relay}/p2p-circuit{tail}")
+
+
+def parse_circuit_addr(addr: str | Multiaddr) -> tuple[PeerInfo, ID]:
+    """(the relay, with its address; the target) from ``.../p2p/<relay>/p2p-circuit/p2p/<target>``."""
+    text = str(addr)
+    if "/p2p-circuit" not in text:
+        raise ValueError(f"{text} is not a relay circuit address")
+    relay_part, _, target_part = text.partition("/p2p-circuit")
+    if not target_part.startswith("/p2p/") or "/p2p/" not in relay_part:
+        raise ValueError(f"{text}: need <relay addr>/p2p/<relay id>/p2p-circuit/p2p/<target id>")
+    relay_id = ID.from_base58(relay_part.rsplit("/p2p/", 1)[1])
+    relay_addr = relay_part.rsplit("/p2p/", 1)[0]
+    return PeerInfo(relay_id, [Multiaddr(relay_addr)] if relay_addr else []), ID.from_base58(target_part[5:])
+
+
+def is_relayed(conn) -> bool:
+    """Whether a connection (swarm, muxed or raw) runs through a relay: follows the layers down
+    to the raw connection, which knows its type."""
+    seen = 0
+    while conn is not None and seen < 8:
+        kind = getattr(conn, "_connection_type", None)
+        if kind is not None:
+            return kind == ConnectionType.RELAYED
+        conn = next((getattr(conn, a) for a in ("muxed_conn", "secured_conn", "conn", "read_writer", "raw_conn")
+                     if getattr(conn, a, None) is not None), None)
+        seen += 1
+    return False
+
+
+# -- stream helpers ------------------------------------------------------------------------------
+
+async def _read_message(raw, fb: FrameBuffer, decode):
+    while True:
+        body = fb.next_body()
+        if body is not None:
+            return decode(body)
+        data = await raw.read(COPY_CHUNK)
+        if not data:
+            raise RelayProtocolError("stream closed before a whole message")
+        fb.feed(data)
+
+
+async def _exchange(raw, frame: bytes | None, fb: FrameBuffer, decode, timeout: float = IO_TIMEOUT):
+    with trio.fail_after(timeout):
+        if frame is not None:
+            await raw.write(frame)
+        return await _read_message(raw, fb, decode)
+
+
+class _CircuitStream:
+    """A relay stream as a byte pipe for a raw connection: bytes read past the last protocol
+    message come out first."""
+
+    def __init__(self, raw, leftover: bytes) -> None:
+        self.raw, self.leftover = raw, leftover
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self.leftover:
+            n = len(self.leftover) if n is None else n
+            out, self.leftover = self.leftover[:n], self.leftover[n:]
+            return out
+        return await self.raw.read(n)
+
+    async def write(self, data: bytes) -> None:
+        await self.raw.write(data)
+
+    async def close(self) -> None:
+        await self.raw.reset()
+
+    def get_remote_address(self):
+        return None
+
+
+def _raw_connection(raw, leftover: bytes, initiator: bool, addr: Multiaddr) -> RawConnection:
+    return RawConnection(_CircuitStream(raw, leftover), initiator, ConnectionType.RELAYED, [addr])
+
+
+# -- the relay -----------------------------------------------------------------------------------
+
+class RelayService:
+    """Serves the hop protocol on ``node``: reservations and circuits, within ``limits``."""
+
+    def __init__(self, node, limits: RelayLimits | None = None) -> None:
+        self.node, self.limits = node, limits or RelayLimits()
+        self.reservations: dict[ID, float] = {}  # peer -> expiry (Unix time)
+        self.circuits: Counter[ID] = Counter()
+        self.stats = Counter()
+        node.host.set_stream_handler(TProtocol(HOP_PROTOCOL), self._handle_hop)
+
+    def _limit(self) -> Limit:
+        return Limit(duration=int(self.limits.circuit_duration), data=self.limits.circuit_bytes)
+
+    async def _handle_hop(self, raw) -> None:
+        peer = raw.muxed_conn.peer_id
+        fb = FrameBuffer()
+        try:
+            msg = await _exchange(raw, None, fb, decode_hop)
+        except (RelayProtocolError, trio.TooSlowError, Exception) as e:
+            log.info("hop from %s: %s", str(peer)[:16], e)
+            await _reply(raw, HopMessage(HopType.STATUS, status=Status.MALFORMED_MESSAGE))
+            return
+        if msg.type == HopType.RESERVE:
+            await self._reserve(raw, peer)
+        elif msg.type == HopType.CONNECT and msg.peer is not None:
+            await self._connect(raw, peer, msg, fb)
+        else:
+            await _reply(raw, HopMessage(HopType.STATUS, status=Status.UNEXPECTED_MESSAGE))
+
+    async def _reserve(self, raw, peer: ID) -> None:
+        now = time.time()
+        self.reservations = {p: t for p, t in self.reservations.items() if t > now}
+        if is_relayed(raw.muxed_conn) or (peer not in self.reservations
+                                          and len(self.reservations) >= self.limits.max_reservations):
+            self.stats["reservations_refused"] += 1
+            await _reply(raw, HopMessage(HopType.STATUS, status=Status.RESERVATION_REFUSED))
+            return
+        expire = int(now + self.limits.reservation_ttl)
+        self.reservations[peer] = expire
+        self.stats["reservations"] += 1
+        addrs = [a.to_bytes() for a in self.node.listen_addrs]
+        log.info("reservation for %s until %s", str(peer)[:16], time.strftime("%H:%M:%S", time.localtime(expire)))
+        await _reply(raw, HopMessage(HopType.STATUS, reservation=Reservation(expire, addrs), limit=self._limit(),
+                                     status=Status.OK), close=True)
+
+    async def _connect(self, src_raw, src: ID, msg: HopMessage, src_fb: FrameBuffer) -> None:
+        try:
+            target = ID(msg.peer.id)
+        except Exception:
+            await _reply(src_raw, HopMessage(HopType.STATUS, status=Status.MALFORMED_MESSAGE))
+            return
+        if self.reservations.get(target, 0) <= time.time():
+            await _reply(src_raw, HopMessage(HopType.STATUS, status=Status.NO_RESERVATION))
+            return
+        cap = self.limits.max_circuits_per_peer
+        if self.circuits[src] >= cap or self.circuits[target] >= cap:
+            await _reply(src_raw, HopMessage(HopType.STATUS, status=Status.RESOURCE_LIMIT_EXCEEDED))
+            return
+        if target not in self.node.host.get_connected_peers():  # no active relaying: only reserved peers
+            await _reply(src_raw, HopMessage(HopType.STATUS, status=Status.CONNECTION_FAILED))
+            return
+        self.circuits[src] += 1
+        self.circuits[target] += 1
+        dst_raw = None
+        try:
+            dst_fb = FrameBuffer()
+            try:
+                with trio.fail_after(IO_TIMEOUT):
+                    dst_raw = await self.node.host.new_stream(target, [TProtocol(STOP_PROTOCOL)])
+                reply = await _exchange(dst_raw, encode_stop(StopMessage(
+                    StopType.CONNECT, peer=Peer(src.to_bytes()), limit=self._limit())), dst_fb, decode_stop)
+                if reply.type != StopType.STATUS or reply.status != Status.OK:
+                    raise RelayError(reply.status, f"target answered {reply.status}")
+            except Exception as e:
+                log.info("circuit %s -> %s failed at the target: %s", str(src)[:16], str(target)[:16], e)
+                self.stats["circuits_failed"] += 1
+                await _reply(src_raw, HopMessage(HopType.STATUS, status=Status.CONNECTION_FAILED))
+                return
+            await src_raw.write(encode_hop(HopMessage(HopType.STATUS, limit=self._limit(), status=Status.OK)))
+            self.stats["circuits"] += 1
+            log.info("circuit %s -> %s open", str(src)[:16], str(target)[:16])
+            await self._splice(src_raw, src_fb.take_rest(), dst_raw, dst_fb.take_rest())
+        finally:
+            self.circuits[src] -= 1
+            self.circuits[target] -= 1
+            for s in (src_raw, dst_raw):
+                if s is not None:
+                    with trio.move_on_after(1):
+                        try:
+                            await s.reset()
+                        except Exception:
+                            pass
+
+    async def _splice(self, a, a_rest: bytes, b, b_rest: bytes) -> None:
+        """Copy both ways until either side ends, a direction's byte limit or the duration."""
+        async def copy(src, rest: bytes, dst, direction: str, done: trio.CancelScope) -> None:
+            sent = 0
+            try:
+                if rest:
+                    await dst.write(rest)
+                    sent += len(rest)
+                while sent < self.limits.circuit_bytes:
+                    data = await src.read(min(COPY_CHUNK, self.limits.circuit_bytes - sent))
+                    if not data:
+                        break
+                    await dst.write(data)
+                    sent += len(data)
+                    self.stats["bytes_relayed"] += len(data)
+                if sent >= self.limits.circuit_bytes:
+                    self.stats["circuits_over_data_limit"] += 1
+            except Exception as e:
+                log.debug("circuit %s ended: %s", direction, e)
+            done.cancel()
+
+        with trio.move_on_after(self.limits.circuit_duration):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(copy, a, a_rest, b, "forward", nursery.cancel_scope)
+                nursery.start_soon(copy, b, b_rest, a, "backward", nursery.cancel_scope)
+
+
+async def _reply(raw, msg: HopMessage, close: bool = False) -> None:
+    try:
+        with trio.fail_after(IO_TIMEOUT):
+            await raw.write(encode_hop(msg))
+            if close:
+                await raw.close()
+            elif msg.status != Status.OK:
+                await raw.close()
+    except Exception as e:
+        log.debug("could not send %s: %s", msg.status, e)
+
+
+# -- the client side -----------------------------------------------------------------------------
+
+class RelayClient:
+    """Accepts circuits (stop protocol) on ``node``, reserves slots and dials through relays."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.reservations: dict[ID, Reservation] = {}
+        self.circuit_addrs: list[Multiaddr] = []  # where others can reach us through relays
+        node.host.set_stream_handler(TProtocol(STOP_PROTOCOL), self._handle_stop)
+        host = node.host
+        plain = host.get_addrs
+        me = node.peer_id
+
+        def with_circuits() -> list[Multiaddr]:
+            return list(plain()) + [Multiaddr(f"{a}/p2p/{me}") for a in self.circuit_addrs]
+
+        host.get_addrs = with_circuits  # identify and the DHT advertise what get_addrs returns
+
+    async def reserve(self, relay: PeerInfo) -> Reservation:
+        """Ask ``relay`` for a slot; returns the reservation (raises RelayError if refused)."""
+        await self.node.connect(relay)
+        try:
+            raw = await self.node.host.new_stream(relay.peer_id, [TProtocol(HOP_PROTOCOL)])
+        except Exception as e:
+            raise RelayError(None, f"{str(relay.peer_id)[:16]}… is not a relay: {e}") from None
+        try:
+            reply = await _exchange(raw, encode_hop(HopMessage(HopType.RESERVE)), FrameBuffer(), decode_hop)
+        except (RelayProtocolError, trio.TooSlowError) as e:
+            raise RelayError(None, f"reservation at {str(relay.peer_id)[:16]}… failed: {e or 'timeout'}") from None
+        finally:
+            with trio.move_on_after(1):
+                try:
+                    await raw.close()
+                except Exception:
+                    pass
+        if reply.type != HopType.STATUS or reply.status != Status.OK or reply.reservation is None:
+            raise RelayError(reply.status, f"relay {str(relay.peer_id)[:16]}… refused the reservation "
+                                           f"({_status_name(reply.status)})")
+        self.reservations[relay.peer_id] = reply.reservation
+        addrs = []
+        for b in reply.reservation.addrs:
+            try:
+                addrs.append(Multiaddr(b))
+            except Exception:
+                continue
+        relay_addrs = addrs or list(relay.addrs)
+        fresh = [circuit_addr(a, relay.peer_id) for a in relay_addrs if "/p2p-circuit" not in str(a)]
+        self.circuit_addrs = [a for a in self.circuit_addrs if f"/p2p/{relay.peer_id}/" not in str(a)] + fresh
+        return reply.reservation
+
+    async def keep_reservation(self, relay: PeerInfo) -> None:
+        """Hold a slot at ``relay`` for as long as this runs: refresh it before it expires, and
+        reconnect and reserve again (backing off up to 30 s) when the relay goes away."""
+        backoff = 1.0
+        while True:
+            try:
+                rsvp = await self.reserve(relay)
+                backoff = 1.0
+                ttl = max(5.0, (rsvp.expire or time.time() + 60) - time.time())
+                log.info("relay slot at %s for %.0f s", str(relay.peer_id)[:16], ttl)
+                # refresh at three quarters of the lifetime, or at once if the relay drops us
+                with trio.move_on_after(ttl * 0.75):
+                    while relay.peer_id in self.node.host.get_connected_peers():
+                        await trio.sleep(1.0)
+                    log.info("lost the relay %s; reserving again", str(relay.peer_id)[:16])
+            except (ShardnetError, DialError) as e:
+                log.info("relay %s: %s; retrying in %.0f s", str(relay.peer_id)[:16], e, backoff)
+                self.circuit_addrs = [a for a in self.circuit_addrs if f"/p2p/{relay.peer_id}/" not in str(a)]
+                await trio.sleep(backoff)
+                backoff = min(30.0, backoff * 2)
+
+    async def dial(self, relay: PeerInfo, target: ID, *, timeout: float = 20.0) -> None:
+        """Connect to ``target`` through ``relay`` (which must hold a reservation for it)."""
+        await self.node.connect(relay)
+        with trio.fail_after(timeout):
+            raw = await self.node.host.new_stream(relay.peer_id, [TProtocol(HOP_PROTOCOL)])
+            fb = FrameBuffer()
+            try:
+                reply = await _exchange(raw, encode_hop(HopMessage(HopType.CONNECT, peer=Peer(target.to_bytes()))),
+                                        fb, decode_hop)
+            except RelayProtocolError as e:
+                await raw.reset()
+                raise RelayError(None, f"relay {str(relay.peer_id)[:16]}…: {e}") from None
+            if reply.type != HopType.STATUS or reply.status != Status.OK:
+                await raw.reset()
+                raise RelayError(reply.status, f"relay {str(relay.peer_id)[:16]}… could not connect us to "
+                                               f"{str(target)[:16]}… ({_status_name(reply.status)})")
+            addr = circuit_addr(relay.addrs[0] if relay.addrs else Multiaddr("/p2p-circuit"), relay.peer_id, target)
+            await self.node.host.get_network().upgrade_outbound_raw_conn(
+                _raw_connection(raw, fb.take_rest(), True, addr), target)
+
+    async def _handle_stop(self, raw) -> None:
+        relay = raw.muxed_conn.peer_id
+        fb = FrameBuffer()
+        try:
+            msg = await _exchange(raw, None, fb, decode_stop)
+            if msg.type != StopType.CONNECT or msg.peer is None:
+                raise RelayProtocolError("expected CONNECT with a peer")
+            src = ID(msg.peer.id)
+        except Exception as e:
+            log.info("stop from %s: %s", str(relay)[:16], e)
+            with trio.move_on_after(IO_TIMEOUT):
+                try:
+                    await raw.write(encode_stop(StopMessage(StopType.STATUS, status=Status.MALFORMED_MESSAGE)))
+                    await raw.reset()
+                except Exception:
+                    pass
+            return
+        await raw.write(encode_stop(StopMessage(StopType.STATUS, status=Status.OK)))
+        addr = Multiaddr(f"/p2p/{relay}/p2p-circuit/p2p/{src}")
+        log.info("circuit from %s via %s", str(src)[:16], str(relay)[:16])
+        try:
+            await self.node.host.get_network().upgrade_inbound_raw_conn(
+                _raw_connection(raw, fb.take_rest(), False, addr), addr)
+        except Exception as e:
+            log.info("circuit from %s failed its handshake: %s", str(src)[:16], e)
+
+
+def _status_name(status: int | None) -> str:
+    try:
+        return Status(status).name
+    except ValueError:
+        return f"status {status}"
