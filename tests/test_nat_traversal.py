@@ -68,3 +68,48 @@ def test_peers_behind_two_nats_talk_through_a_relay(tmp_path):
         finally:
             for p in procs:
                 p.stop()
+
+
+def test_inference_across_three_nats_through_a_relay(tmp_path):
+    """Two compute peers behind two NATs, the client behind a third: every edge of the chain
+    (client -> p0 -> p1 -> client) runs through the relay; greedy output equals transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardnet.inference.client import LocalModel
+    from shardnet.models import default_model_path
+
+    prompt, n = "def main(", 12
+    model = LocalModel(default_model_path())
+    ref = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    ids = model.encode(prompt)
+    with torch.inference_mode():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = prompt + model.decode(out[0, len(ids):].tolist())
+
+    procs = []
+    with natlab.NatLab() as lab:
+        lab.add_public("relay")
+        for name in ("p0", "p1", "client"):
+            lab.add_private(name, "cone")
+        try:
+            relay_addr = _start_relay(lab, tmp_path, procs)
+            for i, layers in enumerate(("0:4", "4:8")):
+                p = ShardnetProcess(f"p{i}", ["join", "--events", "--identity", str(tmp_path / f"p{i}.key"),
+                                              "--listen", "/ip4/0.0.0.0/tcp/4001", "--layers", layers, "--threads", "1",
+                                              "--bootstrap", relay_addr, "--relay", relay_addr],
+                                    workdir=tmp_path, prefix=lab.prefix(f"p{i}"))
+                procs.append(p)
+            for p in procs[1:]:
+                p.wait_event(lambda e: e.get("event") == "ready", 120)
+            client = ShardnetProcess("client", ["generate", "--bootstrap", relay_addr, "--relay", relay_addr,
+                                                "-n", str(n), "--route-timeout", "60", prompt],
+                                     workdir=tmp_path, prefix=lab.prefix("client"))
+            procs.append(client)
+            text = client.wait_for_line(lambda s: s.startswith("-- ") or s.startswith("error"), 180)
+            lines = [line for line in client.seen if not line.startswith("-- ")]
+            assert "\n".join(lines) == want, (lines, want, client.tail_log())
+            assert "tok/s" in text
+        finally:
+            for p in procs:
+                p.stop()

@@ -65,7 +65,8 @@ def parse_multiaddr(text: str, *, what: str = "address") -> Multiaddr:
 
 def peer_info(peer_id: str, addrs) -> PeerInfo:
     """A peer ID and its addresses as text (a claim's or a chain hop's); addresses that do not
-    parse are skipped, any /p2p/ suffix is dropped."""
+    parse are skipped, a trailing /p2p/<peer_id> is dropped (a relay circuit keeps its inner
+    /p2p/<relay>/p2p-circuit)."""
     from libp2p.peer.id import ID
 
     try:
@@ -75,7 +76,7 @@ def peer_info(peer_id: str, addrs) -> PeerInfo:
     parsed = []
     for a in addrs:
         try:
-            parsed.append(Multiaddr(a.split("/p2p/")[0]))
+            parsed.append(Multiaddr(a[:-len(f"/p2p/{peer_id}")] if a.endswith(f"/p2p/{peer_id}") else a))
         except Exception:
             continue
     return PeerInfo(pid, parsed)

@@ -71,6 +71,10 @@ class _ConnectionEvents:
         pass
 
 
+#: Seconds for the direct addresses of a peer that also advertises relay circuits.
+DIRECT_FIRST = 3.0
+
+
 class Node:
     """The overlay as an embedding app sees it."""
 
@@ -179,9 +183,18 @@ class Node:
             raise DialError("refusing to dial ourselves")
         direct = [a for a in info.addrs if "/p2p-circuit" not in str(a)]
         circuits = [a for a in info.addrs if "/p2p-circuit" in str(a)]
-        if circuits and not direct:
-            return await self._connect_via_relay(info.peer_id, circuits, timeout)
-        info = PeerInfo(info.peer_id, direct)
+        if not circuits:
+            return await self._connect_direct(PeerInfo(info.peer_id, direct), timeout)
+        if direct:
+            # A peer that advertises relay addresses is probably behind NAT: give its direct
+            # addresses a short try (a NAT drops the SYN silently), then go through a relay.
+            try:
+                return await self._connect_direct(PeerInfo(info.peer_id, direct), min(timeout, DIRECT_FIRST))
+            except DialError as e:
+                log.debug("direct dial to %s failed (%s); trying its relays", _short(info.peer_id), e)
+        return await self._connect_via_relay(info.peer_id, circuits, timeout)
+
+    async def _connect_direct(self, info: PeerInfo, timeout: float) -> ID:
         # py-libp2p blocks every dial to a peer for 60 s after one failure ("negative cache");
         # a restarted bootstrap must be reachable on our own backoff schedule instead.
         self.host.get_network()._negative_peer_cache.evict(str(info.peer_id))
@@ -397,6 +410,13 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
                             nursery.start_soon(node._keep_bootstrap_connected, info)
                     for info in relays:
                         nursery.start_soon(node.relay_client.keep_reservation, info)
+                    if relays:
+                        # reachable through a relay before anything (a claim) advertises our addresses
+                        with trio.move_on_after(config.dial_timeout):
+                            while not node.relay_client.circuit_addrs:
+                                await trio.sleep(0.05)
+                        if not node.relay_client.circuit_addrs:
+                            log.warning("no relay slot yet; peers behind other NATs cannot reach us")
                     nursery.start_soon(node._discover)
                     log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
                     try:
