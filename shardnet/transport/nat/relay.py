@@ -24,7 +24,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
-from ..errors import DialError, ShardnetError
+from ..errors import ShardnetError
 from .relay_messages import (
     HOP_PROTOCOL, STOP_PROTOCOL, FrameBuffer, HopMessage, HopType, Limit, Peer, RelayProtocolError, Reservation,
     Status, StopMessage, StopType, decode_hop, decode_stop, encode_hop, encode_stop)
@@ -134,6 +134,22 @@ def _raw_connection(raw, leftover: bytes, initiator: bool, addr: Multiaddr) -> R
     return RawConnection(_CircuitStream(raw, leftover), initiator, ConnectionType.RELAYED, [addr])
 
 
+def _guarded(handler):
+    """A stream handler that never lets an error reach the swarm: log it, reset the stream."""
+    async def run(raw) -> None:
+        try:
+            await handler(raw)
+        except Exception as e:
+            log.info("%s: %s: %s", handler.__name__, type(e).__name__, e)
+            with trio.move_on_after(1):
+                try:
+                    await raw.reset()
+                except Exception:
+                    pass
+
+    return run
+
+
 # -- the relay -----------------------------------------------------------------------------------
 
 class RelayService:
@@ -144,7 +160,7 @@ class RelayService:
         self.reservations: dict[ID, float] = {}  # peer -> expiry (Unix time)
         self.circuits: Counter[ID] = Counter()
         self.stats = Counter()
-        node.host.set_stream_handler(TProtocol(HOP_PROTOCOL), self._handle_hop)
+        node.host.set_stream_handler(TProtocol(HOP_PROTOCOL), _guarded(self._handle_hop))
 
     def _limit(self) -> Limit:
         return Limit(duration=int(self.limits.circuit_duration), data=self.limits.circuit_bytes)
@@ -154,7 +170,7 @@ class RelayService:
         fb = FrameBuffer()
         try:
             msg = await _exchange(raw, None, fb, decode_hop)
-        except (RelayProtocolError, trio.TooSlowError, Exception) as e:
+        except Exception as e:  # malformed, too slow, or the stream broke
             log.info("hop from %s: %s", str(peer)[:16], e)
             await _reply(raw, HopMessage(HopType.STATUS, status=Status.MALFORMED_MESSAGE))
             return
@@ -277,7 +293,7 @@ class RelayClient:
         self.node = node
         self.reservations: dict[ID, Reservation] = {}
         self.circuit_addrs: list[Multiaddr] = []  # where others can reach us through relays
-        node.host.set_stream_handler(TProtocol(STOP_PROTOCOL), self._handle_stop)
+        node.host.set_stream_handler(TProtocol(STOP_PROTOCOL), _guarded(self._handle_stop))
         host = node.host
         plain = host.get_addrs
         me = node.peer_id
@@ -334,7 +350,7 @@ class RelayClient:
                     while relay.peer_id in self.node.host.get_connected_peers():
                         await trio.sleep(1.0)
                     log.info("lost the relay %s; reserving again", str(relay.peer_id)[:16])
-            except (ShardnetError, DialError) as e:
+            except Exception as e:  # whatever broke (refusal, dial, a stream reset), try again later
                 log.info("relay %s: %s; retrying in %.0f s", str(relay.peer_id)[:16], e, backoff)
                 self.circuit_addrs = [a for a in self.circuit_addrs if f"/p2p/{relay.peer_id}/" not in str(a)]
                 await trio.sleep(backoff)
