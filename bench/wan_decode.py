@@ -138,8 +138,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
             for p in procs:
                 p.stop()
             nursery.cancel_scope.cancel()
-    compute = {m.k + 1: measure_compute(ckpt, ranges, model, m.k + 1) for m in modes}
-    report(args, ranges, ping, modes, compute)
+    compute = {n: measure_compute(ckpt, ranges, model, n) for n in {m.k + 1 for m in modes}}
+    report(args, ranges, ping, modes, compute, ckpt.config.hidden_size)
 
 
 def measure_compute(ckpt: Checkpoint, ranges, model: LocalModel, positions: int, context: int = 64,
@@ -176,10 +176,11 @@ def measure_compute(ckpt: Checkpoint, ranges, model: LocalModel, positions: int,
     return chain, client
 
 
-def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], compute: dict) -> None:
+def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], compute: dict,
+           hidden_size: int) -> None:
     plain = statistics.median(modes[0].rates)
     edges = len(ranges) + 1
-    hidden_bytes = 4 * Checkpoint(default_model_path()).config.hidden_size
+    hidden_bytes = 4 * hidden_size  # float32 on the wire
 
     def latency(positions: int) -> float:
         """The ring's physics: every edge's mean one-way delay and serialisation at the cap."""

@@ -208,14 +208,6 @@ table ip filter {{
     def popen(self, name: str, argv: list[str], **kw) -> subprocess.Popen:
         return subprocess.Popen(self.prefix(name) + argv, **kw)
 
-    def nat_mappings(self, name: str) -> str:
-        """The router's connection-tracking table (which private ports map to which public ones)."""
-        host = self.hosts[name]
-        if host.router is None:
-            raise ValueError(f"{name} is not behind a NAT")
-        return subprocess.run(["ip", "netns", "exec", host.router, "cat", "/proc/net/nf_conntrack"],
-                              capture_output=True, text=True, timeout=10).stdout
-
     # -- tearing down -------------------------------------------------------------------------
 
     def close(self) -> None:

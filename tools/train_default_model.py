@@ -73,26 +73,37 @@ def batches(ids: torch.Tensor, steps: int, rng: random.Random):
         yield torch.stack([ids[s:s + SEQ + 1] for s in starts])
 
 
-def train(model, ids: torch.Tensor, steps: int, name: str, lr: float = 3e-3) -> float:
-    rng = random.Random(SEED)
+def fit(model, steps: int, batch_loss, name: str, metric: str, lr: float = 3e-3) -> float:
+    """AdamW with linear warm-up and cosine decay to 10 %, gradient clipping, a smoothed loss
+    printed every 20 steps; ``batch_loss(step)`` returns the loss of that step's batch."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     model.train()
     t0, loss_avg = time.time(), None
-    for step, batch in enumerate(batches(ids, steps, rng), start=1):
+    for step in range(1, steps + 1):
         warm = min(1.0, step / 30)
-        for g in opt.param_groups:  # linear warm-up, cosine decay to 10 %
+        for g in opt.param_groups:
             g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
-        out = model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone())
-        loss = out.loss
+        loss = batch_loss(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
         if step % 20 == 0 or step == steps:
-            print(f"[{name}] step {step}/{steps} loss {loss_avg:.3f} ({time.time() - t0:.0f} s)", flush=True)
+            print(f"[{name}] step {step}/{steps} {metric} {loss_avg:.3f} ({time.time() - t0:.0f} s)", flush=True)
     model.eval()
     return loss_avg
+
+
+def train(model, ids: torch.Tensor, steps: int, name: str) -> float:
+    """Next-token cross-entropy on corpus windows."""
+    corpus = batches(ids, steps, random.Random(SEED))
+
+    def batch_loss(_step: int) -> torch.Tensor:
+        batch = next(corpus)
+        return model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss
+
+    return fit(model, steps, batch_loss, name, "loss")
 
 
 @torch.no_grad()
@@ -119,35 +130,23 @@ def teacher_continuations(teacher, ids: torch.Tensor, n: int, rng: random.Random
     return torch.cat(out)
 
 
-def distill(student, teacher, ids: torch.Tensor, steps: int, lr: float = 3e-3) -> float:
+def distill(student, teacher, ids: torch.Tensor, steps: int) -> float:
     """Train ``student`` on KL(teacher || student) over the next-token distributions; batches
     alternate between corpus windows and teacher continuations."""
     rng = random.Random(SEED)
     continuations = teacher_continuations(teacher, ids, 2048, rng)
     corpus = batches(ids, steps, rng)
-    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    student.train()
-    t0, loss_avg = time.time(), None
-    for step in range(1, steps + 1):
+
+    def batch_loss(step: int) -> torch.Tensor:
         batch = next(corpus) if step % 2 else continuations[[rng.randrange(len(continuations))
                                                              for _ in range(BATCH)]]
-        warm = min(1.0, step / 30)
-        for g in opt.param_groups:
-            g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
         with torch.no_grad():
             target = torch.log_softmax(teacher(input_ids=batch[:, :-1]).logits.float(), -1)
         pred = torch.log_softmax(student(input_ids=batch[:, :-1]).logits.float(), -1)
-        loss = torch.nn.functional.kl_div(pred.flatten(0, 1), target.flatten(0, 1), log_target=True,
+        return torch.nn.functional.kl_div(pred.flatten(0, 1), target.flatten(0, 1), log_target=True,
                                           reduction="batchmean")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
-        if step % 20 == 0 or step == steps:
-            print(f"[distill] step {step}/{steps} KL {loss_avg:.3f} ({time.time() - t0:.0f} s)", flush=True)
-    student.eval()
-    return loss_avg
+
+    return fit(student, steps, batch_loss, "distill", "KL")
 
 
 def save(model, tok, out: Path) -> None:

@@ -20,9 +20,9 @@ def expected_rate(alpha: float, k: int, depth: int, ring: float, draft: float, s
     turn = ring + draft  # from deciding to draft a chunk to acting on its result
     if alpha >= 1.0:
         return k / max(service, turn / depth) if depth > 1 else (k + 1) / turn
-    kept_if_rejected = sum(j * alpha**j * (1 - alpha) for j in range(k)) / (1 - alpha**k)
     if depth == 1:
         return (1 - alpha ** (k + 1)) / (1 - alpha) / turn
+    kept_if_rejected = sum(j * alpha**j * (1 - alpha) for j in range(k)) / (1 - alpha**k)
     whole = alpha**k  # a chunk accepted whole is carried: the next one is already in flight
     carried = whole / (1 - whole)  # expected carried chunks per cycle (geometric)
     tokens = k * carried + kept_if_rejected + 1

@@ -52,9 +52,9 @@ class RelayLimits:
     circuit_duration: float = 3600.0  # seconds
 
 
-def circuit_addr(relay_addr: Multiaddr, relay: ID, target: ID | None = None) -> Multiaddr:
-    """``<relay addr>/p2p/<relay>/p2p-circuit[/p2p/<target>]``."""
-    base = str(relay_addr).split("/p2p/")[0]
+def circuit_addr(relay_addr: Multiaddr | None, relay: ID, target: ID | None = None) -> Multiaddr:
+    """``<relay addr>/p2p/<relay>/p2p-circuit[/p2p/<target>]`` (no address part without one)."""
+    base = str(relay_addr).split("/p2p/")[0] if relay_addr is not None else ""
     tail = f"/p2p/{target}" if target else ""
     return Multiaddr(f"{base}/p2p/{relay}/p2p-circuit{tail}")
 
@@ -276,9 +276,7 @@ async def _reply(raw, msg: HopMessage, close: bool = False) -> None:
     try:
         with trio.fail_after(IO_TIMEOUT):
             await raw.write(encode_hop(msg))
-            if close:
-                await raw.close()
-            elif msg.status != Status.OK:
+            if close or msg.status != Status.OK:
                 await raw.close()
     except Exception as e:
         log.debug("could not send %s: %s", msg.status, e)
@@ -332,8 +330,12 @@ class RelayClient:
                 continue
         relay_addrs = addrs or list(relay.addrs)
         fresh = [circuit_addr(a, relay.peer_id) for a in relay_addrs if "/p2p-circuit" not in str(a)]
-        self.circuit_addrs = [a for a in self.circuit_addrs if f"/p2p/{relay.peer_id}/" not in str(a)] + fresh
+        self._forget_circuits(relay.peer_id)
+        self.circuit_addrs += fresh
         return reply.reservation
+
+    def _forget_circuits(self, relay: ID) -> None:
+        self.circuit_addrs = [a for a in self.circuit_addrs if f"/p2p/{relay}/" not in str(a)]
 
     async def keep_reservation(self, relay: PeerInfo) -> None:
         """Hold a slot at ``relay`` for as long as this runs: refresh it before it expires, and
@@ -352,7 +354,7 @@ class RelayClient:
                     log.info("lost the relay %s; reserving again", str(relay.peer_id)[:16])
             except Exception as e:  # whatever broke (refusal, dial, a stream reset), try again later
                 log.info("relay %s: %s; retrying in %.0f s", str(relay.peer_id)[:16], e, backoff)
-                self.circuit_addrs = [a for a in self.circuit_addrs if f"/p2p/{relay.peer_id}/" not in str(a)]
+                self._forget_circuits(relay.peer_id)
                 await trio.sleep(backoff)
                 backoff = min(30.0, backoff * 2)
 
@@ -372,7 +374,7 @@ class RelayClient:
                 await raw.reset()
                 raise RelayError(reply.status, f"relay {str(relay.peer_id)[:16]}… could not connect us to "
                                                f"{str(target)[:16]}… ({_status_name(reply.status)})")
-            addr = circuit_addr(relay.addrs[0] if relay.addrs else Multiaddr("/p2p-circuit"), relay.peer_id, target)
+            addr = circuit_addr(relay.addrs[0] if relay.addrs else None, relay.peer_id, target)
             await self.node.host.get_network().upgrade_outbound_raw_conn(
                 _raw_connection(raw, fb.take_rest(), True, addr), target)
 
@@ -394,7 +396,7 @@ class RelayClient:
                     pass
             return
         await raw.write(encode_stop(StopMessage(StopType.STATUS, status=Status.OK)))
-        addr = Multiaddr(f"/p2p/{relay}/p2p-circuit/p2p/{src}")
+        addr = circuit_addr(None, relay, src)
         log.info("circuit from %s via %s", str(src)[:16], str(relay)[:16])
         try:
             await self.node.host.get_network().upgrade_inbound_raw_conn(
