@@ -38,6 +38,21 @@ method or one module-level constant each, so they are easy to drop when upstream
 7. mDNS advertises the raw transport addresses, so a node listening on 0.0.0.0 tells the LAN
    to dial ``/ip4/0.0.0.0/...`` (which only works when both run on one host). It now advertises
    what the host advertises everywhere else (``get_addrs()``: per-interface or announced).
+8. Identify's observed address. Once a peer has any relayed connection, py-libp2p reports a
+   circuit address as that peer's observed address on *every* connection, and on a relayed one
+   it has no IP part (``/p2p/<relay>/p2p-circuit/p2p/<peer>``), which other implementations
+   reject and which tells the peer nothing about its NAT. A direct connection now reports its
+   socket's remote address and a relayed one reports none (the field is optional).
+9. A second connection to a peer (a hole-punched one next to the relayed one) makes the swarm
+   trim to ``max_connections_per_peer`` at once, closing whichever has fewer streams, which can
+   be the new direct one or a relayed one with a stream in flight. With a direct connection next
+   to relayed ones the swarm now trims nothing: the hole puncher retires the relayed
+   connection once its last stream ends (new streams already prefer the direct one).
+10. Yamux pings each connection every 30 s to measure its round trip and only notes a missing
+   answer, so a connection whose path died silently (a NAT forgot the mapping, a relay or a
+   router vanished) looks alive until TCP gives up, many minutes later. The ping interval is now
+   the node's ``keepalive_interval``, and the node closes a connection whose last ping went
+   unanswered for ``keepalive_timeout`` (node.py), which is what starts reconnection.
 
 Fixes that are settings or wrappers rather than patches live where they are used, each tested
 too: host.py (250 ms happy-eyeballs dial delay, auto-connector dialling ~100 peers, dial
@@ -81,6 +96,8 @@ def apply() -> None:
     _fix_disconnect_sleeps()
     _fix_pubsub_queues()
     _fix_mdns_addresses()
+    _fix_observed_address_on_relayed_connections()
+    _leave_relayed_connections_to_the_hole_puncher()
     if os.environ.get(ENV_UNTUNED_DATA_PATH) != "1":
         _speed_up_noise()
         _speed_up_secure_session()
@@ -91,6 +108,50 @@ def apply() -> None:
 def dropped_pubsub_messages() -> int:
     """How many gossipsub messages were dropped because a subscriber's queue was full."""
     return _pubsub_drops
+
+
+# 10. keepalive --------------------------------------------------------------------------------
+def set_keepalive_interval(seconds: float) -> None:
+    """Seconds between Yamux pings on every connection of this process."""
+    from libp2p.stream_muxer.yamux import yamux
+
+    yamux.RTT_MEASURE_INTERVAL = seconds
+
+
+def unanswered_ping_age(muxed: Any) -> float | None:
+    """Seconds since the connection's last ping was sent if no answer came yet (None: answered,
+    none sent yet, or not a Yamux connection)."""
+    event, sent = getattr(muxed, "_ping_event", None), getattr(muxed, "_ping_sent_time", 0.0)
+    if event is None or not sent or event.is_set():
+        return None
+    return trio.current_time() - sent
+
+
+# 8. identify's observed address -------------------------------------------------------------
+def _fix_observed_address_on_relayed_connections() -> None:
+    from libp2p.identity.identify import identify
+
+    # handle_identify passes the stream's socket address as ``fallback``; relayed streams have
+    # none (their raw connection is a relay stream), so they now report no observed address.
+    identify._prefer_circuit_addr = lambda host, peer_id, fallback: fallback
+
+
+# 9. trimming a direct connection next to relayed ones -----------------------------------------
+def _leave_relayed_connections_to_the_hole_puncher() -> None:
+    from libp2p.network.swarm import Swarm
+
+    from .nat.relay import is_relayed
+
+    trim = Swarm._trim_connections
+
+    def _trim_connections(self, peer_id) -> None:
+        conns = self.connections.get(peer_id, [])
+        kinds = {is_relayed(c) for c in conns}
+        if kinds == {True, False}:
+            return
+        trim(self, peer_id)
+
+    Swarm._trim_connections = _trim_connections
 
 
 # 5. logging ---------------------------------------------------------------------------------

@@ -51,6 +51,19 @@ class NodeConfig:
     #: Serve circuit relay v2 (hop) for other peers within these limits (a RelayLimits);
     #: None: not a relay.
     relay_service: object | None = None
+    #: Without ``relays``: once AutoNAT says we are private, hold slots at up to this many relays
+    #: found among our peers (bootstrap nodes with --serve-relay, relays met through the DHT).
+    auto_relays: int = 2
+    #: Upgrade relayed connections to direct ones by DCUtR hole punching.
+    hole_punch: bool = True
+    #: Ask peers whether we are reachable (AutoNAT client), and answer them (service).
+    autonat: bool = True
+    #: Seconds between AutoNAT checks once the answer is known (sooner while unknown).
+    autonat_interval: float = 300.0
+    #: Seconds between keepalive pings on each connection, and how long an unanswered one may
+    #: stay unanswered before the connection counts as dead and is closed.
+    keepalive_interval: float = 10.0
+    keepalive_timeout: float = 15.0  # below interval + 10 s (py-libp2p waits 10 s for a pong, then pings anew)
     #: Raise glibc's mmap threshold for this process (see allocator.py): ~2.5x faster large
     #: transfers from the start. Off leaves the process allocator untouched.
     tune_allocator: bool = True

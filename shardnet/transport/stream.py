@@ -32,6 +32,13 @@ class Stream:
     def remote_peer(self) -> ID:
         return self.raw.muxed_conn.peer_id
 
+    @property
+    def relayed(self) -> bool:
+        """Whether this stream's connection runs through a relay."""
+        from .nat.relay import is_relayed
+
+        return is_relayed(self.raw.muxed_conn)
+
     async def write(self, data: bytes, *, timeout: float | None = None) -> None:
         with _deadline(self.timeout if timeout is None else timeout, "write"):
             try:
