@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -25,7 +27,10 @@ from .config import NodeConfig, parse_multiaddr, parse_peer_addr
 from .dht import DHT
 from .errors import DialError, OverlayTimeout, ProtocolNotSupported, ShardnetError
 from .host import build_host, check_listen_ports
+from .nat.autonat import PRIVATE, PUBLIC, AutoNAT
+from .nat.holepunch import HolePuncher
 from .nat.relay import RelayClient, RelayService, is_relayed, parse_circuit_addr
+from .nat.relay_messages import HOP_PROTOCOL
 from .pubsub import PubSub
 from .stream import Stream
 
@@ -88,10 +93,20 @@ class Node:
         self.discovered: dict[ID, float] = {}
         self._peer_watchers: list[trio.MemorySendChannel[PeerEvent]] = []
         self.discovery_kick = trio.Event()
+        #: connections closed because their keepalive went unanswered
+        self.keepalive_closed = 0
+        #: streams our handlers served, by (protocol, "direct" | "relayed")
+        self.streams_served: Counter[tuple[str, str]] = Counter()
         self._bootstrap_errors: dict[ID, str] = {}
         #: accepts circuits through relays, dials /p2p-circuit addresses, holds reservations
         self.relay_client = RelayClient(self)
         self.relay_service = None
+        #: our reachability (AutoNAT client) and dial-backs for others (service)
+        self.autonat = AutoNAT(self, serve=config.autonat)
+        #: upgrades relayed connections to direct ones (DCUtR)
+        self.holepunch = HolePuncher(self)
+        #: the node's own nursery (set while the node runs): background work it owns
+        self.nursery: trio.Nursery | None = None
 
     # -- identity and addresses --------------------------------------------------------------
     @property
@@ -115,8 +130,37 @@ class Node:
                 addrs = [str(a) for a in conn.get_transport_addresses()]
             except Exception:
                 addrs = []
-            out.append({"relayed": is_relayed(conn), "addrs": addrs})
+            try:
+                streams = sorted(str(s.get_protocol()) for s in conn.get_streams())
+            except Exception:
+                streams = []
+            out.append({"relayed": is_relayed(conn), "addrs": addrs, "streams": streams})
         return out
+
+    def link(self, peer: ID | str) -> str | None:
+        """How we reach ``peer`` now: "direct", "relayed" (only through relays) or None."""
+        try:
+            conns = self.host.get_network().get_connections(_as_peer_id(peer))
+        except ShardnetError:
+            return None
+        if not conns:
+            return None
+        return "relayed" if all(is_relayed(c) for c in conns) else "direct"
+
+    def nat_status(self) -> dict:
+        """Reachability, relay slots and hole punching, for ``shardnet status`` and embedding apps."""
+        r = self.autonat.reachability
+        return {
+            "reachability": r.status,
+            "public_addrs": [str(a) for a in r.public_addrs],
+            "checked_at": r.checked_at,
+            "autonat_answers": dict(r.answers),
+            "observed_ips": sorted(self.autonat.observed),
+            "relay_slots": {str(p): rsvp.expire for p, rsvp in self.relay_client.reservations.items()},
+            "circuit_addrs": [str(a) for a in self.relay_client.circuit_addrs],
+            "hole_punches": {p: vars(o) for p, o in ((str(k), v) for k, v in self.holepunch.outcomes.items())},
+            "hole_punch_stats": dict(self.holepunch.stats),
+        }
 
     def known_peers(self) -> list[ID]:
         """Peers we hold addresses for (connected or not), ourselves excluded."""
@@ -137,6 +181,7 @@ class Node:
 
         async def _run(raw) -> None:
             stream = Stream(raw)
+            self.streams_served[(protocol_id, "relayed" if stream.relayed else "direct")] += 1
             try:
                 await handler(stream)
             except Exception as e:
@@ -357,6 +402,66 @@ class Node:
                     with trio.move_on_after(1.0):
                         await self.discovery_kick.wait()
 
+    async def _find_relays(self) -> None:
+        """While AutoNAT says we are private, hold slots at up to ``auto_relays`` relays found
+        among our peers (their identify lists the hop protocol); give them up once public."""
+        held: dict[ID, trio.CancelScope] = {}
+
+        async def hold(relay: ID, scope: trio.CancelScope) -> None:
+            with scope:
+                await self.relay_client.keep_reservation(PeerInfo(relay, self.addrs_of(relay)), give_up_after=3)
+            held.pop(relay, None)
+            self.relay_client.drop(relay)
+
+        while True:
+            status = self.autonat.status
+            if status == PRIVATE and len(held) < self.config.auto_relays:
+                for relay in self._relay_candidates():
+                    if relay in held or len(held) >= self.config.auto_relays:
+                        continue
+                    log.info("behind NAT: holding a slot at relay %s", _short(relay))
+                    held[relay] = trio.CancelScope()
+                    self.nursery.start_soon(hold, relay, held[relay])
+            elif status == PUBLIC and held:
+                log.info("publicly reachable: giving up %d relay slot(s)", len(held))
+                for scope in held.values():
+                    scope.cancel()
+            with trio.move_on_after(5.0):
+                await self.autonat.changed.wait()
+
+    def _relay_candidates(self) -> list[ID]:
+        store = self.host.get_peerstore()
+        out = []
+        for peer in self.host.get_connected_peers():
+            try:
+                if HOP_PROTOCOL in store.get_protocols(peer):
+                    out.append(peer)
+            except Exception:
+                continue
+        return out
+
+    async def _close_dead_connections(self) -> None:
+        """Close connections whose keepalive ping went unanswered for ``keepalive_timeout``: the
+        path died silently (NAT mapping gone, relay gone). Closing them is what lets bootstrap
+        supervision redial, relay slots be reserved again and new streams pick a live path."""
+        # py-libp2p sends the next ping 10 s + interval after an unanswered one, which resets
+        # the age we watch: a longer timeout would never fire.
+        timeout = min(self.config.keepalive_timeout, self.config.keepalive_interval + 9.0)
+        while True:
+            await trio.sleep(min(1.0, timeout / 4))
+            for conn in list(self.host.get_network().get_connections()):
+                age = compat.unanswered_ping_age(conn.muxed_conn)
+                if age is not None and age > timeout:
+                    peer = conn.muxed_conn.peer_id
+                    log.warning("connection to %s%s is dead (keepalive unanswered for %.0f s); closing it",
+                                _short(peer), " (relayed)" if is_relayed(conn) else "", age)
+                    self.keepalive_closed += 1
+                    with trio.move_on_after(5):
+                        try:
+                            await conn.close()
+                        except Exception as e:
+                            log.debug("closing a dead connection: %s", e)
+
     async def _top_up_connections(self) -> None:
         """Keep direct connections to discovered peers up to the low watermark, so that
         gossip meshes and streams do not depend on any one node (the bootstrap in particular)."""
@@ -388,6 +493,7 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
     bootstrap = [parse_peer_addr(a, what="bootstrap address") for a in config.bootstrap]
     relays = [parse_peer_addr(a, what="relay address") for a in config.relays]
     check_listen_ports(listen)
+    compat.set_keepalive_interval(config.keepalive_interval)
     host = build_host(config, key_pair, announce)
     # An exception from the caller's block is held here and re-raised once everything we
     # started has stopped, so it reaches the caller as itself, not wrapped in the exception
@@ -405,6 +511,7 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
                 if config.relay_service is not None:
                     node.relay_service = RelayService(node, config.relay_service)
                 async with trio.open_nursery() as nursery:
+                    node.nursery = nursery
                     for info in bootstrap:
                         if info.peer_id != node.peer_id:
                             nursery.start_soon(node._keep_bootstrap_connected, info)
@@ -418,6 +525,11 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
                         if not node.relay_client.circuit_addrs:
                             log.warning("no relay slot yet; peers behind other NATs cannot reach us")
                     nursery.start_soon(node._discover)
+                    nursery.start_soon(node._close_dead_connections)
+                    if config.autonat:
+                        nursery.start_soon(functools.partial(node.autonat.run, interval=config.autonat_interval))
+                        if not relays and config.auto_relays > 0:
+                            nursery.start_soon(node._find_relays)
                     log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
                     try:
                         yield node

@@ -25,6 +25,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
 from ..errors import ShardnetError
+from .rawstream import close_quietly, read_message
 from .relay_messages import (
     HOP_PROTOCOL, STOP_PROTOCOL, FrameBuffer, HopMessage, HopType, Limit, Peer, RelayProtocolError, Reservation,
     Status, StopMessage, StopType, decode_hop, decode_stop, encode_hop, encode_stop)
@@ -88,22 +89,11 @@ def is_relayed(conn) -> bool:
 
 # -- stream helpers ------------------------------------------------------------------------------
 
-async def _read_message(raw, fb: FrameBuffer, decode):
-    while True:
-        body = fb.next_body()
-        if body is not None:
-            return decode(body)
-        data = await raw.read(COPY_CHUNK)
-        if not data:
-            raise RelayProtocolError("stream closed before a whole message")
-        fb.feed(data)
-
-
 async def _exchange(raw, frame: bytes | None, fb: FrameBuffer, decode, timeout: float = IO_TIMEOUT):
     with trio.fail_after(timeout):
         if frame is not None:
             await raw.write(frame)
-        return await _read_message(raw, fb, decode)
+        return await read_message(raw, fb, decode, chunk=COPY_CHUNK)
 
 
 class _CircuitStream:
@@ -192,7 +182,10 @@ class RelayService:
         expire = int(now + self.limits.reservation_ttl)
         self.reservations[peer] = expire
         self.stats["reservations"] += 1
-        addrs = [a.to_bytes() for a in self.node.listen_addrs]
+        # our addresses for the client to advertise: not loopback ones, unless that is all we have
+        mine = [a for a in self.node.listen_addrs if "/p2p-circuit" not in str(a)]
+        routable = [a for a in mine if not str(a).startswith(("/ip4/127.", "/ip6/::1/"))]
+        addrs = [a.to_bytes() for a in routable or mine]
         log.info("reservation for %s until %s", str(peer)[:16], time.strftime("%H:%M:%S", time.localtime(expire)))
         await _reply(raw, HopMessage(HopType.STATUS, reservation=Reservation(expire, addrs), limit=self._limit(),
                                      status=Status.OK), close=True)
@@ -291,6 +284,7 @@ class RelayClient:
         self.node = node
         self.reservations: dict[ID, Reservation] = {}
         self.circuit_addrs: list[Multiaddr] = []  # where others can reach us through relays
+        self.changed = trio.Event()  # set (and replaced) whenever circuit_addrs changes
         node.host.set_stream_handler(TProtocol(STOP_PROTOCOL), _guarded(self._handle_stop))
         host = node.host
         plain = host.get_addrs
@@ -313,11 +307,7 @@ class RelayClient:
         except (RelayProtocolError, trio.TooSlowError) as e:
             raise RelayError(None, f"reservation at {str(relay.peer_id)[:16]}… failed: {e or 'timeout'}") from None
         finally:
-            with trio.move_on_after(1):
-                try:
-                    await raw.close()
-                except Exception:
-                    pass
+            await close_quietly(raw)
         if reply.type != HopType.STATUS or reply.status != Status.OK or reply.reservation is None:
             raise RelayError(reply.status, f"relay {str(relay.peer_id)[:16]}… refused the reservation "
                                            f"({_status_name(reply.status)})")
@@ -330,21 +320,35 @@ class RelayClient:
                 continue
         relay_addrs = addrs or list(relay.addrs)
         fresh = [circuit_addr(a, relay.peer_id) for a in relay_addrs if "/p2p-circuit" not in str(a)]
-        self._forget_circuits(relay.peer_id)
-        self.circuit_addrs += fresh
+        kept = [a for a in self.circuit_addrs if f"/p2p/{relay.peer_id}/" not in str(a)]
+        self._set_circuits(kept + fresh)
         return reply.reservation
 
     def _forget_circuits(self, relay: ID) -> None:
-        self.circuit_addrs = [a for a in self.circuit_addrs if f"/p2p/{relay}/" not in str(a)]
+        self._set_circuits([a for a in self.circuit_addrs if f"/p2p/{relay}/" not in str(a)])
 
-    async def keep_reservation(self, relay: PeerInfo) -> None:
+    def _set_circuits(self, addrs: list[Multiaddr]) -> None:
+        if [str(a) for a in addrs] != [str(a) for a in self.circuit_addrs]:
+            self.circuit_addrs = addrs
+            self.changed.set()  # whoever advertises our addresses (claims) does so again now
+            self.changed = trio.Event()
+
+    def drop(self, relay: ID) -> None:
+        """Stop advertising ``relay``'s circuits (the slot there lapses)."""
+        self.reservations.pop(relay, None)
+        self._forget_circuits(relay)
+
+    async def keep_reservation(self, relay: PeerInfo, *, give_up_after: int | None = None) -> None:
         """Hold a slot at ``relay`` for as long as this runs: refresh it before it expires, and
-        reconnect and reserve again (backing off up to 30 s) when the relay goes away."""
+        reconnect and reserve again (backing off up to 30 s) when the relay goes away; with
+        ``give_up_after``, return after that many failures in a row."""
         backoff = 1.0
+        failures = 0
         while True:
             try:
                 rsvp = await self.reserve(relay)
                 backoff = 1.0
+                failures = 0
                 ttl = max(5.0, (rsvp.expire or time.time() + 60) - time.time())
                 log.info("relay slot at %s for %.0f s", str(relay.peer_id)[:16], ttl)
                 # refresh at three quarters of the lifetime, or at once if the relay drops us
@@ -353,8 +357,12 @@ class RelayClient:
                         await trio.sleep(1.0)
                     log.info("lost the relay %s; reserving again", str(relay.peer_id)[:16])
             except Exception as e:  # whatever broke (refusal, dial, a stream reset), try again later
-                log.info("relay %s: %s; retrying in %.0f s", str(relay.peer_id)[:16], e, backoff)
                 self._forget_circuits(relay.peer_id)
+                failures += 1
+                if give_up_after is not None and failures >= give_up_after:
+                    log.info("relay %s: %s; giving it up", str(relay.peer_id)[:16], e)
+                    return
+                log.info("relay %s: %s; retrying in %.0f s", str(relay.peer_id)[:16], e, backoff)
                 await trio.sleep(backoff)
                 backoff = min(30.0, backoff * 2)
 
@@ -403,6 +411,10 @@ class RelayClient:
                 _raw_connection(raw, fb.take_rest(), False, addr), addr)
         except Exception as e:
             log.info("circuit from %s failed its handshake: %s", str(src)[:16], e)
+            return
+        if self.node.config.hole_punch and self.node.nursery is not None:
+            # DCUtR: the side that accepted the relayed connection starts the upgrade
+            self.node.holepunch.start(src)
 
 
 def _status_name(status: int | None) -> str:

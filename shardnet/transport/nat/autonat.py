@@ -1,0 +1,393 @@
+"""AutoNAT v1: is this node reachable from the internet, and at which addresses?
+
+Every node serves ``/libp2p/autonat/1.0.0``: asked to, it dials the asker back and says whether
+that worked. It dials only the IP address it sees the request come from (with the ports the asker
+names), so it cannot be used to make a node dial third parties, and it dials from an ephemeral
+port under a throwaway identity: a fresh connection, through the asker's NAT like a stranger's,
+that does not replace or collide with the connection the request came on.
+
+The client side asks a few connected peers, keeps the answer (``public``, ``private`` or
+``unknown``) and the addresses that worked, and re-checks periodically. It also keeps the IP
+addresses peers report seeing us at (identify's observed address), which the hole puncher
+combines with our listen port.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import secrets
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from .autonat_messages import (
+    AUTONAT_PROTOCOL, AutoNATMessage, AutoNATType, Dial, DialResponse, DialStatus, decode_autonat, encode_autonat)
+from .pbwire import FrameBuffer, MessageError
+from .rawstream import close_quietly, read_message
+from .relay import is_relayed
+
+log = logging.getLogger(__name__)
+
+IO_TIMEOUT = 10.0  # seconds for a request and its answer (the answer waits for the dial-back)
+DIAL_BACK_TIMEOUT = 5.0  # seconds for one dial-back, handshakes included
+MAX_DIAL_BACKS = 4  # concurrent dial-backs a node runs for others
+MAX_ADDRS = 8  # addresses per request that a server considers
+SERVERS_PER_CHECK = 3
+
+PUBLIC, PRIVATE, UNKNOWN = "public", "private", "unknown"
+
+
+@dataclass
+class Reachability:
+    status: str = UNKNOWN
+    public_addrs: list[Multiaddr] = field(default_factory=list)  # confirmed by dial-backs
+    checked_at: float | None = None  # Unix time
+    answers: dict[str, str] = field(default_factory=dict)  # server -> "ok <addr>" or the error
+
+
+def _ip_of(addr: Multiaddr) -> str | None:
+    for proto in ("ip4", "ip6"):
+        try:
+            return addr.value_for_protocol(proto)
+        except Exception:
+            continue
+    return None
+
+
+def _tcp_port(addr: Multiaddr) -> int | None:
+    try:
+        return int(addr.value_for_protocol("tcp"))
+    except Exception:
+        return None
+
+
+def _is_loopback(ip: str) -> bool:
+    return ip.startswith("127.") or ip == "::1"
+
+
+def dialable_tcp(addrs: list[Multiaddr]) -> list[Multiaddr]:
+    """Plain IP/TCP addresses (no relay circuit, no loopback), without a /p2p part."""
+    out, seen = [], set()
+    for a in addrs:
+        text = str(a).split("/p2p/")[0]
+        if "/p2p-circuit" in str(a) or text in seen:
+            continue
+        ma = Multiaddr(text)
+        ip, port = _ip_of(ma), _tcp_port(ma)
+        if ip is None or port is None or _is_loopback(ip) or ip in ("0.0.0.0", "::"):
+            continue
+        seen.add(text)
+        out.append(ma)
+    return out
+
+
+class AutoNAT:
+    """Both sides of AutoNAT on one node, and what the node knows about its own reachability."""
+
+    def __init__(self, node, *, serve: bool = True) -> None:
+        self.node = node
+        self.reachability = Reachability()
+        self.observed: dict[str, set[ID]] = {}  # IP peers see us at -> who said so
+        self.stats = Counter()
+        self.changed = trio.Event()  # set (and replaced) whenever the status changes
+        self._dial_backs = trio.Semaphore(MAX_DIAL_BACKS)
+        self._serving: set[ID] = set()
+        self._upgrader = None
+        self._watch_observations()
+        if serve:
+            node.host.set_stream_handler(TProtocol(AUTONAT_PROTOCOL), self._handle)
+
+    # -- what we know about ourselves ------------------------------------------------------------
+    @property
+    def status(self) -> str:
+        return self.reachability.status
+
+    def _watch_observations(self) -> None:
+        manager = getattr(self.node.host, "_observed_addr_manager", None)
+        if manager is None:
+            return
+        record = manager.record_observation
+
+        def record_observation(conn, observed, local_addrs) -> None:
+            try:
+                ip = _ip_of(observed)
+                if ip and not _is_loopback(ip) and not is_relayed(conn):
+                    self.observed.setdefault(ip, set()).add(conn.muxed_conn.peer_id)
+            except Exception as e:  # an observation is a hint; a bad one must not break identify
+                log.debug("ignoring observation %s: %s", observed, e)
+            record(conn, observed, local_addrs)
+
+        manager.record_observation = record_observation
+
+    def listen_tcp(self) -> list[Multiaddr]:
+        """Our own TCP listen addresses (per interface, loopback left out)."""
+        return dialable_tcp(list(self.node.host.get_transport_addrs()) + self._expanded_listen())
+
+    def _expanded_listen(self) -> list[Multiaddr]:
+        return [a for a in self.node.host.get_addrs() if "/p2p-circuit" not in str(a)]
+
+    def candidate_addrs(self) -> list[Multiaddr]:
+        """Where others might reach us: confirmed public addresses, then every IP peers observed
+        us at with our TCP listen port (a NAT that keeps source ports maps it there when we dial
+        from that port, which is what hole punching does), then our listen addresses."""
+        listen = self.listen_tcp()
+        ports = sorted({p for p in (_tcp_port(a) for a in listen) if p})
+        guesses = []
+        for ip in sorted(self.observed, key=lambda i: -len(self.observed[i])):
+            fam = "ip6" if ":" in ip else "ip4"
+            guesses += [Multiaddr(f"/{fam}/{ip}/tcp/{port}") for port in ports]
+        return dialable_tcp(self.reachability.public_addrs + guesses + listen)
+
+    # -- the server --------------------------------------------------------------------------------
+    async def _handle(self, raw) -> None:
+        try:
+            await self._serve(raw)
+        except Exception as e:  # never let a bad request reach the swarm
+            log.info("autonat request from %s: %s: %s", str(raw.muxed_conn.peer_id)[:16], type(e).__name__, e)
+        finally:
+            await close_quietly(raw)
+
+    async def _serve(self, raw) -> None:
+        asker = raw.muxed_conn.peer_id
+        fb = FrameBuffer()
+        try:
+            with trio.fail_after(IO_TIMEOUT):
+                msg = await read_message(raw, fb, decode_autonat)
+        except (MessageError, trio.TooSlowError) as e:
+            await _answer(raw, DialStatus.E_BAD_REQUEST, f"bad request: {e or 'timeout'}")
+            return
+        if msg.type != AutoNATType.DIAL or msg.dial is None:
+            await _answer(raw, DialStatus.E_BAD_REQUEST, "expected DIAL")
+            return
+        if msg.dial.peer_id != asker.to_bytes():
+            await _answer(raw, DialStatus.E_BAD_REQUEST, "a peer may only ask about itself")
+            return
+        seen_at = _remote_ip(raw)
+        if is_relayed(raw.muxed_conn) or seen_at is None:
+            await _answer(raw, DialStatus.E_DIAL_REFUSED, "request came through a relay: no IP to dial back")
+            return
+        targets = []
+        for b in msg.dial.addrs[:MAX_ADDRS]:
+            try:
+                port = _tcp_port(Multiaddr(b))
+            except Exception:
+                continue
+            fam = "ip6" if ":" in seen_at else "ip4"
+            if port and f"/{fam}/{seen_at}/tcp/{port}" not in targets:
+                targets.append(f"/{fam}/{seen_at}/tcp/{port}")
+        if not targets:
+            await _answer(raw, DialStatus.E_DIAL_REFUSED, "no TCP address to dial")
+            return
+        refusal = self._shares_our_network(seen_at)
+        if refusal:
+            self.stats["refused_local"] += 1
+            await _answer(raw, DialStatus.E_DIAL_REFUSED, refusal)
+            return
+        if asker in self._serving or self._dial_backs.value == 0:
+            self.stats["refused_busy"] += 1
+            await _answer(raw, DialStatus.E_DIAL_REFUSED, "busy")
+            return
+        self._serving.add(asker)
+        try:
+            async with self._dial_backs:
+                worked = await self._dial_back(asker, [Multiaddr(t) for t in targets])
+        finally:
+            self._serving.discard(asker)
+        if worked is not None:
+            self.stats["dial_backs_ok"] += 1
+            await _answer(raw, DialStatus.OK, None, worked.to_bytes())
+        else:
+            self.stats["dial_backs_failed"] += 1
+            await _answer(raw, DialStatus.E_DIAL_ERROR, f"no answer from {', '.join(targets)}")
+
+    def _shares_our_network(self, ip: str) -> str | None:
+        """Why a dial-back to ``ip`` would prove nothing, or None. A peer on this machine, or on
+        our LAN while we are behind NAT (peers see us at an IP that no interface of ours has),
+        reaches us without crossing the NAT that the question is about."""
+        try:
+            addr = ipaddress.ip_address(ip)
+        except ValueError:
+            return "unreadable address"
+        nets = _interface_networks()
+        if any(addr == iface.ip for iface in nets):
+            return "asked from this machine"
+        ours = {str(iface.ip) for iface in nets}
+        behind_nat = bool(self.observed) and not (set(self.observed) & ours)
+        if behind_nat and any(addr in iface.network for iface in nets):
+            return "asked from our LAN, and we are behind NAT"
+        return None
+
+    async def _dial_back(self, peer: ID, targets: list[Multiaddr]) -> Multiaddr | None:
+        """The first target where ``peer`` completes a handshake, tried in parallel."""
+        worked: list[Multiaddr] = []
+        async with trio.open_nursery() as nursery:
+            for t in targets:
+                nursery.start_soon(self._try_dial_back, peer, t, worked, nursery.cancel_scope)
+        return worked[0] if worked else None
+
+    async def _try_dial_back(self, peer: ID, target: Multiaddr, worked: list, done: trio.CancelScope) -> None:
+        from libp2p.io.trio import TrioTCPStream
+        from libp2p.network.connection.raw_connection import RawConnection
+
+        ip, port = _ip_of(target), _tcp_port(target)
+        with trio.move_on_after(DIAL_BACK_TIMEOUT):
+            try:
+                stream = await trio.open_tcp_stream(ip, port)
+            except OSError as e:
+                log.debug("dial-back to %s: %s", target, e.strerror or e)
+                return
+            raw = RawConnection(TrioTCPStream(stream), True)
+            try:
+                upgrader = self._dial_back_upgrader()
+                secured = await upgrader.upgrade_security(raw, True, peer)
+                muxed = await upgrader.upgrade_connection(secured, peer)
+                await muxed.close()
+                worked.append(target)
+                done.cancel()
+            except Exception as e:
+                log.debug("dial-back handshake with %s at %s: %s", str(peer)[:16], target, e)
+            finally:
+                await close_quietly(raw)
+
+    def _dial_back_upgrader(self):
+        """Noise and Yamux under a throwaway identity, made once: to the asker, the dial-back is
+        a stranger's connection that does not compete with ours."""
+        if self._upgrader is None:
+            from libp2p import create_yamux_muxer_option
+            from libp2p.crypto.x25519 import create_new_key_pair as new_x25519
+            from libp2p.security.noise.transport import PROTOCOL_ID, Transport
+            from libp2p.transport.upgrader import TransportUpgrader
+
+            from ..identity import generate
+
+            kp = generate()
+            self._upgrader = TransportUpgrader(
+                {PROTOCOL_ID: Transport(kp, noise_privkey=new_x25519().private_key)}, create_yamux_muxer_option())
+        return self._upgrader
+
+    # -- the client --------------------------------------------------------------------------------
+    def servers(self) -> list[ID]:
+        """Connected peers (over direct connections) that serve AutoNAT."""
+        host = self.node.host
+        out = []
+        for peer in host.get_connected_peers():
+            conns = host.get_network().get_connections(peer)
+            if not conns or all(is_relayed(c) for c in conns):
+                continue
+            try:
+                protocols = host.get_peerstore().get_protocols(peer)
+            except Exception:
+                continue
+            if AUTONAT_PROTOCOL in protocols:
+                out.append(peer)
+        return out
+
+    async def ask(self, server: ID, addrs: list[Multiaddr]) -> DialResponse:
+        """One request: can ``server`` reach us at ``addrs``?"""
+        with trio.fail_after(IO_TIMEOUT + DIAL_BACK_TIMEOUT):
+            raw = await self.node.host.new_stream(server, [TProtocol(AUTONAT_PROTOCOL)])
+            try:
+                await raw.write(encode_autonat(AutoNATMessage(
+                    AutoNATType.DIAL, dial=Dial(self.node.peer_id.to_bytes(), [a.to_bytes() for a in addrs]))))
+                reply = await read_message(raw, FrameBuffer(), decode_autonat)
+            finally:
+                await close_quietly(raw)
+        if reply.type != AutoNATType.DIAL_RESPONSE or reply.response is None:
+            raise MessageError("expected DIAL_RESPONSE")
+        return reply.response
+
+    async def check(self) -> Reachability:
+        """Ask up to three servers; public if any reached us, private if they tried and none did."""
+        servers = self.servers()
+        secrets.SystemRandom().shuffle(servers)
+        addrs = self.candidate_addrs()
+        answers: dict[str, str] = {}
+        confirmed: list[Multiaddr] = []
+        failed = 0
+        for server in servers[:SERVERS_PER_CHECK]:
+            name = str(server)
+            try:
+                r = await self.ask(server, addrs)
+            except Exception as e:
+                answers[name] = f"no answer: {type(e).__name__}: {e}"
+                continue
+            if r.status == DialStatus.OK and r.addr:
+                try:
+                    confirmed.append(Multiaddr(r.addr))
+                    answers[name] = f"ok {Multiaddr(r.addr)}"
+                except Exception:
+                    answers[name] = "ok (unreadable address)"
+            elif r.status == DialStatus.E_DIAL_ERROR:
+                failed += 1
+                answers[name] = f"could not dial back: {r.text or ''}".strip()
+            else:
+                answers[name] = f"{_status_name(r.status)}: {r.text or ''}".strip()
+        status = PUBLIC if confirmed else PRIVATE if failed else UNKNOWN
+        self._set(Reachability(status, dialable_tcp(confirmed), time.time(), answers))
+        return self.reachability
+
+    def _set(self, new: Reachability) -> None:
+        old = self.reachability.status
+        self.reachability = new
+        if new.status != old:
+            detail = "; ".join(f"{k[:10]}…: {v}" for k, v in new.answers.items())
+            log.info("reachability: %s (%s)", new.status, detail or "no AutoNAT server answered")
+            self.changed.set()
+            self.changed = trio.Event()
+
+    async def run(self, *, first_delay: float = 1.0, interval: float = 300.0, retry: float = 15.0) -> None:
+        """Check now and then: soon while unknown, every ``interval`` seconds once known."""
+        await trio.sleep(first_delay)
+        while True:
+            if not self.servers() or not self.candidate_addrs():
+                await trio.sleep(1.0)  # nobody to ask yet (or loopback only: nothing to ask about)
+                continue
+            try:
+                await self.check()
+            except Exception as e:  # a check is best effort; the next one retries
+                log.debug("autonat check failed: %s", e)
+            await trio.sleep(retry if self.status == UNKNOWN else interval)
+
+
+def _interface_networks() -> list:
+    """This machine's interface addresses with their prefixes (ipaddress interfaces)."""
+    import ifaddr
+
+    out = []
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            text = ip.ip if isinstance(ip.ip, str) else ip.ip[0]
+            try:
+                out.append(ipaddress.ip_interface(f"{text.split('%')[0]}/{ip.network_prefix}"))
+            except ValueError:
+                continue
+    return out
+
+
+async def _answer(raw, status: DialStatus, text: str | None, addr: bytes | None = None) -> None:
+    with trio.move_on_after(IO_TIMEOUT):
+        await raw.write(encode_autonat(AutoNATMessage(
+            AutoNATType.DIAL_RESPONSE, response=DialResponse(int(status), text, addr))))
+
+
+def _remote_ip(raw) -> str | None:
+    try:
+        remote = raw.muxed_conn.get_remote_address() if hasattr(raw.muxed_conn, "get_remote_address") else None
+        if remote is None:
+            remote = raw.get_remote_address()
+        return remote[0] if remote else None
+    except Exception:
+        return None
+
+
+def _status_name(status: int) -> str:
+    try:
+        return DialStatus(status).name
+    except ValueError:
+        return f"status {status}"
