@@ -115,9 +115,18 @@ def network_options(default_listen: str | None):
         f = click.option("--relay", "relays", multiple=True, metavar="MADDR",
                          help="Hold a slot at this circuit relay (/ip4/../tcp/../p2p/ID), repeatable: peers "
                               "that cannot dial us (NAT) reach us through it.")(f)
+        f = click.option("--no-hole-punch", is_flag=True, expose_value=False, callback=_remember,
+                         help="Keep relayed connections relayed (no DCUtR hole punching).")(f)
+        f = click.option("--no-auto-relay", is_flag=True, expose_value=False, callback=_remember,
+                         help="Without --relay, do not reserve relay slots when AutoNAT finds us behind NAT.")(f)
         return f
 
     return deco
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value) -> None:
+    """Network flags every command shares reach make_config through the click context."""
+    ctx.meta[f"shardnet.{param.name}"] = value
 
 
 def make_config(*, identity: Path | None, listen, announce, bootstrap, quic: bool, mdns: bool,
@@ -141,6 +150,11 @@ def make_config(*, identity: Path | None, listen, announce, bootstrap, quic: boo
         dht_mode=dht_mode,
         relays=list(relays),
     )
+    meta = click.get_current_context(silent=True)
+    meta = meta.meta if meta is not None else {}
+    cfg.hole_punch = not meta.get("shardnet.no_hole_punch", False)
+    if meta.get("shardnet.no_auto_relay", False):
+        cfg.auto_relays = 0
     if persistent:
         path = identity or ident.default_identity_path()
         kp, created = ident.load_or_create(path)
@@ -283,6 +297,13 @@ def node(identity, listen, announce, bootstrap, quic, mdns, relays, topics, even
         _say("stopped")
 
 
+def _visitor_config(relays, listen, announce, bootstrap, quic, mdns) -> NodeConfig:
+    """A short-lived look at the swarm: throwaway identity, ephemeral port, DHT client only."""
+    return make_config(relays=relays, identity=None, listen=listen, announce=announce, bootstrap=bootstrap,
+                       quic=quic, mdns=mdns, default_listen="/ip4/0.0.0.0/tcp/0",
+                       persistent=False, dht_mode="client")
+
+
 @main.command()
 @network_options("/ip4/0.0.0.0/tcp/0")
 @click.option("--wait", default=3.0, show_default=True, help="Seconds to spend discovering.")
@@ -294,9 +315,7 @@ def peers(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> Non
 
     if not bootstrap and not mdns:
         fail("peers needs --bootstrap MADDR (or --mdns)", 2)
-    cfg = make_config(relays=relays, identity=None, listen=listen, announce=announce, bootstrap=bootstrap,
-                      quic=quic, mdns=mdns, default_listen="/ip4/0.0.0.0/tcp/0",
-                      persistent=False, dht_mode="client")
+    cfg = _visitor_config(relays, listen, announce, bootstrap, quic, mdns)
 
     async def _main() -> list[dict]:
         async with open_node(cfg) as n:
@@ -304,16 +323,61 @@ def peers(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> Non
                 await n.wait_bootstrapped()
             log.info("discovering peers for %.1f s", wait)
             await trio.sleep(wait)
-            return [{"peer_id": str(p), "addrs": [str(a) for a in n.addrs_of(p)],
-                     "connected": p in n.peers()} for p in sorted(n.discovered, key=str)]
+            return {"reachability": n.autonat.status,
+                    "peers": [{"peer_id": str(p), "addrs": [str(a) for a in n.addrs_of(p)],
+                               "link": n.link(p) or "known",
+                               "connected": p in n.peers()} for p in sorted(n.discovered, key=str)]}
 
-    found = run(_main) or []
+    found = run(_main) or {"reachability": "unknown", "peers": []}
     if as_json:
         _say(json.dumps(found, indent=2))
         return
-    _say(f"{len(found)} peer(s)")
-    for p in found:
-        _say(f"{p['peer_id']}  {'connected' if p['connected'] else 'known':9}  {' '.join(p['addrs'])}")
+    _say(f"{len(found['peers'])} peer(s); this machine is {found['reachability']}")
+    for p in found["peers"]:
+        _say(f"{p['peer_id']}  {p['link']:8}  {' '.join(p['addrs'])}")
+
+
+@main.command()
+@network_options("/ip4/0.0.0.0/tcp/0")
+@click.option("--wait", default=20.0, show_default=True, help="Seconds to wait for the answers.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@_wrap_errors
+def status(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> None:
+    """Is this machine reachable from the internet? Asks peers (AutoNAT) through --bootstrap and,
+    when it is not, finds a relay: what a peer started here with the same --listen would do."""
+    from .transport import open_node
+
+    if not bootstrap:
+        fail("status needs --bootstrap MADDR", 2)
+    cfg = _visitor_config(relays, listen, announce, bootstrap, quic, mdns)
+
+    async def _main() -> dict:
+        async with open_node(cfg) as n:
+            await n.wait_bootstrapped()
+            _say(f"joined as {n.peer_id}; asking peers whether they can reach us (up to {wait:g} s)")
+            with trio.move_on_after(wait):
+                while n.autonat.status == "unknown" or (n.autonat.status == "private" and cfg.auto_relays
+                                                        and not n.relay_client.circuit_addrs):
+                    await trio.sleep(0.2)
+            return {"peer_id": str(n.peer_id), "listen": [str(a) for a in n.listen_addrs], **n.nat_status()}
+
+    st = run(_main)
+    if as_json:
+        _say(json.dumps(st, indent=2))
+        return
+    _say(f"reachability: {st['reachability']}")
+    for server, answer in st["autonat_answers"].items():
+        _say(f"  {server[:16]}…: {answer}")
+    _say(f"seen at: {', '.join(st['observed_ips']) or 'nobody said'}")
+    _say(f"public addresses: {', '.join(st['public_addrs']) or 'none'}")
+    if st["circuit_addrs"]:
+        _say("reachable through relays at:")
+        for a in st["circuit_addrs"]:
+            _say(f"  {a}")
+    elif st["reachability"] == "private":
+        _say("no relay slot: peers behind other NATs cannot reach this machine (start a relay: `shardnet relay`)")
+    if st["reachability"] == "unknown":
+        fail(f"no peer answered an AutoNAT request within {wait:g} s")
 
 
 @main.command()

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from .protocols import echo
+from .protocols.framing import encode_frame
 from .transport.node import Node
 
 log = logging.getLogger(__name__)
@@ -117,7 +119,12 @@ class NodeControl:
             stream = await n.new_stream(cmd["peer"], cmd.get("protocol", echo.PROTOCOL_ID))
             async with stream:
                 reply = await echo.echo_once(stream, cmd["data"].encode())
-            return {"data": reply.decode("utf-8", "replace")}
+            return {"data": reply.decode("utf-8", "replace"), "relayed": stream.relayed}
+        if op == "echo_bulk":  # a link test: mib MiB of 1 MiB frames out and back, pipelined
+            return await _echo_bulk(n, cmd["peer"], int(cmd.get("mib", 16)))
+        if op == "disconnect":
+            await n.disconnect(cmd["peer"])
+            return {}
         if op == "ping":
             return {"rtt_ms": await n.ping(cmd["peer"]) * 1000}
         if op == "find_peer":
@@ -129,7 +136,9 @@ class NodeControl:
         if op == "status":
             return {"addrs": [str(a) for a in n.listen_addrs],
                     "reservations": [str(r) for r in n.relay_client.reservations],
-                    "connections": {str(p): n.connections(p) for p in n.peers()}}
+                    "connections": {str(p): n.connections(p) for p in n.peers()},
+                    "nat": n.nat_status(),
+                    "streams_served": {f"{proto} {path}": count for (proto, path), count in n.streams_served.items()}}
         if op == "peers":
             return {"connected": [str(p) for p in n.peers()], "discovered": [str(p) for p in n.discovered]}
         if op == "topic_peers":
@@ -144,3 +153,26 @@ class NodeControl:
         if op == "find_providers":
             return {"providers": [str(i.peer_id) for i in await n.dht.find_providers(cmd["name"])]}
         raise ValueError(f"unknown command {op!r}")
+
+
+async def _echo_bulk(n: Node, peer: str, mib: int) -> dict[str, Any]:
+    if not 1 <= mib <= 1024:
+        raise ValueError("mib must be within 1..1024")
+    frame = encode_frame(bytes(echo.MAX_FRAME), echo.MAX_FRAME)
+    stream = await n.new_stream(peer, echo.PROTOCOL_ID)
+    async with stream:
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            async def send() -> None:
+                for _ in range(mib):
+                    await stream.write(frame, timeout=60)
+
+            nursery.start_soon(send)
+            got = 0
+            while got < mib * len(frame):
+                data = await stream.read_some(1 << 20, timeout=60)
+                if not data:
+                    raise ConnectionError(f"echo stream ended after {got} of {mib * len(frame)} bytes")
+                got += len(data)
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "mib": mib, "mib_per_s": mib / seconds, "relayed": stream.relayed}

@@ -66,3 +66,17 @@ def test_route_covers_every_layer_exactly_and_names_gaps():
         plan_route(cs[:4], 8)
     with pytest.raises(NoRouteError, match="starting at 0"):
         plan_route([claim(1, 8)], 8)
+
+
+def test_route_prefers_peers_reached_directly_over_relayed_ones():
+    cs = [claim(0, 4, peer="relayed"), claim(0, 4, peer="direct"), claim(0, 4, peer="unknown"), claim(4, 8, peer="x")]
+    cost = {"direct": 0, "unknown": 1, "relayed": 2, "x": 2}
+    for seed in range(20):  # never a relayed or unknown peer while a direct one serves the same span
+        route = plan_route(cs, 8, rng=random.Random(seed), link_cost=lambda c: cost[c.peer])
+        assert [c.peer for c in route] == ["direct", "x"]
+    picked = {plan_route(cs, 8, rng=random.Random(s))[0].peer for s in range(40)}
+    assert picked == {"relayed", "direct", "unknown"}  # without costs: any of them
+    # cost only breaks ties between equally long hops: fewer hops still win
+    longer = [claim(0, 8, peer="relayed"), claim(0, 4, peer="direct"), claim(4, 8, peer="direct")]
+    cost2 = {"relayed": 2, "direct": 0}
+    assert [c.peer for c in plan_route(longer, 8, link_cost=lambda c: cost2[c.peer])] == ["relayed"]

@@ -52,8 +52,11 @@ def test_peers_lists_the_swarm(swarm):
     assert r.returncode == 0, r.stderr
     import json
 
-    found = {p["peer_id"] for p in json.loads(r.stdout)}
-    assert {a["peer_id"], b["peer_id"]} <= found
+    listing = json.loads(r.stdout)
+    found = {p["peer_id"]: p for p in listing["peers"]}
+    assert {a["peer_id"], b["peer_id"]} <= set(found)
+    assert all(found[p]["link"] in ("direct", "known") for p in (a["peer_id"], b["peer_id"]))
+    assert listing["reachability"] == "unknown", listing  # one machine: nobody can tell
 
 
 @pytest.mark.parametrize("cmd", [

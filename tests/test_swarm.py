@@ -54,7 +54,7 @@ def test_swarm_of_processes(tmp_path):
         # 2. a custom-protocol stream between two nodes introduced only by the bootstrap
         (p0, id0), (p4, id4) = nodes[0], nodes[-1]
         r = p0.command({"cmd": "echo", "peer": id4, "data": "across the overlay"})
-        assert r == {"event": "result", "id": r["id"], "ok": True, "data": "across the overlay"}
+        assert r == {"event": "result", "id": r["id"], "ok": True, "data": "across the overlay", "relayed": False}
 
         # 3. a gossipsub message reaches all nodes
         deadline = time.monotonic() + 20

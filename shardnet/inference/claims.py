@@ -60,7 +60,8 @@ class ClaimPublisher:
                 log.info("claimed layers %d:%d of model %s…", claim.start, claim.end, claim.model[:16])
                 task_status.started()
                 first = False
-            await trio.sleep(ttl / 3)
+            with trio.move_on_after(ttl / 3):  # or at once when our relay addresses change
+                await self.node.relay_client.changed.wait()
 
 
 async def fetch_claims(node: Node, peer: str, *, timeout: float = 10.0) -> list[bc.Claim]:
@@ -116,11 +117,13 @@ async def find_claims(node: Node, model_id: str, *, timeout: float = 15.0) -> li
     return list(claims.values())
 
 
-def plan_route(claims: list[bc.Claim], num_layers: int, *, rng: random.Random | None = None) -> list[bc.Claim]:
-    """A chain of claims covering layers 0..num_layers-1 exactly, fewest hops first (ties random).
+def plan_route(claims: list[bc.Claim], num_layers: int, *, rng: random.Random | None = None,
+               link_cost=None) -> list[bc.Claim]:
+    """A chain of claims covering layers 0..num_layers-1 exactly, fewest hops first.
 
     Routing by latency and throughput comes with the swarm placement work; this picks, at each
-    layer, the claim that starts there and reaches furthest.
+    layer, the claim that starts there and reaches furthest; among those, the lowest
+    ``link_cost(claim)`` (e.g. a peer we reach directly before one behind a relay), then at random.
     """
     rng = rng or random.Random()
     chain, pos = [], 0
@@ -130,7 +133,11 @@ def plan_route(claims: list[bc.Claim], num_layers: int, *, rng: random.Random | 
             raise NoRouteError(f"no live peer serves layers starting at {pos} (model has {num_layers} layers; "
                                f"claims: {sorted((c.start, c.end) for c in claims)})")
         best = max(c.end for c in starting)
-        pick = rng.choice([c for c in starting if c.end == best])
+        furthest = [c for c in starting if c.end == best]
+        if link_cost is not None:
+            cheapest = min(link_cost(c) for c in furthest)
+            furthest = [c for c in furthest if link_cost(c) == cheapest]
+        pick = rng.choice(furthest)
         chain.append(pick)
         pos = pick.end
     return chain

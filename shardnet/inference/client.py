@@ -248,11 +248,16 @@ class Client:
             claims = await find_claims(self.node, self.model.model_id,
                                        timeout=max(1.0, min(15.0, deadline - trio.current_time())))
             try:
-                return plan_route(claims, self.model.ckpt.num_layers)
+                return plan_route(claims, self.model.ckpt.num_layers, link_cost=self._link_cost)
             except NoRouteError as e:
                 last_error = e
             await trio.sleep(1.0)
         raise NoRouteError(f"after {timeout:g} s: {last_error}")
+
+    def _link_cost(self, claim: Claim) -> int:
+        """Relayed edges are slower: a peer we reach directly (0) before one we have not met (1)
+        before one we only reach through a relay (2)."""
+        return {"direct": 0, None: 1, "relayed": 2}[self.node.link(claim.peer)]
 
     @asynccontextmanager
     async def session(self, max_len: int, route: list[Claim] | None = None) -> AsyncIterator[InferenceSession]:
