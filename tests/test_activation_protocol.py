@@ -29,6 +29,7 @@ def test_roundtrip_of_every_message_type():
         ap.tensor_msg("result", SID, n=3, pos=10, dtype="float32", shape=[1, 1, 5], payload=bytes(20),
                       result_kind="logits"),
         ap.error_msg(SID, "shape", "bad", n=2),
+        ap.error_msg(SID, "next_hop", "next hop closed the stream", peer="12D3KooWpeer"),
     ]
     dec = ap.ActivationDecoder()
     wire = b"".join(ap.encode(m) for m in msgs)
@@ -58,6 +59,7 @@ def frame(header: dict, payload: bytes = b"") -> bytes:
     ({"v": 1, "t": "open", "s": SID, "model": "ab" * 32, "layers": [3, 1], "max_len": 1, "chain": [],
       "ret": {"peer": "p", "addrs": []}}, b"", "malformed"),
     ({"v": 1, "t": "ready", "s": SID}, b"extra", "malformed"),
+    ({"v": 1, "t": "error", "s": SID, "code": "next_hop", "msg": "x", "peer": 7}, b"", "malformed"),
 ])
 def test_bad_frames_are_named(header, payload, code):
     with pytest.raises(ap.ActivationProtocolError) as e:

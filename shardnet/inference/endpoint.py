@@ -37,9 +37,12 @@ FOREVER = 10 * 365 * 86400.0
 
 
 class InferenceError(ShardnetError):
-    def __init__(self, code: str, message: str) -> None:
+    """A chain failed or refused: ``code`` says how, ``peer`` (when known) which peer failed."""
+
+    def __init__(self, code: str, message: str, peer: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.peer = peer
 
 
 class MessageStream:
@@ -191,7 +194,7 @@ class ActivationEndpoint:
             try:
                 down = await self._open_next(op)
             except InferenceError as e:
-                await _reply_error(up, s, e.code, str(e).split(": ", 1)[1])
+                await _reply_error(up, s, e.code, str(e).split(": ", 1)[1], peer=e.peer)
                 return
             await up.send(ap.Message("ready", s))
             async with trio.open_nursery() as nursery:
@@ -222,16 +225,16 @@ class ActivationEndpoint:
             await self.node.connect(peer_info(target["peer"], target["addrs"]))
             stream = await self.node.new_stream(target["peer"], ap.PROTOCOL_ID)
         except ShardnetError as e:
-            raise InferenceError("next_hop", f"cannot reach {target['peer'][:16]}…: {e}") from None
+            raise InferenceError("next_hop", f"cannot reach {target['peer'][:16]}…: {e}", target["peer"]) from None
         ms = MessageStream(stream)
         await ms.send(first)
         if chain:
             reply = await ms.recv(OPEN_TIMEOUT)
             if reply is None or reply.type == "error":
                 await ms.close()
-                code = reply["code"] if reply else "next_hop"
-                msg = reply["msg"] if reply else "next hop closed the stream"
-                raise InferenceError(code, msg)
+                if reply is None:
+                    raise InferenceError("next_hop", "next hop closed the stream", target["peer"])
+                raise InferenceError(reply["code"], reply["msg"], reply.get("peer"))
             if reply.type != "ready":
                 raise InferenceError("unexpected", f"next hop answered {reply.type}")
         return ms
@@ -290,12 +293,18 @@ class ActivationEndpoint:
             # hidden states go on in the session's wire dtype (default: as they came); logits in float32
             dtype, shape, payload = wire.to_payload(out, None if kind == "logits" else op.get("wire", msg["dtype"]))
             if last:
-                await down.send(ap.tensor_msg("result", s, n=msg["n"], pos=msg["pos"], dtype=dtype,
-                                              shape=shape, payload=payload, result_kind=kind))
+                out_msg = ap.tensor_msg("result", s, n=msg["n"], pos=msg["pos"], dtype=dtype, shape=shape,
+                                        payload=payload, result_kind=kind)
             else:
-                await down.send(ap.tensor_msg("step", s, n=msg["n"], pos=msg["pos"], dtype=dtype, shape=shape,
-                                              payload=payload, logits_for=msg.get("logits_for"),
-                                              epoch=msg.get("e")))
+                out_msg = ap.tensor_msg("step", s, n=msg["n"], pos=msg["pos"], dtype=dtype, shape=shape,
+                                        payload=payload, logits_for=msg.get("logits_for"), epoch=msg.get("e"))
+            try:
+                await down.send(out_msg)
+            except ShardnetError as e:
+                # name the peer that failed, or the hop before us would blame us when we close
+                await _reply_error(up, s, "next_hop", f"sending to the next hop failed: {e}",
+                                   n=msg["n"], peer=down.remote_peer)
+                return
 
 
 def _check_step(msg: ap.Message, expected_step: int, length: int, max_len: int,
@@ -321,21 +330,22 @@ async def _relay_errors(s: bytes, down: MessageStream, up: MessageStream, scope:
         while True:
             msg = await down.recv(FOREVER)
             if msg is None:
-                await _reply_error(up, s, "next_hop", "next hop closed the stream")
+                await _reply_error(up, s, "next_hop", "next hop closed the stream", peer=down.remote_peer)
                 break
             if msg.type == "error":
                 await up.send(msg)
                 break
     except (ShardnetError, ap.ActivationProtocolError) as e:
-        await _reply_error(up, s, "next_hop", f"next hop failed: {e}")
+        await _reply_error(up, s, "next_hop", f"next hop failed: {e}", peer=down.remote_peer)
     scope.cancel()
 
 
-async def _reply_error(ms: MessageStream, session: bytes, code: str, msg: str, n: int | None = None) -> None:
+async def _reply_error(ms: MessageStream, session: bytes, code: str, msg: str, n: int | None = None,
+                       peer: str | None = None) -> None:
     log.info("error reply to %s: %s: %s", ms.remote_peer[:16], code, msg)
     with trio.move_on_after(5):
         try:
-            await ms.send(ap.error_msg(session, code, msg, n))
+            await ms.send(ap.error_msg(session, code, msg, n, peer))
         except ShardnetError:
             pass
 

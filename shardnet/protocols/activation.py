@@ -22,7 +22,8 @@ and ``s`` (16-byte session ID), plus per type:
             a peer drops a chunk when a step of a newer epoch is already queued behind it
     result  n, pos, dtype, shape, kind ("hidden" | "logits")      + tensor bytes
     close   -
-    error   code, msg, n (optional)
+    error   code, msg, n (optional), peer (optional: the peer that failed, named by the hop
+            that saw it fail, so a client can replace exactly that peer)
 
 Tensors are never pickled: a dtype name, a shape, and the little-endian element bytes, whose
 length must equal prod(shape) * itemsize. Everything is checked before a message is returned;
@@ -115,10 +116,12 @@ def tensor_msg(kind: str, session: bytes, *, n: int, pos: int, dtype: str, shape
     return Message(kind, session, f, payload)
 
 
-def error_msg(session: bytes, code: str, msg: str, n: int | None = None) -> Message:
+def error_msg(session: bytes, code: str, msg: str, n: int | None = None, peer: str | None = None) -> Message:
     f: dict[str, Any] = {"code": code, "msg": msg}
     if n is not None:
         f["n"] = n
+    if peer is not None:
+        f["peer"] = peer
     return Message("error", session, f)
 
 
@@ -249,6 +252,8 @@ def _v_tensor(msg: Message) -> None:
 def _v_error(msg: Message) -> None:
     _need(msg, "code", str)
     _need(msg, "msg", str)
+    if not isinstance(msg.fields.get("peer", ""), str):
+        raise ActivationProtocolError("malformed", "error.peer must be a peer ID string")
 
 
 def _v_none(msg: Message) -> None:
