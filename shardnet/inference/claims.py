@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
 import time
 
 import cbor2
@@ -37,9 +36,14 @@ class ClaimPublisher:
 
     def __init__(self, node: Node, claim_fn) -> None:
         self.node = node
-        self.claim_fn = claim_fn  # () -> Claim, built fresh each round (expiry, addresses)
+        self.claim_fn = claim_fn  # (expires) -> Claim, built fresh each round (span, addresses, load)
         self.current: bytes | None = None
+        self._wake = trio.Event()
         node.set_stream_handler(bc.PROTOCOL_ID, self._answer)
+
+    def refresh(self) -> None:
+        """Publish again now (the span or what the claim reports changed)."""
+        self._wake.set()
 
     async def _answer(self, stream: Stream) -> None:
         await stream.write(cbor2.dumps([self.current] if self.current else []))
@@ -49,19 +53,46 @@ class ClaimPublisher:
         while True:
             claim = self.claim_fn(time.time() + ttl)
             self.current = bc.encode(self.node.key_pair, claim)
-            for what, coro in (("DHT record", self.node.dht.put(claim_record_name(claim.model), self.current)),
-                               ("provider record", self.node.dht.provide(provider_name(claim.model))),
-                               ("gossip", self.node.pubsub.publish(bc.topic(claim.model), self.current))):
+            blob = self.current
+            for what, publish in (("DHT record", lambda: self.node.dht.put(claim_record_name(claim.model), blob)),
+                                  ("provider record", lambda: self.node.dht.provide(provider_name(claim.model))),
+                                  ("gossip", lambda: self.node.pubsub.publish(bc.topic(claim.model), blob))):
                 try:
-                    await coro
+                    await publish()
                 except Exception as e:  # best effort; the next round retries
                     log.info("publishing claim (%s) failed: %s", what, e)
             if first:
                 log.info("claimed layers %d:%d of model %s…", claim.start, claim.end, claim.model[:16])
                 task_status.started()
                 first = False
-            with trio.move_on_after(ttl / 3):  # or at once when our relay addresses change
-                await self.node.relay_client.changed.wait()
+            # again after a third of the TTL, or at once when our relay addresses or span change
+            with trio.move_on_after(ttl / 3):
+                async with trio.open_nursery() as nursery:
+                    for event in (self.node.relay_client.changed, self._wake):
+                        nursery.start_soon(_wait_then_cancel, event, nursery.cancel_scope)
+            self._wake = trio.Event()
+
+
+async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def live_claims(node: Node, claims: list[bc.Claim], *, timeout: float = 3.0) -> list[bc.Claim]:
+    """The claims whose peers answer a ping now (a claim outlives its peer until it expires)."""
+    alive: set[str] = set()
+
+    async def probe(peer: str) -> None:
+        try:
+            await node.ping(peer, timeout=timeout)
+            alive.add(peer)
+        except (ShardnetError, trio.TooSlowError, OSError) as e:
+            log.debug("claim of %s ignored: no answer to a ping (%s)", peer[:16], e)
+
+    async with trio.open_nursery() as nursery:
+        for peer in {c.peer for c in claims}:
+            nursery.start_soon(probe, peer)
+    return [c for c in claims if c.peer in alive]
 
 
 async def fetch_claims(node: Node, peer: str, *, timeout: float = 10.0) -> list[bc.Claim]:
@@ -115,29 +146,3 @@ async def find_claims(node: Node, model_id: str, *, timeout: float = 15.0) -> li
             for info in providers:
                 nursery.start_soon(one, info)
     return list(claims.values())
-
-
-def plan_route(claims: list[bc.Claim], num_layers: int, *, rng: random.Random | None = None,
-               link_cost=None) -> list[bc.Claim]:
-    """A chain of claims covering layers 0..num_layers-1 exactly, fewest hops first.
-
-    Routing by latency and throughput comes with the swarm placement work; this picks, at each
-    layer, the claim that starts there and reaches furthest; among those, the lowest
-    ``link_cost(claim)`` (e.g. a peer we reach directly before one behind a relay), then at random.
-    """
-    rng = rng or random.Random()
-    chain, pos = [], 0
-    while pos < num_layers:
-        starting = [c for c in claims if c.start == pos and c.end <= num_layers]
-        if not starting:
-            raise NoRouteError(f"no live peer serves layers starting at {pos} (model has {num_layers} layers; "
-                               f"claims: {sorted((c.start, c.end) for c in claims)})")
-        best = max(c.end for c in starting)
-        furthest = [c for c in starting if c.end == best]
-        if link_cost is not None:
-            cheapest = min(link_cost(c) for c in furthest)
-            furthest = [c for c in furthest if link_cost(c) == cheapest]
-        pick = rng.choice(furthest)
-        chain.append(pick)
-        pos = pick.end
-    return chain

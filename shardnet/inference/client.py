@@ -32,7 +32,7 @@ from shardnet.transport.node import Node
 from . import wire
 from .block import Head, pick_device, resolve_dtype
 from .checkpoint import Checkpoint
-from .claims import NoRouteError, find_claims, plan_route
+from .claims import CLAIM_TTL, NoRouteError, find_claims
 from .endpoint import (
     FOREVER,
     OPEN_TIMEOUT,
@@ -42,6 +42,8 @@ from .endpoint import (
     MessageStream,
     new_session_id,
 )
+from .healing import Heal, HealingSession
+from .routing import plan_route
 from .sampling import Randomness, SamplingParams, next_token, probabilities
 from .speculative import Drafter, SpeculationStats, accept_greedy, accept_sampled
 
@@ -100,6 +102,7 @@ class GenerationStats:
     decode_s: float = 0.0
     chain: list[Claim] = field(default_factory=list)
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
+    heals: list[Heal] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -136,8 +139,11 @@ class InferenceSession:
         returns = ep.expect_return(s, route[-1].peer)
         first = route[0]
         try:
-            await node.connect(peer_info(first.peer, first.addrs))
-            self.up = MessageStream(await node.new_stream(first.peer, ap.PROTOCOL_ID))
+            try:
+                await node.connect(peer_info(first.peer, first.addrs))
+                self.up = MessageStream(await node.new_stream(first.peer, ap.PROTOCOL_ID))
+            except ShardnetError as e:
+                raise InferenceError("next_hop", f"cannot reach {first.peer[:16]}…: {e}", first.peer) from None
             me = {"peer": str(node.peer_id), "addrs": [str(a) for a in node.listen_addrs]}
             await self.up.send(ap.open_msg(
                 s, model=self.client.model.model_id, layers=(first.start, first.end), max_len=self.max_len,
@@ -145,9 +151,9 @@ class InferenceSession:
                 ret=me, logits=self.client.logits_on_last, wire=self.client.wire))
             reply = await self.up.recv(OPEN_TIMEOUT * len(route))
             if reply is None:
-                raise InferenceError("next_hop", f"{first.peer[:16]}… closed the stream")
+                raise InferenceError("next_hop", f"{first.peer[:16]}… closed the stream", first.peer)
             if reply.type == "error":
-                raise InferenceError(reply["code"], reply["msg"])
+                raise InferenceError(reply["code"], reply["msg"], reply.get("peer"))
             if reply.type != "ready":
                 raise InferenceError("unexpected", f"first hop answered {reply.type}")
             with trio.fail_after(OPEN_TIMEOUT):
@@ -162,10 +168,12 @@ class InferenceSession:
         Lives as long as the session (cancelled when it closes)."""
         try:
             msg = await self.up.recv(FOREVER)
-            if msg is not None and msg.type == "error":
-                self.error = InferenceError(msg["code"], msg["msg"])
+            if msg is None:
+                self.error = InferenceError("next_hop", "the first hop closed the stream", self.route[0].peer)
+            elif msg.type == "error":
+                self.error = InferenceError(msg["code"], msg["msg"], msg.get("peer"))
         except (ShardnetError, ap.ActivationProtocolError) as e:
-            self.error = InferenceError("next_hop", str(e))
+            self.error = InferenceError("next_hop", str(e), self.route[0].peer)
         if self.error is not None:
             log.warning("chain reported %s", self.error)
             await self.ret.close()
@@ -191,9 +199,13 @@ class InferenceSession:
             raise ValueError(f"position {pos} is outside 0..{self.length}")
         dtype, shape, payload = wire.to_payload(hidden, self.client.wire)
         n = self.step_no
-        await self.up.send(ap.tensor_msg("step", self.session, n=n, pos=pos, dtype=dtype, shape=shape,
-                                         payload=payload, logits_for=logits_for if logits_for != 1 else None,
-                                         epoch=epoch))
+        try:
+            await self.up.send(ap.tensor_msg("step", self.session, n=n, pos=pos, dtype=dtype, shape=shape,
+                                             payload=payload, logits_for=logits_for if logits_for != 1 else None,
+                                             epoch=epoch))
+        except ShardnetError as e:
+            raise self.error or InferenceError("next_hop", f"sending to the first hop failed: {e}",
+                                               self.route[0].peer) from None
         self.step_no += 1
         self.length = pos + hidden.shape[1]
         return n
@@ -209,7 +221,7 @@ class InferenceSession:
         if msg is None:
             raise self.error or InferenceError("next_hop", "the return stream closed")
         if msg.type == "error":
-            raise InferenceError(msg["code"], msg["msg"])
+            raise InferenceError(msg["code"], msg["msg"], msg.get("peer"))
         if msg.type != "result":
             raise InferenceError("unexpected", f"expected a result, got {msg.type}")
         return msg["n"], wire.from_message(msg)
@@ -223,9 +235,19 @@ class InferenceSession:
             getattr(self.ret, "done", trio.Event()).set()
 
 
+#: route cost of a hop whose round trip we could not measure (seconds)
+UNKNOWN_RTT = 0.05
+#: a relayed hop's round trip counts this many times (every byte crosses the relay twice)
+RELAYED_RTT_FACTOR = 3.0
+#: how much cheaper a peer already in the chain looks when a chain heals (keep what works)
+KEEP_DISCOUNT = 0.25
+RTT_CACHE_S = 30.0
+
+
 class Client:
     def __init__(self, node: Node, model: LocalModel, *, logits_on_last: bool = False,
-                 route: list[Claim] | None = None, route_timeout: float = 30.0, wire: str | None = None) -> None:
+                 route: list[Claim] | None = None, route_timeout: float = 30.0, wire: str | None = None,
+                 max_heals: int = 5) -> None:
         self.node, self.model = node, model
         if wire is not None and wire not in ap.WIRE_DTYPES:
             raise ShardnetError(f"unknown wire dtype {wire!r} (choose from {', '.join(ap.WIRE_DTYPES)})")
@@ -234,30 +256,109 @@ class Client:
         self.route_timeout = route_timeout
         self.logits_on_last = logits_on_last
         self.fixed_route = route
+        self.max_heals = max_heals
         self.last_stats: GenerationStats | None = None
+        self._avoid: dict[str, float] = {}  # peer -> until (trio time): failed during a request
+        self._rtt: dict[str, tuple[float, float]] = {}  # peer -> (seconds, measured at)
+        self._claims: list[Claim] = []  # the last claims found, and when (Unix time)
+        self._claims_at = 0.0
         ActivationEndpoint.of(node)  # accept the chain's direct return
 
-    async def find_route(self, *, timeout: float | None = None) -> list[Claim]:
-        """A chain covering every layer; waits up to ``timeout`` for peers to appear."""
+    def forget_peer(self, peer: str, seconds: float = CLAIM_TTL) -> None:
+        """Route around ``peer`` for a while (its claim may outlive it in the DHT)."""
+        self._avoid[peer] = trio.current_time() + seconds
+
+    async def find_route(self, *, timeout: float | None = None, avoid: set[str] | frozenset = frozenset(),
+                         keep: list[Claim] | None = None) -> list[Claim]:
+        """The cheapest chain covering every layer (see ``routing``); waits up to ``timeout`` for
+        peers to appear, then raises NoRouteError naming the layers nobody serves. ``keep``:
+        claims of a chain being healed, preferred so that only failed spans change."""
         if self.fixed_route:
-            return self.fixed_route
+            if not (avoid & {c.peer for c in self.fixed_route}):
+                return self.fixed_route
+            raise NoRouteError("a peer of the fixed route failed: "
+                               + ", ".join(c.peer[:16] for c in self.fixed_route if c.peer in avoid))
         timeout = self.route_timeout if timeout is None else timeout
         deadline = trio.current_time() + timeout
+        kept = {c.peer for c in keep or ()}
         last_error: Exception | None = None
-        while trio.current_time() < deadline:
-            claims = await find_claims(self.node, self.model.model_id,
-                                       timeout=max(1.0, min(15.0, deadline - trio.current_time())))
+        # Healing is in a hurry: first the claims seen moments ago (their peers' liveness is
+        # checked below anyway), then the DHT again.
+        cached = self._claims if keep is not None and time.time() - self._claims_at < CLAIM_TTL / 4 else None
+        while True:
+            now = trio.current_time()
+            from_cache = cached is not None
+            if cached is not None:
+                claims, cached = [c for c in cached if c.expires > time.time()], None
+            else:
+                claims = await find_claims(self.node, self.model.model_id,
+                                           timeout=max(1.0, min(15.0, deadline - now)))
+                self._claims, self._claims_at = claims, time.time()
             try:
-                return plan_route(claims, self.model.ckpt.num_layers, link_cost=self._link_cost)
+                usable = self._usable(claims, avoid)
+                plan_route(usable, self.model.ckpt.num_layers)  # fail fast, before measuring anything
+                await self._measure_rtts([c.peer for c in usable])
+                usable = self._usable(claims, avoid)  # without the peers that did not answer
+
+                def cost(prev: Claim | None, c: Claim) -> float:
+                    return self.hop_cost(prev, c) * (KEEP_DISCOUNT if c.peer in kept else 1.0)
+
+                route = plan_route(usable, self.model.ckpt.num_layers, cost=cost, finish=self.return_cost)
+                log.info("route: %s (estimated %.1f ms per token)",
+                         " -> ".join(f"{c.peer[:12]}…[{c.start}:{c.end}]" for c in route),
+                         1000 * self.route_cost(route))
+                return route
             except NoRouteError as e:
                 last_error = e
+                if from_cache:
+                    continue  # straight to the DHT
+            if trio.current_time() + 1.0 >= deadline:
+                raise NoRouteError(f"after {timeout:g} s: {last_error}")
             await trio.sleep(1.0)
-        raise NoRouteError(f"after {timeout:g} s: {last_error}")
 
-    def _link_cost(self, claim: Claim) -> int:
-        """Relayed edges are slower: a peer we reach directly (0) before one we have not met (1)
-        before one we only reach through a relay (2)."""
-        return {"direct": 0, None: 1, "relayed": 2}[self.node.link(claim.peer)]
+    def _usable(self, claims: list[Claim], avoid) -> list[Claim]:
+        now = trio.current_time()
+        return [c for c in claims if c.peer not in avoid and self._avoid.get(c.peer, 0) <= now]
+
+    def rtt(self, peer: str) -> float:
+        """Our round trip to ``peer`` (measured, else a guess), relayed links counted several times."""
+        rtt = self._rtt.get(peer, (UNKNOWN_RTT, 0.0))[0]
+        return rtt * RELAYED_RTT_FACTOR if self.node.link(peer) == "relayed" else rtt
+
+    def hop_cost(self, prev: Claim | None, claim: Claim) -> float:
+        """Seconds one token spends reaching and crossing this hop: half the round trip from the
+        previous hop (as that peer reported it; ours as a stand-in) plus the peer's compute."""
+        reported = dict(prev.rtts).get(claim.peer) if prev is not None else None
+        rtt = reported if reported is not None else self.rtt(claim.peer)
+        compute = 1.0 / claim.tput if claim.tput > 0 else 0.0
+        return rtt / 2 + compute
+
+    def return_cost(self, last: Claim) -> float:
+        return self.rtt(last.peer) / 2
+
+    def route_cost(self, route: list[Claim]) -> float:
+        prev = None
+        total = 0.0
+        for c in route:
+            total += self.hop_cost(prev, c)
+            prev = c
+        return total + (self.return_cost(route[-1]) if route else 0.0)
+
+    async def _measure_rtts(self, peers: list[str], *, timeout: float = 2.0, most: int = 64) -> None:
+        now = trio.current_time()
+        todo = [p for p in dict.fromkeys(peers) if now - self._rtt.get(p, (0.0, -RTT_CACHE_S))[1] >= RTT_CACHE_S]
+
+        async def one(peer: str) -> None:
+            try:
+                self._rtt[peer] = (await self.node.ping(peer, timeout=timeout), trio.current_time())
+            except (ShardnetError, trio.TooSlowError, OSError) as e:
+                # a claim can outlive its peer in the DHT: leave it out of this and the next plans
+                log.info("peer %s does not answer a ping (%s): not routing through it", peer[:16], e)
+                self.forget_peer(peer, RTT_CACHE_S)
+
+        async with trio.open_nursery() as nursery:
+            for p in todo[:most]:
+                nursery.start_soon(one, p)
 
     @asynccontextmanager
     async def session(self, max_len: int, route: list[Claim] | None = None) -> AsyncIterator[InferenceSession]:
@@ -282,7 +383,8 @@ class Client:
 
     async def generate(self, prompt: str | list[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_at_eos: bool = True,
-                       drafter: Drafter | None = None, k: int = 4, depth: int = 1) -> AsyncIterator[Token]:
+                       drafter: Drafter | None = None, k: int = 4, depth: int = 1,
+                       progress=None) -> AsyncIterator[Token]:
         """Yield generated tokens one at a time (text in, text out).
 
         With a ``drafter`` each chain traversal verifies up to ``k`` drafted tokens: greedy output is
@@ -291,6 +393,10 @@ class Client:
         in flight, drafting ahead on the assumption that earlier chunks are fully accepted; a
         rejection starts a new epoch and the stale chunks are discarded (and dropped by the peers
         that see the newer epoch first). A seed fixes the output whatever the depth and timing.
+
+        When a peer fails mid-request the chain heals (see ``healing``) and generation goes on
+        with the same output; ``last_stats.heals`` records each recovery. ``progress``, if given,
+        is called as ``progress(event, info)`` for "route", "sent" (each step) and "heal".
         """
         params = SamplingParams(temperature, top_p, top_k, seed)
         if k < 0 or depth < 1:
@@ -303,14 +409,23 @@ class Client:
         route = await self.find_route()
         stats.chain = route
         self.last_stats = stats
+        if progress is not None:
+            progress("route", {"chain": [[c.peer, c.start, c.end] for c in route]})
         if drafter is None:
             k, depth = 0, 1
         extra = (k + 1) * depth  # drafts may run past the end
-        async with self.session(len(ids) + max_new_tokens + extra, route) as sess:
+        sess = HealingSession(self, len(ids) + max_new_tokens + extra, max_heals=self.max_heals,
+                              progress=progress, heals=stats.heals)
+        try:
+            await sess.open(route)
             async for tok in generate_on(sess, self.model, ids, params=params, rng=rng, drafter=drafter, k=k,
                                          depth=depth, max_new=max_new_tokens, stop_at_eos=stop_at_eos,
                                          stats=stats, logits_on_last=self.logits_on_last):
+                stats.chain = sess.route
                 yield tok
+        finally:
+            stats.chain = sess.route or stats.chain
+            await sess.close()
 
 
 def _emit(model: LocalModel, out: list[int], tok: int, stats: GenerationStats, t0: float, max_new: int,

@@ -2,7 +2,10 @@
 
 A claim says: peer P serves layers [start, end) of model M, has room for ``kv_tokens`` tokens
 of KV cache, estimates ``tput`` tokens/s, is reachable at ``addrs``, until ``expires`` (Unix
-time). It is signed with the peer's Ed25519 identity key, so anyone can check it came from P
+time). Optional fields (absent in older claims): ``reach`` (the peer's AutoNAT verdict:
+public, private or unknown), ``load`` (the share of its KV budget in use) and ``rtts``
+([peer, seconds] pairs: its measured round trips to peers serving the layers after its own,
+which clients use as edge weights when routing). It is signed with the peer's Ed25519 identity key, so anyone can check it came from P
 and was not altered; it travels through the DHT (a signed value plus a provider record), the
 gossipsub topic ``/shardnet/block-claim/1.0.0/<model>``, and this protocol's stream (a peer
 answers a request with its current claims).
@@ -10,6 +13,7 @@ answers a request with its current claims).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -38,6 +42,9 @@ class Claim:
     addrs: tuple[str, ...]
     expires: float
     peer: str
+    reach: str = "unknown"
+    load: float = 0.0
+    rtts: tuple[tuple[str, float], ...] = ()
 
     def covers(self, layer: int) -> bool:
         return self.start <= layer < self.end
@@ -47,10 +54,27 @@ def topic(model_id: str) -> str:
     return f"{PROTOCOL_ID}/{model_id}"
 
 
+REACH_VALUES = ("public", "private", "unknown")
+MAX_RTTS = 16
+
+
 def _body(c: Claim) -> dict:
     d = asdict(c)
     d["addrs"] = list(c.addrs)
+    d["rtts"] = [list(pair) for pair in c.rtts[:MAX_RTTS]]
     return d
+
+
+def _rtts(v) -> tuple[tuple[str, float], ...]:
+    if not isinstance(v, list) or len(v) > MAX_RTTS:
+        raise ClaimError(f"claim rtts must be a list of at most {MAX_RTTS} [peer, seconds] pairs")
+    out = []
+    for item in v:
+        if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str)
+                or not isinstance(item[1], (int, float)) or isinstance(item[1], bool) or not 0 <= item[1] < 3600):
+            raise ClaimError("claim rtts must be [peer, seconds] pairs")
+        out.append((item[0], float(item[1])))
+    return tuple(out)
 
 
 def encode(key_pair: KeyPair, claim: Claim) -> bytes:
@@ -67,12 +91,14 @@ def decode(blob: bytes, *, now: float | None = None) -> Claim:
     try:
         c = Claim(model=body["model"], start=body["start"], end=body["end"], kv_tokens=body["kv_tokens"],
                   tput=float(body["tput"]), addrs=tuple(body["addrs"]), expires=float(body["expires"]),
-                  peer=body["peer"])
+                  peer=body["peer"], reach=body.get("reach", "unknown"), load=float(body.get("load", 0.0)),
+                  rtts=_rtts(body.get("rtts", [])))
     except (KeyError, TypeError, ValueError) as e:
         raise ClaimError(f"claim body incomplete ({e})") from None
     if not (isinstance(c.model, str) and isinstance(c.peer, str) and all(isinstance(a, str) for a in c.addrs)
             and isinstance(c.start, int) and isinstance(c.end, int) and 0 <= c.start < c.end
-            and isinstance(c.kv_tokens, int) and c.kv_tokens >= 0):
+            and isinstance(c.kv_tokens, int) and c.kv_tokens >= 0 and c.reach in REACH_VALUES
+            and math.isfinite(c.tput) and c.tput >= 0 and 0.0 <= c.load <= 1.0):
         raise ClaimError("claim body has the wrong types or an empty layer range")
     if str(ID.from_pubkey(pk)) != c.peer:
         raise ClaimError("claim is signed by a key other than its peer's")
