@@ -297,6 +297,17 @@ def node(identity, listen, announce, bootstrap, quic, mdns, relays, topics, even
         _say("stopped")
 
 
+def model_path_option(f):
+    return click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                        default=None, help="Checkpoint directory (default: the shipped tiny-llama).")(f)
+
+
+def _model_dir(path: Path | None) -> Path:
+    from .models import default_model_path
+
+    return path or default_model_path()
+
+
 def _visitor_config(relays, listen, announce, bootstrap, quic, mdns) -> NodeConfig:
     """A short-lived look at the swarm: throwaway identity, ephemeral port, DHT client only."""
     return make_config(relays=relays, identity=None, listen=listen, announce=announce, bootstrap=bootstrap,
@@ -339,45 +350,65 @@ def peers(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> Non
 
 @main.command()
 @network_options("/ip4/0.0.0.0/tcp/0")
-@click.option("--wait", default=20.0, show_default=True, help="Seconds to wait for the answers.")
+@model_path_option
+@click.option("--wait", default=20.0, show_default=True, help="Seconds to wait for AutoNAT answers.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @_wrap_errors
-def status(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> None:
-    """Is this machine reachable from the internet? Asks peers (AutoNAT) through --bootstrap and,
-    when it is not, finds a relay: what a peer started here with the same --listen would do."""
+def status(listen, announce, bootstrap, quic, mdns, relays, model_path, wait, as_json) -> None:
+    """This machine's reachability (AutoNAT, relays) and the swarm serving a model: the layer
+    coverage map and each peer's range, throughput, reachability, load and round trip."""
+    from .inference.checkpoint import Checkpoint
+    from .inference.swarm_status import format_report, swarm_report
     from .transport import open_node
 
     if not bootstrap:
         fail("status needs --bootstrap MADDR", 2)
     cfg = _visitor_config(relays, listen, announce, bootstrap, quic, mdns)
+    ckpt = Checkpoint(_model_dir(model_path))
 
     async def _main() -> dict:
         async with open_node(cfg) as n:
             await n.wait_bootstrapped()
-            _say(f"joined as {n.peer_id}; asking peers whether they can reach us (up to {wait:g} s)")
-            with trio.move_on_after(wait):
-                while n.autonat.status == "unknown" or (n.autonat.status == "private" and cfg.auto_relays
-                                                        and not n.relay_client.circuit_addrs):
-                    await trio.sleep(0.2)
-            return {"peer_id": str(n.peer_id), "listen": [str(a) for a in n.listen_addrs], **n.nat_status()}
+            click.echo(f"joined as {n.peer_id}; asking peers whether they can reach us (up to {wait:g} s) "
+                       f"and which layers of {ckpt.path.name} they serve", err=True)
+            out: dict = {}
+
+            async def nat() -> None:
+                with trio.move_on_after(wait):
+                    # until a verdict (or every server declined to judge: same machine or LAN)
+                    while (n.autonat.status == "unknown" and not n.autonat.reachability.answers) or (
+                            n.autonat.status == "private" and cfg.auto_relays and not n.relay_client.circuit_addrs):
+                        await trio.sleep(0.2)
+                out["nat"] = {"peer_id": str(n.peer_id), "listen": [str(a) for a in n.listen_addrs],
+                              **n.nat_status()}
+
+            async def swarm() -> None:
+                out["swarm"] = await swarm_report(n, ckpt.model_id, ckpt.num_layers, wait=min(wait, 10.0))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(nat)
+                nursery.start_soon(swarm)
+            return out
 
     st = run(_main)
     if as_json:
         _say(json.dumps(st, indent=2))
         return
-    _say(f"reachability: {st['reachability']}")
-    for server, answer in st["autonat_answers"].items():
+    nat = st["nat"]
+    _say(f"reachability: {nat['reachability']}")
+    for server, answer in nat["autonat_answers"].items():
         _say(f"  {server[:16]}…: {answer}")
-    _say(f"seen at: {', '.join(st['observed_ips']) or 'nobody said'}")
-    _say(f"public addresses: {', '.join(st['public_addrs']) or 'none'}")
-    if st["circuit_addrs"]:
+    _say(f"seen at: {', '.join(nat['observed_ips']) or 'nobody said'}")
+    _say(f"public addresses: {', '.join(nat['public_addrs']) or 'none'}")
+    if nat["circuit_addrs"]:
         _say("reachable through relays at:")
-        for a in st["circuit_addrs"]:
+        for a in nat["circuit_addrs"]:
             _say(f"  {a}")
-    elif st["reachability"] == "private":
+    elif nat["reachability"] == "private":
         _say("no relay slot: peers behind other NATs cannot reach this machine (start a relay: `shardnet relay`)")
-    if st["reachability"] == "unknown":
-        fail(f"no peer answered an AutoNAT request within {wait:g} s")
+    _say("")
+    for line in format_report(st["swarm"]):
+        _say(line)
 
 
 @main.command()
@@ -405,22 +436,17 @@ def ping(maddr: str, count: int, timeout: float) -> None:
     run(_main)
 
 
-def model_path_option(f):
-    return click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False, path_type=Path),
-                        default=None, help="Checkpoint directory (default: the shipped tiny-llama).")(f)
-
-
-def _model_dir(path: Path | None) -> Path:
-    from .models import default_model_path
-
-    return path or default_model_path()
-
-
 @main.command()
 @identity_option
 @network_options(DEFAULT_SERVER_LISTEN)
 @model_path_option
-@click.option("--layers", default=None, metavar="START:END", help="Layers to serve (default: all).")
+@click.option("--layers", default=None, metavar="START:END",
+              help="Layers to serve (default: as many as memory allows, where the swarm needs them most).")
+@click.option("--max-layers", type=click.IntRange(min=1), default=None,
+              help="Serve at most this many layers when choosing automatically.")
+@click.option("--rebalance-interval", default=60.0, show_default=True,
+              help="Seconds between looks at the swarm (RTTs to successors; moving, if the span was chosen "
+                   "automatically). 0: never.")
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
 @click.option("--kv-budget-mb", default=512, show_default=True, help="KV cache memory for all sessions.")
@@ -430,12 +456,12 @@ def _model_dir(path: Path | None) -> Path:
                    "peers share a machine: small blocks lose more to thread hand-offs than they gain.")
 @click.option("--events", is_flag=True, help="JSON events on stdout, JSON commands on stdin.")
 @_wrap_errors
-def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, layers, dtype, device, kv_budget_mb,
-         hold_head, threads, events) -> None:
-    """Serve a block of a model's layers to the swarm."""
+def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, layers, max_layers, rebalance_interval,
+         dtype, device, kv_budget_mb, hold_head, threads, events) -> None:
+    """Serve a block of a model's layers to the swarm (chosen for you unless --layers)."""
     from .inference.block import parse_layers
     from .inference.checkpoint import Checkpoint, CheckpointError
-    from .inference.peer import serve_block
+    from .inference.peer import join_swarm
     from .node_control import NodeControl
     from .transport import open_node
 
@@ -446,21 +472,35 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
     path = _model_dir(model_path)
     try:
         ckpt = Checkpoint(path)
-        start, end = parse_layers(layers or f"0:{ckpt.num_layers}", ckpt.num_layers)
+        span = parse_layers(layers, ckpt.num_layers) if layers else None
     except CheckpointError as e:
         fail(str(e))
     cfg = make_config(relays=relays, identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,
                       quic=quic, mdns=mdns, default_listen=DEFAULT_SERVER_LISTEN)
 
+    def moved(move, old) -> None:
+        if events:
+            _emit({"event": "moved", "from": list(old), "layers": [move.start, move.end],
+                   "bottleneck": [move.bottleneck_now, move.bottleneck_after]})
+        else:
+            _say(f"moved from layers {old[0]}:{old[1]} to {move.start}:{move.end} (swarm bottleneck "
+                 f"{move.bottleneck_now:.1f} -> {move.bottleneck_after:.1f} tok/s)")
+
     async def _main() -> None:
-        async with open_node(cfg) as n, serve_block(n, str(path), start, end, dtype=dtype, device=device,
-                                                    kv_budget_bytes=kv_budget_mb << 20, hold_head=hold_head) as info:
-            if events:
-                _emit({"event": "serving", "model": info.model_id, "layers": [start, end]})
-            else:
-                _say(f"serving layers {start}:{end} of {path.name} (model {info.model_id[:16]}…)")
-            control = NodeControl(n, emit=_emit if events else None, say=_say)
-            await control.run(topics=[], read_commands=events)
+        async with open_node(cfg) as n:
+            if bootstrap and span is None:
+                await n.wait_bootstrapped()  # to see what the swarm serves before choosing
+            async with join_swarm(n, str(path), layers=span, max_layers=max_layers,
+                                  rebalance_interval=rebalance_interval, on_move=moved, dtype=dtype, device=device,
+                                  kv_budget_bytes=kv_budget_mb << 20, hold_head=hold_head) as peer:
+                start, end = peer.span
+                if events:
+                    _emit({"event": "serving", "model": peer.model_id, "layers": [start, end], "tput": peer.tput})
+                else:
+                    _say(f"serving layers {start}:{end} of {path.name} (model {peer.model_id[:16]}…, "
+                         f"{peer.tput:.0f} tok/s)")
+                control = NodeControl(n, emit=_emit if events else None, say=_say)
+                await control.run(topics=[], read_commands=events)
 
     run(_main)
 
@@ -535,6 +575,10 @@ async def _stream_generation(client, prompt: str, **kw) -> None:
         click.echo(f"-- speculation: {sp.verified} traversals, {sp.tokens_per_traversal:.2f} tokens each, "
                    f"{sp.acceptance:.0%} of drafts accepted, {sp.stale} stale chunks discarded")
     click.echo("-- chain: " + " -> ".join(f"{c.peer[:12]}… [{c.start}:{c.end}]" for c in st.chain))
+    for h in st.heals:
+        lost = ", ".join(f"{a}:{b}" for a, b in h.layers) or "?"
+        click.echo(f"-- healed in {h.seconds:.2f} s during {h.phase}: {', '.join(p[:12] + '…' for p in h.failed)} "
+                   f"(layers {lost}) failed; replayed {h.replayed_tokens} tokens")
 
 
 @main.group()

@@ -240,7 +240,7 @@ def test_generate_with_speculation_and_chunks_in_flight(swarm):
 def test_generate_without_peers_fails_in_one_line(swarm, tiny_model):
     r = shardnet("generate", "--model", str(tiny_model), "--bootstrap", swarm.bootstrap_addr,
                  "--route-timeout", "2", "hi", timeout=120)
-    assert_one_line_failure(r, r"no live peer serves layers starting at 0")
+    assert_one_line_failure(r, r"no live peer serves layers 0-3 \(model has 4 layers")
 
 
 @pytest.mark.parametrize("args,pattern", [

@@ -1,0 +1,118 @@
+"""Which layers a compute peer serves: how many it can hold, which window the swarm needs most,
+and when moving helps (sans-IO: plain functions of the live claims).
+
+The swarm's throughput is its bottleneck: the least-served layer, where a layer's served
+throughput is the sum of the tokens/s claimed by the peers serving it. A joining peer takes the
+window of layers whose served-throughput vector is smallest (compared sorted, so a window with
+an unserved layer beats one without, then the one whose weakest layers are weakest); a serving
+peer moves when the window it would take now, without itself, raises the bottleneck by a margin,
+and only when every layer it leaves is still served by someone else.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from shardnet.protocols.block_claim import Claim
+from shardnet.transport.errors import ShardnetError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: share of the free memory a peer plans to use for weights (the rest: KV, activations, Python)
+MEMORY_USE = 0.8
+
+
+def layer_bytes(ckpt, layer: int, dtype: str) -> int:
+    """Bytes the weights of one layer take in ``dtype``."""
+    size = DTYPE_BYTES[dtype]
+    total = 0
+    for name in ckpt.layer_tensors(layer):
+        n = 1
+        for d in ckpt.entries[name].shape:
+            n *= d
+        total += n * size
+    return total
+
+
+def affordable_layers(ckpt, dtype: str, free_bytes: int, *, reserve_bytes: int = 0,
+                      max_layers: int | None = None) -> int:
+    """How many consecutive layers fit in ``free_bytes`` (after ``reserve_bytes`` for the KV cache)."""
+    per_layer = max(layer_bytes(ckpt, i, dtype) for i in range(ckpt.num_layers))
+    budget = int(free_bytes * MEMORY_USE) - reserve_bytes
+    n = min(ckpt.num_layers, budget // max(per_layer, 1))
+    if max_layers is not None:
+        n = min(n, max_layers)
+    if n < 1:
+        raise ShardnetError(f"not enough memory for one layer: {per_layer / 2**20:.0f} MiB each in {dtype}, "
+                            f"{max(budget, 0) / 2**20:.0f} MiB to spend of {free_bytes / 2**20:.0f} MiB free")
+    return int(n)
+
+
+def served_throughput(claims: Iterable[Claim], num_layers: int) -> list[float]:
+    served = [0.0] * num_layers
+    for c in claims:
+        for layer in range(max(c.start, 0), min(c.end, num_layers)):
+            served[layer] += max(c.tput, 0.0)
+    return served
+
+
+def best_window(served: list[float], n: int, *, rng: random.Random | None = None) -> tuple[int, int]:
+    """The start..end of the ``n`` consecutive layers the swarm needs most.
+
+    Among equally needy windows, one flush with the model's ends or with better-served
+    neighbours (so spans pack without leaving gaps too narrow for the next peer), then at random
+    (so peers joining at once tend to spread)."""
+    n = max(1, min(n, len(served)))
+    keys = {s: sorted(served[s:s + n]) for s in range(len(served) - n + 1)}
+    best = min(keys.values())
+    starts = [s for s, k in keys.items() if k == best]
+
+    def flush(s: int) -> bool:
+        left = s == 0 or served[s - 1] > served[s]
+        right = s + n == len(served) or served[s + n] > served[s + n - 1]
+        return left or right
+
+    starts = [s for s in starts if flush(s)] or starts
+    s = (rng or random).choice(starts)
+    return s, s + n
+
+
+@dataclass(frozen=True)
+class Move:
+    start: int
+    end: int
+    bottleneck_now: float
+    bottleneck_after: float
+
+
+def plan_move(claims: Iterable[Claim], me: Claim, num_layers: int, *, margin: float = 0.2,
+              rng: random.Random | None = None) -> Move | None:
+    """Where ``me`` should move, or None. ``claims`` are the live claims (``me`` may be among them)."""
+    others = [c for c in claims if c.peer != me.peer]
+    without_me = served_throughput(others, num_layers)
+    if any(without_me[layer] <= 0 for layer in range(me.start, me.end)):
+        return None  # we are the only server of a layer: never leave it unserved
+    now = min(served_throughput([*others, me], num_layers))
+    start, end = best_window(without_me, me.end - me.start, rng=rng)
+    if (start, end) == (me.start, me.end):
+        return None
+    after = min(served_throughput([*others, _moved(me, start, end)], num_layers))
+    if after > now * (1 + margin) or (now <= 0 < after):
+        return Move(start, end, now, after)
+    return None
+
+
+def _moved(c: Claim, start: int, end: int) -> Claim:
+    return Claim(model=c.model, start=start, end=end, kv_tokens=c.kv_tokens, tput=c.tput, addrs=c.addrs,
+                 expires=c.expires, peer=c.peer)
+
+
+def coverage(claims: Iterable[Claim], num_layers: int) -> list[dict]:
+    """Per layer: the peers serving it and their summed throughput (for status displays)."""
+    rows = [{"layer": i, "peers": [], "tput": 0.0} for i in range(num_layers)]
+    for c in claims:
+        for layer in range(max(c.start, 0), min(c.end, num_layers)):
+            rows[layer]["peers"].append(c.peer)
+            rows[layer]["tput"] += max(c.tput, 0.0)
+    return rows
