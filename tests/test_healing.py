@@ -90,7 +90,7 @@ def _config(bootstrap):
 def _report(name, stats):
     for h in stats.heals:
         print(f"{name}: healed in {h.seconds:.2f} s ({h.phase}, {h.in_flight} step(s) in flight, "
-              f"replayed {h.replayed_tokens} tokens) after {h.failed[0][:16]}… {h.layers} failed")
+              f"replayed {h.replayed_tokens} tokens) after {[p[:16] for p in h.failed]} {h.layers} failed: {h.error}")
 
 
 async def test_a_peer_killed_during_prefill(peers, reference):

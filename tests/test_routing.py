@@ -64,7 +64,9 @@ async def test_routing_picks_the_low_latency_chain(loopback_config):
 
             for _ in range(5):  # a random choice would take the fast chain 1 time in 4
                 route = await client.find_route()
-                assert [names[c.peer] for c in route] == ["a1", "a2"], [names[c.peer] for c in route]
+                assert [names[c.peer] for c in route] == ["a1", "a2"], (
+                    [names[c.peer] for c in route], {n: client.rtt(p) for n, p in peers.items()},
+                    {names.get(p, p): t for p, t in client._avoid.items()})
             assert client.rtt(peers["b1"]) >= 2 * DELAY > client.rtt(peers["a1"])
             got = [t.id async for t in client.generate("def main(", max_new_tokens=4, stop_at_eos=False)]
             assert len(got) == 4 and [names[c.peer] for c in client.last_stats.chain] == ["a1", "a2"]

@@ -95,6 +95,7 @@ class HealingSession:
         self._outer_of: dict[int, int | None] = {}  # inner step -> our step (None: a replay)
         self._next = 0
         self._answered_any = False
+        self.entered: list[tuple[object, list[Claim]]] = []  # every session opened, with its chain
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def open(self, route: list[Claim]) -> None:
@@ -113,6 +114,7 @@ class HealingSession:
         cm = self.client.session(self.max_len, route)
         self.inner = await cm.__aenter__()  # on failure it has cleaned up after itself
         self._cm = cm
+        self.entered.append((self.inner, route))
 
     async def _exit_inner(self) -> None:
         cm, self._cm, self.inner = self._cm, None, None
@@ -180,6 +182,7 @@ class HealingSession:
         phase = phase or ("decode" if self._answered_any else "prefill")
         in_flight = len(self._unanswered)
         failed = await self._name_failed(error)
+        blamed = list(failed)  # everyone found failing during this recovery
         old_route = list(self.route)
         await self._exit_inner()
         log.warning("chain failed (%s); failed peer(s): %s", error,
@@ -199,11 +202,12 @@ class HealingSession:
                     raise
                 error = e
                 failed = await self._name_failed(e)
+                blamed += [p for p in failed if p not in blamed]
                 await self._exit_inner()
                 self.heals.append(Heal(failed, [], phase, in_flight, 0, time.perf_counter() - t0,
                                        [c.peer for c in route], f"{e} (while healing)"))
-        lost = [(c.start, c.end) for c in old_route if c.peer in failed]
-        heal = Heal(failed, lost, phase, in_flight, replayed, time.perf_counter() - t0,
+        lost = [(c.start, c.end) for c in old_route if c.peer in blamed]
+        heal = Heal(blamed, lost, phase, in_flight, replayed, time.perf_counter() - t0,
                     [c.peer for c in route], str(error))
         self.heals.append(heal)
         log.warning("healed in %.2f s (%s, %d step(s) in flight): chain now %s; replayed %d token(s)",
@@ -220,8 +224,10 @@ class HealingSession:
                     await trio.sleep(0.02)
             if self.inner.error and self.inner.error.peer:
                 error = self.inner.error
-        if error.peer is not None:
+        me = str(self.client.node.peer_id)
+        if error.peer is not None and error.peer != me:
             return [error.peer]
+        # (a last hop that could not open its return stream to us names us: we are not the problem)
         dead: list[str] = []
 
         async def probe(peer: str) -> None:
