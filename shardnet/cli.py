@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -308,6 +309,19 @@ def _model_dir(path: Path | None) -> Path:
     return path or default_model_path()
 
 
+@asynccontextmanager
+async def _visiting(cfg: NodeConfig, wait: float):
+    """A visitor's node, joined (when it has bootstrap peers) and given ``wait`` s to discover."""
+    from .transport import open_node
+
+    async with open_node(cfg) as n:
+        if cfg.bootstrap:
+            await n.wait_bootstrapped()
+        log.info("discovering peers for %.1f s", wait)
+        await trio.sleep(wait)
+        yield n
+
+
 def _visitor_config(relays, listen, announce, bootstrap, quic, mdns) -> NodeConfig:
     """A short-lived look at the swarm: throwaway identity, ephemeral port, DHT client only."""
     return make_config(relays=relays, identity=None, listen=listen, announce=announce, bootstrap=bootstrap,
@@ -322,18 +336,13 @@ def _visitor_config(relays, listen, announce, bootstrap, quic, mdns) -> NodeConf
 @_wrap_errors
 def peers(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> None:
     """List the peers reachable through --bootstrap (joins with a throwaway identity)."""
-    from .transport import open_node
 
     if not bootstrap and not mdns:
         fail("peers needs --bootstrap MADDR (or --mdns)", 2)
     cfg = _visitor_config(relays, listen, announce, bootstrap, quic, mdns)
 
     async def _main() -> list[dict]:
-        async with open_node(cfg) as n:
-            if bootstrap:
-                await n.wait_bootstrapped()
-            log.info("discovering peers for %.1f s", wait)
-            await trio.sleep(wait)
+        async with _visiting(cfg, wait) as n:
             return {"reachability": n.autonat.status,
                     "peers": [{"peer_id": str(p), "addrs": [str(a) for a in n.addrs_of(p)],
                                "link": n.link(p) or "known",
@@ -525,9 +534,15 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
 @click.option("--depth", default=1, show_default=True, help="Verify chunks kept in flight by speculation.")
 @click.option("--wire", type=click.Choice(["float32", "float16", "bfloat16", "int8q"]), default=None,
               help="How hidden states travel between peers (default: the model dtype; int8q = int8 + scales).")
+@click.option("--receipt", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write a signed run receipt (with every peer's stage receipt) here; check it with `shardnet verify`.")
+@click.option("--receipt-without-prompt", is_flag=True, help="Leave the prompt's tokens out of the receipt (its hash stays).")
+@click.option("--check-speculation", is_flag=True,
+              help="With --receipt and greedy speculation: decode again plainly and record whether the outputs agree.")
 @_wrap_errors
 def generate(listen, announce, bootstrap, quic, mdns, relays, model_path, prompt, max_new_tokens, temperature, top_p,
-             top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k, depth, wire) -> None:
+             top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k, depth, wire,
+             receipt, receipt_without_prompt, check_speculation) -> None:
     """Generate text from PROMPT through the swarm; print tokens as they arrive."""
     from .inference.client import Client, LocalModel
     from .inference.speculative import ModelDrafter, NGramDrafter
@@ -557,8 +572,29 @@ def generate(listen, announce, bootstrap, quic, mdns, relays, model_path, prompt
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout, wire=wire)
             await _stream_generation(client, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, seed=seed, drafter=drafter, k=draft_k, depth=depth)
+            if receipt is not None:
+                await _write_receipt(client, receipt, with_prompt=not receipt_without_prompt,
+                                     check=check_speculation and drafter is not None and temperature == 0)
 
     run(_main)
+
+
+async def _write_receipt(client, path: Path, *, with_prompt: bool, check: bool) -> None:
+    run_info = client._last_run
+    if check:  # greedy speculative output must equal plain greedy decoding: decode again, plainly
+        want = list(run_info["output"])
+        log.info("checking the speculative output against plain decoding…")
+        plain = [t.id async for t in client.generate(run_info["prompt"], max_new_tokens=len(want), stop_at_eos=False)]
+        client._last_run = run_info
+        run_info["checked"] = plain == want
+        click.echo(f"-- speculative output {'equals' if plain == want else 'DIFFERS FROM'} plain decoding")
+    log.info("collecting stage receipts…")
+    doc = await client.run_receipt()
+    if with_prompt:
+        doc["prompt_ids"] = list(run_info["prompt"])  # outside the signed body: checked against its hash
+    path.write_text(json.dumps(doc, indent=1))
+    click.echo(f"-- receipt: {path} ({len(doc['body']['sessions'][-1]['stages'])} stage receipts, "
+               f"signed by {doc['body']['client'][:16]}…)")
 
 
 async def _stream_generation(client, prompt: str, **kw) -> None:
@@ -579,6 +615,143 @@ async def _stream_generation(client, prompt: str, **kw) -> None:
         lost = ", ".join(f"{a}:{b}" for a, b in h.layers) or "?"
         click.echo(f"-- healed in {h.seconds:.2f} s during {h.phase}: {', '.join(p[:12] + '…' for p in h.failed)} "
                    f"(layers {lost}) failed; replayed {h.replayed_tokens} tokens")
+
+
+@main.command()
+@click.argument("receipt", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--manifest", type=click.Path(exists=True, path_type=Path), default=None,
+              help="The model's manifest (`shardnet model manifest` output) or its checkpoint directory.")
+@click.option("--recompute", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="A local copy of the model: rerun the prompt and compare the tokens.")
+@click.option("--prompt", default=None, help="The prompt text, when the receipt does not carry its tokens.")
+@_wrap_errors
+def verify(receipt: Path, manifest: Path | None, recompute: Path | None, prompt: str | None) -> None:
+    """Check a run receipt offline: signatures, layer tiling, hash chains linking every stage,
+    the output hash, the model ID; optionally recompute the output. One line per check; exit 0
+    only if every check passes."""
+    from .protocols import receipts as rc
+
+    try:
+        doc = json.loads(receipt.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        fail(f"{receipt} is not a JSON receipt: {e}")
+    model_id = None
+    if manifest is not None:
+        from .inference.checkpoint import Checkpoint, model_id_of
+
+        if manifest.is_dir():
+            model_id = Checkpoint(manifest).model_id
+        else:  # `shardnet model manifest --json` output, or a bare manifest: the ID is recomputed from it
+            m = json.loads(manifest.read_text())
+            model_id = model_id_of(m["manifest"] if isinstance(m, dict) and "manifest" in m else m)
+    checks = rc.verify_run(doc, manifest_model_id=model_id)
+    if recompute is not None and all(c.ok for c in checks):
+        checks.append(_recompute_check(doc, recompute, prompt))
+    for c in checks:
+        _say(f"{'ok  ' if c.ok else 'FAIL'}  {c.name}: {c.detail}")
+    bad = [c for c in checks if not c.ok]
+    if bad:
+        fail(f"receipt does not verify: {bad[0].name}")
+    _say(f"receipt verifies: {len(checks)} checks passed")
+
+
+def _recompute_check(doc: dict, path: Path, prompt: str | None):
+    from .inference.block import Block
+    from .inference.client import GenerationStats, LocalModel, generate_on
+    from .inference.local_session import LocalSession
+    from .inference.sampling import Randomness, SamplingParams
+    from .inference.speculative import NGramDrafter
+    from .protocols import receipts as rc
+
+    body = doc["body"]
+    model = LocalModel(path)
+    if model.model_id != body["model"]:
+        return rc.Check("recompute", False, f"{path} is model {model.model_id[:16]}…, the run used {body['model'][:16]}…")
+    ids = model.encode(prompt) if prompt is not None else doc.get("prompt_ids")
+    if ids is None:
+        return rc.Check("recompute", False, "the receipt carries no prompt tokens: give --prompt")
+    if rc.tokens_hash(ids) != body["prompt_sha256"]:
+        return rc.Check("recompute", False, "the prompt does not match prompt_sha256")
+    sampling = body["sampling"]
+    params = SamplingParams(sampling["temperature"], sampling["top_p"], sampling["top_k"], body.get("seed"))
+    spec = body.get("speculative")
+    drafter, k, depth = None, 0, 1
+    if not params.greedy and spec:  # sampled text depends on the drafting: replay it where it is deterministic
+        if spec["drafter"] != "ngram":
+            return rc.Check("recompute", False, "a sampled run with a draft model cannot be recomputed here")
+        drafter, k, depth = NGramDrafter(), spec["k"], spec["depth"]
+    want = body["output_ids"]
+    block = Block(model.ckpt, 0, model.ckpt.num_layers)
+
+    async def _run() -> list[int]:
+        out: list[int] = []
+        async for tok in generate_on(LocalSession(block), model, ids, params=params, rng=Randomness(params.seed),
+                                     drafter=drafter, k=k, depth=depth, max_new=len(want), stop_at_eos=False,
+                                     stats=GenerationStats()):
+            out.append(tok.id)
+        return out
+
+    got = trio.run(_run)
+    same = got == want
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    return rc.Check("recompute", same, f"{len(want)} tokens recomputed locally: identical" if same
+                    else f"token {first} differs (local {got[first]}, receipt {want[first]})")
+
+
+@main.command()
+@network_options("/ip4/0.0.0.0/tcp/0")
+@click.option("--peer", "peer_ids", multiple=True, help="Ask this peer (repeatable; default: every peer found).")
+@click.option("--get", "get_ids", multiple=True, help="Fetch the receipt with this ID (repeatable) and print it.")
+@click.option("--wait", default=3.0, show_default=True, help="Seconds to spend discovering peers.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_wrap_errors
+def receipts(listen, announce, bootstrap, quic, mdns, relays, peer_ids, get_ids, wait, as_json) -> None:
+    """List the stage receipts peers keep (newest first), or fetch receipts by ID."""
+    from .inference.receipt_service import request
+    from .protocols import receipt_gossip as rg
+    from .protocols import receipts as rc
+
+    if not bootstrap and not mdns:
+        fail("receipts needs --bootstrap MADDR (or --mdns)", 2)
+    cfg = _visitor_config(relays, listen, announce, bootstrap, quic, mdns)
+
+    async def _main() -> list[dict]:
+        async with _visiting(cfg, wait) as n:
+            targets = list(peer_ids) or [str(p) for p in n.peers()]
+            out: list[dict] = []
+
+            async def ask(peer: str) -> None:
+                try:
+                    if get_ids:
+                        got = await request(n, peer, rg.encode_request(get=list(get_ids)))
+                        for blob in got["receipts"]:
+                            r = rc.decode_stage(blob)
+                            out.append({"id": rc.receipt_id(blob), "from": peer, "receipt": r.__dict__})
+                    else:
+                        got = await request(n, peer, rg.encode_request(list_max=rg.MAX_IDS_PER_REQUEST))
+                        out.extend({**d, "from": peer} for d in got["digests"])
+                except (ShardnetError, rg.GossipError, rc.ReceiptError, trio.TooSlowError) as e:
+                    log.info("%s: %s", peer[:16], e)
+
+            async with trio.open_nursery() as nursery:
+                for p in targets:
+                    nursery.start_soon(ask, p)
+            return out
+
+    found = run(_main) or []
+    if get_ids:
+        missing = set(get_ids) - {f["id"] for f in found}
+        _say(json.dumps({f["id"]: f["receipt"] for f in found}, indent=1))
+        if missing:
+            fail(f"not found: {', '.join(sorted(missing))}")
+        return
+    if as_json:
+        _say(json.dumps(found, indent=1))
+        return
+    _say(f"{len(found)} receipt(s)")
+    for d in found:
+        _say(f"{d['id'][:16]}…  peer {d['peer'][:16]}…  layers {d['layers'][0]}:{d['layers'][1]}  "
+             f"steps {d['steps']}  session {d['session'][:8]}…")
 
 
 @main.group()

@@ -11,6 +11,7 @@ applies the final norm and LM head and returns logits (for clients too thin to h
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import time
@@ -24,7 +25,9 @@ import torch
 import trio
 
 from shardnet.protocols import activation as ap
+from shardnet.protocols import receipts as rc
 from shardnet.protocols.block_claim import Claim
+from shardnet.protocols.receipts import HashChain
 from shardnet.transport.config import peer_info
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
@@ -142,6 +145,7 @@ class InferenceSession:
             try:
                 await node.connect(peer_info(first.peer, first.addrs))
                 self.up = MessageStream(await node.new_stream(first.peer, ap.PROTOCOL_ID))
+                self.up.sent_hash = HashChain()  # the client's side of the first hop's receipt
             except ShardnetError as e:
                 raise InferenceError("next_hop", f"cannot reach {first.peer[:16]}…: {e}", first.peer) from None
             me = {"peer": str(node.peer_id), "addrs": [str(a) for a in node.listen_addrs]}
@@ -232,6 +236,12 @@ class InferenceSession:
                 await self.up.send(ap.Message("close", self.session))
                 await self.up.close()
         if self.ret is not None:
+            if self.client.receipts and self.error is None:
+                # results still in flight (speculation past the end) are part of the last hop's
+                # receipt: read the return stream to its end so both sides hashed the same frames
+                with trio.move_on_after(5), _quiet():
+                    while await self.ret.recv(FOREVER) is not None:
+                        pass
             getattr(self.ret, "done", trio.Event()).set()
 
 
@@ -242,12 +252,13 @@ RELAYED_RTT_FACTOR = 3.0
 #: how much cheaper a peer already in the chain looks when a chain heals (keep what works)
 KEEP_DISCOUNT = 0.25
 RTT_CACHE_S = 30.0
+RTT_SAMPLES = 3
 
 
 class Client:
     def __init__(self, node: Node, model: LocalModel, *, logits_on_last: bool = False,
                  route: list[Claim] | None = None, route_timeout: float = 30.0, wire: str | None = None,
-                 max_heals: int = 5) -> None:
+                 max_heals: int = 5, receipts: bool = True) -> None:
         self.node, self.model = node, model
         if wire is not None and wire not in ap.WIRE_DTYPES:
             raise ShardnetError(f"unknown wire dtype {wire!r} (choose from {', '.join(ap.WIRE_DTYPES)})")
@@ -257,6 +268,9 @@ class Client:
         self.logits_on_last = logits_on_last
         self.fixed_route = route
         self.max_heals = max_heals
+        #: keep what a run receipt needs (hash chains; the last run's facts): see ``run_receipt``
+        self.receipts = receipts
+        self._last_run: dict | None = None
         self.last_stats: GenerationStats | None = None
         self._avoid: dict[str, float] = {}  # peer -> until (trio time): failed during a request
         self._rtt: dict[str, tuple[float, float]] = {}  # peer -> (seconds, measured at)
@@ -316,6 +330,52 @@ class Client:
                 raise NoRouteError(f"after {timeout:g} s: {last_error}")
             await trio.sleep(1.0)
 
+    async def run_receipt(self, *, wait: float = 10.0) -> dict:
+        """The last ``generate``'s run receipt, signed by this node's key: JSON-ready (see
+        protocols/receipts.py). Fetches each peer's stage receipt of the final session."""
+        from .receipt_service import fetch_session_receipts
+
+        run = self._last_run
+        if run is None or not run["session"].entered:
+            raise ShardnetError("no generation to write a receipt for")
+        if not self.receipts:
+            raise ShardnetError("this client was made with receipts=False")
+        stats, hs = run["stats"], run["session"]
+        final, route = hs.entered[-1]
+        sid = final.session.hex()
+        blobs: list[bytes | None] = [None] * len(route)
+
+        async def one(i: int, peer: str) -> None:
+            blobs[i] = await fetch_session_receipts(self.node, peer, sid, wait=wait)
+
+        async with trio.open_nursery() as nursery:
+            for i, c in enumerate(route):
+                nursery.start_soon(one, i, c.peer)
+        missing = [c.peer[:16] for c, b in zip(route, blobs) if b is None]
+        if missing:
+            raise ShardnetError(f"no stage receipt from {', '.join(missing)} within {wait:g} s")
+        params, drafter = run["params"], run["drafter"]
+        body = {
+            "schema": rc.SCHEMA, "model": self.model.model_id, "num_layers": self.model.ckpt.num_layers,
+            "client": str(self.node.peer_id), "created": time.time(),
+            "prompt_sha256": rc.tokens_hash(run["prompt"]), "prompt_tokens": len(run["prompt"]),
+            "output_ids": list(run["output"]), "output_sha256": rc.tokens_hash(run["output"]),
+            "sampling": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k},
+            "seed": params.seed, "logits_on_last": self.logits_on_last, "wire": self.wire,
+            "sessions": [{"session": sid, "sent_chain": final.up.sent_hash.hex(),
+                          "received_chain": final.ret.received_hash.hex(),
+                          "stages": [base64.b64encode(b).decode() for b in blobs]}],
+            "healed_from": [{"session": s.session.hex(), "chain": [c.peer for c in r]} for s, r in hs.entered[:-1]],
+            "rtts_ms": {c.peer: round(self.rtt(c.peer) * 1000, 3) for c in route},
+            "peer_rtts_ms": {c.peer: {p: round(t * 1000, 3) for p, t in c.rtts} for c in route},
+            "tok_per_s": round(stats.tokens_per_s, 3), "prefill_s": round(stats.prefill_s, 4),
+            "speculative": None if drafter is None else {
+                "drafter": "ngram" if type(drafter).__name__ == "NGramDrafter" else "model",
+                "k": run["k"], "depth": run["depth"], "greedy_checked_equal_to_plain": run.get("checked")},
+            "version": _version(),
+        }
+        return rc.seal_run(self.node.key_pair, body)
+
     def _usable(self, claims: list[Claim], avoid) -> list[Claim]:
         now = trio.current_time()
         return [c for c in claims if c.peer not in avoid and self._avoid.get(c.peer, 0) <= now]
@@ -349,9 +409,15 @@ class Client:
         todo = [p for p in dict.fromkeys(peers) if now - self._rtt.get(p, (0.0, -RTT_CACHE_S))[1] >= RTT_CACHE_S]
 
         async def one(peer: str) -> None:
+            t0 = trio.current_time()
             try:
-                self._rtt[peer] = (await self.node.ping(peer, timeout=timeout), trio.current_time())
+                # the least of a few: one sample can land behind a busy moment at either end
+                rtt = min([await self.node.ping(peer, timeout=timeout) for _ in range(RTT_SAMPLES)])
+                self._rtt[peer] = (rtt, trio.current_time())
             except (ShardnetError, trio.TooSlowError, OSError) as e:
+                if trio.current_time() - t0 >= timeout * 0.9:  # there but slow: a costly hop, not a dead one
+                    self._rtt[peer] = (timeout, trio.current_time())
+                    return
                 # a claim can outlive its peer in the DHT: leave it out of this and the next plans
                 log.info("peer %s does not answer a ping (%s): not routing through it", peer[:16], e)
                 self.forget_peer(peer, RTT_CACHE_S)
@@ -416,12 +482,16 @@ class Client:
         extra = (k + 1) * depth  # drafts may run past the end
         sess = HealingSession(self, len(ids) + max_new_tokens + extra, max_heals=self.max_heals,
                               progress=progress, heals=stats.heals)
+        out_ids: list[int] = []
+        self._last_run = {"prompt": ids, "output": out_ids, "params": params, "stats": stats, "session": sess,
+                          "drafter": drafter, "k": k, "depth": depth}
         try:
             await sess.open(route)
             async for tok in generate_on(sess, self.model, ids, params=params, rng=rng, drafter=drafter, k=k,
                                          depth=depth, max_new=max_new_tokens, stop_at_eos=stop_at_eos,
                                          stats=stats, logits_on_last=self.logits_on_last):
                 stats.chain = sess.route
+                out_ids.append(tok.id)
                 yield tok
         finally:
             stats.chain = sess.route or stats.chain
@@ -538,4 +608,10 @@ class _quiet:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        return exc_type is not None and issubclass(exc_type, ShardnetError)
+        return exc_type is not None and issubclass(exc_type, (ShardnetError, ap.ActivationProtocolError))
+
+
+def _version() -> str:
+    from .receipt_service import shardnet_version
+
+    return shardnet_version()

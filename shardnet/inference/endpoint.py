@@ -26,8 +26,11 @@ from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream
 
+from shardnet.protocols.receipts import HashChain
+
 from . import wire
 from .block import Block, Head
+from .receipt_service import ReceiptService, StageRecorder
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,9 @@ class MessageStream:
         self.decoder = ap.ActivationDecoder(max_frame)
         self.pending: list[ap.Message] = []
         self._send_lock = trio.Lock()
+        #: hash chains over the frames sent / taken from this stream, when a receipt needs them
+        self.sent_hash: HashChain | None = None
+        self.received_hash: HashChain | None = None
 
     @property
     def remote_peer(self) -> str:
@@ -61,6 +67,8 @@ class MessageStream:
     async def send(self, msg: ap.Message) -> None:
         data = ap.encode(msg)
         async with self._send_lock:
+            if self.sent_hash is not None:
+                self.sent_hash.add(data[4:])  # the frame without its length prefix, as the receiver sees it
             await self.stream.write(data, timeout=STEP_TIMEOUT)
 
     async def recv(self, timeout: float) -> ap.Message | None:
@@ -73,7 +81,20 @@ class MessageStream:
                         raise ap.ActivationProtocolError("malformed", "stream ended inside a frame")
                     return None
                 self.pending.extend(self.decoder.feed(data))
-        return self.pending.pop(0)
+        msg = self.pending.pop(0)
+        if self.received_hash is not None:
+            self.received_hash.add(msg.raw)
+        return msg
+
+    def observed(self) -> str:
+        """The address this stream's peer is seen at (for receipts)."""
+        if self.stream.relayed:
+            return "relayed"
+        try:
+            host, port = self.stream.raw.get_remote_address()
+            return f"{host}:{port}"
+        except Exception:
+            return "unknown"
 
     async def close(self) -> None:
         await self.stream.close()
@@ -125,6 +146,7 @@ class ActivationEndpoint:
 
     def serve(self, served: ServedBlock) -> None:
         self.served = served
+        ReceiptService.of(self.node)  # sessions end in signed receipts, served on request
 
     # -- client side: waiting for the chain's direct return ------------------------------------
     def expect_return(self, session: bytes, from_peer: str) -> trio.MemoryReceiveChannel:
@@ -159,6 +181,8 @@ class ActivationEndpoint:
         if entry is None or entry[0] != ms.remote_peer:
             await _reply_error(ms, first.session, "unknown_session", "no session of ours expects this return stream")
             return
+        ms.received_hash = HashChain()  # the client's side of the last hop's receipt
+        ms.received_hash.add(first.raw)
         done = trio.Event()
         ms.done = done  # the client session sets it when finished with the stream
         try:
@@ -189,10 +213,18 @@ class ActivationEndpoint:
             await _reply_error(up, s, e.code, str(e).split(": ", 1)[1])
             return
         sb.sessions_served += 1
+        rec = StageRecorder(sb.model_id, s, (sb.block.start, sb.block.end), str(self.node.peer_id),
+                            str(sb.block.device))
+        rec.received.add(op.raw)
+        up.received_hash = rec.received
+        rec.observed["upstream"] = up.observed()
+        if op.get("logits") and not op["chain"]:
+            rec.tokens = []
         down: MessageStream | None = None
         try:
             try:
-                down = await self._open_next(op)
+                down = await self._open_next(op, rec)
+                rec.observed["downstream"] = down.observed()
             except InferenceError as e:
                 await _reply_error(up, s, e.code, str(e).split(": ", 1)[1], peer=e.peer)
                 return
@@ -200,7 +232,7 @@ class ActivationEndpoint:
             async with trio.open_nursery() as nursery:
                 if op["chain"]:
                     nursery.start_soon(_relay_errors, s, down, up, nursery.cancel_scope)
-                await self._step_loop(sb, op, up, down)
+                await self._step_loop(sb, op, up, down, rec)
                 nursery.cancel_scope.cancel()
         except (ShardnetError, trio.TooSlowError) as e:
             log.info("session %s ended: %s", s.hex()[:8], e)
@@ -209,8 +241,13 @@ class ActivationEndpoint:
             if down is not None:
                 with trio.move_on_after(5):
                     await down.close()
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                try:
+                    await ReceiptService.of(self.node).sign_and_keep(rec.receipt())
+                except Exception as e:  # a receipt must never take the server down
+                    log.warning("session %s: no receipt: %s", s.hex()[:8], e)
 
-    async def _open_next(self, op: ap.Message) -> MessageStream:
+    async def _open_next(self, op: ap.Message, rec: StageRecorder | None = None) -> MessageStream:
         """Open the next hop with the rest of the chain, or the return stream to the client."""
         s, chain = op.session, op["chain"]
         if chain:
@@ -227,6 +264,8 @@ class ActivationEndpoint:
         except ShardnetError as e:
             raise InferenceError("next_hop", f"cannot reach {target['peer'][:16]}…: {e}", target["peer"]) from None
         ms = MessageStream(stream)
+        if rec is not None:
+            ms.sent_hash = rec.sent
         await ms.send(first)
         if chain:
             reply = await ms.recv(OPEN_TIMEOUT)
@@ -239,7 +278,8 @@ class ActivationEndpoint:
                 raise InferenceError("unexpected", f"next hop answered {reply.type}")
         return ms
 
-    async def _step_loop(self, sb: ServedBlock, op: ap.Message, up: MessageStream, down: MessageStream) -> None:
+    async def _step_loop(self, sb: ServedBlock, op: ap.Message, up: MessageStream, down: MessageStream,
+                         rec: StageRecorder | None = None) -> None:
         s = op.session
         last = not op["chain"]
         want_logits = last and op.get("logits", False)
@@ -289,6 +329,8 @@ class ActivationEndpoint:
                     n_logits = min(msg.get("logits_for", 1), out.shape[1])
                     out = await trio.to_thread.run_sync(sb.head.logits, out[:, -n_logits:, :])
                     kind = "logits"
+                    if rec is not None and rec.tokens is not None:
+                        rec.tokens.extend(out[0].argmax(-1).tolist())
             length += hidden.shape[1]
             # hidden states go on in the session's wire dtype (default: as they came); logits in float32
             dtype, shape, payload = wire.to_payload(out, None if kind == "logits" else op.get("wire", msg["dtype"]))

@@ -79,6 +79,8 @@ class Message:
     session: bytes
     fields: dict[str, Any] = field(default_factory=dict)
     payload: bytes = b""
+    #: the frame it was decoded from (without the length prefix): what receipts hash
+    raw: bytes = field(default=b"", compare=False, repr=False)
 
     def __getitem__(self, key: str) -> Any:
         return self.fields[key]
@@ -145,7 +147,12 @@ class ActivationDecoder:
             frames = self.frames.feed(data)
         except FrameError as e:
             raise ActivationProtocolError("too_large", str(e)) from None
-        return [decode_frame(f) for f in frames]
+        out = []
+        for f in frames:
+            m = decode_frame(f)
+            m.raw = f
+            out.append(m)
+        return out
 
     @property
     def pending(self) -> int:
