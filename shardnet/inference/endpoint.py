@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 import trio
 
 from shardnet.protocols import activation as ap
+from shardnet.protocols.receipts import HashChain
 from shardnet.transport.config import peer_info
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream
-
-from shardnet.protocols.receipts import HashChain
 
 from . import wire
 from .block import Block, Head
