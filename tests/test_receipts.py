@@ -85,15 +85,20 @@ def test_generate_writes_a_receipt_that_shardnet_verify_checks(tmp_path):
             swarm.wait_ready(p, 120)
         receipt = tmp_path / "run.json"
         r = subprocess.run(shardnet_argv("generate", "--bootstrap", swarm.bootstrap_addr, "-n", "8",
+                                         "--speculate", "ngram", "--depth", "2", "--check-speculation",
                                          "--receipt", str(receipt), PROMPT), capture_output=True, text=True,
                            timeout=180)
         assert r.returncode == 0, r.stderr[-2000:]
+        assert "speculative output equals plain decoding" in r.stdout, r.stdout
+        spec = json.loads(receipt.read_text())["body"]["speculative"]
+        assert spec == {"drafter": "ngram", "k": 4, "depth": 2, "greedy_checked_equal_to_plain": True}, spec
         # the peers keep their receipts and list and serve them to anyone
         ls = subprocess.run(shardnet_argv("receipts", "--bootstrap", swarm.bootstrap_addr, "--json"),
                             capture_output=True, text=True, timeout=120)
         assert ls.returncode == 0, ls.stderr[-2000:]
         digests = json.loads(ls.stdout)
-        assert sorted(tuple(d["layers"]) for d in digests) == [(0, 4), (4, 8)], digests
+        # two sessions (the speculative run and its plain check), each through both peers
+        assert sorted(tuple(d["layers"]) for d in digests) == [(0, 4), (0, 4), (4, 8), (4, 8)], digests
         one = subprocess.run(shardnet_argv("receipts", "--bootstrap", swarm.bootstrap_addr, "--get", digests[0]["id"]),
                              capture_output=True, text=True, timeout=120)
         assert one.returncode == 0 and json.loads(one.stdout)[digests[0]["id"]]["peer"] == digests[0]["peer"]
