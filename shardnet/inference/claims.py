@@ -80,19 +80,11 @@ async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
 
 async def live_claims(node: Node, claims: list[bc.Claim], *, timeout: float = 3.0) -> list[bc.Claim]:
     """The claims whose peers answer a ping now (a claim outlives its peer until it expires)."""
-    alive: set[str] = set()
-
-    async def probe(peer: str) -> None:
-        try:
-            await node.ping(peer, timeout=timeout)
-            alive.add(peer)
-        except (ShardnetError, trio.TooSlowError, OSError) as e:
-            log.debug("claim of %s ignored: no answer to a ping (%s)", peer[:16], e)
-
-    async with trio.open_nursery() as nursery:
-        for peer in {c.peer for c in claims}:
-            nursery.start_soon(probe, peer)
-    return [c for c in claims if c.peer in alive]
+    pings = await node.ping_many([c.peer for c in claims], timeout=timeout)
+    for peer, p in pings.items():
+        if p.rtt is None:
+            log.debug("claim of %s ignored: no answer to a ping (%s)", peer[:16], p.error)
+    return [c for c in claims if pings[c.peer].rtt is not None]
 
 
 async def fetch_claims(node: Node, peer: str, *, timeout: float = 10.0) -> list[bc.Claim]:

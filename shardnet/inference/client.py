@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import trio
 
+from shardnet import __version__
 from shardnet.protocols import activation as ap
 from shardnet.protocols import receipts as rc
 from shardnet.protocols.block_claim import Claim
@@ -372,7 +373,7 @@ class Client:
             "speculative": None if drafter is None else {
                 "drafter": "ngram" if type(drafter).__name__ == "NGramDrafter" else "model",
                 "k": run["k"], "depth": run["depth"], "greedy_checked_equal_to_plain": run.get("checked")},
-            "version": _version(),
+            "version": __version__,
         }
         return rc.seal_run(self.node.key_pair, body)
 
@@ -407,24 +408,17 @@ class Client:
     async def _measure_rtts(self, peers: list[str], *, timeout: float = 2.0, most: int = 64) -> None:
         now = trio.current_time()
         todo = [p for p in dict.fromkeys(peers) if now - self._rtt.get(p, (0.0, -RTT_CACHE_S))[1] >= RTT_CACHE_S]
-
-        async def one(peer: str) -> None:
-            t0 = trio.current_time()
-            try:
-                # the least of a few: one sample can land behind a busy moment at either end
-                rtt = min([await self.node.ping(peer, timeout=timeout) for _ in range(RTT_SAMPLES)])
-                self._rtt[peer] = (rtt, trio.current_time())
-            except (ShardnetError, trio.TooSlowError, OSError) as e:
-                if trio.current_time() - t0 >= timeout * 0.9:  # there but slow: a costly hop, not a dead one
-                    self._rtt[peer] = (timeout, trio.current_time())
-                    return
-                # a claim can outlive its peer in the DHT: leave it out of this and the next plans
-                log.info("peer %s does not answer a ping (%s): not routing through it", peer[:16], e)
+        # the least of a few pings: one sample can land behind a busy moment at either end
+        pings = await self.node.ping_many(todo[:most], timeout=timeout, samples=RTT_SAMPLES)
+        now = trio.current_time()
+        for peer, p in pings.items():
+            if p.rtt is not None:
+                self._rtt[peer] = (p.rtt, now)
+            elif p.seconds >= timeout * 0.9:  # there but slow: a costly hop, not a dead one
+                self._rtt[peer] = (timeout, now)
+            else:  # a claim can outlive its peer in the DHT: leave it out of this and the next plans
+                log.info("peer %s does not answer a ping (%s): not routing through it", peer[:16], p.error)
                 self.forget_peer(peer, RTT_CACHE_S)
-
-        async with trio.open_nursery() as nursery:
-            for p in todo[:most]:
-                nursery.start_soon(one, p)
 
     @asynccontextmanager
     async def session(self, max_len: int, route: list[Claim] | None = None) -> AsyncIterator[InferenceSession]:
@@ -610,8 +604,3 @@ class _quiet:
     def __exit__(self, exc_type, exc, tb) -> bool:
         return exc_type is not None and issubclass(exc_type, (ShardnetError, ap.ActivationProtocolError))
 
-
-def _version() -> str:
-    from .receipt_service import shardnet_version
-
-    return shardnet_version()

@@ -228,18 +228,8 @@ class HealingSession:
         if error.peer is not None and error.peer != me:
             return [error.peer]
         # (a last hop that could not open its return stream to us names us: we are not the problem)
-        dead: list[str] = []
-
-        async def probe(peer: str) -> None:
-            try:
-                await self.client.node.ping(peer, timeout=PROBE_TIMEOUT)
-            except (ShardnetError, trio.TooSlowError, OSError):
-                dead.append(peer)
-
-        async with trio.open_nursery() as nursery:
-            for c in self.route:
-                nursery.start_soon(probe, c.peer)
-        return dead
+        pings = await self.client.node.ping_many([c.peer for c in self.route], timeout=PROBE_TIMEOUT)
+        return [peer for peer, p in pings.items() if p.rtt is None]
 
     async def _healed_route(self, old: list[Claim], failed: list[str]) -> list[Claim]:
         """The old chain with each failed span replaced; a whole new chain if that cannot be done."""

@@ -145,19 +145,8 @@ class ComputePeer:
     async def measure_successors(self, claims: list[Claim]) -> None:
         """Round trips to the peers serving the layers right after ours (for clients' routing)."""
         _, end = self.span
-        rtts: dict[str, float] = {}
-
-        async def one(peer: str) -> None:
-            try:
-                rtts[peer] = await self.node.ping(peer, timeout=3.0)
-            except (ShardnetError, trio.TooSlowError, OSError) as e:
-                log.debug("no RTT to successor %s: %s", peer[:16], e)
-
-        async with trio.open_nursery() as nursery:
-            for c in claims[:32]:
-                if c.start == end:
-                    nursery.start_soon(one, c.peer)
-        self.successor_rtts = rtts
+        pings = await self.node.ping_many([c.peer for c in claims if c.start == end][:32], timeout=3.0)
+        self.successor_rtts = {peer: p.rtt for peer, p in pings.items() if p.rtt is not None}
 
     async def maintain(self, publisher: ClaimPublisher, *, interval: float, rebalance: bool,
                        on_move: Callable[[Move, tuple[int, int]], None] | None = None,

@@ -11,8 +11,9 @@ import time
 import cbor2
 import trio
 
+from shardnet import __version__
 from shardnet.protocols import receipt_gossip as rg
-from shardnet.protocols.receipts import HashChain, ReceiptError, StageReceipt, decode_stage, encode_stage, receipt_id
+from shardnet.protocols.receipts import HashChain, ReceiptError, StageReceipt, decode_stage, encode_stage
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream
@@ -39,15 +40,6 @@ def device_facts(device: str) -> dict[str, str]:
     except OSError:
         pass
     return {"kind": "cpu", "name": name, "cores": str(os.cpu_count() or 0)}
-
-
-def shardnet_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("shardnet")
-    except Exception:
-        return "unknown"
 
 
 class ReceiptService:
@@ -147,8 +139,6 @@ class StageRecorder:
         return StageReceipt(model=self.model, session=self.session.hex(), layers=list(self.layers),
                             in_chain=self.received.hex(), out_chain=self.sent.hex(), steps_in=self.received.count,
                             steps_out=self.sent.count, t_start=self.t_start, t_end=time.time(), peer=self.peer,
-                            observed=self.observed, device=device_facts(self.device), version=shardnet_version(),
+                            observed=self.observed, device=device_facts(self.device), version=__version__,
                             tokens=self.tokens)
 
-
-__all__ = ["ReceiptService", "StageRecorder", "fetch_session_receipts", "receipt_id", "request", "device_facts"]

@@ -4,9 +4,7 @@ each peer's range, throughput, reachability, load and our link and round trip to
 
 from __future__ import annotations
 
-import trio
 
-from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
 
 from .claims import find_claims
@@ -16,17 +14,8 @@ from .routing import format_layers, uncovered_layers
 
 async def swarm_report(node: Node, model_id: str, num_layers: int, *, wait: float = 10.0) -> dict:
     claims = await find_claims(node, model_id, timeout=wait)
-    rtts: dict[str, float] = {}
-
-    async def probe(peer: str) -> None:
-        try:
-            rtts[peer] = await node.ping(peer, timeout=3.0)
-        except (ShardnetError, trio.TooSlowError, OSError):
-            pass
-
-    async with trio.open_nursery() as nursery:
-        for c in claims:
-            nursery.start_soon(probe, c.peer)
+    pings = await node.ping_many([c.peer for c in claims], timeout=3.0)
+    rtts = {peer: p.rtt for peer, p in pings.items() if p.rtt is not None}
     live = [c for c in claims if c.peer in rtts]
     rows = coverage(live, num_layers)
     missing = uncovered_layers(live, num_layers)

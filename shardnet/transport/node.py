@@ -80,6 +80,12 @@ class _ConnectionEvents:
 DIRECT_FIRST = 3.0
 
 
+@dataclass(frozen=True)
+class PingResult:
+    rtt: float | None  # seconds; None when the peer did not answer
+    seconds: float  # how long the answer (or the failure) took
+    error: BaseException | None
+
 class Node:
     """The overlay as an embedding app sees it."""
 
@@ -317,6 +323,24 @@ class Node:
         if echo != payload:
             raise ShardnetError(f"peer {_short(peer_id)} answered ping with different bytes")
         return rtt
+
+    async def ping_many(self, peers, *, timeout: float = 3.0, samples: int = 1) -> dict[str, PingResult]:
+        """Ping every peer at once: per peer the least RTT of ``samples`` pings, or the error and
+        how long it took to come (a quick failure is a peer gone, a slow one a peer far away)."""
+        out: dict[str, PingResult] = {}
+
+        async def one(peer: str) -> None:
+            t0 = trio.current_time()
+            try:
+                rtt = min([await self.ping(peer, timeout=timeout) for _ in range(samples)])
+                out[peer] = PingResult(rtt, trio.current_time() - t0, None)
+            except (ShardnetError, trio.TooSlowError, OSError) as e:
+                out[peer] = PingResult(None, trio.current_time() - t0, e)
+
+        async with trio.open_nursery() as nursery:
+            for p in dict.fromkeys(str(p) for p in peers):
+                nursery.start_soon(one, p)
+        return out
 
     async def find_peer(self, peer_id: ID | str) -> PeerInfo | None:
         """Ask the DHT for a peer's addresses (bounded by ``dht_timeout``)."""
