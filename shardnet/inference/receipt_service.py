@@ -141,4 +141,3 @@ class StageRecorder:
                             steps_out=self.sent.count, t_start=self.t_start, t_end=time.time(), peer=self.peer,
                             observed=self.observed, device=device_facts(self.device), version=__version__,
                             tokens=self.tokens)
-
