@@ -192,7 +192,9 @@ class HealingSession:
                 raise InferenceError(error.code, f"{error} (gave up after {self.max_heals} heals)", error.peer)
             for p in failed:
                 self.client.forget_peer(p)
-            route = await self._healed_route(old_route, failed)
+            # the old chain with each failed span replaced (a whole new chain if that cannot be done)
+            route = await self.client.find_route(avoid=set(failed),
+                                                 keep=[c for c in old_route if c.peer not in failed])
             try:
                 await self._enter(route)
                 replayed = await self._replay()
@@ -230,11 +232,6 @@ class HealingSession:
         # (a last hop that could not open its return stream to us names us: we are not the problem)
         pings = await self.client.node.ping_many([c.peer for c in self.route], timeout=PROBE_TIMEOUT)
         return [peer for peer, p in pings.items() if p.rtt is None]
-
-    async def _healed_route(self, old: list[Claim], failed: list[str]) -> list[Claim]:
-        """The old chain with each failed span replaced; a whole new chain if that cannot be done."""
-        new = await self.client.find_route(avoid=set(failed), keep=[c for c in old if c.peer not in failed])
-        return new
 
     async def _replay(self) -> int:
         """Rebuild every hop's KV cache up to the oldest unanswered step, then re-send those."""

@@ -13,6 +13,7 @@ block first; sessions already open finish on the old one.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -66,8 +67,6 @@ def free_memory_bytes(device: str) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -153,14 +152,18 @@ class ComputePeer:
                        rng: random.Random | None = None) -> None:
         """Every ~``interval`` s: refresh successor RTTs and, if allowed, move when it pays."""
         rng = rng or random.Random()
+
+        def plan(claims: list[Claim]) -> Move | None:
+            return plan_move(claims, self.claim(time.time() + 60), self.ckpt.num_layers,
+                             margin=REBALANCE_MARGIN, rng=rng)
+
         while True:
             await trio.sleep(interval * rng.uniform(0.75, 1.25))  # peers out of step: fewer moves at once
             try:
                 claims = await self.live_claims()
                 await self.measure_successors(claims)
                 if rebalance:
-                    move = plan_move(claims, self.claim(time.time() + 60), self.ckpt.num_layers,
-                                     margin=REBALANCE_MARGIN, rng=rng)
+                    move = plan(claims)
                     if move is not None:
                         # Peers on the same span would all make this move at once: they take turns
                         # by peer ID, each looking again after the ones before it had a round to
@@ -169,9 +172,7 @@ class ComputePeer:
                                       | {str(self.node.peer_id)})
                         rank = same.index(str(self.node.peer_id))
                         await trio.sleep(rank * interval * 1.5 + rng.uniform(0, min(1.0, interval / 4)))
-                        claims = await self.live_claims()
-                        move = plan_move(claims, self.claim(time.time() + 60), self.ckpt.num_layers,
-                                         margin=REBALANCE_MARGIN, rng=rng)
+                        move = plan(await self.live_claims())
                     if move is not None:
                         old = self.span
                         log.warning("moving from layers %d:%d to %d:%d (swarm bottleneck %.1f -> %.1f tok/s)",
