@@ -120,7 +120,7 @@ class ComputePeer:
                      kv_tokens=(kv.limit - kv.used) // sb.block.kv_bytes_per_token(), tput=self.tput,
                      addrs=tuple(str(a) for a in self.node.listen_addrs), expires=expires, peer=str(self.node.peer_id),
                      reach=self.node.autonat.status if self.node.autonat else "unknown",
-                     load=min(1.0, kv.used / kv.limit) if kv.limit else 0.0, rtts=rtts)
+                     load=min(1.0, kv.used / kv.limit) if kv.limit else 0.0, rtts=rtts, dtype=self.dtype_name)
 
     # -- choosing and revising the span ----------------------------------------------------------
     async def choose_span(self, *, max_layers: int | None = None, wait: float = 5.0,

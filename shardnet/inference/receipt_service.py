@@ -1,5 +1,6 @@
 """Receipts on a node: sign a stage receipt when a served session ends, keep it, announce its
-digest, serve it on request; and, for clients, fetch the receipts of a session from its peers."""
+digest, serve it on request; hear other clients' reports of peers caught computing wrong; and,
+for clients, fetch the receipts of a session from its peers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import logging
 import os
 import platform
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 
 import cbor2
 import trio
@@ -21,6 +24,7 @@ from shardnet.transport.stream import Stream
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT = 10.0
+MAX_REPORTS_KEPT = 256
 
 
 def device_facts(device: str) -> dict[str, str]:
@@ -43,12 +47,18 @@ def device_facts(device: str) -> dict[str, str]:
 
 
 class ReceiptService:
-    """One per node (``ReceiptService.of(node)``): the store, its stream handler, the digests."""
+    """One per node (``ReceiptService.of(node)``): the store, its stream handler, the digests,
+    and the verified reports heard on gossip (``reports``; ``listeners`` are called with each)."""
 
     def __init__(self, node: Node, capacity: int = 1024) -> None:
         self.node = node
         self.store = rg.ReceiptStore(capacity)
+        self.reports: OrderedDict[str, dict] = OrderedDict()  # report ID -> verified body
+        self._report_blobs: OrderedDict[str, bytes] = OrderedDict()
+        self.listeners: list[Callable[[dict], None]] = []
         node.set_stream_handler(rg.PROTOCOL_ID, self._answer)
+        if node.nursery is not None:
+            node.nursery.start_soon(self._hear_reports)
 
     @classmethod
     def of(cls, node: Node) -> ReceiptService:
@@ -67,6 +77,32 @@ class ReceiptService:
             log.debug("receipt digest not published: %s", e)
         return rid
 
+    async def _hear_reports(self) -> None:
+        try:
+            async with self.node.pubsub.subscribe(rg.REPORT_TOPIC) as sub:
+                async for msg in sub:
+                    self._note_report(msg.data, str(msg.sender))
+        except Exception:  # runs in the node's nursery: hearing reports must not take the node down
+            log.exception("no longer hearing reports")
+
+    def _note_report(self, data: bytes, sender: str) -> None:
+        try:
+            report = rg.decode_report(data)
+        except rg.GossipError as e:
+            log.info("ignoring a report from %s: %s", sender[:16], e)
+            return
+        rid = rg.receipt_id(data)
+        if rid in self.reports:
+            return
+        self.reports[rid], self._report_blobs[rid] = report, data
+        while len(self.reports) > MAX_REPORTS_KEPT:
+            self.reports.popitem(last=False)
+            self._report_blobs.popitem(last=False)
+        log.warning("%s… reports peer %s… computed layers %s wrong", report["reporter"][:16],
+                    report["accused"][:16], report["layers"])
+        for listener in list(self.listeners):
+            listener(report)
+
     async def _answer(self, stream: Stream) -> None:
         try:
             with trio.fail_after(REQUEST_TIMEOUT):
@@ -77,6 +113,8 @@ class ReceiptService:
             kind, arg = rg.decode_request(data)
             if kind == "get":
                 out = rg.encode_response(receipts=[b for b in (self.store.get(i) for i in arg) if b])
+            elif kind == "reports":
+                out = rg.encode_response(reports=list(reversed(self._report_blobs.values()))[:arg])
             elif kind == "session":
                 out = rg.encode_response(receipts=self.store.for_session(arg)[:rg.MAX_IDS_PER_REQUEST])
             else:

@@ -6,12 +6,27 @@ ID (or all of a session's) over this protocol's stream: the asker writes a 4-byt
 length and the request, the peer answers with one response and closes. Messages are CBOR maps
 with ``v`` = 1:
 
-    request   {v, get: [receipt IDs]} | {v, session: hex} | {v, list: max}
-    response  {v, receipts: [stage receipt envelopes]} | {v, digests: [digest]} | {v, error: text}
+    request   {v, get: [receipt IDs]} | {v, session: hex} | {v, list: max} | {v, reports: max}
+    response  {v, receipts: [stage receipt envelopes]} | {v, digests: [digest]}
+              | {v, reports: [report envelopes heard on gossip]} | {v, error: text}
     digest    {v, id, peer, model, session, layers: [start, end], steps, t_end}
 
 A receipt's ID is the SHA-256 of its envelope bytes, so a fetched receipt is checked against
 the ID it was asked by. Sizes and counts are bounded before anything is kept.
+
+A client that catches a peer computing wrong (an honest-compute check: the same step re-run
+on other peers of that span disagrees with it, and a third agrees with the others) publishes
+a **report** on ``/shardnet/receipt-gossip/1.0.0/reports``: an envelope signed by the reporter
+(domain ``shardnet-audit-report/1``) whose body is
+
+    {schema, model, accused, layers: [start, end], reporter, session (the accused's), step_pos,
+     divergence, tolerance, witnesses: [{peer, session, divergence}], evidence: [stage receipt
+     envelopes: the accused's for its session, each witness's for the audit session], t}
+
+Receivers check every signature and that the evidence is signed by the peers it names. A report
+is one client's word plus the peers' own signed statements of what they served; it is not a
+proof a third party can recompute (the frames are not in it), so receivers weigh it, they do
+not act on it as on their own observation.
 """
 
 from __future__ import annotations
@@ -20,13 +35,23 @@ from collections import OrderedDict
 
 import cbor2
 
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+
+from shardnet.transport import envelope
+
 from .receipts import MAX_STAGE_BYTES, ReceiptError, StageReceipt, decode_stage, receipt_id
 
 PROTOCOL_ID = "/shardnet/receipt-gossip/1.0.0"
 TOPIC = f"{PROTOCOL_ID}/digests"
+REPORT_TOPIC = f"{PROTOCOL_ID}/reports"
+REPORT_DOMAIN = b"shardnet-audit-report/1"
 VERSION = 1
+MAX_EVIDENCE = 4
+MAX_REPORT_BYTES = MAX_EVIDENCE * (MAX_STAGE_BYTES + 64) + 16 * 1024
+MAX_REPORTS_PER_RESPONSE = 8
 MAX_IDS_PER_REQUEST = 64
-MAX_RESPONSE_BYTES = MAX_IDS_PER_REQUEST * (MAX_STAGE_BYTES + 64)
+MAX_RESPONSE_BYTES = MAX_IDS_PER_REQUEST * (MAX_STAGE_BYTES + 64)  # (8 reports fit too)
 MAX_REQUEST_BYTES = 16 * 1024
 
 
@@ -46,7 +71,10 @@ def _load(data: bytes, limit: int, what: str) -> dict:
     return m
 
 
-def encode_request(*, get: list[str] | None = None, session: str | None = None, list_max: int | None = None) -> bytes:
+def encode_request(*, get: list[str] | None = None, session: str | None = None, list_max: int | None = None,
+                   reports_max: int | None = None) -> bytes:
+    if reports_max is not None:
+        return cbor2.dumps({"v": VERSION, "reports": min(reports_max, MAX_REPORTS_PER_RESPONSE)})
     if get is not None:
         return cbor2.dumps({"v": VERSION, "get": list(get)[:MAX_IDS_PER_REQUEST]})
     if session is not None:
@@ -62,13 +90,17 @@ def decode_request(data: bytes) -> tuple[str, object]:
         return "session", m["session"]
     if isinstance(m.get("list"), int) and not isinstance(m["list"], bool):
         return "list", max(0, min(m["list"], MAX_IDS_PER_REQUEST))
-    raise GossipError("request must be get, session or list")
+    if isinstance(m.get("reports"), int) and not isinstance(m["reports"], bool):
+        return "reports", max(0, min(m["reports"], MAX_REPORTS_PER_RESPONSE))
+    raise GossipError("request must be get, session, list or reports")
 
 
 def encode_response(*, receipts: list[bytes] | None = None, digests: list[dict] | None = None,
-                    error: str | None = None) -> bytes:
+                    reports: list[bytes] | None = None, error: str | None = None) -> bytes:
     if error is not None:
         return cbor2.dumps({"v": VERSION, "error": error})
+    if reports is not None:
+        return cbor2.dumps({"v": VERSION, "reports": list(reports)[:MAX_REPORTS_PER_RESPONSE]})
     if digests is not None:
         return cbor2.dumps({"v": VERSION, "digests": digests})
     return cbor2.dumps({"v": VERSION, "receipts": list(receipts or [])})
@@ -82,7 +114,9 @@ def decode_response(data: bytes) -> dict:
         return {"receipts": m["receipts"][:MAX_IDS_PER_REQUEST]}
     if isinstance(m.get("digests"), list) and all(isinstance(d, dict) for d in m["digests"]):
         return {"digests": m["digests"][:MAX_IDS_PER_REQUEST]}
-    raise GossipError("response has neither receipts nor digests")
+    if isinstance(m.get("reports"), list) and all(isinstance(b, bytes) for b in m["reports"]):
+        return {"reports": m["reports"][:MAX_REPORTS_PER_RESPONSE]}
+    raise GossipError("response has no receipts, digests or reports")
 
 
 def digest_of(blob: bytes, r: StageReceipt) -> dict:
@@ -122,3 +156,45 @@ class ReceiptStore:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+
+# -- reports of peers caught computing wrong ----------------------------------------------------
+
+def encode_report(key_pair: KeyPair, body: dict) -> bytes:
+    """Sign a report body (see the module docstring); the reporter field must name the signer."""
+    if body.get("reporter") != str(ID.from_pubkey(key_pair.public_key)):
+        raise GossipError("a report must be signed by the reporter it names")
+    if len(body.get("evidence", [])) > MAX_EVIDENCE:
+        raise GossipError(f"a report carries at most {MAX_EVIDENCE} receipts")
+    return envelope.seal(key_pair, domain=REPORT_DOMAIN, version=VERSION, body=body, max_bytes=MAX_REPORT_BYTES,
+                         error=GossipError, what="report")
+
+
+def decode_report(blob: bytes) -> dict:
+    """The verified report body; its evidence decoded to StageReceipts under ``receipts``."""
+    body, pk = envelope.open_envelope(blob, domain=REPORT_DOMAIN, version=VERSION, max_bytes=MAX_REPORT_BYTES,
+                                      error=GossipError, what="report")
+    if body.get("reporter") != str(ID.from_pubkey(pk)):
+        raise GossipError("report is signed by a key other than its reporter's")
+    shapes = {"model": str, "accused": str, "session": str, "divergence": float, "tolerance": float,
+              "witnesses": list, "evidence": list, "layers": list}
+    for name, kind in shapes.items():
+        if not isinstance(body.get(name), kind):
+            raise GossipError(f"report field {name!r} is missing or not a {kind.__name__}")
+    if len(body["evidence"]) > MAX_EVIDENCE or not all(isinstance(b, bytes) for b in body["evidence"]):
+        raise GossipError(f"report evidence must be at most {MAX_EVIDENCE} receipt envelopes")
+    if body["accused"] == body["reporter"]:
+        raise GossipError("a reporter cannot accuse itself")
+    receipts = []
+    for blob_i in body["evidence"]:
+        try:
+            receipts.append(decode_stage(blob_i))
+        except ReceiptError as e:
+            raise GossipError(f"report evidence: {e}") from None
+    named = {body["accused"]} | {w.get("peer") for w in body["witnesses"] if isinstance(w, dict)}
+    for r in receipts:
+        if r.peer not in named or r.model != body["model"]:
+            raise GossipError(f"report evidence from {r.peer[:16]}… is not about this report's peers and model")
+    if not any(r.peer != body["accused"] for r in receipts):
+        raise GossipError("a report needs at least one witness's signed receipt")
+    return dict(body, receipts=receipts)
