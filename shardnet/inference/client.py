@@ -46,7 +46,10 @@ from .endpoint import (
     MessageStream,
     new_session_id,
 )
+from .audit import DEFAULT_AUDIT_RATE, AuditStats, RunAuditor
 from .healing import Heal, HealingSession
+from .receipt_service import ReceiptService
+from .reputation import Reputation
 from .routing import plan_route
 from .sampling import Randomness, SamplingParams, next_token, probabilities
 from .speculative import Drafter, SpeculationStats, accept_greedy, accept_sampled
@@ -94,8 +97,20 @@ class LocalModel:
 
 @dataclass
 class Token:
-    id: int
+    """A generated token. ``retracted`` > 0: the last ``retracted`` tokens before this one are
+    withdrawn (a peer that computed them was caught computing wrong; this one replaces them). When
+    the corrected text ends right there, a last Token with ``id`` None carries the retraction."""
+
+    id: int | None
     text: str
+    retracted: int = 0
+
+    def apply(self, ids: list[int]) -> None:
+        """Bring a list of the ids received so far up to date with this token."""
+        if self.retracted:
+            del ids[len(ids) - self.retracted:]
+        if self.id is not None:
+            ids.append(self.id)
 
 
 @dataclass
@@ -107,6 +122,8 @@ class GenerationStats:
     chain: list[Claim] = field(default_factory=list)
     speculation: SpeculationStats = field(default_factory=SpeculationStats)
     heals: list[Heal] = field(default_factory=list)
+    audit: AuditStats | None = None  # honest-compute checks, when on
+    retracted: int = 0  # tokens withdrawn because a peer was caught computing wrong
 
     @property
     def tokens_per_s(self) -> float:
@@ -259,7 +276,7 @@ RTT_SAMPLES = 3
 class Client:
     def __init__(self, node: Node, model: LocalModel, *, logits_on_last: bool = False,
                  route: list[Claim] | None = None, route_timeout: float = 30.0, wire: str | None = None,
-                 max_heals: int = 5, receipts: bool = True) -> None:
+                 max_heals: int = 5, receipts: bool = True, audit_rate: float = DEFAULT_AUDIT_RATE) -> None:
         self.node, self.model = node, model
         if wire is not None and wire not in ap.WIRE_DTYPES:
             raise ShardnetError(f"unknown wire dtype {wire!r} (choose from {', '.join(ap.WIRE_DTYPES)})")
@@ -271,6 +288,13 @@ class Client:
         self.max_heals = max_heals
         #: keep what a run receipt needs (hash chains; the last run's facts): see ``run_receipt``
         self.receipts = receipts
+        #: share of results re-run on other peers of a span (honest-compute checks; see ``audit``)
+        self.audit_rate = audit_rate
+        #: what this client saw of each peer's honesty; convicted peers are never routed through
+        self.reputation = Reputation()
+        me = str(node.peer_id)
+        ReceiptService.of(node).listeners.append(
+            lambda report: report["reporter"] != me and self.reputation.note_report(report))
         self._last_run: dict | None = None
         self.last_stats: GenerationStats | None = None
         self._avoid: dict[str, float] = {}  # peer -> until (trio time): failed during a request
@@ -373,13 +397,18 @@ class Client:
             "speculative": None if drafter is None else {
                 "drafter": "ngram" if type(drafter).__name__ == "NGramDrafter" else "model",
                 "k": run["k"], "depth": run["depth"], "greedy_checked_equal_to_plain": run.get("checked")},
+            # honest-compute checks of this run: how many steps were re-run on other peers, with what verdicts
+            "checks": None if stats.audit is None else dict(stats.audit.to_json(), rate=self.audit_rate,
+                                                            retracted_tokens=stats.retracted),
             "version": __version__,
         }
         return rc.seal_run(self.node.key_pair, body)
 
     def _usable(self, claims: list[Claim], avoid) -> list[Claim]:
         now = trio.current_time()
-        return [c for c in claims if c.peer not in avoid and self._avoid.get(c.peer, 0) <= now]
+        excluded = self.reputation.excluded()
+        return [c for c in claims
+                if c.peer not in avoid and c.peer not in excluded and self._avoid.get(c.peer, 0) <= now]
 
     def rtt(self, peer: str) -> float:
         """Our round trip to ``peer`` (measured, else a guess), relayed links counted several times."""
@@ -392,7 +421,7 @@ class Client:
         reported = dict(prev.rtts).get(claim.peer) if prev is not None else None
         rtt = reported if reported is not None else self.rtt(claim.peer)
         compute = 1.0 / claim.tput if claim.tput > 0 else 0.0
-        return rtt / 2 + compute
+        return (rtt / 2 + compute) * self.reputation.cost_factor(claim.peer)
 
     def return_cost(self, last: Claim) -> float:
         return self.rtt(last.peer) / 2
@@ -479,21 +508,33 @@ class Client:
         out_ids: list[int] = []
         self._last_run = {"prompt": ids, "output": out_ids, "params": params, "stats": stats, "session": sess,
                           "drafter": drafter, "k": k, "depth": depth}
-        try:
-            await sess.open(route)
-            async for tok in generate_on(sess, self.model, ids, params=params, rng=rng, drafter=drafter, k=k,
-                                         depth=depth, max_new=max_new_tokens, stop_at_eos=stop_at_eos,
-                                         stats=stats, logits_on_last=self.logits_on_last):
-                stats.chain = sess.route
-                out_ids.append(tok.id)
-                yield tok
-        finally:
-            stats.chain = sess.route or stats.chain
-            await sess.close()
+        # checks run beside the generation and end with it (the decode loop waits for those still
+        # running before it finishes, so their verdicts still count for this request)
+        body_error: BaseException | None = None
+        async with trio.open_nursery() as audits:
+            if self.audit_rate > 0 and self.fixed_route is None:
+                sess.auditor = RunAuditor(self, audits, self.audit_rate)
+                stats.audit = sess.auditor.stats
+            try:
+                await sess.open(route)
+                async for tok in generate_on(sess, self.model, ids, params=params, rng=rng, drafter=drafter, k=k,
+                                             depth=depth, max_new=max_new_tokens, stop_at_eos=stop_at_eos,
+                                             stats=stats, logits_on_last=self.logits_on_last, auditor=sess.auditor):
+                    stats.chain = sess.route
+                    tok.apply(out_ids)
+                    yield tok
+            except BaseException as e:  # re-raised below as itself, not inside an exception group
+                body_error = e
+            finally:
+                stats.chain = sess.route or stats.chain
+                await sess.close()
+                audits.cancel_scope.cancel()  # checks still running when the request failed
+        if body_error is not None:
+            raise body_error
 
 
 def _emit(model: LocalModel, out: list[int], tok: int, stats: GenerationStats, t0: float, max_new: int,
-          stop_at_eos: bool) -> Token | None:
+          stop_at_eos: bool, retracted: int = 0) -> Token | None:
     """Append an accepted token and return it with its text, or None when generation ends."""
     if stop_at_eos and tok in model.eos_ids or len(out) >= max_new:
         return None
@@ -503,15 +544,40 @@ def _emit(model: LocalModel, out: list[int], tok: int, stats: GenerationStats, t
     # decode incrementally so multi-token characters come out whole
     text = model.decode(out)
     prev = model.decode(out[:-1]) if len(out) > 1 else ""
-    return Token(tok, text[len(prev):])
+    return Token(tok, text[len(prev):], retracted)
+
+
+def _first_wrong(out: list[int], logits: torch.Tensor, params: SamplingParams, rng: Randomness, start: int,
+                 speculative: bool) -> tuple[int, int]:
+    """Given trusted logits rows [len(out) + 1, vocab] (row i: the distribution of token i of
+    ``out``, whose position is ``start + i``): the index of the first token of ``out`` they do
+    not support, and the token that belongs there. Greedy and plain sampling are deterministic
+    (keyed randomness), so a token is wrong when it differs; speculative sampling made its choices
+    with the draft's distributions, so there a token is wrong only when it was impossible."""
+    for i, tok in enumerate(out):
+        row = logits[i].float()
+        if speculative and not params.greedy:
+            if probabilities(row, params)[tok] > 0:
+                continue
+        elif next_token(row, params, rng, start + i) == tok:
+            continue
+        return i, next_token(row, params, rng, start + i)
+    return len(out), next_token(logits[len(out)].float(), params, rng, start + len(out))
 
 
 async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[int], *, params: SamplingParams,
                       rng: Randomness, drafter: Drafter | None, k: int, depth: int, max_new: int,
-                      stop_at_eos: bool, stats: GenerationStats, logits_on_last: bool = False) -> AsyncIterator[Token]:
+                      stop_at_eos: bool, stats: GenerationStats, logits_on_last: bool = False,
+                      auditor: RunAuditor | None = None) -> AsyncIterator[Token]:
     """Prefill ``prompt`` through an open session, then decode with up to ``depth`` verify chunks
     of up to ``k`` drafts in flight. Plain decoding is the case k = 0, depth = 1: each chunk is the
-    last token alone. ``sess`` needs only ``send`` and ``receive``."""
+    last token alone. ``sess`` needs only ``send`` and ``receive`` (and, with an ``auditor``, the
+    HealingSession's ``exclude`` and ``served_by``).
+
+    With an ``auditor``, between steps and before finishing: when a peer that served this
+    session is convicted of computing wrong, the session moves to a chain without it, the whole
+    text is sent through the new chain once, and the first token the trusted logits do not
+    support is replaced (the tokens after it are retracted; see ``Token``)."""
     t0 = time.perf_counter()
     n = await sess.send(model.head.embed(torch.tensor([prompt])), pos=0)
     got, result = await sess.receive()
@@ -529,13 +595,47 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
     inflight: deque[_Chunk] = deque()
     epoch, stale_below = 0, 0
     todo = [first]
+    retracted = 0
     while True:
+        finished = False
         for tok in todo:  # emit accepted tokens
-            emitted = _emit(model, out, tok, stats, t0, max_new, stop_at_eos)
+            emitted = _emit(model, out, tok, stats, t0, max_new, stop_at_eos, retracted)
             if emitted is None:
-                return
+                finished = True
+                break
+            retracted = 0
             yield emitted
-        if len(out) >= max_new:
+        finished = finished or len(out) >= max_new
+        if auditor is not None:
+            if finished:
+                await auditor.settle()  # a verdict on this request's steps still corrects it
+            convicted = [p for p in auditor.take_convicted() if p in sess.served_by()]
+            if convicted:
+                # the convicted peer's work is not trusted: one pass of the whole text through a
+                # chain without it says which of our tokens stand
+                await sess.exclude(convicted)
+                epoch += 1
+                inflight.clear()
+                n = await sess.send(model.head.embed(torch.tensor([prompt + out])), pos=0,
+                                    logits_for=len(out) + 1, epoch=epoch)
+                stale_below = n
+                got, result = await sess.receive()
+                if got != n:
+                    raise InferenceError("unexpected", f"expected result {n}, got {got}")
+                rows = result[0].float() if logits_on_last else model.head.logits(result[:, -(len(out) + 1):])[0]
+                m, fixed = _first_wrong(out, rows, params, rng, len(prompt), drafter is not None)
+                if m < len(out):
+                    retracted += len(out) - m
+                    stats.new_tokens -= len(out) - m
+                    stats.retracted += len(out) - m
+                    log.warning("withdrawing %d token(s) computed with a convicted peer", len(out) - m)
+                    del out[m:]
+                todo = [fixed]
+                spec = prompt + out
+                continue
+        if finished:
+            if retracted:  # the corrected text ends where the retraction starts
+                yield Token(None, "", retracted)
             return
         if todo:  # the accepted text changed: drafts continue from it
             spec = prompt + out + [d for c in inflight for d in c.drafts]

@@ -49,7 +49,7 @@ class Heal:
 
     failed: list[str]
     layers: list[tuple[int, int]]
-    phase: str  # "open", "prefill" or "decode"
+    phase: str  # "open", "prefill", "decode", or "audit" (left a peer caught computing wrong)
     in_flight: int  # steps unanswered when it failed (> 1: speculative chunks in flight)
     replayed_tokens: int
     seconds: float
@@ -84,6 +84,7 @@ class HealingSession:
     max_heals: int = 5
     progress: object = None  # callable(event: str, info: dict) or None
     heals: list[Heal] = field(default_factory=list)
+    auditor: object = None  # audit.RunAuditor: sees every result (and checks a sample)
 
     def __post_init__(self) -> None:
         self.route: list[Claim] = []
@@ -165,9 +166,42 @@ class HealingSession:
             while self._unanswered and self._unanswered[0].n < n:
                 self._unanswered.popleft()  # skipped by the peers (a stale speculative chunk)
             if self._unanswered and self._unanswered[0].n == n:
-                self._unanswered.popleft()
+                sent = self._unanswered.popleft()
+                if self.auditor is not None:
+                    self.auditor.observe(self._audit_job(sent, out))
             self._answered_any = True
             return n, out
+
+    def _audit_job(self, sent: _Sent, out: torch.Tensor):
+        """What an honest-compute check of this result needs; built only when it is sampled (the
+        history below ``sent.pos`` is still what the chain computed: later steps start above it)."""
+        from .audit import AuditJob
+
+        return lambda: AuditJob(sent.pos, sent.hidden, sent.logits_for,
+                                self._history[:, :sent.pos].clone() if sent.pos else None, out, list(self.route),
+                                self.inner.session.hex(), self.max_len)
+
+    def served_by(self) -> set[str]:
+        """Every peer that computed for this session, in any of its chains."""
+        return {c.peer for _, route in self.entered for c in route}
+
+    async def exclude(self, peers: list[str]) -> None:
+        """Move to a chain without ``peers`` (caught computing wrong), starting it empty: their
+        work is not trusted, so the caller re-sends from position 0 what it still needs."""
+        t0 = time.perf_counter()
+        old_route = list(self.route)
+        await self._exit_inner()
+        self._unanswered.clear()
+        self._outer_of.clear()
+        self.length = 0
+        await self.open(await self.client.find_route(avoid=set(peers),
+                                                     keep=[c for c in old_route if c.peer not in peers]))
+        heal = Heal(list(peers), [(c.start, c.end) for c in old_route if c.peer in peers], "audit", 0, 0,
+                    time.perf_counter() - t0, [c.peer for c in self.route], "computed wrong (honest-compute check)")
+        self.heals.append(heal)
+        log.warning("left %s (computed wrong): chain now %s", ", ".join(p[:16] + "…" for p in peers),
+                    " -> ".join(f"{c.peer[:12]}…[{c.start}:{c.end}]" for c in self.route))
+        self._notify("heal", heal.to_json())
 
     async def forward(self, hidden: torch.Tensor, *, pos: int | None = None, logits_for: int = 1) -> torch.Tensor:
         n = await self.send(hidden, pos=pos, logits_for=logits_for)
