@@ -539,10 +539,13 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
 @click.option("--receipt-without-prompt", is_flag=True, help="Leave the prompt's tokens out of the receipt (its hash stays).")
 @click.option("--check-speculation", is_flag=True,
               help="With --receipt and greedy speculation: decode again plainly and record whether the outputs agree.")
+@click.option("--audit-rate", type=click.FloatRange(0, 1), default=None,
+              help="Share of steps re-run on other peers of the same layers to catch wrong computation "
+                   "(default 0.1; 0: off).")
 @_wrap_errors
 def generate(listen, announce, bootstrap, quic, mdns, relays, model_path, prompt, max_new_tokens, temperature, top_p,
              top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k, depth, wire,
-             receipt, receipt_without_prompt, check_speculation) -> None:
+             receipt, receipt_without_prompt, check_speculation, audit_rate) -> None:
     """Generate text from PROMPT through the swarm; print tokens as they arrive."""
     from .inference.client import Client, LocalModel
     from .inference.speculative import ModelDrafter, NGramDrafter
@@ -569,7 +572,8 @@ def generate(listen, announce, bootstrap, quic, mdns, relays, model_path, prompt
         async with open_node(cfg) as n:
             if bootstrap:
                 await n.wait_bootstrapped()
-            client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout, wire=wire)
+            client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout, wire=wire,
+                            **({} if audit_rate is None else {"audit_rate": audit_rate}))
             await _stream_generation(client, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, seed=seed, drafter=drafter, k=draft_k, depth=depth)
             if receipt is not None:
@@ -584,7 +588,9 @@ async def _write_receipt(client, path: Path, *, with_prompt: bool, check: bool) 
     if check:  # greedy speculative output must equal plain greedy decoding: decode again, plainly
         want = list(run_info["output"])
         log.info("checking the speculative output against plain decoding…")
-        plain = [t.id async for t in client.generate(run_info["prompt"], max_new_tokens=len(want), stop_at_eos=False)]
+        plain: list[int] = []
+        async for t in client.generate(run_info["prompt"], max_new_tokens=len(want), stop_at_eos=False):
+            t.apply(plain)
         client._last_run = run_info
         run_info["checked"] = plain == want
         click.echo(f"-- speculative output {'equals' if plain == want else 'DIFFERS FROM'} plain decoding")
@@ -600,8 +606,14 @@ async def _write_receipt(client, path: Path, *, with_prompt: bool, check: bool) 
 async def _stream_generation(client, prompt: str, **kw) -> None:
     log.info("finding peers for model %s…", client.model.model_id[:16])
     sys.stdout.write(prompt)
+    ids: list[int] = []
     async for tok in client.generate(prompt, **kw):
-        sys.stdout.write(tok.text)
+        tok.apply(ids)
+        if tok.retracted:
+            sys.stdout.write(f"\n-- {tok.retracted} token(s) withdrawn (a peer was caught computing wrong); "
+                             f"corrected text:\n{prompt}{client.model.decode(ids)}")
+        else:
+            sys.stdout.write(tok.text)
         sys.stdout.flush()
     st = client.last_stats
     sys.stdout.write("\n")
@@ -613,8 +625,15 @@ async def _stream_generation(client, prompt: str, **kw) -> None:
     click.echo("-- chain: " + " -> ".join(f"{c.peer[:12]}… [{c.start}:{c.end}]" for c in st.chain))
     for h in st.heals:
         lost = ", ".join(f"{a}:{b}" for a, b in h.layers) or "?"
+        if h.phase == "audit":
+            click.echo(f"-- left {', '.join(p[:12] + '…' for p in h.failed)} (layers {lost}): caught computing wrong")
+            continue
         click.echo(f"-- healed in {h.seconds:.2f} s during {h.phase}: {', '.join(p[:12] + '…' for p in h.failed)} "
                    f"(layers {lost}) failed; replayed {h.replayed_tokens} tokens")
+    a = st.audit
+    if a is not None and a.sampled:
+        click.echo(f"-- checks: {a.checked} of {a.sampled} sampled steps re-run on other peers ({a.agreed} agreed, "
+                   f"{a.convictions} caught, {a.disputes} unsettled, {a.no_witness} without a second peer)")
 
 
 @main.command()
@@ -702,11 +721,13 @@ def _recompute_check(doc: dict, path: Path, prompt: str | None):
 @network_options("/ip4/0.0.0.0/tcp/0")
 @click.option("--peer", "peer_ids", multiple=True, help="Ask this peer (repeatable; default: every peer found).")
 @click.option("--get", "get_ids", multiple=True, help="Fetch the receipt with this ID (repeatable) and print it.")
+@click.option("--reports", "want_reports", is_flag=True,
+              help="List the reports of peers caught computing wrong that peers heard on gossip.")
 @click.option("--wait", default=3.0, show_default=True, help="Seconds to spend discovering peers.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_wrap_errors
-def receipts(listen, announce, bootstrap, quic, mdns, relays, peer_ids, get_ids, wait, as_json) -> None:
-    """List the stage receipts peers keep (newest first), or fetch receipts by ID."""
+def receipts(listen, announce, bootstrap, quic, mdns, relays, peer_ids, get_ids, want_reports, wait, as_json) -> None:
+    """List the stage receipts peers keep (newest first), fetch receipts by ID, or list reports."""
     from .inference.receipt_service import request
     from .protocols import receipt_gossip as rg
     from .protocols import receipts as rc
@@ -722,7 +743,19 @@ def receipts(listen, announce, bootstrap, quic, mdns, relays, peer_ids, get_ids,
 
             async def ask(peer: str) -> None:
                 try:
-                    if get_ids:
+                    if want_reports:
+                        got = await request(n, peer, rg.encode_request(reports_max=rg.MAX_REPORTS_PER_RESPONSE))
+                        for blob in got["reports"]:
+                            try:
+                                r = rg.decode_report(blob)
+                            except rg.GossipError as e:
+                                log.info("%s sent a bad report: %s", peer[:16], e)
+                                continue
+                            out.append({"id": rc.receipt_id(blob), "from": peer, "accused": r["accused"],
+                                        "reporter": r["reporter"], "layers": r["layers"], "model": r["model"],
+                                        "divergence": r["divergence"], "tolerance": r["tolerance"],
+                                        "evidence": [x.peer for x in r["receipts"]], "t": r.get("t")})
+                    elif get_ids:
                         got = await request(n, peer, rg.encode_request(get=list(get_ids)))
                         for blob in got["receipts"]:
                             r = rc.decode_stage(blob)
@@ -745,8 +778,17 @@ def receipts(listen, announce, bootstrap, quic, mdns, relays, peer_ids, get_ids,
         if missing:
             fail(f"not found: {', '.join(sorted(missing))}")
         return
+    if want_reports:
+        found = list({f["id"]: f for f in found}.values())  # the same report, heard by several peers
     if as_json:
         _say(json.dumps(found, indent=1))
+        return
+    if want_reports:
+        _say(f"{len(found)} report(s)")
+        for r in found:
+            _say(f"{r['id'][:16]}…  accused {r['accused'][:16]}…  layers {r['layers'][0]}:{r['layers'][1]}  "
+                 f"off by {r['divergence']:.3g} (tolerance {r['tolerance']:.2g})  by {r['reporter'][:16]}…  "
+                 f"{len(r['evidence'])} signed receipt(s)")
         return
     _say(f"{len(found)} receipt(s)")
     for d in found:

@@ -31,14 +31,15 @@ class ShardnetProcess:
     """One ``shardnet`` child process with line-oriented stdout and a log file for stderr."""
 
     def __init__(self, name: str, args: list[str], *, workdir: Path, env: dict | None = None,
-                 prefix: list[str] | None = None) -> None:
+                 prefix: list[str] | None = None, program: list[str] | None = None) -> None:
         self.name = name
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")
         child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         # prefix: e.g. ["ip", "netns", "exec", "ns1"] to run the node inside a network namespace
         self.proc = subprocess.Popen(
-            [*(prefix or []), *shardnet_argv(*args)],
+            # program: another entry point taking shardnet's arguments (tests' misbehaving peers)
+            [*(prefix or []), *(program + args if program else shardnet_argv(*args))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -165,19 +166,21 @@ class LocalSwarm:
         p = self.spawn_node(name, *extra, command=command)
         return p, self.wait_ready(p, timeout)
 
-    def spawn_node(self, name: str, *extra: str, command: str = "node") -> ShardnetProcess:
+    def spawn_node(self, name: str, *extra: str, command: str = "node",
+                   program: list[str] | None = None) -> ShardnetProcess:
         """Start without waiting (several nodes load in parallel); then ``wait_ready``."""
         if self.bootstrap_addr is None:
             raise ShardnetError("start the bootstrap first")
         return self._spawn(name, [command, "--events", "--identity", str(self.workdir / f"{name}.key"),
-                                  "--listen", "/ip4/127.0.0.1/tcp/0", "--bootstrap", self.bootstrap_addr, *extra])
+                                  "--listen", "/ip4/127.0.0.1/tcp/0", "--bootstrap", self.bootstrap_addr, *extra],
+                           program=program)
 
     @staticmethod
     def wait_ready(p: ShardnetProcess, timeout: float = 30.0) -> dict:
         return p.wait_event(lambda e: e.get("event") == "ready", timeout)
 
-    def _spawn(self, name: str, args: list[str]) -> ShardnetProcess:
-        p = ShardnetProcess(name, args, workdir=self.workdir)
+    def _spawn(self, name: str, args: list[str], program: list[str] | None = None) -> ShardnetProcess:
+        p = ShardnetProcess(name, args, workdir=self.workdir, program=program)
         self.procs.append(p)
         return p
 
