@@ -19,6 +19,20 @@ torch.set_num_threads(1)
 os.environ.setdefault("SHARDNET_IDENTITY", "/nonexistent/shardnet-test-identity.key")
 
 
+def transformers_greedy(path, prompt: str, new: int) -> list[int]:
+    """The ``new`` tokens plain single-process transformers generates greedily after ``prompt``:
+    what every distributed run must reproduce."""
+    from transformers import AutoModelForCausalLM
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(Path(path) / "tokenizer.json")).encode(prompt).ids
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,7 +6,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 from shardnet.inference.claims import NoRouteError
 from shardnet.inference.client import Client, LocalModel
@@ -14,6 +13,8 @@ from shardnet.inference.speculative import ModelDrafter
 from shardnet.localswarm import LocalSwarm
 from shardnet.models import default_draft_path, default_model_path
 from shardnet.transport import open_node
+
+from conftest import transformers_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -25,15 +26,7 @@ SPANS = {(0, 4): 2, (4, 8): 3}
 
 @pytest.fixture(scope="module")
 def reference():
-    from transformers import AutoModelForCausalLM
-
-    model = LocalModel(default_model_path())
-    ids = model.encode(PROMPT)
-    hf = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return transformers_greedy(default_model_path(), PROMPT, NEW)
 
 
 @pytest.fixture(scope="module")

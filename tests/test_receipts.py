@@ -34,6 +34,9 @@ async def test_a_run_receipt_verifies_and_links_every_stage(loopback_config):
     assert [tuple(s.layers) for s in stages] == [(0, 3), (3, 5), (5, 8)]
     assert all(s.steps_in >= 2 and s.device["kind"] == "cpu" for s in stages)
     assert body["speculative"]["drafter"] == "ngram"
+    # the run says how much of it was cross-checked (here: no second peer for any span)
+    assert body["checks"]["rate"] == client.audit_rate and body["checks"]["checked"] == 0
+    assert body["checks"]["sampled"] == body["checks"]["no_witness"]
 
 
 async def test_the_head_peer_commits_to_its_tokens(loopback_config):

@@ -4,7 +4,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 import torch
-from conftest import local_chain
+from conftest import local_chain, transformers_greedy
 
 from shardnet.inference.local_session import LocalSession
 from shardnet.inference.client import Client, LocalModel
@@ -19,15 +19,7 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def reference_ids():
-    from transformers import AutoModelForCausalLM
-
-    model = LocalModel(default_model_path())
-    ids = model.encode(PROMPT)
-    ref = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-                           pad_token_id=0, min_new_tokens=NEW)
-    return out[0, len(ids):].tolist()
+    return transformers_greedy(default_model_path(), PROMPT, NEW)
 
 
 def test_accept_greedy():
