@@ -99,7 +99,7 @@ def main() -> None:
             async with open_node(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot],
                                             dht_mode="client")) as node:
                 await node.wait_bootstrapped(30)
-                client = Client(node, model)
+                client = Client(node, model, audit_rate=0)  # decode alone (see honest_compute.py)
                 await chain_decode(client, ids, 4)  # warm-up: route, connections
                 for _ in range(args.repeats):
                     t_local, want = local_decode(ref, ids, args.tokens)
