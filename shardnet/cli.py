@@ -6,6 +6,7 @@ failure exits non-zero with one line ``error: <reason>`` and no traceback.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import signal
@@ -579,6 +580,53 @@ def generate(listen, announce, bootstrap, quic, mdns, relays, model_path, prompt
             if receipt is not None:
                 await _write_receipt(client, receipt, with_prompt=not receipt_without_prompt,
                                      check=check_speculation and drafter is not None and temperature == 0)
+
+    run(_main)
+
+
+@main.command()
+@network_options("/ip4/0.0.0.0/tcp/0")
+@model_path_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP server binds.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="HTTP port (0: any).")
+@click.option("--name", default=None, help="The model name clients ask for (default: the model directory's name).")
+@click.option("--logits-on-last", is_flag=True, help="Let the last peer apply the LM head (thin gateway).")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--route-timeout", default=10.0, show_default=True,
+              help="Seconds a request waits for peers covering the model before a 503.")
+@click.option("--audit-rate", type=click.FloatRange(0, 1), default=None,
+              help="Share of steps re-run on other peers to catch wrong computation (default 0.1; 0: off).")
+@_wrap_errors
+def serve(listen, announce, bootstrap, quic, mdns, relays, model_path, host, port, name, logits_on_last, dtype,
+          route_timeout, audit_rate) -> None:
+    """Serve an OpenAI-compatible HTTP API (completions, chat, streaming) backed by the swarm."""
+    from .gateway.server import serve_gateway
+    from .inference.client import Client, LocalModel
+    from .transport import open_node
+
+    if not bootstrap and not mdns:
+        fail("serve needs --bootstrap MADDR (or --mdns)", 2)
+    path = _model_dir(model_path)
+    cfg = make_config(relays=relays, identity=None, listen=listen, announce=announce, bootstrap=bootstrap, quic=quic,
+                      mdns=mdns, default_listen="/ip4/0.0.0.0/tcp/0", persistent=False, dht_mode="client")
+
+    async def _main() -> None:
+        log.info("loading the model's head from %s…", path)
+        model = await trio.to_thread.run_sync(lambda: LocalModel(path, dtype=dtype, lm_head=not logits_on_last))
+        async with open_node(cfg) as n:
+            if bootstrap:
+                log.info("joining the swarm…")
+                await n.wait_bootstrapped()
+            client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout,
+                            **({} if audit_rate is None else {"audit_rate": audit_rate}))
+            async with trio.open_nursery() as nursery:
+                try:
+                    urls = await nursery.start(functools.partial(
+                        serve_gateway, client, name or path.name, host=host, port=port, route_timeout=route_timeout))
+                except OSError as e:
+                    fail(f"cannot listen on {host}:{port}: {e}")
+                _say(f"serving the OpenAI API for model {name or path.name!r} on {', '.join(urls)} "
+                     f"(model {model.model_id[:16]}…)")
 
     run(_main)
 

@@ -149,6 +149,10 @@ def distill(student, teacher, ids: torch.Tensor, steps: int) -> float:
     return fit(student, steps, batch_loss, "distill", "KL")
 
 
+CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 def save(model, tok, out: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
@@ -156,6 +160,7 @@ def save(model, tok, out: Path) -> None:
     model.to(torch.float16).save_pretrained(out, safe_serialization=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
                                    eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE  # so the OpenAI gateway's chat endpoint works on it
     fast.save_pretrained(out)
 
 

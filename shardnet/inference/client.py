@@ -473,7 +473,7 @@ class Client:
     async def generate(self, prompt: str | list[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_at_eos: bool = True,
                        drafter: Drafter | None = None, k: int = 4, depth: int = 1,
-                       progress=None) -> AsyncIterator[Token]:
+                       progress=None, route: list[Claim] | None = None) -> AsyncIterator[Token]:
         """Yield generated tokens one at a time (text in, text out).
 
         With a ``drafter`` each chain traversal verifies up to ``k`` drafted tokens: greedy output is
@@ -486,6 +486,7 @@ class Client:
         When a peer fails mid-request the chain heals (see ``healing``) and generation goes on
         with the same output; ``last_stats.heals`` records each recovery. ``progress``, if given,
         is called as ``progress(event, info)`` for "route", "sent" (each step) and "heal".
+        ``route``: a chain just found by ``find_route`` (else one is found here).
         """
         params = SamplingParams(temperature, top_p, top_k, seed)
         if k < 0 or depth < 1:
@@ -495,7 +496,7 @@ class Client:
         if not ids:
             raise ShardnetError("empty prompt")
         stats = GenerationStats(prompt_tokens=len(ids))
-        route = await self.find_route()
+        route = route or await self.find_route()
         stats.chain = route
         self.last_stats = stats
         if progress is not None:

@@ -1,0 +1,1 @@
+"""HTTP front ends to a swarm: an OpenAI-compatible API (``shardnet serve``)."""

@@ -1,0 +1,259 @@
+"""An OpenAI-compatible HTTP server in front of a swarm: a plain ASGI app served by Hypercorn on
+trio, in the same event loop as the node it generates through.
+
+    POST /v1/completions, POST /v1/chat/completions (``stream: true``: server-sent events)
+    GET /v1/models, GET /health, GET /v1/swarm (``shardnet status --json``'s data)
+
+Each request runs its own chain session, so requests are served concurrently. Errors use
+OpenAI's error shape with a fitting status: 400 bad input (``context_length_exceeded`` when the
+prompt and ``max_tokens`` do not fit), 404 unknown model or path, 405, 408 a body that does not
+arrive, 413 an oversize body, 503 when no chain covers the model, 502 when the swarm fails
+mid-request (before anything was sent; a stream that fails later ends with an error event).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import aclosing
+from pathlib import Path
+
+import trio
+
+from shardnet.inference.claims import NoRouteError
+from shardnet.inference.client import Client
+from shardnet.inference.swarm_status import swarm_report
+from shardnet.transport.errors import ShardnetError
+
+from . import openai_api as oa
+
+log = logging.getLogger(__name__)
+
+BODY_TIMEOUT = 30.0
+SWARM_WAIT = 3.0
+
+
+def chat_template_of(model_dir: Path) -> str | None:
+    try:
+        cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    t = cfg.get("chat_template")
+    if isinstance(t, list):  # named templates: the default one
+        t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+    return t if isinstance(t, str) else None
+
+
+class Gateway:
+    """The ASGI application. ``name``: the model name clients ask for (its ID works too)."""
+
+    def __init__(self, client: Client, name: str, *, route_timeout: float = 10.0) -> None:
+        self.client, self.name, self.route_timeout = client, name, route_timeout
+        self.model = client.model
+        self.created = oa.now()
+        self.context = int(getattr(self.model.ckpt.config, "max_position_embeddings", 0) or 1 << 30)
+        self.template = chat_template_of(self.model.ckpt.path)
+        self.requests = 0
+
+    # -- ASGI ----------------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"].rstrip("/") or "/"
+        routes = {("GET", "/health"): self.health, ("GET", "/v1/models"): self.models,
+                  ("GET", "/v1/swarm"): self.swarm}
+        self.requests += 1
+        try:
+            if (method, path) in routes:
+                await _json(send, 200, await routes[(method, path)]())
+            elif (method, path) in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+                await self.generate(path.endswith("chat/completions"), receive, send)
+            elif path in {p for _, p in routes} | {"/v1/completions", "/v1/chat/completions"}:
+                raise oa.ApiError(405, f"{method} is not allowed on {path}")
+            else:
+                raise oa.ApiError(404, f"no such endpoint: {method} {path}", code="unknown_url")
+        except oa.ApiError as e:
+            log.info("%s %s -> %d %s", method, path, e.status, e.message)
+            await _json(send, e.status, e.body())
+        except Exception as e:  # the server keeps serving; the client gets a 500 with the reason
+            log.exception("%s %s failed", method, path)
+            await _json(send, 500, oa.ApiError(500, f"internal error: {e}", type="server_error").body())
+
+    # -- simple endpoints ----------------------------------------------------------------------
+    async def health(self) -> dict:
+        node = self.client.node
+        return {"status": "ok", "model": self.name, "model_id": self.model.model_id, "peer_id": str(node.peer_id),
+                "connected_peers": len(node.peers()), "requests": self.requests}
+
+    async def models(self) -> dict:
+        return oa.models_body(self.name, self.created)
+
+    async def swarm(self) -> dict:
+        return await swarm_report(self.client.node, self.model.model_id, self.model.ckpt.num_layers, wait=SWARM_WAIT)
+
+    # -- generation ----------------------------------------------------------------------------
+    def _render_chat(self, messages: list[dict]) -> str:
+        if self.template is None:
+            raise oa.ApiError(400, f"model {self.name} has no chat template; use /v1/completions", param="model")
+        tok = self.model.tokenizer
+        bos = tok.id_to_token(self.model.ckpt.raw_config.get("bos_token_id") or 0) or ""
+        return oa.render_chat_template(self.template, messages, bos_token=bos,
+                                       eos_token=tok.id_to_token(min(self.model.eos_ids, default=0)) or "")
+
+    async def _request(self, chat: bool, receive) -> tuple[oa.GenerationRequest, list[int], int]:
+        body = await _read_body(receive)
+        req = oa.parse_request(oa.parse_json(body), chat=chat, render_chat=self._render_chat)
+        if req.model not in (self.name, self.model.model_id):
+            raise oa.ApiError(404, f"the model {req.model!r} does not exist here (this server serves "
+                              f"{self.name!r})", param="model", code="model_not_found")
+        ids = self.model.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        vocab = self.model.ckpt.config.vocab_size
+        if any(t >= vocab for t in ids):
+            raise oa.ApiError(400, f"token ids must be below the vocabulary size {vocab}", param="prompt")
+        room = self.context - len(ids)
+        max_new = req.max_tokens if req.max_tokens is not None else room
+        if room < 1 or max_new > room:
+            raise oa.ApiError(400, f"this model's context is {self.context} tokens; the prompt has {len(ids)} and "
+                              f"{max_new} more were asked for", param="max_tokens" if room >= 1 else "messages"
+                              if chat else "prompt", code="context_length_exceeded")
+        return req, ids, max_new
+
+    async def _route(self):
+        try:
+            return await self.client.find_route(timeout=self.route_timeout)
+        except NoRouteError as e:
+            raise oa.ApiError(503, f"the swarm cannot serve the model now: {e}", type="server_error",
+                              code="no_route") from None
+
+    def _tokens(self, req: oa.GenerationRequest, ids: list[int], max_new: int, route):
+        return self.client.generate(ids, max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
+                                    seed=req.seed, route=route)
+
+    async def generate(self, chat: bool, receive, send) -> None:
+        req, ids, max_new = await self._request(chat, receive)
+        route = await self._route()
+        rid, created = oa.new_id(chat), oa.now()
+        t0 = time.perf_counter()
+        if req.stream:
+            await self._stream(req, ids, max_new, route, rid, created, receive, send)
+        else:
+            out: list[int] = []
+            stop = oa.StopMatcher(req.stop)
+            text = ""
+            try:
+                async with aclosing(self._tokens(req, ids, max_new, route)) as tokens:
+                    async for tok in tokens:
+                        tok.apply(out)
+                        stop = oa.StopMatcher(req.stop)  # (re)checked on the whole text: tokens may be withdrawn
+                        text = stop.feed(self.model.decode(out))
+                        if stop.stopped:
+                            break
+            except ShardnetError as e:
+                raise oa.ApiError(502, f"the swarm failed during generation: {e}", type="server_error",
+                                  code="swarm_error") from None
+            if not stop.stopped:
+                text += stop.flush()
+            finish = "length" if len(out) >= max_new and not stop.stopped else "stop"
+            if req.echo:
+                text = self.model.decode(ids) + text
+            await _json(send, 200, oa.response_body(req, rid, created, text, finish, oa.usage(len(ids), len(out))))
+        log.info("%s: %d prompt tokens, done in %.2f s", rid, len(ids), time.perf_counter() - t0)
+
+    async def _stream(self, req, ids, max_new, route, rid, created, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+
+        async def event(data) -> None:
+            await send({"type": "http.response.body", "body": oa.sse(data), "more_body": True})
+
+        stop = oa.StopMatcher(req.stop)
+        n = 0
+        finish = "length"
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            try:
+                if req.chat:
+                    await event(oa.chunk_body(req, rid, created, role=True, text=""))
+                elif req.echo:
+                    await event(oa.chunk_body(req, rid, created, text=self.model.decode(ids)))
+                async with aclosing(self._tokens(req, ids, max_new, route)) as tokens:
+                    async for tok in tokens:
+                        if tok.retracted:
+                            # text already sent cannot be taken back: say so and end the stream
+                            raise ShardnetError(f"a peer was caught computing wrong; {tok.retracted} token(s) "
+                                                "already sent were withdrawn: retry the request")
+                        n += 1
+                        piece = stop.feed(tok.text)
+                        if piece:
+                            await event(oa.chunk_body(req, rid, created, text=piece))
+                        if stop.stopped:
+                            finish = "stop"
+                            break
+                if not stop.stopped:
+                    if piece := stop.flush():
+                        await event(oa.chunk_body(req, rid, created, text=piece))
+                    finish = "length" if n >= max_new else "stop"
+                await event(oa.chunk_body(req, rid, created, finish=finish, text=None if req.chat else ""))
+                if req.include_usage:
+                    await event(oa.chunk_body(req, rid, created, use=oa.usage(len(ids), n)))
+            except ShardnetError as e:
+                log.warning("%s: stream ended early: %s", rid, e)
+                await event(oa.ApiError(502, str(e), type="server_error", code="swarm_error").body())
+            await event("[DONE]")
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            nursery.cancel_scope.cancel()
+
+
+async def _read_body(receive) -> bytes:
+    body = b""
+    try:
+        with trio.fail_after(BODY_TIMEOUT):
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    raise oa.ApiError(400, "the client went away before sending its request")
+                body += msg.get("body", b"")
+                if len(body) > oa.MAX_BODY_BYTES:
+                    raise oa.ApiError(413, f"request body exceeds {oa.MAX_BODY_BYTES} bytes")
+                if not msg.get("more_body"):
+                    return body
+    except trio.TooSlowError:
+        raise oa.ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT:g} s") from None
+
+
+async def _cancel_on_disconnect(receive, scope: trio.CancelScope) -> None:
+    """A streaming client that goes away stops its generation (and frees its chain)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    log.info("client disconnected: generation cancelled")
+    scope.cancel()
+
+
+async def _json(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+async def serve_gateway(client: Client, name: str, *, host: str = "127.0.0.1", port: int = 8000,
+                        route_timeout: float = 10.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until cancelled; ``task_status.started`` gets the bound URLs."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = 5.0
+    await serve(Gateway(client, name, route_timeout=route_timeout), config, task_status=task_status)
