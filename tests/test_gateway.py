@@ -1,0 +1,168 @@
+"""The OpenAI-compatible gateway (`shardnet serve`) as a real process in front of a real swarm,
+driven by the official `openai` client and by plain HTTP."""
+
+import concurrent.futures
+import http.client
+import json
+import re
+
+import openai
+import pytest
+
+from shardnet.inference.client import LocalModel
+from shardnet.localswarm import LocalSwarm, ShardnetProcess
+from shardnet.models import default_model_path
+
+from conftest import free_port, transformers_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "def main(args):\n    "
+MAX = 12
+
+
+def start_gateway(swarm: LocalSwarm, *extra: str) -> str:
+    port = free_port()
+    p = ShardnetProcess("gateway", ["serve", "--bootstrap", swarm.bootstrap_addr, "--port", str(port), *extra],
+                        workdir=swarm.workdir)
+    swarm.procs.append(p)
+    line = p.wait_for_line(lambda s: "serving the OpenAI API" in s, 60)
+    return re.search(r"http://[\d.]+:\d+", line).group(0)
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    with LocalSwarm() as swarm:
+        swarm.start_bootstrap()
+        procs = [swarm.spawn_node(f"p{a}", "--layers", f"{a}:{b}", "--threads", "1", command="join")
+                 for a, b in ((0, 4), (4, 8))]
+        for p in procs:
+            swarm.wait_ready(p, 120)
+        yield start_gateway(swarm)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """What plain transformers generates greedily, cut at the end-of-text token, as text."""
+    model = LocalModel(default_model_path())
+    ids = transformers_greedy(default_model_path(), PROMPT, MAX)
+    cut = next((i for i, t in enumerate(ids) if t in model.eos_ids), len(ids))
+    return model.decode(ids[:cut]), len(model.encode(PROMPT)), cut
+
+
+def api(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def http_request(url, method, path, body=None, headers=None):
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request(method, path, body=body, headers=headers or {})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, data
+
+
+def test_a_completion_equals_transformers_with_usage(gateway, expected):
+    text, prompt_tokens, n = expected
+    r = api(gateway).completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=MAX, temperature=0)
+    assert r.object == "text_completion" and r.model == "tiny-llama"
+    assert r.choices[0].text == text
+    assert r.choices[0].finish_reason == ("length" if n == MAX else "stop")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, n)
+    assert r.usage.total_tokens == prompt_tokens + n
+
+
+def test_a_streamed_chat_completion(gateway):
+    client = api(gateway)
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    whole = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=10, temperature=0)
+    stream = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == whole.choices[0].message.content and whole.choices[0].message.role == "assistant"
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens > 10  # the template's framing counts
+
+
+def test_stop_sequences_cut_the_text_and_seeded_sampling_repeats(gateway, expected):
+    text = expected[0]
+    client = api(gateway)
+    stop = text[3:6]
+    r = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=MAX, temperature=0, stop=[stop])
+    assert r.choices[0].text == text[:text.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny-llama", prompt=PROMPT, max_tokens=MAX, temperature=0, stop=stop, stream=True))
+    assert streamed == r.choices[0].text
+    a, b = (client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=8, temperature=1.0, top_p=0.9,
+                                      seed=5).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_concurrent_requests_are_all_served(gateway, expected):
+    client = api(gateway)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: client.completions.create(
+            model="tiny-llama", prompt=PROMPT, max_tokens=MAX, temperature=0).choices[0].text, range(4)))
+    assert got == [expected[0]] * 4
+
+
+def test_bad_requests_get_openai_errors(gateway):
+    client = api(gateway)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=10**7)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-llama", messages=[], max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-llama", prompt="x", temperature=7)
+
+
+@pytest.mark.parametrize("body, status", [
+    (b"{not json", 400), (b"[1, 2]", 400), (b"", 400), (b'{"model": "tiny-llama"}', 400),
+    (b'{"model": "tiny-llama", "prompt": "x", "max_tokens": "many"}', 400),
+    (b'{"model": "tiny-llama", "prompt": [99999999]}', 400),
+    (b"x" * ((1 << 20) + 1), 413),
+])
+def test_malformed_bodies_get_error_json(gateway, body, status):
+    got, data = http_request(gateway, "POST", "/v1/completions", body, {"content-type": "application/json"})
+    assert got == status
+    err = json.loads(data)["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_health_models_swarm_and_unknown_paths(gateway):
+    status, data = http_request(gateway, "GET", "/health")
+    assert status == 200 and json.loads(data)["status"] == "ok"
+    status, data = http_request(gateway, "GET", "/v1/models")
+    assert [m["id"] for m in json.loads(data)["data"]] == ["tiny-llama"]
+    assert [m.id for m in api(gateway).models.list()] == ["tiny-llama"]
+    status, data = http_request(gateway, "GET", "/v1/swarm")
+    swarm = json.loads(data)
+    assert status == 200 and swarm["missing_layers"] == [] and len(swarm["peers"]) == 2
+    assert all(c["peers"] == 1 for c in swarm["coverage"])
+    assert http_request(gateway, "GET", "/v2/nothing")[0] == 404
+    assert http_request(gateway, "GET", "/v1/completions")[0] == 405
+
+
+def test_a_swarm_that_cannot_cover_the_model_is_a_503():
+    with LocalSwarm() as swarm:
+        swarm.start_bootstrap()
+        p = swarm.spawn_node("half", "--layers", "0:4", "--threads", "1", command="join")
+        swarm.wait_ready(p, 120)
+        url = start_gateway(swarm, "--route-timeout", "2")
+        with pytest.raises(openai.InternalServerError) as e:
+            api(url).completions.create(model="tiny-llama", prompt="x", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["code"] == "no_route"
+        assert "layers 4-7" in e.value.body["message"]
