@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "def main(args):\n    "
 MAX = 12
+GATEWAY_LOG = []  # the module gateway's log file
 
 
 def start_gateway(swarm: LocalSwarm, *extra: str) -> str:
@@ -26,6 +27,7 @@ def start_gateway(swarm: LocalSwarm, *extra: str) -> str:
     p = ShardnetProcess("gateway", ["serve", "--bootstrap", swarm.bootstrap_addr, "--port", str(port), *extra],
                         workdir=swarm.workdir)
     swarm.procs.append(p)
+    GATEWAY_LOG.append(p.log_path)
     line = p.wait_for_line(lambda s: "serving the OpenAI API" in s, 60)
     return re.search(r"http://[\d.]+:\d+", line).group(0)
 
@@ -166,3 +168,26 @@ def test_a_swarm_that_cannot_cover_the_model_is_a_503():
             api(url).completions.create(model="tiny-llama", prompt="x", max_tokens=2)
         assert e.value.status_code == 503 and e.value.body["code"] == "no_route"
         assert "layers 4-7" in e.value.body["message"]
+
+
+def test_a_streaming_client_that_goes_away_stops_its_generation(gateway):
+    import socket
+    import time
+
+    host, port = gateway.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 400, "stream": True,
+                       "temperature": 0}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = b""
+        while b"data: " not in got:
+            got += s.recv(4096)
+        assert b"200" in got.split(b"\r\n")[0]
+    log = GATEWAY_LOG[0]
+    deadline = time.monotonic() + 30
+    while "generation cancelled" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.2)
+    status, _ = http_request(gateway, "GET", "/health")  # and it goes on serving
+    assert status == 200

@@ -116,6 +116,7 @@ class AuditStats:
     disputes: int = 0
     convictions: int = 0
     no_witness: int = 0
+    superseded: int = 0  # sampled on a chain with a peer convicted since: its output is redone anyway
     incomplete: int = 0
     dropped: int = 0
     seconds: float = 0.0
@@ -188,6 +189,9 @@ class RunAuditor:
         return c._usable([x for x in c._claims if x.expires > time.time()], frozenset())
 
     async def _audit(self, job: AuditJob) -> None:
+        if self.client.reputation.excluded() & {c.peer for c in job.route}:
+            self.stats.superseded += 1
+            return
         claims = await self._candidates()
         in_chain = {c.peer for c in job.route}
         witnesses = {i: [w for w in claims if (w.start, w.end) == (c.start, c.end) and w.peer not in in_chain]
