@@ -1,0 +1,135 @@
+// A js-libp2p peer for the interop suite, driven by JSON lines: commands on stdin, events and
+// replies on stdout (one JSON object per line). Run with the polyfill:
+//
+//     node --import ./polyfill.js peer.js '{"listen": ["/ip4/127.0.0.1/tcp/0"]}'
+//
+// It speaks TCP + Noise + Yamux, identify, ping, gossipsub, Kademlia (/ipfs/kad/1.0.0), and
+// echoes every stream opened on /shardnet/activation/1.0.0 back byte for byte.
+import { createInterface } from 'node:readline'
+import { createLibp2p } from 'libp2p'
+import { tcp } from '@libp2p/tcp'
+import { noise } from '@chainsafe/libp2p-noise'
+import { yamux } from '@chainsafe/libp2p-yamux'
+import { identify } from '@libp2p/identify'
+import { ping } from '@libp2p/ping'
+import { gossipsub } from '@libp2p/gossipsub'
+import { multiaddr } from '@multiformats/multiaddr'
+import { peerIdFromString } from '@libp2p/peer-id'
+
+const opts = JSON.parse(process.argv[2] ?? '{}')
+const ECHO = '/shardnet/activation/1.0.0'
+const out = (obj) => process.stdout.write(JSON.stringify(obj) + '\n')
+const b64 = (u8) => Buffer.from(u8).toString('base64')
+
+const node = await createLibp2p({
+  addresses: { listen: opts.listen ?? ['/ip4/127.0.0.1/tcp/0'] },
+  // the suite runs on loopback and private lab addresses, which js-libp2p refuses to dial by default
+  connectionGater: { denyDialMultiaddr: async () => false },
+  transports: [tcp()],
+  connectionEncrypters: [noise()],
+  streamMuxers: [yamux()],
+  services: {
+    identify: identify(),
+    ping: ping(),
+    pubsub: gossipsub({ allowPublishToZeroTopicPeers: true, emitSelf: false })
+  }
+})
+
+await node.handle(ECHO, async (stream) => {
+  // echo until the other side closes its write end, then close ours
+  for await (const chunk of stream) {
+    const bytes = chunk.subarray()
+    if (!stream.send(bytes)) await stream.onDrain()
+  }
+  await stream.close()
+})
+
+node.services.pubsub.addEventListener('message', (evt) => {
+  const m = evt.detail
+  out({ event: 'message', topic: m.topic, from: m.from?.toString(), data: b64(m.data) })
+})
+
+const target = (cmd) => cmd.addr ? multiaddr(cmd.addr) : peerIdFromString(cmd.peer)
+
+const commands = {
+  async dial (cmd) {
+    const conn = await node.dial(target(cmd))
+    return { peer: conn.remotePeer.toString(), remote: conn.remoteAddr.toString() }
+  },
+  async ping (cmd) {
+    return { rtt_ms: await node.services.ping.ping(target(cmd)) }
+  },
+  async peer_info (cmd) {
+    const p = await node.peerStore.get(peerIdFromString(cmd.peer))
+    return {
+      protocols: p.protocols,
+      addrs: p.addresses.map((a) => a.multiaddr.toString()),
+      agent: p.metadata.get('AgentVersion') ? new TextDecoder().decode(p.metadata.get('AgentVersion')) : null,
+      protocol_version: p.metadata.get('ProtocolVersion') ? new TextDecoder().decode(p.metadata.get('ProtocolVersion')) : null
+    }
+  },
+  async conns () {
+    return { conns: node.getConnections().map((c) => ({ peer: c.remotePeer.toString(), remote: c.remoteAddr.toString() })) }
+  },
+  async echo (cmd) {
+    // open a stream on ECHO, send the bytes, read back as many, close
+    const stream = await node.dialProtocol(target(cmd), cmd.protocol ?? ECHO)
+    const data = Buffer.from(cmd.data, 'base64')
+    if (!stream.send(data)) await stream.onDrain()
+    const got = []
+    let n = 0
+    for await (const chunk of stream) {
+      const bytes = chunk.subarray()
+      got.push(bytes)
+      n += bytes.length
+      if (n >= data.length) break
+    }
+    await stream.close()
+    return { data: b64(Buffer.concat(got)) }
+  },
+  async subscribe (cmd) {
+    node.services.pubsub.subscribe(cmd.topic)
+    return {}
+  },
+  async topic_peers (cmd) {
+    return { peers: node.services.pubsub.getSubscribers(cmd.topic).map((p) => p.toString()) }
+  },
+  async publish (cmd) {
+    const r = await node.services.pubsub.publish(cmd.topic, Buffer.from(cmd.data, 'base64'))
+    return { recipients: r.recipients.map((p) => p.toString()) }
+  },
+  async stop () {
+    await node.stop()
+    setTimeout(() => process.exit(0), 10)
+    return {}
+  }
+}
+
+out({
+  event: 'ready',
+  peer_id: node.peerId.toString(),
+  addrs: node.getMultiaddrs().map((a) => a.toString()),
+  protocols: node.getProtocols()
+})
+
+const rl = createInterface({ input: process.stdin })
+rl.on('line', async (line) => {
+  let cmd
+  try {
+    cmd = JSON.parse(line)
+  } catch (e) {
+    out({ event: 'error', error: `not JSON: ${e.message}` })
+    return
+  }
+  try {
+    const fn = commands[cmd.cmd]
+    if (!fn) throw new Error(`unknown command ${cmd.cmd}`)
+    out({ event: 'result', id: cmd.id, ok: true, ...(await fn(cmd)) })
+  } catch (e) {
+    out({ event: 'result', id: cmd.id, ok: false, error: `${e.name}: ${e.message}` })
+  }
+})
+rl.on('close', async () => {
+  await node.stop()
+  process.exit(0)
+})
