@@ -24,7 +24,8 @@ CHECKS = [
     ("a shardnet activation frame echoed byte for byte, both ways",
      {"js": "test_js.test_an_activation_frame_is_echoed_byte_for_byte_both_ways"}),
     ("gossipsub messages both ways", {"js": "test_js.test_gossipsub_messages_flow_both_ways"}),
-    ("DHT: put/get and provider records across implementations", {}),
+    ("DHT: PUT_VALUE and GET_VALUE both ways (shardnet's signed records); provider records both ways",
+     {"js": "test_js.test_dht_values_and_provider_records_cross_implementations"}),
     ("circuit relay v2: a shardnet peer reserves on the foreign relay; another dials it through", {}),
     ("DCUtR hole punch between shardnet and the foreign peer", {}),
 ]

@@ -96,6 +96,44 @@ async def test_gossipsub_messages_flow_both_ways(js, node_config):
         assert msg.data == b"from js" and str(msg.sender) == js.peer_id
 
 
+async def test_dht_values_and_provider_records_cross_implementations(js, node_config):
+    from shardnet.transport import identity, records
+    from shardnet.transport.dht import provider_key
+
+    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    async with open_node(node_config()) as node:
+        await node.connect(js.addrs[0])
+        await trio.sleep(1)  # identify tells each side the other speaks /ipfs/kad/1.0.0
+        # a signed record shardnet puts is stored by js (its PUT_VALUE accepted) and found by js's get
+        key = await node.dht.put("interop/profile", b"from shardnet")
+        r = await call(js, "dht_get", key=b64(key.encode()), seconds=5)
+        assert r["values"], r
+        assert records.decode(key, base64.b64decode(r["values"][0]["value"])).data == b"from shardnet"
+        # a record js puts (shardnet's format, signed by a third identity) passes shardnet's validator
+        kp = identity.generate()
+        publisher = ID.from_pubkey(kp.public_key)
+        key = records.record_key(publisher, "interop/note")
+        r = await call(js, "dht_put", key=b64(key.encode()), value=b64(records.encode(kp, "interop/note", b"via js")))
+        assert r["responses"] >= 1
+        assert node.dht.kad.value_store.get(key.encode()) is not None  # stored here by js's PUT_VALUE
+        assert await node.dht.get(publisher, "interop/note") == b"via js"
+        # GET_VALUE both ways: each side fetches a record only the other one holds
+        node.dht.kad.value_store.remove(key.encode())
+        assert await node.dht.get(publisher, "interop/note") == b"via js"  # from js
+        key = records.record_key(node.peer_id, "interop/local")
+        node.dht.kad.value_store.put(key.encode(), records.encode(node.dht._key_pair(), "interop/local", b"only here"))
+        r = await call(js, "dht_get", key=b64(key.encode()), seconds=5)
+        assert [v["from"] for v in r["values"]] == [str(node.peer_id)], r
+        assert records.decode(key, base64.b64decode(r["values"][0]["value"])).data == b"only here"
+        # provider records: shardnet's keys are multihashes, so a CID names them in js
+        await node.dht.provide("interop/room")
+        r = await call(js, "find_providers", multihash=provider_key("interop/room"))
+        assert str(node.peer_id) in [p["peer"] for p in r["providers"]], r
+        await call(js, "provide", multihash=provider_key("interop/js-room"))
+        found = await node.dht.find_providers("interop/js-room")
+        assert js.peer_id in [str(p.peer_id) for p in found], found
+
+
 def _record_observations(node) -> list[str]:
     """The addresses peers report seeing us at (identify's observedAddr), as they arrive."""
     seen: list[str] = []

@@ -13,8 +13,11 @@ import { yamux } from '@chainsafe/libp2p-yamux'
 import { identify } from '@libp2p/identify'
 import { ping } from '@libp2p/ping'
 import { gossipsub } from '@libp2p/gossipsub'
+import { kadDHT, passthroughMapper } from '@libp2p/kad-dht'
 import { multiaddr } from '@multiformats/multiaddr'
 import { peerIdFromString } from '@libp2p/peer-id'
+import { CID } from 'multiformats/cid'
+import * as Digest from 'multiformats/hashes/digest'
 
 const opts = JSON.parse(process.argv[2] ?? '{}')
 const ECHO = '/shardnet/activation/1.0.0'
@@ -31,7 +34,19 @@ const node = await createLibp2p({
   services: {
     identify: identify(),
     ping: ping(),
-    pubsub: gossipsub({ allowPublishToZeroTopicPeers: true, emitSelf: false })
+    pubsub: gossipsub({ allowPublishToZeroTopicPeers: true, emitSelf: false }),
+    // a DHT server on the standard protocol; shardnet's signed records live under /shardnet/
+    // keys, which js-libp2p stores only for namespaces it has a validator for (it cannot check
+    // shardnet's signatures, so it accepts them as they are and keeps the first it sees)
+    dht: kadDHT({
+      protocol: '/ipfs/kad/1.0.0',
+      clientMode: false,
+      // the Amino protocol ID makes js drop peers' private addresses, so a loopback peer would
+      // never enter its routing table
+      peerInfoMapper: passthroughMapper,
+      validators: { shardnet: async () => {} },
+      selectors: { shardnet: () => 0 }
+    })
   }
 })
 
@@ -49,6 +64,7 @@ node.services.pubsub.addEventListener('message', (evt) => {
   out({ event: 'message', topic: m.topic, from: m.from?.toString(), data: b64(m.data) })
 })
 
+const cidOf = (hex) => CID.createV1(0x55, Digest.decode(Buffer.from(hex, 'hex')))
 const target = (cmd) => cmd.addr ? multiaddr(cmd.addr) : peerIdFromString(cmd.peer)
 
 const commands = {
@@ -86,6 +102,45 @@ const commands = {
     }
     await stream.close()
     return { data: b64(Buffer.concat(got)) }
+  },
+  async dht_put (cmd) {
+    let responses = 0
+    for await (const ev of node.services.dht.put(Buffer.from(cmd.key, 'base64'), Buffer.from(cmd.value, 'base64'))) {
+      if (ev.name === 'PEER_RESPONSE') responses++
+    }
+    return { responses }
+  },
+  async dht_get (cmd) {
+    // every value found, and from whom (ourselves: the local store), until the query ends
+    const values = []
+    const errors = []
+    const signal = AbortSignal.timeout((cmd.seconds ?? 10) * 1000)
+    try {
+      for await (const ev of node.services.dht.get(Buffer.from(cmd.key, 'base64'), { signal })) {
+        if (ev.name === 'VALUE') values.push({ from: ev.from.toString(), value: b64(ev.value) })
+        if (ev.name === 'QUERY_ERROR') errors.push(`${ev.from}: ${ev.error?.message}`)
+      }
+    } catch (e) {
+      errors.push(`${e.name}: ${e.message}`)
+    }
+    return { values, errors }
+  },
+  async provide (cmd) {
+    await node.contentRouting.provide(cidOf(cmd.multihash))
+    return {}
+  },
+  async find_providers (cmd) {
+    const found = []
+    const signal = AbortSignal.timeout((cmd.seconds ?? 10) * 1000)
+    try {
+      for await (const p of node.contentRouting.findProviders(cidOf(cmd.multihash), { signal })) {
+        found.push({ peer: p.id.toString(), addrs: p.multiaddrs.map((a) => a.toString()) })
+        if (found.length >= (cmd.count ?? 1)) break
+      }
+    } catch (e) {
+      if (found.length === 0) throw e
+    }
+    return { providers: found }
   },
   async subscribe (cmd) {
     node.services.pubsub.subscribe(cmd.topic)

@@ -22,9 +22,15 @@ log = logging.getLogger(__name__)
 PROVIDER_DOMAIN = b"shardnet-provider/1:"
 
 
+#: a sha2-256 multihash's prefix (code 0x12, 32 bytes)
+SHA256_MULTIHASH = b"\x12\x20"
+
+
 def provider_key(name: str) -> str:
-    """Provider records are keyed by a hash of the app's name, so any string is a valid key."""
-    return hashlib.sha256(PROVIDER_DOMAIN + name.encode()).hexdigest()
+    """Provider records are keyed by a hash of the app's name, so any string is a valid key. The
+    key is a sha2-256 multihash (hex), what other libp2p DHTs key providers by (a CID's
+    multihash), so their nodes store, find and announce shardnet's providers too."""
+    return (SHA256_MULTIHASH + hashlib.sha256(PROVIDER_DOMAIN + name.encode()).digest()).hex()
 
 
 class DHT:
