@@ -30,3 +30,13 @@ def node_config():
         return NodeConfig(**kw)
 
     return make
+
+
+@pytest.fixture
+def js_relay(tmp_path):
+    why = js_available()
+    if why:
+        pytest.fail(f"js-libp2p peer unavailable: {why}")
+    peer = JsPeer(tmp_path, "js-relay", relay=True)
+    yield peer
+    peer.stop()

@@ -26,7 +26,9 @@ CHECKS = [
     ("gossipsub messages both ways", {"js": "test_js.test_gossipsub_messages_flow_both_ways"}),
     ("DHT: PUT_VALUE and GET_VALUE both ways (shardnet's signed records); provider records both ways",
      {"js": "test_js.test_dht_values_and_provider_records_cross_implementations"}),
-    ("circuit relay v2: a shardnet peer reserves on the foreign relay; another dials it through", {}),
+    ("circuit relay v2: a shardnet peer reserves on the foreign relay; another dials it through; the relay's "
+     "data limit ends the circuit cleanly",
+     {"js": "test_js.test_a_shardnet_peer_reserves_on_a_js_relay_and_is_dialled_through_it"}),
     ("DCUtR hole punch between shardnet and the foreign peer", {}),
 ]
 NOT_BUILT = "not built yet"

@@ -9,7 +9,7 @@ from libp2p.peer.id import ID
 
 from shardnet.protocols import activation as ap
 from shardnet.protocols import echo
-from shardnet.transport import open_node
+from shardnet.transport import ShardnetError, open_node
 
 TOPIC = "interop/news"
 
@@ -132,6 +132,37 @@ async def test_dht_values_and_provider_records_cross_implementations(js, node_co
         await call(js, "provide", multihash=provider_key("interop/js-room"))
         found = await node.dht.find_providers("interop/js-room")
         assert js.peer_id in [str(p.peer_id) for p in found], found
+
+
+async def test_a_shardnet_peer_reserves_on_a_js_relay_and_is_dialled_through_it(js_relay, node_config):
+    from shardnet.transport.config import parse_peer_addr
+
+    async with open_node(node_config(auto_relays=0)) as a, open_node(node_config(auto_relays=0)) as b:
+        a.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
+        rsvp = await a.relay_client.reserve(parse_peer_addr(js_relay.addrs[0]))
+        assert rsvp.expire > 0
+        circuit = f"{js_relay.addrs[0]}/p2p-circuit/p2p/{a.peer_id}"
+        assert circuit in [str(x) for x in a.listen_addrs]  # advertised next to the direct ones
+        assert await b.connect(circuit) == a.peer_id
+        assert [c["relayed"] for c in b.connections(a.peer_id)] == [True]
+        frame = step_frame()  # an activation frame, echoed end to end through the js relay
+        async with await b.new_stream(a.peer_id, echo.PROTOCOL_ID) as s:
+            for _ in range(8):
+                await s.write(frame)
+                assert await s.read_exactly(len(frame), timeout=10) == frame
+        # js relays limit each circuit (128 KiB by default): past it the circuit ends, and the
+        # stream fails with an error at once instead of hanging
+        echoed = 0
+        with trio.fail_after(20):
+            try:
+                async with await b.new_stream(a.peer_id, echo.PROTOCOL_ID) as s:
+                    for _ in range(200):
+                        await s.write(frame)
+                        await s.read_exactly(len(frame), timeout=10)
+                        echoed += len(frame)
+            except ShardnetError as e:
+                assert "ended" in str(e) or "closed" in str(e) or "reset" in str(e), e
+        assert 0 < echoed < 200 * len(frame)
 
 
 def _record_observations(node) -> list[str]:

@@ -14,6 +14,7 @@ import { identify } from '@libp2p/identify'
 import { ping } from '@libp2p/ping'
 import { gossipsub } from '@libp2p/gossipsub'
 import { kadDHT, passthroughMapper } from '@libp2p/kad-dht'
+import { circuitRelayServer } from '@libp2p/circuit-relay-v2'
 import { multiaddr } from '@multiformats/multiaddr'
 import { peerIdFromString } from '@libp2p/peer-id'
 import { CID } from 'multiformats/cid'
@@ -23,6 +24,12 @@ const opts = JSON.parse(process.argv[2] ?? '{}')
 const ECHO = '/shardnet/activation/1.0.0'
 const out = (obj) => process.stdout.write(JSON.stringify(obj) + '\n')
 const b64 = (u8) => Buffer.from(u8).toString('base64')
+
+const services = {}
+if (opts.relay) {
+  // a circuit relay v2 server with js-libp2p's default limits per circuit (2 minutes, 128 KiB)
+  services.relay = circuitRelayServer({ reservations: { maxReservations: 16 } })
+}
 
 const node = await createLibp2p({
   addresses: { listen: opts.listen ?? ['/ip4/127.0.0.1/tcp/0'] },
@@ -46,7 +53,8 @@ const node = await createLibp2p({
       peerInfoMapper: passthroughMapper,
       validators: { shardnet: async () => {} },
       selectors: { shardnet: () => 0 }
-    })
+    }),
+    ...services
   }
 })
 
