@@ -40,3 +40,18 @@ def js_relay(tmp_path):
     peer = JsPeer(tmp_path, "js-relay", relay=True)
     yield peer
     peer.stop()
+
+
+@pytest.fixture
+async def go(tmp_path):
+    """A go-libp2p daemon (p2pd) with pubsub and a DHT server."""
+    from p2pd import P2pd, p2pd_available
+
+    why = p2pd_available()
+    if why:
+        pytest.fail(f"go-libp2p daemon unavailable: {why}")
+    d = P2pd(tmp_path, "go", "-pubsub", "-dhtServer")
+    try:
+        yield await d.start()
+    finally:
+        d.stop()
