@@ -34,7 +34,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import cbor2
-
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
