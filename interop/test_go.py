@@ -104,7 +104,7 @@ async def test_dht_values_and_provider_records_cross_implementations(go, node_co
         kp = identity.generate()
         pid = ID.from_pubkey(kp.public_key)
         node.dht.kad.value_store.put(b"/pk/" + pid.to_bytes(), kp.public_key.serialize())
-        got = await go.dht("GET_VALUE", key=b"/pk/" + pid.to_bytes())
+        got = await _retry(go.dht, "GET_VALUE", key=b"/pk/" + pid.to_bytes())
         assert got[0].value == kp.public_key.serialize()
         # and a shardnet record is refused by go, as its validator rules say
         key = records.record_key(node.peer_id, "interop/note")
@@ -112,7 +112,8 @@ async def test_dht_values_and_provider_records_cross_implementations(go, node_co
             await go.dht("PUT_VALUE", key=key.encode(), value=records.encode(node.dht._key_pair(), "interop/note", b"x"))
         # providers both ways (go names them by CID; shardnet's keys are multihashes)
         await node.dht.provide("interop/room")
-        found = await go.dht("FIND_PROVIDERS", cid=_cid(provider_key("interop/room")), count=1)
+        found = await _retry(go.dht, "FIND_PROVIDERS", cid=_cid(provider_key("interop/room")), count=1,
+                             until=lambda f: str(node.peer_id) in [str(ID(d.peer.id)) for d in f])
         assert str(node.peer_id) in [str(ID(d.peer.id)) for d in found], found
         # (p2pd's PROVIDE call does not return on a two-node network, though its ADD_PROVIDER
         # arrives at once: bounded here, and the record is looked for where it matters)
@@ -120,6 +121,23 @@ async def test_dht_values_and_provider_records_cross_implementations(go, node_co
             await go.dht("PROVIDE", cid=_cid(provider_key("interop/go-room")), seconds=5)
         found = await node.dht.find_providers("interop/go-room")
         assert go.peer_id in [str(p.peer_id) for p in found], found
+
+
+async def _retry(fn, *args, until=bool, within: float = 20.0, **kw):
+    """``fn``'s answer once ``until`` accepts it: right after connecting, go's DHT may not have
+    added us to its routing table yet ("routing: not found", or no providers)."""
+    deadline = trio.current_time() + within
+    while True:
+        try:
+            got = await fn(*args, **kw)
+            if until(got):
+                return got
+        except P2pdError:
+            if trio.current_time() > deadline:
+                raise
+        if trio.current_time() > deadline:
+            return got
+        await trio.sleep(0.5)
 
 
 def _cid(multihash_hex: str) -> bytes:

@@ -10,7 +10,13 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$PY" -m pip download --quiet --no-deps --only-binary=:all: hivemind==1.1.12 -d "$tmp"
 mkdir -p bin
-unzip -o -q -j "$tmp"/hivemind-1.1.12-*.whl 'hivemind/hivemind_cli/p2pd' 'hivemind/proto/p2pd_pb2.py' \
-    'hivemind/proto/p2pd.proto' -d bin
+"$PY" - "$tmp" <<'PYEOF'
+import glob, os, sys, zipfile
+wheel = glob.glob(os.path.join(sys.argv[1], "hivemind-1.1.12-*.whl"))[0]
+with zipfile.ZipFile(wheel) as z:
+    for name in ("hivemind/hivemind_cli/p2pd", "hivemind/proto/p2pd_pb2.py", "hivemind/proto/p2pd.proto"):
+        with open(os.path.join("bin", os.path.basename(name)), "wb") as out:
+            out.write(z.read(name))
+PYEOF
 chmod +x bin/p2pd
 echo "p2pd ready: interop/go/bin/p2pd"
