@@ -7,6 +7,7 @@ import functools
 import trio
 from libp2p.peer.id import ID
 
+from checks import circuit_through, protocols_of, record_observations, step_frame, until
 from foreign import ForeignError
 from shardnet.protocols import activation as ap
 from shardnet.protocols import echo
@@ -20,22 +21,20 @@ async def call(js, cmd, **kw):
     return await trio.to_thread.run_sync(functools.partial(js.call, cmd, **kw))
 
 
-def step_frame() -> bytes:
-    payload = bytes(range(256)) * 8  # [1, 4, 128] float32 = 2048 bytes
-    msg = ap.tensor_msg("step", b"\x07" * ap.SESSION_ID_BYTES, n=3, pos=11, dtype="float32", shape=[1, 4, 128],
-                        payload=payload, logits_for=2, epoch=1)
-    return ap.encode(msg)
+async def call_until(js, cmd, ok, **kw):
+    """``call`` until ``ok`` accepts the answer (or time is up; see ``checks.until``)."""
+    return await until(lambda: call(js, cmd, **kw), ok, retry_on=(ForeignError,))
 
 
 async def test_shardnet_dials_js_and_both_identify(js, node_config):
     async with open_node(node_config()) as node:
-        observed = _record_observations(node)
+        observed = record_observations(node)
         await node.connect(js.addrs[0])
         assert node.link(js.peer_id) == "direct"
         with trio.fail_after(10):  # identify runs right after the connection
-            while "/ipfs/ping/1.0.0" not in _protocols(node, js.peer_id):
+            while "/ipfs/ping/1.0.0" not in protocols_of(node, js.peer_id):
                 await trio.sleep(0.1)
-        assert {"/ipfs/id/1.0.0", ap.PROTOCOL_ID, "/meshsub/1.1.0"} <= set(_protocols(node, js.peer_id))
+        assert {"/ipfs/id/1.0.0", ap.PROTOCOL_ID, "/meshsub/1.1.0"} <= set(protocols_of(node, js.peer_id))
         info = await call(js, "peer_info", peer=str(node.peer_id))
         assert "/ipfs/id/1.0.0" in info["protocols"] and "/ipfs/kad/1.0.0" in info["protocols"]
         assert info["agent"] and "py-libp2p" in info["agent"], info
@@ -107,7 +106,7 @@ async def test_dht_values_and_provider_records_cross_implementations(js, node_co
         await trio.sleep(1)  # identify tells each side the other speaks /ipfs/kad/1.0.0
         # a signed record shardnet puts is stored by js (its PUT_VALUE accepted) and found by js's get
         key = await node.dht.put("interop/profile", b"from shardnet")
-        r = await _until(lambda: call(js, "dht_get", key=b64(key.encode()), seconds=5), lambda r: r["values"])
+        r = await call_until(js, "dht_get", lambda r: r["values"], key=b64(key.encode()), seconds=5)
         assert r["values"], r
         assert records.decode(key, base64.b64decode(r["values"][0]["value"])).data == b"from shardnet"
         # a record js puts (shardnet's format, signed by a third identity) passes shardnet's validator
@@ -123,13 +122,13 @@ async def test_dht_values_and_provider_records_cross_implementations(js, node_co
         assert await node.dht.get(publisher, "interop/note") == b"via js"  # from js
         key = records.record_key(node.peer_id, "interop/local")
         node.dht.kad.value_store.put(key.encode(), records.encode(node.dht._key_pair(), "interop/local", b"only here"))
-        r = await _until(lambda: call(js, "dht_get", key=b64(key.encode()), seconds=5), lambda r: r["values"])
+        r = await call_until(js, "dht_get", lambda r: r["values"], key=b64(key.encode()), seconds=5)
         assert [v["from"] for v in r["values"]] == [str(node.peer_id)], r
         assert records.decode(key, base64.b64decode(r["values"][0]["value"])).data == b"only here"
         # provider records: shardnet's keys are multihashes, so a CID names them in js
         await node.dht.provide("interop/room")
-        r = await _until(lambda: call(js, "find_providers", multihash=provider_key("interop/room")),
-                         lambda r: str(node.peer_id) in [p["peer"] for p in r["providers"]])
+        r = await call_until(js, "find_providers", lambda r: str(node.peer_id) in [p["peer"] for p in r["providers"]],
+                             multihash=provider_key("interop/room"))
         assert str(node.peer_id) in [p["peer"] for p in r["providers"]], r
         await call(js, "provide", multihash=provider_key("interop/js-room"))
         found = await node.dht.find_providers("interop/js-room")
@@ -137,21 +136,8 @@ async def test_dht_values_and_provider_records_cross_implementations(js, node_co
 
 
 async def test_a_shardnet_peer_reserves_on_a_js_relay_and_is_dialled_through_it(js_relay, node_config):
-    from shardnet.transport.config import parse_peer_addr
-
-    async with open_node(node_config(auto_relays=0)) as a, open_node(node_config(auto_relays=0)) as b:
-        a.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
-        rsvp = await a.relay_client.reserve(parse_peer_addr(js_relay.addrs[0]))
-        assert rsvp.expire > 0
-        circuit = f"{js_relay.addrs[0]}/p2p-circuit/p2p/{a.peer_id}"
-        assert circuit in [str(x) for x in a.listen_addrs]  # advertised next to the direct ones
-        assert await b.connect(circuit) == a.peer_id
-        assert [c["relayed"] for c in b.connections(a.peer_id)] == [True]
-        frame = step_frame()  # an activation frame, echoed end to end through the js relay
-        async with await b.new_stream(a.peer_id, echo.PROTOCOL_ID) as s:
-            for _ in range(8):
-                await s.write(frame)
-                assert await s.read_exactly(len(frame), timeout=10) == frame
+    async with circuit_through(js_relay.addrs[0], node_config) as (a, b):
+        frame = step_frame()
         # js relays limit each circuit (128 KiB by default): past it the circuit ends, and the
         # stream fails with an error at once instead of hanging
         echoed = 0
@@ -165,39 +151,3 @@ async def test_a_shardnet_peer_reserves_on_a_js_relay_and_is_dialled_through_it(
             except ShardnetError as e:
                 assert "ended" in str(e) or "closed" in str(e) or "reset" in str(e), e
         assert 0 < echoed < 200 * len(frame)
-
-
-async def _until(ask, ok, within: float = 20.0):
-    """``ask()``'s answer once ``ok`` accepts it (right after connecting, DHT routing tables may
-    not hold the other side yet), or the last answer when time is up."""
-    deadline = trio.current_time() + within
-    while True:
-        try:
-            got = await ask()
-            if ok(got) or trio.current_time() > deadline:
-                return got
-        except ForeignError:
-            if trio.current_time() > deadline:
-                raise
-        await trio.sleep(0.5)
-
-
-def _record_observations(node) -> list[str]:
-    """The addresses peers report seeing us at (identify's observedAddr), as they arrive."""
-    seen: list[str] = []
-    manager = node.host._observed_addr_manager
-    record = manager.record_observation
-
-    def spy(conn, observed, local_addrs):
-        seen.append(str(observed))
-        return record(conn, observed, local_addrs)
-
-    manager.record_observation = spy
-    return seen
-
-
-def _protocols(node, peer):
-    try:
-        return node.host.get_peerstore().get_protocols(ID.from_base58(peer))
-    except Exception:
-        return []
