@@ -125,7 +125,11 @@ class P2pd:
 
     async def _open(self) -> Framed:
         with trio.fail_after(10):
-            return Framed(await trio.open_unix_socket(str(self.control)))
+            while True:
+                try:
+                    return Framed(await trio.open_unix_socket(str(self.control)))
+                except ConnectionRefusedError:  # the socket file exists a moment before p2pd accepts
+                    await trio.sleep(0.05)
 
     async def request(self, **fields):
         conn = await self._open()
