@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardnet.inference.claims import find_claims  # noqa: E402
 from shardnet.inference.client import Client, LocalModel  # noqa: E402
-from shardnet.localswarm import ShardnetProcess  # noqa: E402
+from shardnet.localswarm import LocalSwarm  # noqa: E402
 from shardnet.models import default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 
@@ -37,66 +36,52 @@ PROMPT = "def __init__(self, name):\n        self.name = name\n        self."
 
 async def main_async(args) -> None:
     rates = [float(r) for r in args.rates.split(",") if r]
-    procs: list[ShardnetProcess] = []
-    with tempfile.TemporaryDirectory() as tmpdir:
-        tmp = Path(tmpdir)
-        try:
-            boot = ShardnetProcess("boot", ["bootstrap", "--identity", str(tmp / "boot.key"),
-                                            "--listen", "/ip4/127.0.0.1/tcp/0"], workdir=tmp)
-            procs.append(boot)
-            boot_addr = boot.wait_for_line(lambda s: s.strip().startswith("/ip4/"), 60).strip()
-            for i, layers in enumerate(("0:4", "0:4", "4:8", "4:8")):
-                procs.append(ShardnetProcess(f"p{i}", [
-                    "join", "--events", "--identity", str(tmp / f"p{i}.key"), "--listen", "/ip4/127.0.0.1/tcp/0",
-                    "--bootstrap", boot_addr, "--layers", layers, "--threads", "1"], workdir=tmp))
-            for p in procs[1:]:
-                p.wait_event(lambda e: e.get("event") == "ready", 120)
-            cfg = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot_addr], dht_mode="client",
-                             low_watermark=0)
-            async with open_node(cfg) as node:
-                await node.wait_bootstrapped()
-                model = LocalModel(default_model_path())
-                with trio.fail_after(60):
-                    while len(await find_claims(node, model.model_id)) < 4:
-                        await trio.sleep(0.5)
-                modes = {"off": dict(receipts=False, audit_rate=0.0), "receipts": dict(receipts=True, audit_rate=0.0)}
-                modes |= {f"receipts+checks@{r:g}": dict(receipts=True, audit_rate=r) for r in rates}
-                clients = {name: Client(node, model, **kw) for name, kw in modes.items()}
-                for c in clients.values():  # warm-up: routes, RTTs, caches
-                    [t async for t in c.generate(PROMPT, max_new_tokens=4, stop_at_eos=False)]
-                tps: dict[str, list[float]] = {name: [] for name in modes}
-                checks: dict[str, list[int]] = {name: [0, 0] for name in modes}
-                collect: list[float] = []
-                want = None
-                for _ in range(args.repeats):
-                    for name, c in clients.items():
-                        ids: list[int] = []
+    with LocalSwarm() as swarm:
+        boot_addr = swarm.start_bootstrap()
+        swarm.join_spans([(0, 4), (0, 4), (4, 8), (4, 8)], "--threads", "1")
+        cfg = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot_addr], dht_mode="client",
+                         low_watermark=0)
+        async with open_node(cfg) as node:
+            await node.wait_bootstrapped()
+            model = LocalModel(default_model_path())
+            with trio.fail_after(60):
+                while len(await find_claims(node, model.model_id)) < 4:
+                    await trio.sleep(0.5)
+            modes = {"off": dict(receipts=False, audit_rate=0.0), "receipts": dict(receipts=True, audit_rate=0.0)}
+            modes |= {f"receipts+checks@{r:g}": dict(receipts=True, audit_rate=r) for r in rates}
+            clients = {name: Client(node, model, **kw) for name, kw in modes.items()}
+            for c in clients.values():  # warm-up: routes, RTTs, caches
+                [t async for t in c.generate(PROMPT, max_new_tokens=4, stop_at_eos=False)]
+            tps: dict[str, list[float]] = {name: [] for name in modes}
+            checks: dict[str, list[int]] = {name: [0, 0] for name in modes}
+            collect: list[float] = []
+            want = None
+            for _ in range(args.repeats):
+                for name, c in clients.items():
+                    ids: list[int] = []
+                    t0 = time.perf_counter()
+                    async for tok in c.generate(PROMPT, max_new_tokens=args.tokens, stop_at_eos=False):
+                        tok.apply(ids)
+                    tps[name].append(args.tokens / (time.perf_counter() - t0))
+                    want = want or ids
+                    assert ids == want, f"{name}: output differs"
+                    a = c.last_stats.audit
+                    if a is not None:
+                        checks[name][0] += a.checked
+                        checks[name][1] += a.agreed
+                    if name == "receipts":
                         t0 = time.perf_counter()
-                        async for tok in c.generate(PROMPT, max_new_tokens=args.tokens, stop_at_eos=False):
-                            tok.apply(ids)
-                        tps[name].append(args.tokens / (time.perf_counter() - t0))
-                        want = want or ids
-                        assert ids == want, f"{name}: output differs"
-                        a = c.last_stats.audit
-                        if a is not None:
-                            checks[name][0] += a.checked
-                            checks[name][1] += a.agreed
-                        if name == "receipts":
-                            t0 = time.perf_counter()
-                            await c.run_receipt()
-                            collect.append(time.perf_counter() - t0)
-                base = statistics.median(tps["off"])
-                print(f"{args.tokens} tokens per request, {args.repeats} rounds, medians:")
-                for name in modes:
-                    med = statistics.median(tps[name])
-                    extra = ""
-                    if checks[name][0]:
-                        extra = f"; {checks[name][0]} steps re-run on a witness, {checks[name][1]} agreed"
-                    print(f"  {name:<22} {med:6.1f} tok/s  ({med / base:.2f}x of off){extra}")
-                print(f"  collecting a run receipt after a request: {statistics.median(collect) * 1000:.0f} ms")
-        finally:
-            for p in reversed(procs):
-                p.stop()
+                        await c.run_receipt()
+                        collect.append(time.perf_counter() - t0)
+            base = statistics.median(tps["off"])
+            print(f"{args.tokens} tokens per request, {args.repeats} rounds, medians:")
+            for name in modes:
+                med = statistics.median(tps[name])
+                extra = ""
+                if checks[name][0]:
+                    extra = f"; {checks[name][0]} steps re-run on a witness, {checks[name][1]} agreed"
+                print(f"  {name:<22} {med:6.1f} tok/s  ({med / base:.2f}x of off){extra}")
+            print(f"  collecting a run receipt after a request: {statistics.median(collect) * 1000:.0f} ms")
 
 
 def main() -> int:

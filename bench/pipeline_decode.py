@@ -87,10 +87,7 @@ def main() -> None:
 
     with LocalSwarm() as swarm:
         boot = swarm.start_bootstrap()
-        procs = [swarm.spawn_node(f"p{i}", "--model", str(args.model), "--layers", f"{a}:{b}", command="join")
-                 for i, (a, b) in enumerate(ranges)]
-        for pr in procs:
-            swarm.wait_ready(pr, 120)
+        swarm.join_spans(ranges, "--model", str(args.model))
 
         drafter = ModelDrafter(args.draft, vocab_size=ckpt.config.vocab_size)
 

@@ -175,6 +175,14 @@ class LocalSwarm:
                                   "--listen", "/ip4/127.0.0.1/tcp/0", "--bootstrap", self.bootstrap_addr, *extra],
                            program=program)
 
+    def join_spans(self, spans, *extra: str, timeout: float = 120.0) -> list[dict]:
+        """One ``shardnet join --layers a:b`` per span (``extra`` arguments for each), loading in
+        parallel; their ready events, in order."""
+        first = len(self.procs)
+        procs = [self.spawn_node(f"join{first + i}", "--layers", f"{a}:{b}", *extra, command="join")
+                 for i, (a, b) in enumerate(spans)]
+        return [self.wait_ready(p, timeout) for p in procs]
+
     @staticmethod
     def wait_ready(p: ShardnetProcess, timeout: float = 30.0) -> dict:
         return p.wait_event(lambda e: e.get("event") == "ready", timeout)

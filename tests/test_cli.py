@@ -201,10 +201,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.mark.slow
 def test_join_then_generate_through_two_peers(swarm, tiny_model):
-    procs = [swarm.spawn_node(f"j{a}", "--model", str(tiny_model), "--layers", f"{a}:{b}", command="join")
-             for a, b in ((0, 2), (2, 4))]
-    for p in procs:
-        swarm.wait_ready(p, 120)
+    swarm.join_spans([(0, 2), (2, 4)], "--model", str(tiny_model))
     r = shardnet("generate", "--model", str(tiny_model), "--bootstrap", swarm.bootstrap_addr, "-n", "6",
                  "hello world", timeout=120)
     assert r.returncode == 0, r.stderr

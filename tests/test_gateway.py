@@ -36,10 +36,7 @@ def start_gateway(swarm: LocalSwarm, *extra: str) -> str:
 def gateway():
     with LocalSwarm() as swarm:
         swarm.start_bootstrap()
-        procs = [swarm.spawn_node(f"p{a}", "--layers", f"{a}:{b}", "--threads", "1", command="join")
-                 for a, b in ((0, 4), (4, 8))]
-        for p in procs:
-            swarm.wait_ready(p, 120)
+        swarm.join_spans([(0, 4), (4, 8)], "--threads", "1")
         yield start_gateway(swarm)
 
 
@@ -161,8 +158,7 @@ def test_health_models_swarm_and_unknown_paths(gateway):
 def test_a_swarm_that_cannot_cover_the_model_is_a_503():
     with LocalSwarm() as swarm:
         swarm.start_bootstrap()
-        p = swarm.spawn_node("half", "--layers", "0:4", "--threads", "1", command="join")
-        swarm.wait_ready(p, 120)
+        swarm.join_spans([(0, 4)], "--threads", "1")
         url = start_gateway(swarm, "--route-timeout", "2")
         with pytest.raises(openai.InternalServerError) as e:
             api(url).completions.create(model="tiny-llama", prompt="x", max_tokens=2)

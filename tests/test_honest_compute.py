@@ -43,13 +43,10 @@ def start_peers(swarm: LocalSwarm, cheat_mode: str) -> tuple[str, str]:
     Returns the cheater's peer ID and the 0:4 peer's address."""
     swarm.start_bootstrap()
     common = ("--threads", "1", "--hold-head")
-    procs = [swarm.spawn_node("a", "--layers", "0:4", *common, command="join"),
-             swarm.spawn_node("h1", "--layers", "4:8", *common, command="join"),
-             swarm.spawn_node("h2", "--layers", "4:8", *common, command="join")]
     cheater = swarm.spawn_node("cheater", "--layers", "4:8", *common, command="join",
                                program=[*CHEATER, cheat_mode])
-    ready = [swarm.wait_ready(p, 120) for p in [*procs, cheater]]
-    return ready[-1]["peer_id"], ready[0]["addrs"][0]
+    honest = swarm.join_spans([(0, 4), (4, 8), (4, 8)], *common)  # (loading while the cheater loads)
+    return swarm.wait_ready(cheater, 120)["peer_id"], honest[0]["addrs"][0]
 
 
 async def generate_with_cheater(bootstrap, cheater, honest_peer, *, logits_on_last):

@@ -82,10 +82,7 @@ async def test_receipts_are_served_by_id_and_session_and_bad_requests_get_errors
 def test_generate_writes_a_receipt_that_shardnet_verify_checks(tmp_path):
     with LocalSwarm() as swarm:
         swarm.start_bootstrap()
-        procs = [swarm.spawn_node(f"p{a}", "--layers", f"{a}:{b}", "--threads", "1", command="join")
-                 for a, b in ((0, 4), (4, 8))]
-        for p in procs:
-            swarm.wait_ready(p, 120)
+        swarm.join_spans([(0, 4), (4, 8)], "--threads", "1")
         receipt = tmp_path / "run.json"
         r = subprocess.run(shardnet_argv("generate", "--bootstrap", swarm.bootstrap_addr, "-n", "8",
                                          "--speculate", "ngram", "--depth", "2", "--check-speculation",
