@@ -131,6 +131,11 @@ def parse_request(data: dict, *, chat: bool, render_chat=None) -> GenerationRequ
         echo=bool(data.get("echo")) and not chat)
 
 
+def first_stop(text: str, stops: list[str], start: int = 0) -> int:
+    """Where the first stop sequence in ``text`` (at or after ``start``) begins; -1 if none does."""
+    return min((i for i in (text.find(s, start) for s in stops) if i >= 0), default=-1)
+
+
 class StopMatcher:
     """Cut generated text at the first stop sequence; while streaming, hold back any tail that
     could still become one, so no part of a stop sequence is ever sent."""
@@ -147,7 +152,7 @@ class StopMatcher:
             return ""
         self.text += piece
         # (a stop sequence cannot start in released text: its start would have been held back)
-        cut = min((i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0), default=-1)
+        cut = first_stop(self.text, self.stops, self.sent)
         if cut >= 0:
             self.stopped = True
             out, self.sent = self.text[self.sent:cut], cut

@@ -147,22 +147,20 @@ class Gateway:
             await self._stream(req, ids, max_new, route, rid, created, receive, send)
         else:
             out: list[int] = []
-            stop = oa.StopMatcher(req.stop)
-            text = ""
+            text, stopped = "", False
             try:
                 async with aclosing(self._tokens(req, ids, max_new, route)) as tokens:
                     async for tok in tokens:
                         tok.apply(out)
-                        stop = oa.StopMatcher(req.stop)  # (re)checked on the whole text: tokens may be withdrawn
-                        text = stop.feed(self.model.decode(out))
-                        if stop.stopped:
+                        text = self.model.decode(out)  # the whole text each time: tokens may be withdrawn
+                        cut = oa.first_stop(text, req.stop)
+                        if cut >= 0:
+                            text, stopped = text[:cut], True
                             break
             except ShardnetError as e:
                 raise oa.ApiError(502, f"the swarm failed during generation: {e}", type="server_error",
                                   code="swarm_error") from None
-            if not stop.stopped:
-                text += stop.flush()
-            finish = "length" if len(out) >= max_new and not stop.stopped else "stop"
+            finish = "length" if len(out) >= max_new and not stopped else "stop"
             if req.echo:
                 text = self.model.decode(ids) + text
             await _json(send, 200, oa.response_body(req, rid, created, text, finish, oa.usage(len(ids), len(out))))
