@@ -41,7 +41,7 @@ from shardnet.protocols import receipt_gossip as rg
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.errors import ShardnetError
 
-from .claims import CLAIM_TTL, NoRouteError, find_claims
+from .claims import NoRouteError
 from .endpoint import InferenceError
 from .receipt_service import fetch_session_receipts
 
@@ -182,17 +182,11 @@ class RunAuditor:
             if not self._pending:
                 self._idle.set()
 
-    async def _candidates(self) -> list[Claim]:
-        c = self.client
-        if time.time() - c._claims_at > CLAIM_TTL / 4:
-            c._claims, c._claims_at = await find_claims(c.node, c.model.model_id, timeout=5.0), time.time()
-        return c._usable([x for x in c._claims if x.expires > time.time()], frozenset())
-
     async def _audit(self, job: AuditJob) -> None:
         if self.client.reputation.excluded() & {c.peer for c in job.route}:
             self.stats.superseded += 1
             return
-        claims = await self._candidates()
+        claims = await self.client.usable_claims()
         in_chain = {c.peer for c in job.route}
         witnesses = {i: [w for w in claims if (w.start, w.end) == (c.start, c.end) and w.peer not in in_chain]
                      for i, c in enumerate(job.route)}

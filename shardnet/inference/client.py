@@ -323,16 +323,14 @@ class Client:
         last_error: Exception | None = None
         # Healing is in a hurry: first the claims seen moments ago (their peers' liveness is
         # checked below anyway), then the DHT again.
-        cached = self._claims if keep is not None and time.time() - self._claims_at < CLAIM_TTL / 4 else None
+        cached = self._recent_claims() if keep is not None else None
         while True:
             now = trio.current_time()
             from_cache = cached is not None
             if cached is not None:
-                claims, cached = [c for c in cached if c.expires > time.time()], None
+                claims, cached = cached, None
             else:
-                claims = await find_claims(self.node, self.model.model_id,
-                                           timeout=max(1.0, min(15.0, deadline - now)))
-                self._claims, self._claims_at = claims, time.time()
+                claims = await self._find_claims(timeout=max(1.0, min(15.0, deadline - now)))
             try:
                 usable = self._usable(claims, avoid)
                 plan_route(usable, self.model.ckpt.num_layers)  # fail fast, before measuring anything
@@ -403,6 +401,23 @@ class Client:
             "version": __version__,
         }
         return rc.seal_run(self.node.key_pair, body)
+
+    def _recent_claims(self) -> list[Claim] | None:
+        """The unexpired claims found moments ago, or None when that was too long ago."""
+        if time.time() - self._claims_at >= CLAIM_TTL / 4:
+            return None
+        return [c for c in self._claims if c.expires > time.time()]
+
+    async def _find_claims(self, timeout: float) -> list[Claim]:
+        """Claims from the DHT, remembered for ``_recent_claims``."""
+        claims = await find_claims(self.node, self.model.model_id, timeout=timeout)
+        self._claims, self._claims_at = claims, time.time()
+        return claims
+
+    async def usable_claims(self) -> list[Claim]:
+        """Claims of peers this client would route through now (recent ones, else from the DHT)."""
+        claims = self._recent_claims()
+        return self._usable(claims if claims is not None else await self._find_claims(timeout=5.0), frozenset())
 
     def _usable(self, claims: list[Claim], avoid) -> list[Claim]:
         now = trio.current_time()

@@ -33,6 +33,7 @@ import trio
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.errors import ShardnetError
 
+from .audit import AuditJob
 from .endpoint import InferenceError
 
 log = logging.getLogger(__name__)
@@ -175,8 +176,6 @@ class HealingSession:
     def _audit_job(self, sent: _Sent, out: torch.Tensor):
         """What an honest-compute check of this result needs; built only when it is sampled (the
         history below ``sent.pos`` is still what the chain computed: later steps start above it)."""
-        from .audit import AuditJob
-
         return lambda: AuditJob(sent.pos, sent.hidden, sent.logits_for,
                                 self._history[:, :sent.pos].clone() if sent.pos else None, out, list(self.route),
                                 self.inner.session.hex(), self.max_len)
