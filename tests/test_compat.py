@@ -380,3 +380,29 @@ def test_chunk_buffer_behaves_like_the_bytearray_it_replaces():
         else:
             assert bytes(buf) == bytes(ref)
         assert len(buf) == len(ref) and bool(buf) == bool(ref)
+
+
+async def test_dht_clients_stay_out_of_routing_tables_and_lookups(loopback_config):
+    """A DHT client that queries servers is neither put in their routing tables nor handed out
+    or queried by their lookups (upstream: a client ends up in every table it sent a request to,
+    and a small network's lookups start from every connected peer); servers still find each
+    other."""
+    async with open_node(loopback_config(low_watermark=0)) as boot:
+        ba = [str(boot.listen_addrs[0])]
+        async with open_node(loopback_config(bootstrap=ba, low_watermark=0)) as s1, \
+                open_node(loopback_config(bootstrap=ba, low_watermark=0)) as s2, \
+                open_node(loopback_config(bootstrap=ba, low_watermark=0, dht_mode="client")) as client:
+            await client.wait_bootstrapped()
+            servers = (boot, s1, s2)
+            for s in (s1, s2):
+                await s.wait_bootstrapped()
+            with trio.fail_after(20):  # the servers know each other, and the client has met them
+                while not (all({x.peer_id for x in servers if x is not s} <= set(s.dht.routing_table_peers())
+                               for s in servers)
+                           and {s1.peer_id, s2.peer_id} <= set(client.host.get_connected_peers())):
+                    await client.dht.find_providers("anything")
+                    await trio.sleep(0.2)
+            for s in servers:
+                assert compat.serves_dht(s.host.get_peerstore(), client.peer_id) is False
+                assert client.peer_id not in s.dht.routing_table_peers()
+                assert client.peer_id not in await s.dht.closest_peers(client.peer_id.to_bytes())

@@ -53,6 +53,16 @@ method or one module-level constant each, so they are easy to drop when upstream
    router vanished) looks alive until TCP gives up, many minutes later. The ping interval is now
    the node's ``keepalive_interval``, and the node closes a connection whose last ping went
    unanswered for ``keepalive_timeout`` (node.py), which is what starts reconnection.
+11. Every peer that sends us a KAD request goes into our routing table, on the assumption that
+   it serves the DHT. DHT clients send requests too: a server then hands clients out in lookup
+   answers, others query them ("protocol not supported") and dial them back (measured: a
+   client's peers opened connections to it, so its round trips went round the emulated WAN
+   link it was meant to measure). Per the Kademlia spec a peer joins the table only when its
+   identify lists the KAD protocol; a server whose identify had not finished when its first
+   request came is added by the node's discovery loop once it has, and a peer that entered the
+   table on another path (upstream adds whoever it queries, before knowing) leaves it once
+   identify shows it a client (node.py). Lookups neither query nor return peers identified as
+   clients (with a small table, upstream starts them from every connected peer).
 
 Fixes that are settings or wrappers rather than patches live where they are used, each tested
 too: host.py (250 ms happy-eyeballs dial delay, auto-connector dialling ~100 peers, dial
@@ -98,6 +108,7 @@ def apply() -> None:
     _fix_mdns_addresses()
     _fix_observed_address_on_relayed_connections()
     _leave_relayed_connections_to_the_hole_puncher()
+    _keep_dht_clients_out_of_routing_tables()
     if os.environ.get(ENV_UNTUNED_DATA_PATH) != "1":
         _speed_up_noise()
         _speed_up_secure_session()
@@ -152,6 +163,50 @@ def _leave_relayed_connections_to_the_hole_puncher() -> None:
         trim(self, peer_id)
 
     Swarm._trim_connections = _trim_connections
+
+
+# 11. DHT clients in routing tables -------------------------------------------------------------
+def serves_dht(peerstore: Any, peer_id: Any) -> bool | None:
+    """Whether the peer's identify lists the KAD protocol; None before identify has run."""
+    from libp2p.kad_dht.common import PROTOCOL_ID
+
+    try:
+        protocols = peerstore.get_protocols(peer_id)
+    except Exception:  # PeerStoreError: not in the peerstore (yet, or any more)
+        return None
+    return str(PROTOCOL_ID) in protocols if protocols else None
+
+
+def _keep_dht_clients_out_of_routing_tables() -> None:
+    from libp2p.kad_dht.kad_dht import KadDHT
+    from libp2p.kad_dht.peer_routing import PeerRouting
+
+    add_peer = KadDHT.add_peer
+
+    async def add_peer_if_server(self, peer_id, *, skip_server_mode_check: bool = False) -> bool:
+        # upstream skips the check exactly where it matters: for whoever sent us a request
+        if skip_server_mode_check and not serves_dht(self.host.get_peerstore(), peer_id):
+            return False
+        return await add_peer(self, peer_id, skip_server_mode_check=skip_server_mode_check)
+
+    KadDHT.add_peer = add_peer_if_server
+
+    # With under 5 peers in its table a lookup also starts from every connected peer and every
+    # peer in the peerstore, clients included, and its result (where records and provider
+    # entries are stored) can end up naming them.
+    query = PeerRouting._query_single_peer_for_closest
+    lookup = PeerRouting.find_closest_peers_network
+
+    async def query_if_server(self, peer, target_key, new_peers) -> None:
+        if serves_dht(self.host.get_peerstore(), peer) is not False:
+            await query(self, peer, target_key, new_peers)
+
+    async def lookup_servers(self, target_key: bytes, count: int = 20) -> list:
+        store = self.host.get_peerstore()
+        return [p for p in await lookup(self, target_key, count) if serves_dht(store, p) is not False]
+
+    PeerRouting._query_single_peer_for_closest = query_if_server
+    PeerRouting.find_closest_peers_network = lookup_servers
 
 
 # 5. logging ---------------------------------------------------------------------------------

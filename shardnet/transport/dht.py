@@ -55,6 +55,9 @@ class DHT:
         except Exception as e:
             log.debug("routing table refused %s: %s", peer_id, e)
 
+    def remove_peer(self, peer_id: ID) -> None:
+        self.kad.routing_table.remove_peer(peer_id)
+
     def routing_table_peers(self) -> list[ID]:
         return list(self.kad.routing_table.get_peer_ids())
 

@@ -104,6 +104,7 @@ class Node:
         #: streams our handlers served, by (protocol, "direct" | "relayed")
         self.streams_served: Counter[tuple[str, str]] = Counter()
         self._bootstrap_errors: dict[ID, str] = {}
+        self._offered_to_table: set[ID] = set()  # peers offered to the DHT routing table
         #: accepts circuits through relays, dials /p2p-circuit addresses, holds reservations
         self.relay_client = RelayClient(self)
         self.relay_service = None
@@ -421,10 +422,27 @@ class Node:
             # queries) within a second rather than at the next walk.
             with trio.move_on_after(self.config.discovery_interval):
                 while not self.discovery_kick.is_set():
-                    for pid in set(self.host.get_connected_peers()) | set(self.dht.routing_table_peers()):
+                    connected, in_table = set(self.host.get_connected_peers()), set(self.dht.routing_table_peers())
+                    for pid in connected | in_table:
                         self._note_discovered(pid)
+                    await self._tidy_routing_table(connected, in_table)
                     with trio.move_on_after(1.0):
                         await self.discovery_kick.wait()
+
+    async def _tidy_routing_table(self, connected: set[ID], in_table: set[ID]) -> None:
+        """Per identify: peers serving the DHT in the routing table, DHT clients out of it.
+
+        A server is offered once per connection (a full bucket may refuse it; asking again
+        each second would ping that bucket's oldest peer each time)."""
+        self._offered_to_table &= connected
+        store = self.host.get_peerstore()
+        for pid in connected:
+            serves = compat.serves_dht(store, pid)
+            if serves is False and pid in in_table:
+                self.dht.remove_peer(pid)
+            elif serves and pid not in in_table and pid not in self._offered_to_table:
+                self._offered_to_table.add(pid)
+                await self.dht.add_peer(pid)
 
     async def _find_relays(self) -> None:
         """While AutoNAT says we are private, hold slots at up to ``auto_relays`` relays found
