@@ -1,7 +1,11 @@
 """Latency-aware routing on real hosts: two chains serve the model, one behind emulated WAN
 delay (bench/wan_emulator.py: the slow peers announce their proxy's address); the client
 measures round trips and routes through the fast chain every time, and peers publish their
-measured round trips to the peers after them."""
+measured round trips to the peers after them.
+
+No absolute time is asserted: every node runs in this one process, and on a loaded machine its
+event loop alone can add tens of ms to a round trip. The delay is large against that, and
+round trips are compared with the delayed path's, measured in the same run."""
 
 from contextlib import AsyncExitStack
 
@@ -15,7 +19,7 @@ from shardnet.transport import open_node
 
 from conftest import free_port
 
-DELAY = 0.025  # one way, per slow peer
+DELAY = 0.1  # one way, per slow peer: a round trip through its proxy takes >= 2 * DELAY
 
 
 async def test_routing_picks_the_low_latency_chain(loopback_config):
@@ -61,9 +65,6 @@ async def test_routing_picks_the_low_latency_chain(loopback_config):
                     await trio.sleep(0.5)
             assert {"a2", "b2"} <= reported.keys() and len(claims) == 4, (
                 "claims seen: " + str({names.get(p, p): c.rtts for p, c in claims.items()}))
-            # (only a2's is checked: a connection b2 opened towards a1 crosses a1's side, with no
-            # delay, since the emulator delays traffic on the callee's side only)
-            assert 0 < reported["a2"] < DELAY, reported
             assert not claims[peers["a2"]].rtts  # the last span has no successors
 
             for _ in range(5):  # a random choice would take the fast chain 1 time in 4
@@ -71,7 +72,11 @@ async def test_routing_picks_the_low_latency_chain(loopback_config):
                 assert [names[c.peer] for c in route] == ["a1", "a2"], (
                     [names[c.peer] for c in route], {n: client.rtt(p) for n, p in peers.items()},
                     {names.get(p, p): t for p, t in client._avoid.items()})
-            assert client.rtt(peers["b1"]) >= 2 * DELAY > client.rtt(peers["a1"])
+            slow = client.rtt(peers["b1"])
+            assert slow >= 2 * DELAY  # the emulator's floor
+            # (a1's round trip to b2 is not checked: a connection b2 opened towards a1 crosses
+            # a1's side, with no delay, since the emulator delays traffic on the callee's side only)
+            assert client.rtt(peers["a1"]) < slow and 0 < reported["a2"] < slow, (reported, slow)
             got = [t.id async for t in client.generate("def main(", max_new_tokens=4, stop_at_eos=False)]
             assert len(got) == 4 and [names[c.peer] for c in client.last_stats.chain] == ["a1", "a2"]
         nursery.cancel_scope.cancel()

@@ -78,6 +78,11 @@ async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
+# Round trips are the least of a few pings: one sample can land behind a busy moment at either
+# end (a loaded event loop adds tens of ms), and routing compares them across peers.
+RTT_SAMPLES = 3
+
+
 async def live_claims(node: Node, claims: list[bc.Claim], *, timeout: float = 3.0) -> list[bc.Claim]:
     """The claims whose peers answer a ping now (a claim outlives its peer until it expires)."""
     pings = await node.ping_many([c.peer for c in claims], timeout=timeout)

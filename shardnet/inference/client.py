@@ -36,7 +36,7 @@ from shardnet.transport.node import Node
 from . import wire
 from .block import Head, pick_device, resolve_dtype
 from .checkpoint import Checkpoint
-from .claims import CLAIM_TTL, NoRouteError, find_claims
+from .claims import CLAIM_TTL, RTT_SAMPLES, NoRouteError, find_claims
 from .endpoint import (
     FOREVER,
     OPEN_TIMEOUT,
@@ -270,7 +270,6 @@ RELAYED_RTT_FACTOR = 3.0
 #: how much cheaper a peer already in the chain looks when a chain heals (keep what works)
 KEEP_DISCOUNT = 0.25
 RTT_CACHE_S = 30.0
-RTT_SAMPLES = 3
 
 
 class Client:
@@ -452,7 +451,6 @@ class Client:
     async def _measure_rtts(self, peers: list[str], *, timeout: float = 2.0, most: int = 64) -> None:
         now = trio.current_time()
         todo = [p for p in dict.fromkeys(peers) if now - self._rtt.get(p, (0.0, -RTT_CACHE_S))[1] >= RTT_CACHE_S]
-        # the least of a few pings: one sample can land behind a busy moment at either end
         pings = await self.node.ping_many(todo[:most], timeout=timeout, samples=RTT_SAMPLES)
         now = trio.current_time()
         for peer, p in pings.items():

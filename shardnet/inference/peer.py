@@ -29,7 +29,7 @@ from shardnet.transport.node import Node
 
 from .block import Block, Head, pick_device, resolve_dtype
 from .checkpoint import Checkpoint
-from .claims import ClaimPublisher, find_claims, live_claims
+from .claims import RTT_SAMPLES, ClaimPublisher, find_claims, live_claims
 from .endpoint import ActivationEndpoint, KvBudget, ServedBlock
 from .placement import Move, affordable_layers, best_window, plan_move, served_throughput
 
@@ -75,8 +75,10 @@ class ComputePeer:
 
     def __init__(self, node: Node, model_path: str | Path, *, dtype: str = "float32", device: str | None = None,
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET, idle_timeout: float = 300.0,
-                 hold_head: bool = False) -> None:
+                 hold_head: bool = False, throughput: float | None = None) -> None:
         self.node = node
+        #: tokens/s to advertise instead of a measurement (None: measure each block loaded)
+        self.fixed_throughput = throughput
         self.ckpt = Checkpoint(model_path)
         self.model_id = self.ckpt.model_id
         self.dtype_name = dtype
@@ -104,7 +106,10 @@ class ComputePeer:
         head = None
         if self.hold_head and end == ckpt.num_layers:
             head = Head(ckpt, dtype=self.dtype, device=self.device, embed=False, lm_head=True)
-        self.tput = await trio.to_thread.run_sync(measure_throughput, block)
+        if self.fixed_throughput is not None:
+            self.tput = self.fixed_throughput
+        else:
+            self.tput = await trio.to_thread.run_sync(measure_throughput, block)
         served = ServedBlock(block, self.model_id, KvBudget(self.kv_budget_bytes), head=head,
                              idle_timeout=self.idle_timeout)
         ActivationEndpoint.of(self.node).serve(served)
@@ -144,7 +149,8 @@ class ComputePeer:
     async def measure_successors(self, claims: list[Claim]) -> None:
         """Round trips to the peers serving the layers right after ours (for clients' routing)."""
         _, end = self.span
-        pings = await self.node.ping_many([c.peer for c in claims if c.start == end][:32], timeout=3.0)
+        pings = await self.node.ping_many([c.peer for c in claims if c.start == end][:32], timeout=3.0,
+                                          samples=RTT_SAMPLES)
         self.successor_rtts = {peer: p.rtt for peer, p in pings.items() if p.rtt is not None}
 
     async def maintain(self, publisher: ClaimPublisher, *, interval: float, rebalance: bool,
@@ -162,6 +168,8 @@ class ComputePeer:
             try:
                 claims = await self.live_claims()
                 await self.measure_successors(claims)
+                log.debug("upkeep: %d live claims; successors' round trips %s", len(claims),
+                          {p[:16]: round(t, 4) for p, t in self.successor_rtts.items()})
                 if rebalance:
                     move = plan(claims)
                     if move is not None:
