@@ -464,10 +464,14 @@ def ping(maddr: str, count: int, timeout: float) -> None:
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for block computation (default: torch's choice). Use 1 when several "
                    "peers share a machine: small blocks lose more to thread hand-offs than they gain.")
+@click.option("--throughput", type=click.FloatRange(min=0, min_open=True), default=None, metavar="TOK_S",
+              help="Advertise this many tokens/s for the block instead of measuring it (default: measured "
+                   "when loaded). Placement and routing weigh peers by it; a fixed figure keeps them steady "
+                   "where a measurement would wobble, e.g. several peers on one busy machine.")
 @click.option("--events", is_flag=True, help="JSON events on stdout, JSON commands on stdin.")
 @_wrap_errors
 def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, layers, max_layers, rebalance_interval,
-         dtype, device, kv_budget_mb, hold_head, threads, events) -> None:
+         dtype, device, kv_budget_mb, hold_head, threads, throughput, events) -> None:
     """Serve a block of a model's layers to the swarm (chosen for you unless --layers)."""
     from .inference.block import parse_layers
     from .inference.checkpoint import Checkpoint, CheckpointError
@@ -502,7 +506,8 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
                 await n.wait_bootstrapped()  # to see what the swarm serves before choosing
             async with join_swarm(n, str(path), layers=span, max_layers=max_layers,
                                   rebalance_interval=rebalance_interval, on_move=moved, dtype=dtype, device=device,
-                                  kv_budget_bytes=kv_budget_mb << 20, hold_head=hold_head) as peer:
+                                  kv_budget_bytes=kv_budget_mb << 20, hold_head=hold_head,
+                                  throughput=throughput) as peer:
                 start, end = peer.span
                 if events:
                     _emit({"event": "serving", "model": peer.model_id, "layers": [start, end], "tput": peer.tput})
