@@ -8,7 +8,8 @@ routers doing nftables masquerade. Needs root, `ip` (iproute2) and `nft` (nftabl
         lab.run("a", ["ping", "-c", "1", lab.ip("relay")])
         argv = lab.prefix("a") + ["shardnet", "join", ...]   # run anything inside a host
 
-Topology: a hub namespace holds a bridge, the public segment 203.0.113.0/24 (TEST-NET-3).
+Topology: a hub namespace holds a bridge, the public segment 203.0.113.0/24 (TEST-NET-3; another
+with ``NatLab(public_net=...)``).
 Public hosts sit on it directly. Each private host has a router namespace with a WAN leg on the
 bridge (203.0.113.100 + i) and a LAN leg to the host: 198.51.100.0/24 (TEST-NET-2) cut into
 /28s, router .1, host .2 of each. Routers forward, masquerade what leaves the WAN leg and, like
@@ -29,17 +30,26 @@ it runs on exit from the ``with`` block whatever happened inside.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
+
+from .localswarm import ShardnetProcess
 
 log = logging.getLogger(__name__)
 
 PUBLIC_NET = ipaddress.ip_network("203.0.113.0/24")
+#: A public segment outside the special-purpose ranges, for peers that refuse to hole punch to
+#: documentation addresses (js-libp2p counts TEST-NET ranges as private). The lab's namespaces
+#: have no route out of the lab, so no real host at these addresses is ever reached.
+GLOBAL_NET = ipaddress.ip_network("16.0.113.0/24")
 PRIVATE_NETS = list(ipaddress.ip_network("198.51.100.0/24").subnets(new_prefix=28))
 NAT_TYPES = ("cone", "symmetric")
 
@@ -84,13 +94,17 @@ class Host:
 
 
 class NatLab:
-    def __init__(self) -> None:
+    def __init__(self, public_net: str | ipaddress.IPv4Network = PUBLIC_NET) -> None:
+        self.public_net = ipaddress.ip_network(public_net)
+        if self.public_net.num_addresses < 256 or any(self.public_net.overlaps(n) for n in PRIVATE_NETS):
+            raise ValueError(f"the public segment must be a /24 or larger, apart from {PRIVATE_NETS[0].supernet(4)}")
         self.tag = f"snl{os.getpid()}-"
         self.hub = self.tag + "hub"
         self.hosts: dict[str, Host] = {}
         self._namespaces: list[str] = []
         self._publics = 0
         self._routers = 0
+        self.processes: list[ShardnetProcess] = []
 
     # -- building -----------------------------------------------------------------------------
 
@@ -121,14 +135,14 @@ class NatLab:
     def _to_hub(self, netns: str, ifname: str, hub_if: str, addr: str) -> None:
         _sh("ip", "link", "add", ifname, "netns", netns, "type", "veth", "peer", "name", hub_if, "netns", self.hub)
         self._ip(self.hub, "link", "set", hub_if, "master", "br0", "up")
-        self._ip(netns, "addr", "add", f"{addr}/{PUBLIC_NET.prefixlen}", "dev", ifname)
+        self._ip(netns, "addr", "add", f"{addr}/{self.public_net.prefixlen}", "dev", ifname)
         self._ip(netns, "link", "set", ifname, "up")
 
     def add_public(self, name: str) -> Host:
         """A host with an address on the public segment."""
         self._check_name(name)
         self._publics += 1
-        ip = str(PUBLIC_NET[10 + self._publics])
+        ip = str(self.public_net[10 + self._publics])
         host = Host(name, self.tag + name, ip, public_ip=ip)
         self._netns(host.netns)
         self._to_hub(host.netns, "eth0", f"p{self._publics}", ip)
@@ -144,7 +158,7 @@ class NatLab:
             raise LabError("out of private networks")
         lan = PRIVATE_NETS[self._routers]
         self._routers += 1
-        wan_ip = str(PUBLIC_NET[100 + self._routers])
+        wan_ip = str(self.public_net[100 + self._routers])
         router = self.tag + "r-" + name
         host = Host(name, self.tag + name, str(lan[2]), router=router, public_ip=wan_ip, nat=nat)
         self._netns(router)
@@ -208,14 +222,62 @@ table ip filter {{
     def popen(self, name: str, argv: list[str], **kw) -> subprocess.Popen:
         return subprocess.Popen(self.prefix(name) + argv, **kw)
 
+    # -- shardnet processes in the lab (stopped by the lab on close, before its namespaces go) --
+
+    def start_relay(self, name: str, workdir: Path, *, port: int = 4001) -> tuple[ShardnetProcess, str]:
+        """`shardnet relay` on host ``name``; the process and its full address."""
+        relay = self._track(ShardnetProcess(name, ["relay", "--identity", str(workdir / f"{name}.key"), "--listen",
+                                                   f"/ip4/0.0.0.0/tcp/{port}", "--reservation-ttl", "30"],
+                                            workdir=workdir, prefix=self.prefix(name)))
+        rid = relay.wait_for_line(lambda s: s.startswith("relay node "), 60).split()[-1]
+        relay.wait_for_line(lambda s: s.startswith("ready"), 30)
+        return relay, f"/ip4/{self.ip(name)}/tcp/{port}/p2p/{rid}"
+
+    def start_node(self, name: str, workdir: Path, *extra: str, port: int = 4001) -> tuple[ShardnetProcess, str]:
+        """`shardnet node --events` on host ``name``; the process and its peer ID."""
+        p = self._track(ShardnetProcess(name, ["node", "--events", "--identity", str(workdir / f"{name}.key"),
+                                               "--listen", f"/ip4/0.0.0.0/tcp/{port}", *extra],
+                                        workdir=workdir, prefix=self.prefix(name)))
+        return p, p.wait_event(lambda e: e.get("event") == "ready", 60)["peer_id"]
+
+    def _track(self, p: ShardnetProcess) -> ShardnetProcess:
+        self.processes.append(p)
+        return p
+
     # -- tearing down -------------------------------------------------------------------------
 
     def close(self) -> None:
+        for p in self.processes:
+            p.stop()
+        self.processes.clear()
         for ns in reversed(self._namespaces):
             _kill_inside(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         self._namespaces.clear()
         self.hosts.clear()
+
+
+def wait_status(p: ShardnetProcess, pred, timeout: float, what: str, step: float = 0.3) -> dict:
+    """Poll a `node --events` process's status until ``pred(status)`` holds; AssertionError naming
+    ``what`` and the last status if it does not within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = p.command({"cmd": "status"})
+        if pred(st):
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s: {json.dumps(st, indent=1)}")
+        time.sleep(step)
+
+
+def wait_reserved(p: ShardnetProcess, relay_addr: str, timeout: float = 30) -> dict:
+    rid = relay_addr.rsplit("/p2p/", 1)[1]
+    return wait_status(p, lambda st: rid in st["reservations"], timeout, f"reservation at {rid}")
+
+
+def wait_direct(p: ShardnetProcess, peer: str, timeout: float = 30) -> dict:
+    return wait_status(p, lambda st: any(not c["relayed"] for c in st["connections"].get(peer, [])), timeout,
+                       f"direct connection to {peer}")
 
 
 def _kill_inside(netns: str) -> None:

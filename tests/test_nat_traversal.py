@@ -1,7 +1,6 @@
 """NAT traversal in the NAT lab (shardnet/natlab.py): real `shardnet` processes in network
 namespaces behind nftables masquerade."""
 
-import json
 import sys
 import time
 
@@ -14,73 +13,28 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(natlab.available() is not None, reason=f"NAT lab: {natlab.available()}")]
 
 
-def _start_relay(lab, tmp_path, procs):
-    relay = ShardnetProcess("relay", ["relay", "--identity", str(tmp_path / "relay.key"), "--listen",
-                                      "/ip4/0.0.0.0/tcp/4001", "--reservation-ttl", "30"],
-                            workdir=tmp_path, prefix=lab.prefix("relay"))
-    procs.append(relay)
-    rid = relay.wait_for_line(lambda s: s.startswith("relay node "), 60).split()[-1]
-    relay.wait_for_line(lambda s: s.startswith("ready"), 30)
-    return f"/ip4/{lab.ip('relay')}/tcp/4001/p2p/{rid}"
-
-
-def _start_node(lab, tmp_path, procs, name, *extra):
-    p = ShardnetProcess(name, ["node", "--events", "--identity", str(tmp_path / f"{name}.key"), "--listen",
-                               "/ip4/0.0.0.0/tcp/4001", *extra], workdir=tmp_path, prefix=lab.prefix(name))
-    procs.append(p)
-    ready = p.wait_event(lambda e: e.get("event") == "ready", 60)
-    return p, ready["peer_id"]
-
-
-def _status_when(p, pred, timeout, what, step=0.3):
-    """Poll p's status until pred(status) holds; fail naming ``what`` with the last status."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = p.command({"cmd": "status"})
-        if pred(st):
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout} s: {json.dumps(st, indent=1)}")
-        time.sleep(step)
-
-
-def _wait_reserved(p, relay_addr, timeout=30):
-    rid = relay_addr.rsplit("/p2p/", 1)[1]
-    return _status_when(p, lambda st: rid in st["reservations"], timeout, f"reservation at {rid}")
-
-
-def _wait_direct(p, peer, timeout=30):
-    return _status_when(p, lambda st: any(not c["relayed"] for c in st["connections"].get(peer, [])), timeout,
-                        f"direct connection to {peer}")
-
-
 def test_peers_behind_two_nats_talk_through_a_relay(tmp_path):
-    procs = []
     with natlab.NatLab() as lab:
         lab.add_public("relay")
         lab.add_private("a", "cone")
         lab.add_private("b", "cone")
-        try:
-            relay_addr = _start_relay(lab, tmp_path, procs)
-            a, a_id = _start_node(lab, tmp_path, procs, "a", "--relay", relay_addr, "--no-hole-punch")
-            b, b_id = _start_node(lab, tmp_path, procs, "b", "--no-hole-punch")
-            st = _wait_reserved(a, relay_addr)
-            circuit = f"{relay_addr}/p2p-circuit/p2p/{a_id}"
-            assert any(addr == circuit for addr in st["addrs"]), st["addrs"]  # advertised
-            # the NAT is real: B cannot dial A's public address directly
-            direct = b.command({"cmd": "connect", "addr": f"/ip4/{lab.public_ip('a')}/tcp/4001/p2p/{a_id}",
-                                "timeout": 3})
-            assert direct["ok"] is False, direct
-            r = b.command({"cmd": "connect", "addr": circuit})
-            assert r["ok"], r
-            assert r["connections"] and all(c["relayed"] for c in r["connections"]), r
-            echo = b.command({"cmd": "echo", "peer": a_id, "data": "through two NATs"})
-            assert echo["ok"] and echo["data"] == "through two NATs", echo
-            seen_by_a = a.command({"cmd": "status"})["connections"][b_id]
-            assert seen_by_a and all(c["relayed"] for c in seen_by_a), seen_by_a
-        finally:
-            for p in procs:
-                p.stop()
+        relay, relay_addr = lab.start_relay("relay", tmp_path)
+        a, a_id = lab.start_node("a", tmp_path, "--relay", relay_addr, "--no-hole-punch")
+        b, b_id = lab.start_node("b", tmp_path, "--no-hole-punch")
+        st = natlab.wait_reserved(a, relay_addr)
+        circuit = f"{relay_addr}/p2p-circuit/p2p/{a_id}"
+        assert any(addr == circuit for addr in st["addrs"]), st["addrs"]  # advertised
+        # the NAT is real: B cannot dial A's public address directly
+        direct = b.command({"cmd": "connect", "addr": f"/ip4/{lab.public_ip('a')}/tcp/4001/p2p/{a_id}",
+                            "timeout": 3})
+        assert direct["ok"] is False, direct
+        r = b.command({"cmd": "connect", "addr": circuit})
+        assert r["ok"], r
+        assert r["connections"] and all(c["relayed"] for c in r["connections"]), r
+        echo = b.command({"cmd": "echo", "peer": a_id, "data": "through two NATs"})
+        assert echo["ok"] and echo["data"] == "through two NATs", echo
+        seen_by_a = a.command({"cmd": "status"})["connections"][b_id]
+        assert seen_by_a and all(c["relayed"] for c in seen_by_a), seen_by_a
 
 
 def test_inference_across_three_nats(tmp_path):
@@ -107,7 +61,7 @@ def test_inference_across_three_nats(tmp_path):
         for name in ("p0", "p1", "client"):
             lab.add_private(name, "cone")
         try:
-            relay_addr = _start_relay(lab, tmp_path, procs)
+            relay, relay_addr = lab.start_relay("relay", tmp_path)
             peers = []
             for i, layers in enumerate(("0:4", "4:8")):
                 p = ShardnetProcess(f"p{i}", ["join", "--events", "--identity", str(tmp_path / f"p{i}.key"),
@@ -128,7 +82,7 @@ def test_inference_across_three_nats(tmp_path):
                 assert "tok/s" in text
                 client.stop()
                 if run == 0:  # the compute peers know each other by now: their edge goes direct
-                    _wait_direct(peers[0], ids[1], timeout=60)
+                    natlab.wait_direct(peers[0], ids[1], timeout=60)
             served = peers[1].command({"cmd": "status"})["streams_served"]
             assert served.get("/shardnet/activation/1.0.0 direct", 0) >= 1, served
         finally:
@@ -137,116 +91,101 @@ def test_inference_across_three_nats(tmp_path):
 
 
 def test_hole_punch_through_two_cone_nats(tmp_path):
-    procs = []
     with natlab.NatLab() as lab:
         lab.add_public("relay")
         lab.add_private("a", "cone")
         lab.add_private("b", "cone")
-        try:
-            relay_addr = _start_relay(lab, tmp_path, procs)
-            a, a_id = _start_node(lab, tmp_path, procs, "a", "--bootstrap", relay_addr, "--relay", relay_addr)
-            b, b_id = _start_node(lab, tmp_path, procs, "b", "--bootstrap", relay_addr)
-            _wait_reserved(a, relay_addr)
-            r = b.command({"cmd": "connect", "addr": f"{relay_addr}/p2p-circuit/p2p/{a_id}"})
-            assert r["ok"], r
-            st_a = _wait_direct(a, b_id)
-            _wait_direct(b, a_id)
-            punch = st_a["nat"]["hole_punches"][b_id]  # A accepted the relayed connection: it punched
-            assert punch["ok"] and punch["attempts"] >= 1, punch
-            echo = b.command({"cmd": "echo", "peer": a_id, "data": "punched"})
-            assert echo["ok"] and echo["data"] == "punched" and echo["relayed"] is False, echo
-            # the relayed connection is retired once idle: only the direct one stays
-            st = _status_when(a, lambda st: not any(c["relayed"] for c in st["connections"].get(b_id, [])), 10,
-                              "retirement of the relayed connection")
-            served = st["streams_served"]
-            assert served.get("/shardnet/echo/1.0.0 direct", 0) >= 1, served
+        relay, relay_addr = lab.start_relay("relay", tmp_path)
+        a, a_id = lab.start_node("a", tmp_path, "--bootstrap", relay_addr, "--relay", relay_addr)
+        b, b_id = lab.start_node("b", tmp_path, "--bootstrap", relay_addr)
+        natlab.wait_reserved(a, relay_addr)
+        r = b.command({"cmd": "connect", "addr": f"{relay_addr}/p2p-circuit/p2p/{a_id}"})
+        assert r["ok"], r
+        st_a = natlab.wait_direct(a, b_id)
+        natlab.wait_direct(b, a_id)
+        punch = st_a["nat"]["hole_punches"][b_id]  # A accepted the relayed connection: it punched
+        assert punch["ok"] and punch["attempts"] >= 1, punch
+        echo = b.command({"cmd": "echo", "peer": a_id, "data": "punched"})
+        assert echo["ok"] and echo["data"] == "punched" and echo["relayed"] is False, echo
+        # the relayed connection is retired once idle: only the direct one stays
+        st = natlab.wait_status(a, lambda st: not any(c["relayed"] for c in st["connections"].get(b_id, [])), 10,
+                          "retirement of the relayed connection")
+        served = st["streams_served"]
+        assert served.get("/shardnet/echo/1.0.0 direct", 0) >= 1, served
 
-            # scenario 3: the relay goes away; A and B keep talking over their own connection
-            procs[0].stop()
-            for i in range(3):
-                echo = b.command({"cmd": "echo", "peer": a_id, "data": f"still here {i}"})
-                assert echo["ok"] and echo["data"] == f"still here {i}" and echo["relayed"] is False, echo
-                echo = a.command({"cmd": "echo", "peer": b_id, "data": f"and here {i}"})
-                assert echo["ok"] and echo["relayed"] is False, echo
-                time.sleep(1)
-        finally:
-            for p in procs:
-                p.stop()
+        # scenario 3: the relay goes away; A and B keep talking over their own connection
+        relay.stop()
+        for i in range(3):
+            echo = b.command({"cmd": "echo", "peer": a_id, "data": f"still here {i}"})
+            assert echo["ok"] and echo["data"] == f"still here {i}" and echo["relayed"] is False, echo
+            echo = a.command({"cmd": "echo", "peer": b_id, "data": f"and here {i}"})
+            assert echo["ok"] and echo["relayed"] is False, echo
+            time.sleep(1)
 
 
 def test_symmetric_nat_punch_fails_in_bounded_time_and_the_relay_keeps_working(tmp_path):
-    procs = []
     with natlab.NatLab() as lab:
         lab.add_public("relay")
         lab.add_private("a", "cone")
         lab.add_private("b", "symmetric")
-        try:
-            relay_addr = _start_relay(lab, tmp_path, procs)
-            a, a_id = _start_node(lab, tmp_path, procs, "a", "--bootstrap", relay_addr, "--relay", relay_addr)
-            b, b_id = _start_node(lab, tmp_path, procs, "b", "--bootstrap", relay_addr)
-            _wait_reserved(a, relay_addr)
-            t0 = time.monotonic()
-            assert b.command({"cmd": "connect", "addr": f"{relay_addr}/p2p-circuit/p2p/{a_id}"})["ok"]
-            while True:  # A (which accepted the relayed connection) punches, and says how it went
-                punch = a.command({"cmd": "status"})["nat"]["hole_punches"].get(b_id)
-                if punch is not None:
-                    break
-                assert time.monotonic() - t0 < 60, "no hole punch outcome within 60 s"
-                time.sleep(0.5)
-            assert punch["ok"] is False and punch["attempts"] == 3, punch
-            assert "no direct connection" in punch["detail"], punch
-            assert punch["seconds"] < 30, punch  # 3 attempts of at most 5 s each, plus the exchanges
-            st = a.command({"cmd": "status"})
-            assert st["connections"][b_id] and all(c["relayed"] for c in st["connections"][b_id]), st
-            echo = b.command({"cmd": "echo", "peer": a_id, "data": "via the relay"})
-            assert echo["ok"] and echo["data"] == "via the relay" and echo["relayed"] is True, echo
-            log_text = a.log_path.read_text()
-            assert "hole punch to" in log_text and "failed after 3 attempt" in log_text, a.tail_log()
-        finally:
-            for p in procs:
-                p.stop()
+        relay, relay_addr = lab.start_relay("relay", tmp_path)
+        a, a_id = lab.start_node("a", tmp_path, "--bootstrap", relay_addr, "--relay", relay_addr)
+        b, b_id = lab.start_node("b", tmp_path, "--bootstrap", relay_addr)
+        natlab.wait_reserved(a, relay_addr)
+        t0 = time.monotonic()
+        assert b.command({"cmd": "connect", "addr": f"{relay_addr}/p2p-circuit/p2p/{a_id}"})["ok"]
+        while True:  # A (which accepted the relayed connection) punches, and says how it went
+            punch = a.command({"cmd": "status"})["nat"]["hole_punches"].get(b_id)
+            if punch is not None:
+                break
+            assert time.monotonic() - t0 < 60, "no hole punch outcome within 60 s"
+            time.sleep(0.5)
+        assert punch["ok"] is False and punch["attempts"] == 3, punch
+        assert "no direct connection" in punch["detail"], punch
+        assert punch["seconds"] < 30, punch  # 3 attempts of at most 5 s each, plus the exchanges
+        st = a.command({"cmd": "status"})
+        assert st["connections"][b_id] and all(c["relayed"] for c in st["connections"][b_id]), st
+        echo = b.command({"cmd": "echo", "peer": a_id, "data": "via the relay"})
+        assert echo["ok"] and echo["data"] == "via the relay" and echo["relayed"] is True, echo
+        log_text = a.log_path.read_text()
+        assert "hole punch to" in log_text and "failed after 3 attempt" in log_text, a.tail_log()
 
 
 def test_autonat_tells_public_from_private_and_private_peers_find_a_relay(tmp_path):
-    procs = []
     with natlab.NatLab() as lab:
         lab.add_public("relay")
         lab.add_public("pub")
         lab.add_private("priv", "cone")
-        try:
-            relay_addr = _start_relay(lab, tmp_path, procs)
-            pub, _ = _start_node(lab, tmp_path, procs, "pub", "--bootstrap", relay_addr)
-            priv, priv_id = _start_node(lab, tmp_path, procs, "priv", "--bootstrap", relay_addr)
-            rid = relay_addr.rsplit("/p2p/", 1)[1]
-            deadline = time.monotonic() + 60
-            while True:
-                st_pub, st_priv = pub.command({"cmd": "status"}), priv.command({"cmd": "status"})
-                if (st_pub["nat"]["reachability"] != "unknown" and st_priv["nat"]["reachability"] != "unknown"
-                        and st_priv["nat"]["relay_slots"]):
-                    break
-                assert time.monotonic() < deadline, (st_pub["nat"], st_priv["nat"])
-                time.sleep(0.5)
-            assert st_pub["nat"]["reachability"] == "public", st_pub["nat"]
-            assert st_pub["nat"]["public_addrs"] == [f"/ip4/{lab.ip('pub')}/tcp/4001"], st_pub["nat"]
-            assert st_priv["nat"]["reachability"] == "private", st_priv["nat"]
-            assert lab.public_ip("priv") in st_priv["nat"]["observed_ips"], st_priv["nat"]
-            # no --relay given: the private peer found the relay among its peers and advertises it
-            assert rid in st_priv["nat"]["relay_slots"], st_priv["nat"]
-            assert f"{relay_addr}/p2p-circuit/p2p/{priv_id}" in st_priv["addrs"], st_priv["addrs"]
-            # and a public peer reaches it through that address
-            assert pub.command({"cmd": "connect", "addr": f"{relay_addr}/p2p-circuit/p2p/{priv_id}"})["ok"]
-            echo = pub.command({"cmd": "echo", "peer": priv_id, "data": "found you"})
-            assert echo["ok"] and echo["data"] == "found you", echo
-            # `shardnet status` answers the same question for a newcomer on either machine
-            for host, want in (("priv", "private"), ("pub", "public")):
-                r = lab.run(host, [sys.executable, "-m", "shardnet", "status", "--bootstrap", relay_addr,
-                                   "--listen", "/ip4/0.0.0.0/tcp/4002"], timeout=60, check=False)
-                assert r.returncode == 0, r.stderr[-2000:]
-                assert f"reachability: {want}" in r.stdout, r.stdout
-                if want == "private":
-                    assert "reachable through relays at:" in r.stdout and "/p2p-circuit" in r.stdout, r.stdout
-                else:
-                    assert f"public addresses: /ip4/{lab.ip('pub')}/tcp/4002" in r.stdout, r.stdout
-        finally:
-            for p in procs:
-                p.stop()
+        relay, relay_addr = lab.start_relay("relay", tmp_path)
+        pub, _ = lab.start_node("pub", tmp_path, "--bootstrap", relay_addr)
+        priv, priv_id = lab.start_node("priv", tmp_path, "--bootstrap", relay_addr)
+        rid = relay_addr.rsplit("/p2p/", 1)[1]
+        deadline = time.monotonic() + 60
+        while True:
+            st_pub, st_priv = pub.command({"cmd": "status"}), priv.command({"cmd": "status"})
+            if (st_pub["nat"]["reachability"] != "unknown" and st_priv["nat"]["reachability"] != "unknown"
+                    and st_priv["nat"]["relay_slots"]):
+                break
+            assert time.monotonic() < deadline, (st_pub["nat"], st_priv["nat"])
+            time.sleep(0.5)
+        assert st_pub["nat"]["reachability"] == "public", st_pub["nat"]
+        assert st_pub["nat"]["public_addrs"] == [f"/ip4/{lab.ip('pub')}/tcp/4001"], st_pub["nat"]
+        assert st_priv["nat"]["reachability"] == "private", st_priv["nat"]
+        assert lab.public_ip("priv") in st_priv["nat"]["observed_ips"], st_priv["nat"]
+        # no --relay given: the private peer found the relay among its peers and advertises it
+        assert rid in st_priv["nat"]["relay_slots"], st_priv["nat"]
+        assert f"{relay_addr}/p2p-circuit/p2p/{priv_id}" in st_priv["addrs"], st_priv["addrs"]
+        # and a public peer reaches it through that address
+        assert pub.command({"cmd": "connect", "addr": f"{relay_addr}/p2p-circuit/p2p/{priv_id}"})["ok"]
+        echo = pub.command({"cmd": "echo", "peer": priv_id, "data": "found you"})
+        assert echo["ok"] and echo["data"] == "found you", echo
+        # `shardnet status` answers the same question for a newcomer on either machine
+        for host, want in (("priv", "private"), ("pub", "public")):
+            r = lab.run(host, [sys.executable, "-m", "shardnet", "status", "--bootstrap", relay_addr,
+                               "--listen", "/ip4/0.0.0.0/tcp/4002"], timeout=60, check=False)
+            assert r.returncode == 0, r.stderr[-2000:]
+            assert f"reachability: {want}" in r.stdout, r.stdout
+            if want == "private":
+                assert "reachable through relays at:" in r.stdout and "/p2p-circuit" in r.stdout, r.stdout
+            else:
+                assert f"public addresses: /ip4/{lab.ip('pub')}/tcp/4002" in r.stdout, r.stdout
