@@ -33,10 +33,15 @@ def js_available() -> str | None:
 
 
 class JsPeer:
-    def __init__(self, log_dir: Path, name: str = "js", **opts) -> None:
-        self.log = open(log_dir / f"{name}.log", "wb")
+    def __init__(self, log_dir: Path, name: str = "js", *, prefix: list[str] = (), debug: str = "",
+                 **opts) -> None:
+        """``prefix``: argv to run it under (a NAT lab host's); ``debug``: js-libp2p's DEBUG
+        namespaces for its log (e.g. "libp2p:dcutr*")."""
+        self.log_path = log_dir / f"{name}.log"
+        self.log = open(self.log_path, "wb")
+        env = {**os.environ, "DEBUG": debug} if debug else None
         self.proc = subprocess.Popen(
-            ["node", "--import", "./polyfill.js", "peer.js", json.dumps(opts)], cwd=JS_DIR,
+            [*prefix, "node", "--import", "./polyfill.js", "peer.js", json.dumps(opts)], cwd=JS_DIR, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, start_new_session=True)
         self.pid = self.proc.pid
         self.lines: queue.Queue[dict | None] = queue.Queue()

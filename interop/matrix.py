@@ -36,7 +36,14 @@ CHECKS = [
      "128 KiB circuit limit then ends the circuit with a clear error)",
      {"js": "test_js.test_a_shardnet_peer_reserves_on_a_js_relay_and_is_dialled_through_it",
       "go": "test_go.test_a_shardnet_peer_reserves_on_a_go_relay_and_is_dialled_through_it"}),
-    ("DCUtR hole punch between shardnet and the foreign peer", {}),
+    ("DCUtR (NAT lab): shardnet, public, starts the upgrade of a relayed connection; the foreign peer, "
+     "behind a cone NAT, answers and dials it directly",
+     {"js": "test_js_dcutr.test_shardnet_starts_dcutr_and_js_behind_a_nat_answers"}),
+    ("DCUtR (NAT lab): the foreign peer, public, starts; shardnet, behind a cone NAT, answers and dials "
+     "from its listening port",
+     {"js": "test_js_dcutr.test_js_starts_dcutr_and_shardnet_behind_a_nat_answers"}),
+    ("DCUtR (NAT lab): both behind cone NATs, a TCP simultaneous open",
+     {"js": "test_js_dcutr.test_both_behind_cone_nats"}),
 ]
 NOT_BUILT = "not built yet"
 

@@ -4,7 +4,9 @@
 //     node --import ./polyfill.js peer.js '{"listen": ["/ip4/127.0.0.1/tcp/0"]}'
 //
 // It speaks TCP + Noise + Yamux, identify, ping, gossipsub, Kademlia (/ipfs/kad/1.0.0), and
-// echoes every stream opened on /shardnet/activation/1.0.0 back byte for byte.
+// echoes every stream opened on /shardnet/activation/1.0.0 back byte for byte. With "circuit" it
+// also dials and listens on relayed addresses (listen: "<relay>/p2p-circuit" reserves there) and
+// runs DCUtR, to turn relayed connections into direct ones.
 import { createInterface } from 'node:readline'
 import { createLibp2p } from 'libp2p'
 import { tcp } from '@libp2p/tcp'
@@ -14,7 +16,8 @@ import { identify } from '@libp2p/identify'
 import { ping } from '@libp2p/ping'
 import { gossipsub } from '@libp2p/gossipsub'
 import { kadDHT, passthroughMapper } from '@libp2p/kad-dht'
-import { circuitRelayServer } from '@libp2p/circuit-relay-v2'
+import { circuitRelayServer, circuitRelayTransport } from '@libp2p/circuit-relay-v2'
+import { dcutr } from '@libp2p/dcutr'
 import { multiaddr } from '@multiformats/multiaddr'
 import { peerIdFromString } from '@libp2p/peer-id'
 import { CID } from 'multiformats/cid'
@@ -31,11 +34,19 @@ if (opts.relay) {
   services.relay = circuitRelayServer({ reservations: { maxReservations: 16 } })
 }
 
+const transports = [tcp()]
+if (opts.circuit) {
+  transports.push(circuitRelayTransport())
+  services.dcutr = dcutr()
+}
+
 const node = await createLibp2p({
-  addresses: { listen: opts.listen ?? ['/ip4/127.0.0.1/tcp/0'] },
+  // appendAnnounce: addresses to advertise besides the verified ones (js-libp2p advertises an
+  // interface address only once AutoNAT confirms it; a public peer's operator states it instead)
+  addresses: { listen: opts.listen ?? ['/ip4/127.0.0.1/tcp/0'], appendAnnounce: opts.announce ?? [] },
   // the suite runs on loopback and private lab addresses, which js-libp2p refuses to dial by default
   connectionGater: { denyDialMultiaddr: async () => false },
-  transports: [tcp()],
+  transports,
   connectionEncrypters: [noise()],
   streamMuxers: [yamux()],
   services: {
@@ -93,7 +104,17 @@ const commands = {
     }
   },
   async conns () {
-    return { conns: node.getConnections().map((c) => ({ peer: c.remotePeer.toString(), remote: c.remoteAddr.toString() })) }
+    return {
+      conns: node.getConnections().map((c) => ({
+        peer: c.remotePeer.toString(),
+        remote: c.remoteAddr.toString(),
+        direction: c.direction,
+        limited: c.limits != null
+      }))
+    }
+  },
+  async addrs () {
+    return { addrs: node.getMultiaddrs().map((a) => a.toString()) }
   },
   async echo (cmd) {
     // open a stream on ECHO, send the bytes, read back as many, close

@@ -145,7 +145,7 @@ class HolePuncher:
                 raise MessageError(f"expected CONNECT, got {reply.type.name}")
             theirs = _addresses(reply.addrs)
             if not theirs:
-                raise MessageError("the peer sent no address to dial")
+                raise MessageError(f"the peer sent no address to dial ({_describe(reply.addrs)})")
             with trio.fail_after(IO_TIMEOUT):
                 await raw.write(encode_holepunch(HolePunch(HolePunchType.SYNC)))
             await trio.sleep(rtt / 2)
@@ -169,7 +169,7 @@ class HolePuncher:
                 if sync.type != HolePunchType.SYNC:
                     raise MessageError(f"expected SYNC, got {sync.type.name}")
             if not theirs:
-                raise MessageError("the peer sent no address to dial")
+                raise MessageError(f"the peer sent no address to dial ({_describe(msg.addrs)})")
             conn = await self._simultaneous_dial(peer, theirs, client=True)
             if conn is not None:
                 self._record(peer, True, 1, t0, _addr_text(conn))
@@ -282,6 +282,19 @@ def _addresses(raw_addrs: list[bytes]) -> list[Multiaddr]:
         except Exception:
             continue
     return dialable_tcp(out)
+
+
+def _describe(raw_addrs: list[bytes]) -> str:
+    """What a peer offered, for the log: each address as text, or its bytes when unreadable."""
+    if not raw_addrs:
+        return "none offered"
+    out = []
+    for b in raw_addrs[:16]:
+        try:
+            out.append(str(Multiaddr(b)))
+        except Exception:
+            out.append(f"unreadable {bytes(b[:32]).hex()}")
+    return "offered: " + ", ".join(out)
 
 
 def _addr_text(conn) -> str:
