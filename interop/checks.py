@@ -22,6 +22,17 @@ def step_frame() -> bytes:
     return ap.encode(msg)
 
 
+async def echoed_frame(node, peer: str, frame: bytes) -> ap.Message:
+    """Send ``frame`` on the activation protocol to ``peer``; the frame that comes back, which must
+    be byte for byte the one sent, decoded."""
+    async with await node.new_stream(peer, ap.PROTOCOL_ID) as s:
+        await s.write(frame)
+        back = await s.read_exactly(len(frame), timeout=10)
+    assert back == frame
+    [msg] = ap.ActivationDecoder().feed(back)
+    return msg
+
+
 def record_observations(node) -> list[str]:
     """The addresses peers report seeing us at (identify's observedAddr), as they arrive."""
     seen: list[str] = []

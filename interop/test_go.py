@@ -11,7 +11,7 @@ from shardnet.protocols import activation as ap
 from shardnet.protocols import echo
 from shardnet.transport import open_node
 
-from checks import circuit_through, protocols_of, record_observations, step_frame, until
+from checks import circuit_through, echoed_frame, protocols_of, record_observations, step_frame, until
 from p2pd import P2pdError
 
 TOPIC = "interop/news"
@@ -53,11 +53,7 @@ async def test_an_activation_frame_is_echoed_byte_for_byte_both_ways(go, node_co
     async with open_node(node_config()) as node, trio.open_nursery() as nursery:
         await go.serve_protocol(ap.PROTOCOL_ID, go_echo, nursery, tmp_path / "handler.sock")
         await node.connect(go.addrs[0])
-        async with await node.new_stream(go.peer_id, ap.PROTOCOL_ID) as s:
-            await s.write(frame)
-            back = await s.read_exactly(len(frame), timeout=10)
-        assert back == frame
-        [msg] = ap.ActivationDecoder().feed(back)
+        msg = await echoed_frame(node, go.peer_id, frame)
         assert (msg.type, msg["n"], msg["shape"]) == ("step", 3, [1, 4, 128])
         # go -> shardnet, on shardnet's echo protocol
         node.set_stream_handler(echo.PROTOCOL_ID, echo.serve)

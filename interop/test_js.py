@@ -7,7 +7,7 @@ import functools
 import trio
 from libp2p.peer.id import ID
 
-from checks import circuit_through, protocols_of, record_observations, step_frame, until
+from checks import circuit_through, echoed_frame, protocols_of, record_observations, step_frame, until
 from foreign import ForeignError
 from shardnet.protocols import activation as ap
 from shardnet.protocols import echo
@@ -63,11 +63,7 @@ async def test_an_activation_frame_is_echoed_byte_for_byte_both_ways(js, node_co
     async with open_node(node_config()) as node:
         # shardnet -> js: a stream of shardnet's activation protocol, echoed by js-libp2p
         await node.connect(js.addrs[0])
-        async with await node.new_stream(js.peer_id, ap.PROTOCOL_ID) as s:
-            await s.write(frame)
-            back = await s.read_exactly(len(frame), timeout=10)
-        assert back == frame
-        [msg] = ap.ActivationDecoder().feed(back)
+        msg = await echoed_frame(node, js.peer_id, frame)
         assert (msg.type, msg["n"], msg["pos"], msg["shape"], msg.get("e")) == ("step", 3, 11, [1, 4, 128], 1)
         # js -> shardnet: the same frame on shardnet's echo protocol (its framing is the same u32 prefix)
         node.set_stream_handler(echo.PROTOCOL_ID, echo.serve)

@@ -9,8 +9,6 @@ segment, which DCUtR's exchange still decides (who dials whom, when, in which ro
 both behind NATs, is an expected failure. The js side logs its DCUtR steps (DEBUG=libp2p:dcutr*) to its log in the test's tmp dir.
 """
 
-import time
-
 import pytest
 
 from foreign import JsPeer, js_available
@@ -33,12 +31,18 @@ def _direct_conns(js, peer):
     return [c for c in js.call("conns")["conns"] if c["peer"] == peer and "/p2p-circuit" not in c["remote"]]
 
 
-def _until(pred, timeout, what, step=0.3):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout} s")
-        time.sleep(step)
+def _reserved_js(lab, tmp_path, relay_addr, announce_ip):
+    """The js peer on host "js", holding a reservation at the relay and advertising
+    ``announce_ip``:4001; with its relayed address."""
+    js = _js(lab, tmp_path, "js", listen=[*LISTEN, f"{relay_addr}/p2p-circuit"],
+             announce=[f"/ip4/{announce_ip}/tcp/4001"])
+    circuit = f"{relay_addr}/p2p-circuit/p2p/{js.peer_id}"
+    try:
+        natlab.wait_until(lambda: circuit in js.call("addrs")["addrs"], 30, "js's reservation at the relay")
+    except BaseException:
+        js.stop()
+        raise
+    return js, circuit
 
 
 def test_shardnet_starts_dcutr_and_js_behind_a_nat_answers(tmp_path):
@@ -82,17 +86,14 @@ def test_js_starts_dcutr_and_shardnet_behind_a_nat_answers(tmp_path):
         _, relay_addr = lab.start_relay("relay", tmp_path)
         # a public js peer advertises its address as stated by its operator (unstated, js-libp2p
         # offers only loopback and its relayed address until AutoNAT has confirmed the address)
-        js = _js(lab, tmp_path, "js", listen=[*LISTEN, f"{relay_addr}/p2p-circuit"],
-                 announce=[f"/ip4/{lab.ip('js')}/tcp/4001"])
+        js, circuit = _reserved_js(lab, tmp_path, relay_addr, lab.ip("js"))
         try:
-            circuit = f"{relay_addr}/p2p-circuit/p2p/{js.peer_id}"
-            _until(lambda: circuit in js.call("addrs")["addrs"], 30, "js's reservation at the relay")
             # (no bootstrap: given only js's relayed address, it cannot go round the relay)
             sn, sn_id = lab.start_node("sn", tmp_path)
             r = sn.command({"cmd": "connect", "addr": circuit})
             assert r["ok"] and all(c["relayed"] for c in r["connections"]), r
             natlab.wait_direct(sn, js.peer_id, timeout=30)
-            _until(lambda: _direct_conns(js, sn_id), 10, "a direct connection on js's side")
+            natlab.wait_until(lambda: _direct_conns(js, sn_id), 10, "a direct connection on js's side")
             direct = _direct_conns(js, sn_id)
             # shardnet dialled (A dials at SYNC) from behind its NAT, from its listening port
             assert direct[0]["direction"] == "inbound", direct
@@ -103,7 +104,6 @@ def test_js_starts_dcutr_and_shardnet_behind_a_nat_answers(tmp_path):
             js.stop()
         log = js.log_path.read_text(errors="replace")
         assert "B sending connect" in log, log[-3000:]
-
 
 
 JS_CANNOT_PUNCH = ("js-libp2p's TCP transport dials from a fresh port, never its listening one (Node 20's net "
@@ -121,11 +121,8 @@ def test_both_behind_cone_nats(tmp_path):
         _, relay_addr = lab.start_relay("relay", tmp_path)
         # js states the address its router shows for its listening port (shardnet's own guess
         # for itself); without it js offers no address at all
-        js = _js(lab, tmp_path, "js", listen=[*LISTEN, f"{relay_addr}/p2p-circuit"],
-                 announce=[f"/ip4/{lab.public_ip('js')}/tcp/4001"])
+        js, circuit = _reserved_js(lab, tmp_path, relay_addr, lab.public_ip("js"))
         try:
-            circuit = f"{relay_addr}/p2p-circuit/p2p/{js.peer_id}"
-            _until(lambda: circuit in js.call("addrs")["addrs"], 30, "js's reservation at the relay")
             sn, sn_id = lab.start_node("sn", tmp_path)
             assert sn.command({"cmd": "connect", "addr": circuit})["ok"]
             try:

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .localswarm import ShardnetProcess
+from .localswarm import LocalSwarm, ShardnetProcess
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +238,7 @@ table ip filter {{
         p = self._track(ShardnetProcess(name, ["node", "--events", "--identity", str(workdir / f"{name}.key"),
                                                "--listen", f"/ip4/0.0.0.0/tcp/{port}", *extra],
                                         workdir=workdir, prefix=self.prefix(name)))
-        return p, p.wait_event(lambda e: e.get("event") == "ready", 60)["peer_id"]
+        return p, LocalSwarm.wait_ready(p, 60)["peer_id"]
 
     def _track(self, p: ShardnetProcess) -> ShardnetProcess:
         self.processes.append(p)
@@ -257,17 +257,27 @@ table ip filter {{
         self.hosts.clear()
 
 
+def wait_until(probe, timeout: float, what: str, step: float = 0.3, detail=lambda: ""):
+    """``probe()`` until it returns something truthy, which is returned; AssertionError naming
+    ``what`` (and ``detail()``) if it does not within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not (got := probe()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s{detail()}")
+        time.sleep(step)
+    return got
+
+
 def wait_status(p: ShardnetProcess, pred, timeout: float, what: str, step: float = 0.3) -> dict:
     """Poll a `node --events` process's status until ``pred(status)`` holds; AssertionError naming
     ``what`` and the last status if it does not within ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        st = p.command({"cmd": "status"})
-        if pred(st):
-            return st
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout} s: {json.dumps(st, indent=1)}")
-        time.sleep(step)
+    last: dict = {}
+
+    def probe() -> dict | None:
+        last["status"] = st = p.command({"cmd": "status"})
+        return st if pred(st) else None
+
+    return wait_until(probe, timeout, what, step, detail=lambda: ": " + json.dumps(last.get("status"), indent=1))
 
 
 def wait_reserved(p: ShardnetProcess, relay_addr: str, timeout: float = 30) -> dict:
