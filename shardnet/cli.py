@@ -121,9 +121,28 @@ def network_options(default_listen: str | None):
                          help="Keep relayed connections relayed (no DCUtR hole punching).")(f)
         f = click.option("--no-auto-relay", is_flag=True, expose_value=False, callback=_remember,
                          help="Without --relay, do not reserve relay slots when AutoNAT finds us behind NAT.")(f)
-        return f
+        return swarm_key_option(f)
 
     return deco
+
+
+def swarm_key_option(f):
+    return click.option("--swarm-key", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                        envvar="SHARDNET_SWARM_KEY", expose_value=False, callback=_remember,
+                        help="Private swarm: connect only with peers holding this key file "
+                             "(make one with `shardnet swarm-key PATH`).")(f)
+
+
+def _load_swarm_key(cfg: NodeConfig) -> NodeConfig:
+    """--swarm-key (or $SHARDNET_SWARM_KEY), remembered in the click context, into ``cfg``."""
+    meta = click.get_current_context(silent=True)
+    path = meta.meta.get("shardnet.swarm_key") if meta is not None else None
+    if path:
+        from .transport.swarm_key import SwarmKey
+
+        cfg.swarm_key = SwarmKey.load(path)
+        log.info("private swarm: key %s (%s)", cfg.swarm_key.fingerprint, path)
+    return cfg
 
 
 def _remember(ctx: click.Context, param: click.Parameter, value) -> None:
@@ -155,6 +174,7 @@ def make_config(*, identity: Path | None, listen, announce, bootstrap, quic: boo
     meta = click.get_current_context(silent=True)
     meta = meta.meta if meta is not None else {}
     cfg.hole_punch = not meta.get("shardnet.no_hole_punch", False)
+    _load_swarm_key(cfg)
     if meta.get("shardnet.no_auto_relay", False):
         cfg.auto_relays = 0
     if persistent:
@@ -200,6 +220,25 @@ def id_cmd(identity: Path | None) -> None:
     kp, created = ident.load_or_create(path)
     _say(f"peer id:  {ident.peer_id_of(kp)}")
     _say(f"identity: {path} ({'created' if created else 'existing'})")
+
+
+@main.command("swarm-key")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@_wrap_errors
+def swarm_key_cmd(path: Path) -> None:
+    """Make a private swarm's key at PATH (or show the fingerprint of the one there).
+
+    Give the file (mode 0600) to every member: `--swarm-key PATH` on each of their commands.
+    """
+    from .transport.swarm_key import SwarmKey
+
+    if path.exists():
+        key = SwarmKey.load(path)
+        _say(f"swarm key {path}: fingerprint {key.fingerprint}")
+        return
+    key = SwarmKey.generate()
+    key.save(path)
+    _say(f"made swarm key {path}: fingerprint {key.fingerprint}")
 
 
 def relay_limit_options(f):
@@ -425,13 +464,14 @@ def status(listen, announce, bootstrap, quic, mdns, relays, model_path, wait, as
 @click.argument("maddr")
 @click.option("--count", "-c", default=3, show_default=True, help="Number of pings.")
 @click.option("--timeout", default=10.0, show_default=True, help="Seconds to wait for each answer.")
+@swarm_key_option
 @_wrap_errors
 def ping(maddr: str, count: int, timeout: float) -> None:
     """Ping a peer at MADDR (/ip4/../tcp/../p2p/ID) and print round-trip times."""
     from .transport import open_node
 
     info = parse_peer_addr(maddr, what="MADDR")
-    cfg = NodeConfig(listen=["/ip4/0.0.0.0/tcp/0"], dial_timeout=timeout)
+    cfg = _load_swarm_key(NodeConfig(listen=["/ip4/0.0.0.0/tcp/0"], dial_timeout=timeout))
 
     async def _main() -> None:
         async with open_node(cfg) as n:

@@ -134,9 +134,11 @@ class ShardnetProcess:
 
 
 class LocalSwarm:
-    """A bootstrap plus N ``shardnet node --events`` processes on loopback."""
+    """A bootstrap plus N ``shardnet node --events`` processes on loopback; with ``swarm_key`` (a
+    key file) every process it starts is a member of that private swarm."""
 
-    def __init__(self, workdir: Path | None = None) -> None:
+    def __init__(self, workdir: Path | None = None, *, swarm_key: Path | None = None) -> None:
+        self.swarm_key = swarm_key
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="shardnet-swarm-")
         self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -188,7 +190,8 @@ class LocalSwarm:
         return p.wait_event(lambda e: e.get("event") == "ready", timeout)
 
     def _spawn(self, name: str, args: list[str], program: list[str] | None = None) -> ShardnetProcess:
-        p = ShardnetProcess(name, args, workdir=self.workdir, program=program)
+        env = {"SHARDNET_SWARM_KEY": str(self.swarm_key)} if self.swarm_key else None
+        p = ShardnetProcess(name, args, workdir=self.workdir, program=program, env=env)
         self.procs.append(p)
         return p
 

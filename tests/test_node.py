@@ -206,3 +206,27 @@ async def test_peer_events_report_connections(loopback_config):
                     ev = await events.receive()
                     seen.append((ev.kind, ev.peer_id))
         assert seen.index(("connected", b.peer_id)) < seen.index(("disconnected", b.peer_id))
+
+
+async def test_only_noise_is_accepted(loopback_config):
+    """py-libp2p offers /plaintext/2.0.0 by default, where a peer states any public key and
+    proves nothing: a shardnet node neither offers nor accepts it."""
+    from libp2p import new_host
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+    from multiaddr import Multiaddr
+
+    async with open_node(loopback_config()) as node, open_node(loopback_config()) as other:
+        await other.connect(f"{node.listen_addrs[0]}/p2p/{node.peer_id}")
+        conn = other.host.get_network().get_connections(node.peer_id)[0]
+        secured = conn.muxed_conn.secured_conn
+        assert getattr(secured, "negotiated_security_protocol", None) == "/noise"
+
+        kp = create_new_key_pair()
+        plain = new_host(key_pair=kp, sec_opt={TProtocol(PLAINTEXT_PROTOCOL_ID): InsecureTransport(kp)})
+        async with plain.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            with pytest.raises(Exception), trio.fail_after(10):
+                await plain.connect(info_from_p2p_addr(Multiaddr(f"{node.listen_addrs[0]}/p2p/{node.peer_id}")))
+            assert plain.get_id() not in node.host.get_connected_peers()

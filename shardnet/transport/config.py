@@ -67,6 +67,9 @@ class NodeConfig:
     #: Raise glibc's mmap threshold for this process (see allocator.py): ~2.5x faster large
     #: transfers from the start. Off leaves the process allocator untouched.
     tune_allocator: bool = True
+    #: A private swarm's key (a swarm_key.SwarmKey): only peers holding the same key connect.
+    #: None: a public swarm (Noise, no admission step).
+    swarm_key: object | None = None
 
 
 def parse_multiaddr(text: str, *, what: str = "address") -> Multiaddr:

@@ -9,6 +9,8 @@ patches):
   peer up to ~100 connections; shardnet's discovery loop tops up to ``low_watermark`` instead.
 - dial retries off: shardnet retries on its own schedule with backoff (bootstrap supervision),
   and a dead peer must fail its dial quickly rather than after three backed-off attempts.
+- security is Noise only (py-libp2p also offers plaintext, which authenticates nobody, and
+  secio), or the private-swarm protocol when a swarm key is set (security.py).
 - fixed listen ports are probed first: py-libp2p sets SO_REUSEPORT on its listeners, so a
   second node on the same port would bind silently and steal half the connections.
 """
@@ -26,6 +28,7 @@ from multiaddr import Multiaddr
 
 from .config import NodeConfig
 from .errors import PortInUseError
+from .security import guard_upgrader, security_options
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,11 @@ def build_host(config: NodeConfig, key_pair: KeyPair, announce: list[Multiaddr])
         enable_mDNS=config.enable_mdns,
         announce_addrs=announce or None,
         addrs_factory=None if announce else expand_unspecified,
+        sec_opt=security_options(key_pair, config.swarm_key),
     )
     swarm = host.get_network()
+    if config.swarm_key is not None:
+        guard_upgrader(swarm.upgrader, host.get_id())
     swarm.retry_config = RetryConfig(max_retries=0)
     # shardnet's discovery loop owns connection top-up (bounded by low_watermark); the
     # auto-connector would otherwise dial every known peer up to the watermark midpoint.

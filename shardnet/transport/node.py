@@ -32,6 +32,7 @@ from .nat.holepunch import HolePuncher
 from .nat.relay import RelayClient, RelayService, is_relayed, parse_circuit_addr
 from .nat.relay_messages import HOP_PROTOCOL
 from .pubsub import PubSub
+from .security import admission_reason
 from .stream import Stream
 
 log = logging.getLogger(__name__)
@@ -636,6 +637,9 @@ def _mentions(e: BaseException, *needles: str) -> bool:
 
 def _reason(e: BaseException) -> str:
     """The most specific cause of a dial failure, on one line (e.g. "Connection refused")."""
+    refusal = admission_reason(e)
+    if refusal is not None:
+        return refusal
     best = _deepest_cause(e, 0)
     if isinstance(best, OSError) and best.strerror:
         return best.strerror

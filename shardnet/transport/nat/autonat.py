@@ -260,15 +260,14 @@ class AutoNAT:
         a stranger's connection that does not compete with ours."""
         if self._upgrader is None:
             from libp2p import create_yamux_muxer_option
-            from libp2p.crypto.x25519 import create_new_key_pair as new_x25519
-            from libp2p.security.noise.transport import PROTOCOL_ID, Transport
             from libp2p.transport.upgrader import TransportUpgrader
 
             from ..identity import generate
+            from ..security import security_options
 
-            kp = generate()
-            self._upgrader = TransportUpgrader(
-                {PROTOCOL_ID: Transport(kp, noise_privkey=new_x25519().private_key)}, create_yamux_muxer_option())
+            # in a private swarm the stranger holds the swarm key too: members only answer members
+            self._upgrader = TransportUpgrader(security_options(generate(), self.node.config.swarm_key),
+                                               create_yamux_muxer_option())
         return self._upgrader
 
     # -- the client --------------------------------------------------------------------------------
