@@ -153,6 +153,10 @@ class InferenceSession:
         self.length = 0
         self.step_no = 0
         self.error: InferenceError | None = None
+        #: steps sent and not yet answered: n -> (pos, tokens, logits_for). A result must answer
+        #: one of them, in order: a replayed, reordered or reflected frame is refused.
+        self._awaiting: dict[int, tuple[int, int, int]] = {}
+        self._receiving: trio.CancelScope | None = None
 
     async def _open(self) -> None:
         node, route, s = self.client.node, self.route, self.session
@@ -194,10 +198,15 @@ class InferenceSession:
                 self.error = InferenceError("next_hop", "the first hop closed the stream", self.route[0].peer)
             elif msg.type == "error":
                 self.error = InferenceError(msg["code"], msg["msg"], msg.get("peer"))
+            else:  # only errors travel upstream once a chain is ready
+                self.error = InferenceError("unexpected", f"the first hop sent {msg.type} upstream",
+                                            self.route[0].peer)
         except (ShardnetError, ap.ActivationProtocolError) as e:
             self.error = InferenceError("next_hop", str(e), self.route[0].peer)
         if self.error is not None:
             log.warning("chain reported %s", self.error)
+            if self._receiving is not None:
+                self._receiving.cancel()
             await self.ret.close()
 
     async def forward(self, hidden: torch.Tensor, *, pos: int | None = None, logits_for: int = 1) -> torch.Tensor:
@@ -230,23 +239,53 @@ class InferenceSession:
                                                self.route[0].peer) from None
         self.step_no += 1
         self.length = pos + hidden.shape[1]
+        self._awaiting[n] = (pos, hidden.shape[1], logits_for)
         return n
 
     async def receive(self) -> tuple[int, torch.Tensor]:
         """The next result: (its step number, the tensor)."""
+        msg = None
         try:
-            msg = await self.ret.recv(STEP_TIMEOUT)
+            # an error reported upstream ends the wait, whatever the return stream does
+            with trio.CancelScope() as self._receiving:
+                if self.error is None:
+                    msg = await self.ret.recv(STEP_TIMEOUT)
         except trio.TooSlowError:
             raise self.error or InferenceError("timeout", f"no result within {STEP_TIMEOUT:g} s") from None
         except ShardnetError:
-            msg = None
+            pass
+        finally:
+            self._receiving = None
         if msg is None:
             raise self.error or InferenceError("next_hop", "the return stream closed")
         if msg.type == "error":
             raise InferenceError(msg["code"], msg["msg"], msg.get("peer"))
         if msg.type != "result":
-            raise InferenceError("unexpected", f"expected a result, got {msg.type}")
+            raise InferenceError("unexpected", f"expected a result, got {msg.type}", self.route[-1].peer)
+        problem = self._answers(msg)
+        if problem:
+            raise InferenceError("unexpected", problem, self.route[-1].peer)
         return msg["n"], wire.from_message(msg)
+
+    def _answers(self, msg: ap.Message) -> str | None:
+        """Why ``msg`` is not the result of a step in flight (None when it is). Results come in
+        step order but may skip steps (chunks of a fenced-off speculation epoch are dropped)."""
+        n = msg["n"]
+        if n not in self._awaiting:
+            return f"result {n} answers no step in flight (a replayed or reordered frame?)"
+        for k in [k for k in self._awaiting if k < n]:
+            del self._awaiting[k]
+        pos, tokens, logits_for = self._awaiting.pop(n)
+        if msg["pos"] != pos:
+            return f"result {n} is for position {msg['pos']}; step {n} started at {pos}"
+        kind = "logits" if self.client.logits_on_last else "hidden"
+        if msg["kind"] != kind:
+            return f"result {n} carries {msg['kind']}, this session expects {kind}"
+        config = self.client.model.ckpt.config
+        rows, width = (min(logits_for, tokens), config.vocab_size) if kind == "logits" else (tokens, config.hidden_size)
+        if msg["shape"] != [1, rows, width]:
+            return f"result {n} has shape {msg['shape']}, expected {[1, rows, width]}"
+        return None
 
     async def close(self) -> None:
         if self.up is not None:

@@ -365,7 +365,8 @@ def _check_step(msg: ap.Message, expected_step: int, length: int, max_len: int,
 
 
 async def _relay_errors(s: bytes, down: MessageStream, up: MessageStream, scope: trio.CancelScope) -> None:
-    """Errors from further down the chain travel back up, hop by hop. Runs for the session's
+    """Errors from further down the chain travel back up, hop by hop (any other message ends the
+    session: frames only flow one way on each stream). Runs for the session's
     life (the step loop's idle timeout bounds that), so it waits without a deadline of its own."""
     try:
         while True:
@@ -376,6 +377,9 @@ async def _relay_errors(s: bytes, down: MessageStream, up: MessageStream, scope:
             if msg.type == "error":
                 await up.send(msg)
                 break
+            # once ready, only errors travel upstream: anything else is reflected or forged
+            await _reply_error(up, s, "unexpected", f"the next hop sent {msg.type} upstream", peer=down.remote_peer)
+            break
     except (ShardnetError, ap.ActivationProtocolError) as e:
         await _reply_error(up, s, "next_hop", f"next hop failed: {e}", peer=down.remote_peer)
     scope.cancel()
