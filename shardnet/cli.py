@@ -121,9 +121,14 @@ def network_options(default_listen: str | None):
                          help="Keep relayed connections relayed (no DCUtR hole punching).")(f)
         f = click.option("--no-auto-relay", is_flag=True, expose_value=False, callback=_remember,
                          help="Without --relay, do not reserve relay slots when AutoNAT finds us behind NAT.")(f)
-        return swarm_key_option(f)
+        return limit_option(swarm_key_option(f))
 
     return deco
+
+
+def limit_option(f):
+    return click.option("--limit", "limits", multiple=True, metavar="NAME=VALUE", expose_value=False,
+                        callback=_remember, help="Set a resource limit (repeatable; `shardnet limits` lists them).")(f)
 
 
 def swarm_key_option(f):
@@ -174,6 +179,8 @@ def make_config(*, identity: Path | None, listen, announce, bootstrap, quic: boo
     meta = click.get_current_context(silent=True)
     meta = meta.meta if meta is not None else {}
     cfg.hole_punch = not meta.get("shardnet.no_hole_punch", False)
+    for assignment in meta.get("shardnet.limits", ()):
+        cfg.limits.set(assignment)
     _load_swarm_key(cfg)
     if meta.get("shardnet.no_auto_relay", False):
         cfg.auto_relays = 0
@@ -220,6 +227,22 @@ def id_cmd(identity: Path | None) -> None:
     kp, created = ident.load_or_create(path)
     _say(f"peer id:  {ident.peer_id_of(kp)}")
     _say(f"identity: {path} ({'created' if created else 'existing'})")
+
+
+@main.command("limits")
+def limits_cmd() -> None:
+    """List the resource limits a node enforces on its peers, with their defaults.
+
+    Set any of them on a node command with `--limit NAME=VALUE` (repeatable)."""
+    from .transport.limits import Limits
+
+    rows = Limits.describe()
+    width = max(len(name) for name, _, _ in rows)
+    for name, default, doc in rows:
+        _say(f"{name:<{width}}  {default!s:<10}  {doc}")
+    _say("")
+    _say("Also: --kv-budget-mb (join: KV cache for all sessions), the relay limits (relay, bootstrap "
+         "--serve-relay; see --help), gossip rate and connection counts (NodeConfig, for embedding apps).")
 
 
 @main.command("swarm-key")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 import trio
@@ -24,12 +25,14 @@ from shardnet.protocols import activation as ap
 from shardnet.protocols.receipts import HashChain
 from shardnet.transport.config import peer_info
 from shardnet.transport.errors import ShardnetError
+from shardnet.transport.limits import Refusals, TokenBuckets
 from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream
 
 from . import wire
 from .block import Block, Head
 from .receipt_service import ReceiptService, StageRecorder
+from .turns import FairTurns
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +128,20 @@ class ServedBlock:
     kv: KvBudget
     head: Head | None = None  # present when this peer may apply norm + LM head (last block)
     idle_timeout: float = 300.0
-    compute: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
+    compute: FairTurns = field(default_factory=FairTurns)
     sessions_served: int = 0
 
 
 class ActivationEndpoint:
     def __init__(self, node: Node) -> None:
         self.node = node
+        self.limits = node.config.limits
         self.served: ServedBlock | None = None
         self._returns: dict[bytes, tuple[str, trio.MemorySendChannel]] = {}
+        #: sessions open per upstream peer, and the rate each may open new ones at
+        self.sessions_by_peer: Counter[str] = Counter()
+        self._session_rate = TokenBuckets(self.limits.session_rate_per_peer, self.limits.session_burst_per_peer)
+        self.refusals = Refusals()
         node.set_stream_handler(ap.PROTOCOL_ID, self._handle)
 
     @classmethod
@@ -160,9 +168,13 @@ class ActivationEndpoint:
 
     # -- every incoming activation stream ------------------------------------------------------
     async def _handle(self, stream: Stream) -> None:
-        ms = MessageStream(stream)
+        ms = MessageStream(stream, self.limits.activation_frame_bytes)
         try:
-            first = await ms.recv(OPEN_TIMEOUT)
+            first = await ms.recv(self.limits.first_frame_s)
+        except trio.TooSlowError:
+            await _reply_error(ms, b"\0" * ap.SESSION_ID_BYTES, "timeout",
+                               f"no complete first frame within {self.limits.first_frame_s:g} s")
+            return
         except ap.ActivationProtocolError as e:
             await _reply_error(ms, b"\0" * ap.SESSION_ID_BYTES, e.code, e.message)
             return
@@ -207,10 +219,12 @@ class ActivationEndpoint:
                                      f"{sb.block.start}:{sb.block.end} of {sb.block.ckpt.num_layers}")
             if op.get("logits") and not op["chain"] and sb.head is None:
                 raise InferenceError("no_head", "this peer does not hold the LM head")
+            self._admit_session(up.remote_peer)
             sb.kv.reserve(s, op["max_len"] * sb.block.kv_bytes_per_token())
         except InferenceError as e:
             await _reply_error(up, s, e.code, str(e).split(": ", 1)[1])
             return
+        self.sessions_by_peer[up.remote_peer] += 1
         sb.sessions_served += 1
         rec = StageRecorder(sb.model_id, s, (sb.block.start, sb.block.end), str(self.node.peer_id),
                             str(sb.block.device))
@@ -237,6 +251,9 @@ class ActivationEndpoint:
             log.info("session %s ended: %s", s.hex()[:8], e)
         finally:
             sb.kv.release(s)
+            self.sessions_by_peer[up.remote_peer] -= 1
+            if self.sessions_by_peer[up.remote_peer] <= 0:
+                del self.sessions_by_peer[up.remote_peer]
             if down is not None:
                 with trio.move_on_after(5):
                     await down.close()
@@ -245,6 +262,20 @@ class ActivationEndpoint:
                     await ReceiptService.of(self.node).sign_and_keep(rec.receipt())
                 except Exception as e:  # a receipt must never take the server down
                     log.warning("session %s: no receipt: %s", s.hex()[:8], e)
+
+    def _admit_session(self, peer: str) -> None:
+        """Raise InferenceError when ``peer`` may not open another session now."""
+        limits = self.limits
+        if self.sessions_by_peer[peer] >= limits.sessions_per_peer:
+            self.refusals.note("sessions_per_peer", peer, f"{peer[:16]} holds {self.sessions_by_peer[peer]} "
+                                                          f"sessions; refusing another")
+            raise InferenceError("too_many_sessions", f"you hold {self.sessions_by_peer[peer]} sessions here, "
+                                 f"the most this peer allows one peer (sessions_per_peer)")
+        if not self._session_rate.take(peer):
+            self.refusals.note("session_rate_per_peer", peer, f"{peer[:16]} opens sessions faster than "
+                                                              f"{limits.session_rate_per_peer:g}/s")
+            raise InferenceError("rate_limited", f"more than {limits.session_rate_per_peer:g} new sessions per "
+                                 f"second (session_rate_per_peer); try again shortly")
 
     async def _open_next(self, op: ap.Message, rec: StageRecorder | None = None) -> MessageStream:
         """Open the next hop with the rest of the chain, or the return stream to the client."""
@@ -321,7 +352,7 @@ class ActivationEndpoint:
                 cache.crop(msg["pos"] - length)
                 length = msg["pos"]
             hidden = wire.from_message(msg)
-            async with sb.compute:
+            async with sb.compute.turn(up.remote_peer):
                 out = await trio.to_thread.run_sync(sb.block.forward, hidden, cache, length)
                 kind = "hidden"
                 if want_logits:

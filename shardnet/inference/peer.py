@@ -74,7 +74,7 @@ class ComputePeer:
     """One peer's block (replaceable), its claim, and the upkeep that keeps both right."""
 
     def __init__(self, node: Node, model_path: str | Path, *, dtype: str = "float32", device: str | None = None,
-                 kv_budget_bytes: int = DEFAULT_KV_BUDGET, idle_timeout: float = 300.0,
+                 kv_budget_bytes: int = DEFAULT_KV_BUDGET, idle_timeout: float | None = None,
                  hold_head: bool = False, throughput: float | None = None) -> None:
         self.node = node
         #: tokens/s to advertise instead of a measurement (None: measure each block loaded)
@@ -84,7 +84,8 @@ class ComputePeer:
         self.dtype_name = dtype
         self.dtype, self.device = resolve_dtype(dtype), pick_device(device)
         self.kv_budget_bytes = kv_budget_bytes
-        self.idle_timeout = idle_timeout
+        #: seconds a session may idle (default: the node's session_idle_s limit)
+        self.idle_timeout = node.config.limits.session_idle_s if idle_timeout is None else idle_timeout
         self.hold_head = hold_head
         self.served: ServedBlock | None = None
         self.tput = 0.0
@@ -221,7 +222,7 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
 @asynccontextmanager
 async def serve_block(node: Node, model_path: str, start: int, end: int, *, dtype: str = "float32",
                       device: str | None = None, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
-                      idle_timeout: float = 300.0, hold_head: bool = False,
+                      idle_timeout: float | None = None, hold_head: bool = False,
                       claim_ttl: float = 120.0) -> AsyncIterator[ServedBlock]:
     """Serve exactly layers start..end (no rebalancing)."""
     async with join_swarm(node, model_path, layers=(start, end), rebalance_interval=0, claim_ttl=claim_ttl,

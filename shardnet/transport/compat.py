@@ -64,6 +64,13 @@ method or one module-level constant each, so they are easy to drop when upstream
    identify shows it a client (node.py). Lookups neither query nor return peers identified as
    clients (with a small table, upstream starts them from every connected peer).
 
+12. An inbound stream waits on one semaphore shared by every peer (10,000 slots) and is then
+   handled, whoever opened it and however many it already has: one peer opening streams in a
+   loop takes every slot, and everyone's streams queue behind it. Inbound streams now pass the
+   node's stream gate first (limits.py: open streams and new streams per second, per peer); a
+   stream over its peer's limit is reset before any protocol is read. The shared semaphore is
+   sized by ``Limits.streams_total`` (host.py).
+
 Fixes that are settings or wrappers rather than patches live where they are used, each tested
 too: host.py (250 ms happy-eyeballs dial delay, auto-connector dialling ~100 peers, dial
 retries, SO_REUSEPORT letting two nodes share a port), pubsub.py (120 s heartbeat, 10 msgs/s
@@ -109,6 +116,7 @@ def apply() -> None:
     _fix_observed_address_on_relayed_connections()
     _leave_relayed_connections_to_the_hole_puncher()
     _keep_dht_clients_out_of_routing_tables()
+    _gate_inbound_streams()
     if os.environ.get(ENV_UNTUNED_DATA_PATH) != "1":
         _speed_up_noise()
         _speed_up_secure_session()
@@ -210,6 +218,31 @@ def _keep_dht_clients_out_of_routing_tables() -> None:
 
 
 # 5. logging ---------------------------------------------------------------------------------
+# 12. inbound streams per peer ---------------------------------------------------------------------
+def _gate_inbound_streams() -> None:
+    from libp2p.network.connection.swarm_connection import SwarmConn
+
+    handle = SwarmConn._handle_muxed_stream
+
+    async def _handle_muxed_stream(self: Any, muxed_stream: Any) -> None:
+        gate = getattr(self.swarm, "stream_gate", None)
+        if gate is None:
+            return await handle(self, muxed_stream)
+        peer = self.muxed_conn.peer_id
+        if not gate.admit(peer):
+            try:
+                await muxed_stream.reset()
+            except Exception:
+                pass
+            return
+        try:
+            await handle(self, muxed_stream)
+        finally:
+            gate.release(peer)
+
+    SwarmConn._handle_muxed_stream = _handle_muxed_stream
+
+
 def _route_libp2p_logging() -> None:
     import libp2p  # noqa: F401  (its import is what turns propagation off)
 

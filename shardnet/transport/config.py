@@ -10,6 +10,7 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from .errors import AddressError
+from .limits import Limits
 
 #: Where servers listen unless told otherwise.
 DEFAULT_SERVER_LISTEN = "/ip4/0.0.0.0/tcp/4001"
@@ -70,6 +71,8 @@ class NodeConfig:
     #: A private swarm's key (a swarm_key.SwarmKey): only peers holding the same key connect.
     #: None: a public swarm (Noise, no admission step).
     swarm_key: object | None = None
+    #: What this node allows each peer (streams, DHT records, activation sessions): limits.py.
+    limits: Limits = field(default_factory=Limits)
 
 
 def parse_multiaddr(text: str, *, what: str = "address") -> Multiaddr:

@@ -16,6 +16,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from . import records
 from .config import NodeConfig
 from .errors import OverlayTimeout, RecordError
+from .limits import Refusals
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,39 @@ def provider_key(name: str) -> str:
     return (SHA256_MULTIHASH + hashlib.sha256(PROVIDER_DOMAIN + name.encode()).digest()).hex()
 
 
+def _cap_stored_records(store, limits) -> None:
+    """Values other peers store with us: at most ``dht_records`` in all and
+    ``dht_records_per_peer`` per publisher (upstream keeps 50,000 of up to 1 MiB each, and
+    scans them all on every store). Over the cap a new key is not stored: a DHT store is best
+    effort, and the publisher's other holders keep it. Replacing a stored value is always
+    allowed (a peer refreshing its claim)."""
+    put_record = store.put_record
+    publishers: dict[bytes, str] = {}
+    refusals = Refusals()
+
+    def capped_put_record(key: bytes, record) -> None:
+        if key not in store.store:
+            for k in [k for k in publishers if k not in store.store]:
+                del publishers[k]  # expired or evicted since
+            try:
+                publisher = str(records.decode(key.decode(), record.value).publisher)
+            except Exception:
+                publisher = "(not a shardnet record)"
+            if len(store.store) >= limits.dht_records:
+                refusals.note("dht_records", publisher, f"DHT store full ({len(store.store)} values); "
+                                                        f"not storing a new one from {publisher[:16]}")
+                return
+            held = sum(1 for p in publishers.values() if p == publisher)
+            if held >= limits.dht_records_per_peer:
+                refusals.note("dht_records_per_peer", publisher,
+                              f"{publisher[:16]} already has {held} values stored here; not storing more")
+                return
+            publishers[key] = publisher
+        put_record(key, record)
+
+    store.put_record = capped_put_record
+
+
 class DHT:
     def __init__(self, kad: KadDHT, host, config: NodeConfig) -> None:
         self.kad = kad
@@ -45,6 +79,7 @@ class DHT:
         mode = DHTMode.SERVER if config.dht_mode == "server" else DHTMode.CLIENT
         kad = KadDHT(host, mode, enable_random_walk=False)
         kad.register_validator(records.NAMESPACE, records.ShardnetRecordValidator())
+        _cap_stored_records(kad.value_store, config.limits)
         async with background_trio_service(kad):
             yield cls(kad, host, config)
 

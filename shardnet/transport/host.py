@@ -28,6 +28,7 @@ from multiaddr import Multiaddr
 
 from .config import NodeConfig
 from .errors import PortInUseError
+from .limits import StreamGate
 from .security import guard_upgrader, security_options
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ def connection_config(config: NodeConfig) -> ConnectionConfig:
 
 
 def build_host(config: NodeConfig, key_pair: KeyPair, announce: list[Multiaddr]):
+    from libp2p.rcmgr import new_resource_manager
+    from libp2p.rcmgr.manager import ResourceLimits
+
     host = new_host(
         key_pair=key_pair,
         connection_config=connection_config(config),
@@ -53,8 +57,11 @@ def build_host(config: NodeConfig, key_pair: KeyPair, announce: list[Multiaddr])
         announce_addrs=announce or None,
         addrs_factory=None if announce else expand_unspecified,
         sec_opt=security_options(key_pair, config.swarm_key),
+        resource_manager=new_resource_manager(limits=ResourceLimits(
+            max_connections=config.max_connections, max_streams=config.limits.streams_total)),
     )
     swarm = host.get_network()
+    swarm.stream_gate = StreamGate(config.limits)  # per-peer stream limits (compat fix 12)
     if config.swarm_key is not None:
         guard_upgrader(swarm.upgrader, host.get_id())
     swarm.retry_config = RetryConfig(max_retries=0)

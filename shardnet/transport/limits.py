@@ -1,0 +1,163 @@
+"""Resource limits a node enforces against its peers, in one place, each with a default.
+
+Operators set them with ``--limit NAME=VALUE`` (repeatable) on every node command;
+``shardnet limits`` prints them all. Embedding apps fill ``NodeConfig.limits``. Exceeding a limit
+costs the peer that exceeded it (a reset stream, an error reply), never the node.
+
+Limits that are part of a protocol's definition (the 4 KiB NAT messages, a claim's 16 KiB, a
+DHT record's 64 KiB) are not here: a peer cannot change what the other side accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .errors import ShardnetError
+
+log = logging.getLogger(__name__)
+
+
+class LimitError(ShardnetError):
+    """A --limit setting is unknown or out of range."""
+
+
+def _limit(default: int | float, doc: str):
+    return field(default=default, metadata={"doc": doc})
+
+
+@dataclass
+class Limits:
+    # -- streams (every protocol) -------------------------------------------------------------
+    streams_per_peer: int = _limit(256, "streams one peer may have open to us at once; more are reset "
+                                        "before any protocol is read")
+    stream_rate_per_peer: float = _limit(200.0, "new streams per second one peer may open (refill rate)")
+    stream_burst_per_peer: int = _limit(400, "new streams one peer may open in a burst")
+    streams_total: int = _limit(4096, "streams open at once across all peers, both directions")
+    # -- DHT ----------------------------------------------------------------------------------
+    dht_records: int = _limit(4096, "signed DHT values this node stores for others, in all")
+    dht_records_per_peer: int = _limit(64, "signed DHT values this node stores per publishing peer")
+    # -- activation sessions (compute peers) ---------------------------------------------------
+    activation_frame_bytes: int = _limit(256 << 20, "largest activation frame accepted, bytes (the declared "
+                                                    "length is checked before anything is buffered)")
+    sessions_per_peer: int = _limit(16, "sessions one upstream peer may hold open on this block at once")
+    session_rate_per_peer: float = _limit(20.0, "sessions per second one upstream peer may open (refill rate)")
+    session_burst_per_peer: int = _limit(40, "sessions one upstream peer may open in a burst")
+    session_idle_s: float = _limit(300.0, "seconds a session may wait for its next step before it expires "
+                                          "and frees its KV cache")
+    first_frame_s: float = _limit(30.0, "seconds a peer may take to send the first frame of an activation "
+                                        "stream (slowloris)")
+
+    def set(self, assignment: str) -> None:
+        """Apply one ``NAME=VALUE``."""
+        name, sep, value = assignment.partition("=")
+        name = name.strip().replace("-", "_")
+        kinds = {f.name: f.type for f in dataclasses.fields(self)}
+        if not sep or name not in kinds:
+            raise LimitError(f"unknown limit {assignment.partition('=')[0]!r} (see `shardnet limits`)"
+                             if sep else f"--limit needs NAME=VALUE, got {assignment!r}")
+        kind = int if kinds[name] in (int, "int") else float
+        try:
+            number = kind(value)
+        except ValueError:
+            raise LimitError(f"limit {name} needs {'an integer' if kind is int else 'a number'}, "
+                             f"got {value!r}") from None
+        if not number > 0:
+            raise LimitError(f"limit {name} must be positive, got {value!r}")
+        setattr(self, name, number)
+
+    @staticmethod
+    def describe() -> list[tuple[str, object, str]]:
+        """(name, default, what it bounds) for every limit, in order."""
+        return [(f.name, f.default, f.metadata["doc"]) for f in dataclasses.fields(Limits)]
+
+
+@dataclass
+class TokenBuckets:
+    """Per-key token buckets (a rate and a burst), pruned so a flood of keys stays bounded."""
+
+    rate: float
+    burst: int
+    max_keys: int = 4096
+    _buckets: dict[object, tuple[float, float]] = field(default_factory=dict)
+
+    def take(self, key: object, now: float | None = None) -> bool:
+        """One token for ``key``: False when its bucket is empty."""
+        now = time.monotonic() if now is None else now
+        tokens, last = self._buckets.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        if len(self._buckets) >= self.max_keys and key not in self._buckets:
+            self._prune(now)
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now)
+            return False
+        self._buckets[key] = (tokens - 1.0, now)
+        return True
+
+    def _prune(self, now: float) -> None:
+        # a bucket that has refilled completely carries no state worth keeping
+        full = [k for k, (t, last) in self._buckets.items() if t + (now - last) * self.rate >= self.burst]
+        for k in full:
+            del self._buckets[k]
+        if len(self._buckets) >= self.max_keys:  # still full: forget the oldest half
+            for k in sorted(self._buckets, key=lambda k: self._buckets[k][1])[: self.max_keys // 2]:
+                del self._buckets[k]
+
+
+class Refusals:
+    """Counts what a limit refused, per limit, and logs it: the first refusal of a peer under a
+    limit at once, then one line per 10 s with the count since (a flood is not a log flood)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._unlogged: Counter[tuple[str, str]] = Counter()
+        self._last: dict[tuple[str, str], float] = {}
+
+    def note(self, limit: str, peer: object, detail: str) -> None:
+        self.counts[limit] += 1
+        key = (limit, str(peer))
+        now = time.monotonic()
+        if now - self._last.get(key, -10.0) < 10.0:
+            self._unlogged[key] += 1
+            return
+        if len(self._last) > 4096:
+            self._last.clear()
+        more = self._unlogged.pop(key, 0)
+        self._last[key] = now
+        log.warning("limit %s: %s%s", limit, detail, f" ({more} more since the last line)" if more else "")
+
+
+class StreamGate:
+    """Admits a peer's inbound streams within ``streams_per_peer`` open at once and
+    ``stream_rate_per_peer`` / ``stream_burst_per_peer`` new ones."""
+
+    def __init__(self, limits: Limits, refusals: Refusals | None = None) -> None:
+        self.limits = limits
+        self.open: Counter[object] = Counter()
+        self.rate = TokenBuckets(limits.stream_rate_per_peer, limits.stream_burst_per_peer)
+        self.refusals = refusals or Refusals()
+
+    def admit(self, peer: object) -> bool:
+        if self.open[peer] >= self.limits.streams_per_peer:
+            self.refusals.note("streams_per_peer", peer, f"{_short(peer)} has {self.open[peer]} streams open; "
+                                                         f"resetting its new ones")
+            return False
+        if not self.rate.take(peer):
+            self.refusals.note("stream_rate_per_peer", peer, f"{_short(peer)} opens streams faster than "
+                                                             f"{self.limits.stream_rate_per_peer:g}/s; resetting")
+            return False
+        self.open[peer] += 1
+        return True
+
+    def release(self, peer: object) -> None:
+        self.open[peer] -= 1
+        if self.open[peer] <= 0:
+            del self.open[peer]
+
+
+def _short(peer: object) -> str:
+    text = str(peer)
+    return f"{text[:8]}…{text[-6:]}" if len(text) > 16 else text
