@@ -185,6 +185,10 @@ class LocalSwarm:
                  for i, (a, b) in enumerate(spans)]
         return [self.wait_ready(p, timeout) for p in procs]
 
+    def spawn_program(self, name: str, program: list[str], *args: str) -> ShardnetProcess:
+        """Another program (a test's hostile peer or client), stopped with the swarm."""
+        return self._spawn(name, list(args), program=program)
+
     @staticmethod
     def wait_ready(p: ShardnetProcess, timeout: float = 30.0) -> dict:
         return p.wait_event(lambda e: e.get("event") == "ready", timeout)

@@ -40,7 +40,11 @@ async def test_inbound_connection_churn_frees_tasks_and_slots(loopback_config):
     # Clients rotate identity every 40 cycles, as many distinct peers would (py-libp2p's
     # resource manager rate-limits reconnects of any one peer, rightly).
     cycles, per_identity = 2000, 40
-    async with open_node(loopback_config(max_connections=30, low_watermark=4, high_watermark=20)) as server:
+    from shardnet.transport.limits import Limits
+
+    churn = Limits(connection_rate_per_ip=1e6, connection_burst_per_ip=10**6)  # all from 127.0.0.1
+    async with open_node(loopback_config(max_connections=30, low_watermark=4, high_watermark=20,
+                                         limits=churn)) as server:
         swarm = server.host.get_network()
         info = info_from_p2p_addr(server.listen_addrs[0])
         baseline = None
@@ -406,3 +410,79 @@ async def test_dht_clients_stay_out_of_routing_tables_and_lookups(loopback_confi
                 assert compat.serves_dht(s.host.get_peerstore(), client.peer_id) is False
                 assert client.peer_id not in s.dht.routing_table_peers()
                 assert client.peer_id not in await s.dht.closest_peers(client.peer_id.to_bytes())
+
+
+
+# 13. bounded reads before the handshake ----------------------------------------------------------
+async def _raw_exchange(addr, data: bytes, wait: float = 5.0) -> tuple[bytes, float]:
+    """Send ``data`` on a raw TCP connection; what came back before the node closed it, and when."""
+    host, port = addr.value_for_protocol("ip4"), int(addr.value_for_protocol("tcp"))
+    t0 = trio.current_time()
+    got = b""
+    with trio.fail_after(wait):
+        sock = await trio.open_tcp_stream(host, port)
+        await sock.send_all(data)
+        try:
+            while chunk := await sock.receive_some(4096):
+                got += chunk
+        except trio.BrokenResourceError:
+            pass
+        await sock.aclose()
+    return got, trio.current_time() - t0
+
+
+async def test_strangers_are_bounded_before_the_handshake(loopback_config):
+    from libp2p.utils.varint import encode_uvarint
+
+    from shardnet.transport.limits import Limits
+
+    lim = Limits(handshake_s=0.5, connection_rate_per_ip=1e6, connection_burst_per_ip=10**6)
+    async with open_node(loopback_config(limits=lim)) as node:
+        addr = node.listen_addrs[0]
+        # a huge declared length where the multistream header belongs: closed at once, unread
+        got, took = await _raw_exchange(addr, encode_uvarint(1 << 40) + b"x" * 100)
+        assert got == b"" and took < 0.4, (got, took)
+        # the header, then a multistream message declaring 1 GiB: refused without reading it
+        got, took = await _raw_exchange(addr, compat.MULTISTREAM_HEADER + encode_uvarint(1 << 30) + b"/noise")
+        assert got.startswith(compat.MULTISTREAM_HEADER) and took < 0.4, (got, took)
+        # the header, then silence: closed when the handshake deadline passes
+        got, took = await _raw_exchange(addr, compat.MULTISTREAM_HEADER)
+        assert got == compat.MULTISTREAM_HEADER and 0.4 <= took < 3, (got, took)
+        # the node still takes real peers
+        async with open_node(loopback_config()) as peer:
+            await peer.connect(f"{addr}/p2p/{node.peer_id}")
+
+
+async def test_inbound_connections_per_ip_are_rate_limited(loopback_config):
+    from shardnet.transport.limits import Limits
+
+    lim = Limits(connection_rate_per_ip=0.5, connection_burst_per_ip=5)
+    async with open_node(loopback_config(limits=lim)) as node:
+        addr = node.listen_addrs[0]
+        answered = 0
+        for _ in range(12):
+            sock = await trio.open_tcp_stream(addr.value_for_protocol("ip4"), int(addr.value_for_protocol("tcp")))
+            await sock.send_all(compat.MULTISTREAM_HEADER)
+            with trio.move_on_after(2):
+                try:
+                    answered += (await sock.receive_some(64)).startswith(compat.MULTISTREAM_HEADER)
+                except trio.BrokenResourceError:
+                    pass
+            await sock.aclose()
+        assert 5 <= answered <= 6, answered
+        assert node.host.get_network().connection_rate.refusals.counts["connection_rate_per_ip"] >= 6
+
+
+def test_tcp_reads_never_ask_the_socket_for_more_than_a_bound():
+    from libp2p.io.trio import TrioTCPStream
+
+    compat.apply()
+    asked = []
+
+    class Socket:
+        async def receive_some(self, n):
+            asked.append(n)
+            return b"x"
+
+    trio.run(TrioTCPStream(Socket()).read, 1 << 40)
+    assert asked == [compat.MAX_TCP_READ]

@@ -207,3 +207,34 @@ async def test_frame_size_and_first_frame_limits(loopback_config, model_path):
         await ms.stream.write((1 << 20).to_bytes(4, "big") + b"\0" * 64)
         reply = await ms.recv(5)
         assert reply.type == "error" and reply["code"] == "too_large", reply
+
+
+async def test_dht_requests_per_peer(loopback_config):
+    """Requests pipelined on one stream count one by one; streams per peer are capped too."""
+    from libp2p.kad_dht.pb.kademlia_pb2 import Message
+    from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
+
+    lim = limits(dht_requests_per_peer=0.5, dht_burst_per_peer=5, dht_streams_per_peer=2)
+    async with open_node(loopback_config(limits=lim)) as victim, open_node(loopback_config()) as peer:
+        await peer.connect(f"{victim.listen_addrs[0]}/p2p/{victim.peer_id}")
+        req = Message()
+        req.type = Message.MessageType.FIND_NODE
+        req.key = peer.peer_id.to_bytes()
+        s = await peer.new_stream(victim.peer_id, "/ipfs/kad/1.0.0")
+        await s.write(encode_varint_prefixed(req.SerializeToString()) * 20)
+        answered = 0
+        with trio.move_on_after(5):
+            try:
+                while True:
+                    await read_varint_prefixed_bytes_limited(s.raw, 1 << 20)
+                    answered += 1
+            except Exception:
+                pass
+        assert 1 <= answered <= 5, answered  # the burst (the peer's own lookups may have taken some)
+        held = [await peer.new_stream(victim.peer_id, "/ipfs/kad/1.0.0") for _ in range(3)]
+        await held[-1].write(encode_varint_prefixed(req.SerializeToString()))
+        try:
+            got = await held[-1].read_some(timeout=5)
+        except ShardnetError:
+            got = b""
+        assert got == b""  # the third stream at once was reset

@@ -230,3 +230,44 @@ async def test_only_noise_is_accepted(loopback_config):
             with pytest.raises(Exception), trio.fail_after(10):
                 await plain.connect(info_from_p2p_addr(Multiaddr(f"{node.listen_addrs[0]}/p2p/{node.peer_id}")))
             assert plain.get_id() not in node.host.get_connected_peers()
+
+
+async def test_garbage_on_a_libp2p_protocol_resets_only_that_stream(loopback_config):
+    """Gossipsub lets protobuf's DecodeError out of its handler on a garbage RPC, which went up
+    through the connection and ended the whole node (found by the hostile-peer test)."""
+    async with open_node(loopback_config()) as victim, open_node(loopback_config()) as peer:
+        victim.set_stream_handler("/t/echo", _echo)
+        await peer.connect(f"{victim.listen_addrs[0]}/p2p/{victim.peer_id}")
+        for proto in ("/meshsub/1.1.0", "/ipfs/kad/1.0.0", "/ipfs/id/push/1.0.0", "/libp2p/autonat/1.0.0"):
+            s = await peer.new_stream(victim.peer_id, proto)
+            await s.write(b"\x10" + b"\xff" * 16)  # a varint length, then no valid protobuf
+            await trio.sleep(0.2)
+        s = await peer.new_stream(victim.peer_id, "/t/echo")
+        await s.write(b"still here")
+        assert await s.read_some(timeout=5) == b"still here"
+
+
+async def _echo(stream):
+    while data := await stream.read_some():
+        await stream.write(data)
+
+
+async def test_pings_are_answered_in_order_and_in_batches(loopback_config):
+    async with open_node(loopback_config()) as node, open_node(loopback_config()) as peer:
+        await peer.connect(f"{node.listen_addrs[0]}/p2p/{node.peer_id}")
+        assert await peer.ping(node.peer_id) > 0  # one ping, as every libp2p peer sends it
+        s = await peer.new_stream(node.peer_id, "/ipfs/ping/1.0.0")
+        sent = bytes(range(256)) * 32  # 256 pings at once, then half of one more
+        await s.write(sent + b"x" * 16)
+        got = b""
+        with trio.fail_after(5):
+            while len(got) < len(sent):
+                got += await s.read_some(timeout=5)
+        assert got == sent
+        extra = [await peer.new_stream(node.peer_id, "/ipfs/ping/1.0.0") for _ in range(2)]
+        await extra[-1].write(b"p" * 32)  # a third ping stream from one peer is refused
+        try:
+            answer = await extra[-1].read_some(timeout=5)
+        except ShardnetError:
+            answer = b""
+        assert answer == b""

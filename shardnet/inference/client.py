@@ -155,7 +155,7 @@ class InferenceSession:
         self.error: InferenceError | None = None
         #: steps sent and not yet answered: n -> (pos, tokens, logits_for). A result must answer
         #: one of them, in order: a replayed, reordered or reflected frame is refused.
-        self._awaiting: dict[int, tuple[int, int, int]] = {}
+        self._awaiting = ap.PendingSteps()
         self._receiving: trio.CancelScope | None = None
 
     async def _open(self) -> None:
@@ -239,7 +239,7 @@ class InferenceSession:
                                                self.route[0].peer) from None
         self.step_no += 1
         self.length = pos + hidden.shape[1]
-        self._awaiting[n] = (pos, hidden.shape[1], logits_for)
+        self._awaiting.sent(n, pos, hidden.shape[1], logits_for)
         return n
 
     async def receive(self) -> tuple[int, torch.Tensor]:
@@ -268,24 +268,9 @@ class InferenceSession:
         return msg["n"], wire.from_message(msg)
 
     def _answers(self, msg: ap.Message) -> str | None:
-        """Why ``msg`` is not the result of a step in flight (None when it is). Results come in
-        step order but may skip steps (chunks of a fenced-off speculation epoch are dropped)."""
-        n = msg["n"]
-        if n not in self._awaiting:
-            return f"result {n} answers no step in flight (a replayed or reordered frame?)"
-        for k in [k for k in self._awaiting if k < n]:
-            del self._awaiting[k]
-        pos, tokens, logits_for = self._awaiting.pop(n)
-        if msg["pos"] != pos:
-            return f"result {n} is for position {msg['pos']}; step {n} started at {pos}"
-        kind = "logits" if self.client.logits_on_last else "hidden"
-        if msg["kind"] != kind:
-            return f"result {n} carries {msg['kind']}, this session expects {kind}"
         config = self.client.model.ckpt.config
-        rows, width = (min(logits_for, tokens), config.vocab_size) if kind == "logits" else (tokens, config.hidden_size)
-        if msg["shape"] != [1, rows, width]:
-            return f"result {n} has shape {msg['shape']}, expected {[1, rows, width]}"
-        return None
+        return self._awaiting.answer(msg, kind="logits" if self.client.logits_on_last else "hidden",
+                                     hidden_size=config.hidden_size, vocab=config.vocab_size)
 
     async def close(self) -> None:
         if self.up is not None:

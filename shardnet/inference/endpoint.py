@@ -267,12 +267,12 @@ class ActivationEndpoint:
         """Raise InferenceError when ``peer`` may not open another session now."""
         limits = self.limits
         if self.sessions_by_peer[peer] >= limits.sessions_per_peer:
-            self.refusals.note("sessions_per_peer", peer, f"{peer[:16]} holds {self.sessions_by_peer[peer]} "
+            self.refusals.note("sessions_per_peer", peer, f"limit sessions_per_peer: {peer[:16]} holds {self.sessions_by_peer[peer]} "
                                                           f"sessions; refusing another")
             raise InferenceError("too_many_sessions", f"you hold {self.sessions_by_peer[peer]} sessions here, "
                                  f"the most this peer allows one peer (sessions_per_peer)")
         if not self._session_rate.take(peer):
-            self.refusals.note("session_rate_per_peer", peer, f"{peer[:16]} opens sessions faster than "
+            self.refusals.note("session_rate_per_peer", peer, f"limit session_rate_per_peer: {peer[:16]} opens sessions faster than "
                                                               f"{limits.session_rate_per_peer:g}/s")
             raise InferenceError("rate_limited", f"more than {limits.session_rate_per_peer:g} new sessions per "
                                  f"second (session_rate_per_peer); try again shortly")
@@ -314,8 +314,7 @@ class ActivationEndpoint:
         last = not op["chain"]
         want_logits = last and op.get("logits", False)
         cache = sb.block.new_cache()
-        length, expected_step = 0, 0
-        hidden_size = sb.block.config.hidden_size
+        cursor = ap.StepCursor(op["max_len"], sb.block.config.hidden_size)
         while True:
             try:
                 msg = await up.recv(sb.idle_timeout)
@@ -337,23 +336,23 @@ class ActivationEndpoint:
             if msg.type != "step":
                 await _reply_error(up, s, "unexpected", f"expected step or close, got {msg.type}")
                 return
-            problem = _check_step(msg, expected_step, length, op["max_len"], hidden_size)
+            problem = cursor.check(msg)
             if problem:
                 await _reply_error(up, s, problem[0], problem[1], n=msg["n"])
                 return
-            expected_step = msg["n"] + 1
             epoch = msg.get("e", 0)
             if any(m.type == "step" and m.get("e", 0) > epoch for m in up.pending):
                 # Fencing: a newer speculation epoch is already queued behind this chunk, so the
                 # client has discarded it. Skip it here and downstream (step numbers may skip).
+                cursor.skip(msg)
                 continue
-            if msg["pos"] < length:
+            drop = cursor.advance(msg)
+            if drop > 0:
                 # Rollback: the client rejected speculated tokens; forget everything from pos on.
-                cache.crop(msg["pos"] - length)
-                length = msg["pos"]
+                cache.crop(-drop)
             hidden = wire.from_message(msg)
             async with sb.compute.turn(up.remote_peer):
-                out = await trio.to_thread.run_sync(sb.block.forward, hidden, cache, length)
+                out = await trio.to_thread.run_sync(sb.block.forward, hidden, cache, msg["pos"])
                 kind = "hidden"
                 if want_logits:
                     n_logits = min(msg.get("logits_for", 1), out.shape[1])
@@ -361,7 +360,6 @@ class ActivationEndpoint:
                     kind = "logits"
                     if rec is not None and rec.tokens is not None:
                         rec.tokens.extend(out[0].argmax(-1).tolist())
-            length += hidden.shape[1]
             # hidden states go on in the session's wire dtype (default: as they came); logits in float32
             dtype, shape, payload = wire.to_payload(out, None if kind == "logits" else op.get("wire", msg["dtype"]))
             if last:
@@ -377,22 +375,6 @@ class ActivationEndpoint:
                 await _reply_error(up, s, "next_hop", f"sending to the next hop failed: {e}",
                                    n=msg["n"], peer=down.remote_peer)
                 return
-
-
-def _check_step(msg: ap.Message, expected_step: int, length: int, max_len: int,
-                hidden_size: int) -> tuple[str, str] | None:
-    shape = msg["shape"]
-    if len(shape) != 3 or shape[0] != 1 or shape[1] < 1:
-        return "shape", f"hidden states must be [1, tokens, {hidden_size}], got {shape}"
-    if shape[2] != hidden_size:
-        return "hidden_size", f"hidden size {shape[2]} does not match the model's {hidden_size}"
-    if msg["n"] < expected_step:
-        return "step_order", f"step {msg['n']} arrived after step {expected_step - 1}"
-    if msg["pos"] > length:
-        return "position", f"step starts at position {msg['pos']}, past the {length} the KV cache holds"
-    if length + shape[1] > max_len:
-        return "too_long", f"{length + shape[1]} tokens exceed the session's max_len {max_len}"
-    return None
 
 
 async def _relay_errors(s: bytes, down: MessageStream, up: MessageStream, scope: trio.CancelScope) -> None:
@@ -418,12 +400,16 @@ async def _relay_errors(s: bytes, down: MessageStream, up: MessageStream, scope:
 
 async def _reply_error(ms: MessageStream, session: bytes, code: str, msg: str, n: int | None = None,
                        peer: str | None = None) -> None:
-    log.info("error reply to %s: %s: %s", ms.remote_peer[:16], code, msg)
+    _error_replies.note(code, ms.remote_peer, f"error reply to {ms.remote_peer[:16]}: {code}: {msg}")
     with trio.move_on_after(5):
         try:
             await ms.send(ap.error_msg(session, code, msg, n, peer))
         except ShardnetError:
             pass
+
+
+#: a peer sending garbage gets an error reply per stream, and the log one line per 10 s
+_error_replies = Refusals(log, logging.INFO)
 
 
 def new_session_id() -> bytes:

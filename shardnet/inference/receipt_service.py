@@ -17,6 +17,7 @@ import trio
 from shardnet import __version__
 from shardnet.protocols import receipt_gossip as rg
 from shardnet.protocols.receipts import HashChain, ReceiptError, StageReceipt, decode_stage, encode_stage
+from shardnet.transport.limits import Refusals
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream
@@ -79,17 +80,18 @@ class ReceiptService:
 
     async def _hear_reports(self) -> None:
         try:
-            async with self.node.pubsub.subscribe(rg.REPORT_TOPIC) as sub:
+            async with self.node.pubsub.subscribe(rg.REPORT_TOPIC, validate=_is_report) as sub:
                 async for msg in sub:
                     self._note_report(msg.data, str(msg.sender))
         except Exception:  # runs in the node's nursery: hearing reports must not take the node down
             log.exception("no longer hearing reports")
 
     def _note_report(self, data: bytes, sender: str) -> None:
+        # gossip already dropped what does not decode (_is_report); this is the one decode we keep
         try:
             report = rg.decode_report(data)
         except rg.GossipError as e:
-            log.info("ignoring a report from %s: %s", sender[:16], e)
+            _ignored.note("report", sender, f"ignoring a report from {sender[:16]}: {e}")
             return
         rid = rg.receipt_id(data)
         if rid in self.reports:
@@ -179,3 +181,14 @@ class StageRecorder:
                             steps_out=self.sent.count, t_start=self.t_start, t_end=time.time(), peer=self.peer,
                             observed=self.observed, device=device_facts(self.device), version=__version__,
                             tokens=self.tokens)
+
+
+_ignored = Refusals(log, logging.INFO)
+
+
+def _is_report(data: bytes) -> bool:
+    try:
+        rg.decode_report(data)
+        return True
+    except rg.GossipError:
+        return False

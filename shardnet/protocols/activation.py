@@ -269,3 +269,79 @@ def _v_none(msg: Message) -> None:
 
 _VALIDATORS = {"open": _v_open, "ready": _v_none, "attach": _v_none, "step": _v_tensor,
                "result": _v_tensor, "close": _v_none, "error": _v_error}
+
+
+# -- session state (sans-IO) -------------------------------------------------------------------
+@dataclass
+class StepCursor:
+    """Where a block server's session stands: the step numbers and positions it accepts next.
+
+    Steps come in increasing order but may skip numbers (chunks of a fenced-off speculation
+    epoch); a step may start below the cached length (the client rolled back rejected drafts),
+    never above it; the cache never holds more than ``max_len`` positions."""
+
+    max_len: int
+    hidden_size: int
+    next_step: int = 0
+    #: positions the session's KV cache holds
+    length: int = 0
+
+    def check(self, msg: Message) -> tuple[str, str] | None:
+        """(code, message) when the validated step ``msg`` may not be taken now."""
+        shape = msg["shape"]
+        if len(shape) != 3 or shape[0] != 1 or shape[1] < 1:
+            return "shape", f"hidden states must be [1, tokens, {self.hidden_size}], got {shape}"
+        if shape[2] != self.hidden_size:
+            return "hidden_size", f"hidden size {shape[2]} does not match the model's {self.hidden_size}"
+        if msg["n"] < self.next_step:
+            return "step_order", f"step {msg['n']} arrived after step {self.next_step - 1}"
+        if msg["pos"] > self.length:
+            return "position", f"step starts at position {msg['pos']}, past the {self.length} the KV cache holds"
+        if msg["pos"] + shape[1] > self.max_len:
+            return "too_long", f"{msg['pos'] + shape[1]} tokens exceed the session's max_len {self.max_len}"
+        return None
+
+    def skip(self, msg: Message) -> None:
+        """A checked step that will not be computed (fenced off): only its number is used up."""
+        self.next_step = msg["n"] + 1
+
+    def advance(self, msg: Message) -> int:
+        """Take a checked step; returns how many cached positions to drop before computing it."""
+        drop = self.length - msg["pos"]
+        self.next_step = msg["n"] + 1
+        self.length = msg["pos"] + msg["shape"][1]
+        return drop
+
+
+class PendingSteps:
+    """A client's steps in flight: a result is accepted only as the answer to one of them, in
+    step order (results may skip steps a peer dropped as fenced off), at the position the step
+    started, of the kind and shape the session expects. So a replayed, reordered or reflected
+    frame is refused, whoever sends it."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, tuple[int, int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def sent(self, n: int, pos: int, tokens: int, logits_for: int = 1) -> None:
+        self._steps[n] = (pos, tokens, logits_for)
+
+    def answer(self, msg: Message, *, kind: str, hidden_size: int, vocab: int) -> str | None:
+        """Why the validated result ``msg`` answers no step in flight; None when it does (that
+        step, and any earlier one still waiting, are then done)."""
+        n = msg["n"]
+        if n not in self._steps:
+            return f"result {n} answers no step in flight (a replayed or reordered frame?)"
+        for k in [k for k in self._steps if k < n]:
+            del self._steps[k]
+        pos, tokens, logits_for = self._steps.pop(n)
+        if msg["pos"] != pos:
+            return f"result {n} is for position {msg['pos']}; step {n} started at {pos}"
+        if msg["kind"] != kind:
+            return f"result {n} carries {msg['kind']}, this session expects {kind}"
+        rows, width = (min(logits_for, tokens), vocab) if kind == "logits" else (tokens, hidden_size)
+        if msg["shape"] != [1, rows, width]:
+            return f"result {n} has shape {msg['shape']}, expected {[1, rows, width]}"
+        return None

@@ -68,8 +68,26 @@ method or one module-level constant each, so they are easy to drop when upstream
    handled, whoever opened it and however many it already has: one peer opening streams in a
    loop takes every slot, and everyone's streams queue behind it. Inbound streams now pass the
    node's stream gate first (limits.py: open streams and new streams per second, per peer); a
-   stream over its peer's limit is reset before any protocol is read. The shared semaphore is
-   sized by ``Limits.streams_total`` (host.py).
+   stream over its peer's limit is reset before any protocol is read, and a peer that keeps at
+   it is banned for a while (disconnected; new connections closed after the handshake names
+   it). The shared semaphore is
+   sized by ``Limits.streams_total`` (host.py). And an exception out of any protocol handler
+   (seen: gossipsub lets protobuf's DecodeError out on a garbage RPC) went up through the
+   connection into the host and ended the whole node: it now resets that one stream and is
+   logged (one line per peer and protocol per 10 s).
+13. Unbounded reads from strangers, before any handshake. Multistream-select reads a varint
+   length and then that many bytes (no limit), and a TCP read of n bytes asks the socket for n
+   at once, which allocates n: four random bytes from anyone who can reach the port made the
+   node allocate up to gigabytes (measured: a quarter of a victim's CPU in ``recv`` under a
+   raw-garbage flood). Multistream messages are now limited to 64 KiB (go-multistream refuses
+   longer ones too), a TCP read takes at most 256 KiB per call, new inbound connections from one
+   IP address are rate-limited (``connection_rate_per_ip``), an inbound TCP connection must
+   open with the multistream header (20 bytes, checked before anything else runs), and the
+   whole inbound upgrade (header, Noise, Yamux) must finish within the node's
+   ``handshake_s`` limit.
+14. A DHT request stream is read message after message with no limit on how many or how fast.
+   Each message read from a stream the node meters (dht.py: inbound request streams) first takes
+   a token from its peer's bucket (``dht_requests_per_peer``); without one the stream is reset.
 
 Fixes that are settings or wrappers rather than patches live where they are used, each tested
 too: host.py (250 ms happy-eyeballs dial delay, auto-connector dialling ~100 peers, dial
@@ -117,6 +135,8 @@ def apply() -> None:
     _leave_relayed_connections_to_the_hole_puncher()
     _keep_dht_clients_out_of_routing_tables()
     _gate_inbound_streams()
+    _bound_reads_from_strangers()
+    _meter_dht_requests()
     if os.environ.get(ENV_UNTUNED_DATA_PATH) != "1":
         _speed_up_noise()
         _speed_up_secure_session()
@@ -222,25 +242,45 @@ def _keep_dht_clients_out_of_routing_tables() -> None:
 def _gate_inbound_streams() -> None:
     from libp2p.network.connection.swarm_connection import SwarmConn
 
+    from .limits import Refusals
+
     handle = SwarmConn._handle_muxed_stream
+    failures = Refusals()
 
     async def _handle_muxed_stream(self: Any, muxed_stream: Any) -> None:
         gate = getattr(self.swarm, "stream_gate", None)
-        if gate is None:
-            return await handle(self, muxed_stream)
         peer = self.muxed_conn.peer_id
-        if not gate.admit(peer):
-            try:
-                await muxed_stream.reset()
-            except Exception:
-                pass
+        if gate is not None and not gate.admit(peer):
+            await _reset_quietly(muxed_stream)
+            if gate.is_banned(peer):
+                await _close_peer(self.swarm, peer)
             return
         try:
             await handle(self, muxed_stream)
+        except Exception as e:  # a handler's failure is its stream's, never the node's
+            protocol = getattr(muxed_stream, "protocol", None) or "?"
+            failures.note(f"handler {protocol}", peer, f"a {protocol} handler failed on a stream from {str(peer)[:16]} "
+                                                       f"({type(e).__name__}: {str(e)[:200]}); stream reset")
+            await _reset_quietly(muxed_stream)
         finally:
-            gate.release(peer)
+            if gate is not None:
+                gate.release(peer)
 
     SwarmConn._handle_muxed_stream = _handle_muxed_stream
+
+
+async def _close_peer(swarm: Any, peer: Any) -> None:
+    try:
+        await swarm.close_peer(peer)
+    except Exception as e:
+        log.debug("closing banned peer %s: %s", peer, e)
+
+
+async def _reset_quietly(stream: Any) -> None:
+    try:
+        await stream.reset()
+    except Exception:
+        pass
 
 
 def _route_libp2p_logging() -> None:
@@ -263,22 +303,34 @@ def _fix_inbound_connection_lifetime() -> None:
     async def _do_handle_inbound_connection(
         self: Any, read_write_closer: Any, maddr: Any, failure_event: Any
     ) -> None:
+        gate = getattr(self, "connection_rate", None)
+        tcp = not isinstance(read_write_closer, IMuxedConn)
+        if gate is not None and tcp and not gate.admit(_remote_ip(read_write_closer)):
+            _drop(read_write_closer)  # fix 13: before anything else is built
+            return
         remote_maddr = self._build_remote_multiaddr(read_write_closer)
         if remote_maddr is not None and not await self.connection_gate.is_allowed(remote_maddr):
             log.debug("inbound connection from %s refused by the connection gate", remote_maddr)
             await _close_quietly(read_write_closer)
             return
         raw_conn = None
+        deadline = getattr(self, "handshake_timeout", None) or float("inf")
         try:
             if isinstance(read_write_closer, IMuxedConn):
                 muxed = read_write_closer
                 await self.add_conn(muxed, direction="inbound")
             else:
-                raw_conn = RawConnection(read_write_closer, False)
-                muxed = await self.upgrade_inbound_raw_conn(raw_conn, maddr)
+                with trio.fail_after(deadline):  # fix 13: the whole upgrade, stranger's pace
+                    opening = await _opening_bytes(read_write_closer)
+                    raw_conn = RawConnection(_Replay(read_write_closer, opening), False)
+                    muxed = await self.upgrade_inbound_raw_conn(raw_conn, maddr)
         except Exception as e:  # an inbound handshake failing must not hurt the listener
-            log.debug("inbound connection on %s failed: %s", maddr, e)
+            log.debug("inbound connection on %s failed: %r", maddr, e)
             await _close_quietly(raw_conn if raw_conn is not None else read_write_closer)
+            return
+        streams = getattr(self, "stream_gate", None)
+        if streams is not None and streams.is_banned(muxed.peer_id):
+            await _close_peer(self, muxed.peer_id)  # fix 12: a banned peer, now that we know who
             return
         # The listener closes the socket when this handler returns, so stay here exactly as long
         # as this one connection lives (upstream waits for the whole swarm).
@@ -291,6 +343,107 @@ def _fix_inbound_connection_lifetime() -> None:
                 await event_closed.wait()
 
     Swarm._do_handle_inbound_connection = _do_handle_inbound_connection
+
+
+# 13. bounded reads before the handshake ------------------------------------------------------------
+MULTISTREAM_HEADER = b"\x13/multistream/1.0.0\n"
+MAX_MULTISTREAM_MESSAGE = 64 << 10
+MAX_TCP_READ = 256 << 10
+
+
+def _drop(stream: Any) -> None:
+    """Close a TCP connection at once (a refused flood of them should cost next to nothing)."""
+    try:
+        stream.stream.socket.close()
+    except Exception:
+        pass
+
+
+def _remote_ip(stream: Any) -> str:
+    try:
+        return str(stream.get_remote_address()[0])
+    except Exception:
+        return "unknown"
+
+
+class NotMultistream(Exception):
+    """An inbound connection that did not open with the multistream-select header."""
+
+
+async def _opening_bytes(stream: Any) -> bytes:
+    got = b""
+    while len(got) < len(MULTISTREAM_HEADER):
+        chunk = await stream.read(len(MULTISTREAM_HEADER) - len(got))
+        if not chunk:
+            raise NotMultistream(f"closed after {len(got)} bytes")
+        got += chunk
+        if not MULTISTREAM_HEADER.startswith(got):
+            raise NotMultistream(f"opened with {got[:20]!r}")
+    return got
+
+
+class _Replay:
+    """A stream whose first reads return bytes already read from it."""
+
+    def __init__(self, stream: Any, pending: bytes) -> None:
+        self._stream, self._pending = stream, pending
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self._pending:
+            take = len(self._pending) if n is None else n
+            out, self._pending = self._pending[:take], self._pending[take:]
+            return out
+        return await self._stream.read(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _bound_reads_from_strangers() -> None:
+    import libp2p.protocol_muxer.multiselect_communicator as communicator
+    import libp2p.utils as utils
+    import libp2p.utils.varint as varint
+    from libp2p.exceptions import ParseError
+    from libp2p.io.trio import TrioTCPStream
+
+    async def read_delim(reader: Any) -> bytes:
+        msg = await varint.read_varint_prefixed_bytes_limited(reader, MAX_MULTISTREAM_MESSAGE)
+        if not msg or msg[-1:] != b"\n":
+            raise ParseError("multistream message is not newline-delimited")
+        return msg[:-1]
+
+    for module in (varint, utils, communicator):
+        module.read_delim = read_delim
+
+    read = TrioTCPStream.read
+
+    async def bounded_read(self: Any, n: int | None = None) -> bytes:
+        return await read(self, MAX_TCP_READ if n is None or n > MAX_TCP_READ else n)
+
+    TrioTCPStream.read = bounded_read
+
+
+# 14. DHT requests per peer ------------------------------------------------------------------------
+class RequestRateExceeded(Exception):
+    """A peer sent DHT requests faster than its limit."""
+
+
+def _meter_dht_requests() -> None:
+    import libp2p.kad_dht.kad_dht as kad_dht
+
+    read = kad_dht.read_varint_prefixed_bytes_limited
+
+    async def metered_read(stream: Any, max_length: int) -> bytes:
+        meter = getattr(stream, "kad_request_meter", None)
+        if meter is not None:
+            bucket, peer, refusals = meter
+            if not bucket.take(peer):
+                refusals.note("dht_requests_per_peer", peer, f"limit dht_requests_per_peer: {str(peer)[:16]} "
+                                                             f"sends DHT requests faster than {bucket.rate:g}/s")
+                raise RequestRateExceeded(str(peer))
+        return await read(stream, max_length)
+
+    kad_dht.read_varint_prefixed_bytes_limited = metered_read
 
 
 def _swarm_conn_closed_event(swarm: Any, muxed: Any) -> trio.Event | None:

@@ -34,6 +34,47 @@ def provider_key(name: str) -> str:
     return (SHA256_MULTIHASH + hashlib.sha256(PROVIDER_DOMAIN + name.encode()).digest()).hex()
 
 
+KAD_PROTOCOL = "/ipfs/kad/1.0.0"
+
+
+def _meter_requests(kad, host, limits) -> None:
+    """Requests other peers send us: at most ``dht_streams_per_peer`` streams at once per peer
+    and ``dht_requests_per_peer`` messages per second (compat fix 14 counts each message read
+    from a metered stream). Upstream allows 12 request streams at once *in all*, so one peer
+    holding 12 idle streams shut everyone else out of this node's DHT."""
+    from collections import Counter
+
+    from libp2p.custom_types import TProtocol
+
+    from .limits import TokenBuckets
+
+    kad._inbound_limiter = trio.CapacityLimiter(max(64, 4 * limits.dht_streams_per_peer))
+    requests = TokenBuckets(limits.dht_requests_per_peer, limits.dht_burst_per_peer)
+    open_streams: Counter = Counter()
+    refusals = Refusals()
+    handle = kad.handle_stream
+
+    async def metered(stream) -> None:
+        peer = stream.muxed_conn.peer_id
+        if open_streams[peer] >= limits.dht_streams_per_peer:
+            refusals.note("dht_streams_per_peer", peer, f"limit dht_streams_per_peer: {str(peer)[:16]} has "
+                                                        f"{open_streams[peer]} DHT streams open; resetting")
+            await stream.reset()
+            return
+        open_streams[peer] += 1
+        stream.kad_request_meter = (requests, peer, refusals)
+        try:
+            await handle(stream)
+        finally:
+            open_streams[peer] -= 1
+            if open_streams[peer] <= 0:
+                del open_streams[peer]
+
+    if kad.mode == DHTMode.SERVER:
+        host.set_stream_handler(TProtocol(KAD_PROTOCOL), metered)
+    kad.handle_stream = metered  # a later switch to server mode registers this one
+
+
 def _cap_stored_records(store, limits) -> None:
     """Values other peers store with us: at most ``dht_records`` in all and
     ``dht_records_per_peer`` per publisher (upstream keeps 50,000 of up to 1 MiB each, and
@@ -53,13 +94,13 @@ def _cap_stored_records(store, limits) -> None:
             except Exception:
                 publisher = "(not a shardnet record)"
             if len(store.store) >= limits.dht_records:
-                refusals.note("dht_records", publisher, f"DHT store full ({len(store.store)} values); "
+                refusals.note("dht_records", publisher, f"limit dht_records: DHT store full ({len(store.store)} values); "
                                                         f"not storing a new one from {publisher[:16]}")
                 return
             held = sum(1 for p in publishers.values() if p == publisher)
             if held >= limits.dht_records_per_peer:
                 refusals.note("dht_records_per_peer", publisher,
-                              f"{publisher[:16]} already has {held} values stored here; not storing more")
+                              f"limit dht_records_per_peer: {publisher[:16]} already has {held} values stored here; not storing more")
                 return
             publishers[key] = publisher
         put_record(key, record)
@@ -80,6 +121,7 @@ class DHT:
         kad = KadDHT(host, mode, enable_random_walk=False)
         kad.register_validator(records.NAMESPACE, records.ShardnetRecordValidator())
         _cap_stored_records(kad.value_store, config.limits)
+        _meter_requests(kad, host, config.limits)
         async with background_trio_service(kad):
             yield cls(kad, host, config)
 

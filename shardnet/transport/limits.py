@@ -34,10 +34,28 @@ class Limits:
     # -- streams (every protocol) -------------------------------------------------------------
     streams_per_peer: int = _limit(256, "streams one peer may have open to us at once; more are reset "
                                         "before any protocol is read")
-    stream_rate_per_peer: float = _limit(200.0, "new streams per second one peer may open (refill rate)")
-    stream_burst_per_peer: int = _limit(400, "new streams one peer may open in a burst")
+    stream_rate_per_peer: float = _limit(50.0, "new streams per second one peer may open (refill rate)")
+    stream_burst_per_peer: int = _limit(200, "new streams one peer may open in a burst")
     streams_total: int = _limit(4096, "streams open at once across all peers, both directions")
+    connection_rate_per_ip: float = _limit(10.0, "new inbound connections per second from one IP address "
+                                                 "(refill rate), checked before any byte is read")
+    connection_burst_per_ip: int = _limit(50, "new inbound connections from one IP address in a burst")
+    refusals_before_ban: int = _limit(200, "refused streams one peer may run into (a burst; 5 more per second "
+                                           "are forgiven) before it is disconnected and banned")
+    ban_s: float = _limit(60.0, "seconds a banned peer's connections are closed right after its handshake")
+    handshake_s: float = _limit(10.0, "seconds an inbound connection may take from its first byte to a "
+                                      "finished Noise and Yamux handshake")
+    # -- gossip -------------------------------------------------------------------------------
+    gossip_invalid_rate_per_peer: float = _limit(1.0, "gossip messages per second from one peer that may fail "
+                                                      "validation (refill rate) before it is muted")
+    gossip_invalid_burst_per_peer: int = _limit(20, "invalid gossip messages one peer may send in a burst "
+                                                    "before it is muted")
+    gossip_mute_s: float = _limit(60.0, "seconds a muted peer's gossip is refused")
     # -- DHT ----------------------------------------------------------------------------------
+    dht_requests_per_peer: float = _limit(20.0, "DHT requests per second one peer may send us (refill rate); "
+                                                "more get their stream reset")
+    dht_burst_per_peer: int = _limit(100, "DHT requests one peer may send in a burst")
+    dht_streams_per_peer: int = _limit(8, "DHT request streams one peer may have open at once")
     dht_records: int = _limit(4096, "signed DHT values this node stores for others, in all")
     dht_records_per_peer: int = _limit(64, "signed DHT values this node stores per publishing peer")
     # -- activation sessions (compute peers) ---------------------------------------------------
@@ -108,46 +126,70 @@ class TokenBuckets:
 
 
 class Refusals:
-    """Counts what a limit refused, per limit, and logs it: the first refusal of a peer under a
-    limit at once, then one line per 10 s with the count since (a flood is not a log flood)."""
+    """Counts refusals (of a limit, of bad input) by kind and logs them without flooding the
+    log: the first of a kind for a peer at once, then at most one line per 10 s with the count
+    of those not logged since."""
 
-    def __init__(self) -> None:
+    def __init__(self, logger: logging.Logger = log, level: int = logging.WARNING) -> None:
+        self.logger, self.level = logger, level
         self.counts: Counter[str] = Counter()
         self._unlogged: Counter[tuple[str, str]] = Counter()
         self._last: dict[tuple[str, str], float] = {}
 
-    def note(self, limit: str, peer: object, detail: str) -> None:
-        self.counts[limit] += 1
-        key = (limit, str(peer))
+    def note(self, kind: str, peer: object, message: str) -> None:
+        self.counts[kind] += 1
+        key = (kind, str(peer))
         now = time.monotonic()
         if now - self._last.get(key, -10.0) < 10.0:
             self._unlogged[key] += 1
             return
         if len(self._last) > 4096:
             self._last.clear()
+            self._unlogged.clear()
         more = self._unlogged.pop(key, 0)
         self._last[key] = now
-        log.warning("limit %s: %s%s", limit, detail, f" ({more} more since the last line)" if more else "")
+        self.logger.log(self.level, "%s%s", message, f" ({more} more like it since the last line)" if more else "")
+
+
+class ConnectionGate:
+    """Admits inbound connections within ``connection_rate_per_ip`` / ``connection_burst_per_ip``
+    (a stranger's connections cost a handshake each before it has to prove anything)."""
+
+    def __init__(self, limits: Limits, refusals: Refusals | None = None) -> None:
+        self.limits = limits
+        self.rate = TokenBuckets(limits.connection_rate_per_ip, limits.connection_burst_per_ip)
+        self.refusals = refusals or Refusals()
+
+    def admit(self, ip: str) -> bool:
+        if self.rate.take(ip):
+            return True
+        self.refusals.note("connection_rate_per_ip", ip, f"limit connection_rate_per_ip: {ip} connects faster "
+                                                         f"than {self.limits.connection_rate_per_ip:g}/s; closing")
+        return False
 
 
 class StreamGate:
     """Admits a peer's inbound streams within ``streams_per_peer`` open at once and
-    ``stream_rate_per_peer`` / ``stream_burst_per_peer`` new ones."""
+    ``stream_rate_per_peer`` / ``stream_burst_per_peer`` new ones. A peer that keeps running into
+    these limits (``refusals_before_ban``) is banned for ``ban_s``: its connections are closed,
+    and new ones are closed as soon as their handshake says who it is."""
 
     def __init__(self, limits: Limits, refusals: Refusals | None = None) -> None:
         self.limits = limits
         self.open: Counter[object] = Counter()
         self.rate = TokenBuckets(limits.stream_rate_per_peer, limits.stream_burst_per_peer)
+        self.strikes = TokenBuckets(5.0, limits.refusals_before_ban)
+        self.banned_until: dict[object, float] = {}
         self.refusals = refusals or Refusals()
 
     def admit(self, peer: object) -> bool:
         if self.open[peer] >= self.limits.streams_per_peer:
-            self.refusals.note("streams_per_peer", peer, f"{_short(peer)} has {self.open[peer]} streams open; "
-                                                         f"resetting its new ones")
+            self._refuse(peer, "streams_per_peer", f"limit streams_per_peer: {_short(peer)} has {self.open[peer]} "
+                                                   f"streams open; resetting its new ones")
             return False
         if not self.rate.take(peer):
-            self.refusals.note("stream_rate_per_peer", peer, f"{_short(peer)} opens streams faster than "
-                                                             f"{self.limits.stream_rate_per_peer:g}/s; resetting")
+            self._refuse(peer, "stream_rate_per_peer", f"limit stream_rate_per_peer: {_short(peer)} opens streams "
+                                                       f"faster than {self.limits.stream_rate_per_peer:g}/s; resetting")
             return False
         self.open[peer] += 1
         return True
@@ -156,6 +198,22 @@ class StreamGate:
         self.open[peer] -= 1
         if self.open[peer] <= 0:
             del self.open[peer]
+
+    def _refuse(self, peer: object, kind: str, message: str) -> None:
+        self.refusals.note(kind, peer, message)
+        if not self.strikes.take(peer) and not self.is_banned(peer):
+            self.banned_until[peer] = time.monotonic() + self.limits.ban_s
+            self.refusals.note("ban", peer, f"banning {_short(peer)} for {self.limits.ban_s:g} s: "
+                                            f"{self.limits.refusals_before_ban} streams refused")
+
+    def is_banned(self, peer: object) -> bool:
+        until = self.banned_until.get(peer)
+        if until is None:
+            return False
+        if until <= time.monotonic():
+            del self.banned_until[peer]
+            return False
+        return True
 
 
 def _short(peer: object) -> str:

@@ -21,6 +21,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from .config import NodeConfig
 from .errors import OverlayTimeout, ShardnetError
+from .limits import Refusals, TokenBuckets
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,63 @@ def _convert(topic: str, msg) -> Message:
     return Message(topic=topic, sender=ID(msg.from_id), data=bytes(msg.data), seqno=bytes(msg.seqno))
 
 
+class Mutes:
+    """Peers whose gossip keeps failing validation are muted for a while: py-libp2p's pubsub
+    blacklist closes their gossip stream and refuses a new one, so their junk stops costing a
+    parse and a signature check per message. An honest shardnet peer validates before it
+    forwards, so it never relays junk."""
+
+    def __init__(self, raw: Pubsub, limits) -> None:
+        self.raw, self.limits = raw, limits
+        self.invalid = TokenBuckets(limits.gossip_invalid_rate_per_peer, limits.gossip_invalid_burst_per_peer)
+        self.until: dict[ID, float] = {}
+        self.refusals = Refusals()
+
+    def checker(self, validate):
+        def check(forwarder, msg) -> bool:
+            try:
+                ok = bool(validate(bytes(msg.data)))
+            except Exception:
+                ok = False
+            if not ok and not self.invalid.take(forwarder):
+                self.mute(forwarder)
+            return ok
+
+        return check
+
+    def mute(self, peer: ID) -> None:
+        if peer in self.until:
+            return
+        self.until[peer] = trio.current_time() + self.limits.gossip_mute_s
+        self.refusals.note("gossip_invalid", peer, f"limit gossip_invalid_rate_per_peer: muting {str(peer)[:16]}'s "
+                                                   f"gossip for {self.limits.gossip_mute_s:g} s (invalid messages)")
+        self.raw.add_to_blacklist(peer)  # closes our stream to it and refuses new ones
+        self.raw.manager.run_task(self._reset_inbound, peer)
+
+    async def _reset_inbound(self, peer: ID) -> None:
+        """The blacklist leaves the peer's own stream to us open (and read, parsed, checked)."""
+        for conn in self.raw.host.get_network().get_connections(peer):
+            for stream in conn.get_streams():
+                if str(stream.get_protocol() or "").startswith("/meshsub/"):
+                    try:
+                        await stream.reset()
+                    except Exception:
+                        pass
+
+    async def run(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            now = trio.current_time()
+            for peer in [p for p, t in self.until.items() if t <= now]:
+                del self.until[peer]
+                self.raw.remove_from_blacklist(peer)
+
+
 class PubSub:
-    def __init__(self, pubsub: Pubsub, router: GossipSub) -> None:
+    def __init__(self, pubsub: Pubsub, router: GossipSub, limits) -> None:
         self.raw = pubsub
         self.router = router
+        self.mutes = Mutes(pubsub, limits)
 
     @classmethod
     @asynccontextmanager
@@ -81,7 +135,11 @@ class PubSub:
         async with background_trio_service(pubsub), background_trio_service(router):
             with trio.move_on_after(10):
                 await pubsub.wait_until_ready()
-            yield cls(pubsub, router)
+            self = cls(pubsub, router, config.limits)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.mutes.run)
+                yield self
+                nursery.cancel_scope.cancel()
 
     async def publish(self, topic: str, data: bytes) -> None:
         if len(data) > MAX_MESSAGE_BYTES:
@@ -92,11 +150,18 @@ class PubSub:
             raise OverlayTimeout(f"publishing to {topic!r} timed out")
 
     @asynccontextmanager
-    async def subscribe(self, topic: str) -> AsyncIterator[Subscription]:
+    async def subscribe(self, topic: str, validate=None) -> AsyncIterator[Subscription]:
+        """Messages on ``topic``. With ``validate`` (data -> bool), a message it rejects is
+        neither delivered nor forwarded: junk on a topic stops at the first peer that checks it
+        instead of crossing the whole mesh."""
+        if validate is not None:
+            self.raw.set_topic_validator(topic, self.mutes.checker(validate), False)
         raw = await self.raw.subscribe(topic)
         try:
             yield Subscription(topic, raw)
         finally:
+            if validate is not None:
+                self.raw.remove_topic_validator(topic)
             with trio.CancelScope(shield=True), trio.move_on_after(5):
                 try:
                     await self.raw.unsubscribe(topic)

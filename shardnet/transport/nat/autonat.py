@@ -26,6 +26,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
+from ..limits import Refusals
 from .autonat_messages import (
     AUTONAT_PROTOCOL, AutoNATMessage, AutoNATType, Dial, DialResponse, DialStatus, decode_autonat, encode_autonat)
 from .pbwire import FrameBuffer, MessageError
@@ -33,6 +34,8 @@ from .rawstream import close_quietly, read_message
 from .relay import is_relayed
 
 log = logging.getLogger(__name__)
+#: bad requests are logged at most once per peer and kind per 10 s
+_refused = Refusals(log, logging.INFO)
 
 IO_TIMEOUT = 10.0  # seconds for a request and its answer (the answer waits for the dial-back)
 DIAL_BACK_TIMEOUT = 5.0  # seconds for one dial-back, handshakes included
@@ -149,7 +152,8 @@ class AutoNAT:
         try:
             await self._serve(raw)
         except Exception as e:  # never let a bad request reach the swarm
-            log.info("autonat request from %s: %s: %s", str(raw.muxed_conn.peer_id)[:16], type(e).__name__, e)
+            _refused.note(type(e).__name__, raw.muxed_conn.peer_id,
+                          f"autonat request from {str(raw.muxed_conn.peer_id)[:16]}: {type(e).__name__}: {e}")
         finally:
             await close_quietly(raw)
 

@@ -30,6 +30,7 @@ from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
+from ..limits import Refusals
 from .autonat import _ip_of, _tcp_port, dialable_tcp
 from .holepunch_messages import DCUTR_PROTOCOL, HolePunch, HolePunchType, decode_holepunch, encode_holepunch
 from .pbwire import FrameBuffer, MessageError
@@ -37,6 +38,8 @@ from .rawstream import close_quietly, read_message
 from .relay import is_relayed
 
 log = logging.getLogger(__name__)
+#: bad requests are logged at most once per peer and kind per 10 s
+_refused = Refusals(log, logging.INFO)
 
 IO_TIMEOUT = 10.0  # seconds for one message exchange over the relay
 ATTEMPTS = 3  # the spec's retry count
@@ -178,7 +181,7 @@ class HolePuncher:
                 self.stats["answered_without_connection"] += 1
                 log.info("hole punch from %s: no direct connection within %g s", str(peer)[:16], self.punch_timeout)
         except Exception as e:
-            log.info("hole punch from %s: %s: %s", str(peer)[:16], type(e).__name__, e)
+            _refused.note(type(e).__name__, peer, f"hole punch from {str(peer)[:16]}: {type(e).__name__}: {e}")
         finally:
             await close_quietly(raw)
 
