@@ -52,9 +52,9 @@ class Limits:
                                                     "before it is muted")
     gossip_mute_s: float = _limit(60.0, "seconds a muted peer's gossip is refused")
     # -- DHT ----------------------------------------------------------------------------------
-    dht_requests_per_peer: float = _limit(20.0, "DHT requests per second one peer may send us (refill rate); "
+    dht_requests_per_peer: float = _limit(5.0, "DHT requests per second one peer may send us (refill rate); "
                                                 "more get their stream reset")
-    dht_burst_per_peer: int = _limit(100, "DHT requests one peer may send in a burst")
+    dht_burst_per_peer: int = _limit(50, "DHT requests one peer may send in a burst")
     dht_streams_per_peer: int = _limit(8, "DHT request streams one peer may have open at once")
     dht_records: int = _limit(4096, "signed DHT values this node stores for others, in all")
     dht_records_per_peer: int = _limit(64, "signed DHT values this node stores per publishing peer")

