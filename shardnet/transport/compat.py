@@ -69,12 +69,12 @@ method or one module-level constant each, so they are easy to drop when upstream
    loop takes every slot, and everyone's streams queue behind it. Inbound streams now pass the
    node's stream gate first (limits.py: open streams and new streams per second, per peer); a
    stream over its peer's limit is reset before any protocol is read, and a peer that keeps at
-   it is banned for a while (disconnected; new connections closed after the handshake names
-   it). The shared semaphore is
-   sized by ``Limits.streams_total`` (host.py). And an exception out of any protocol handler
-   (seen: gossipsub lets protobuf's DecodeError out on a garbage RPC) went up through the
-   connection into the host and ended the whole node: it now resets that one stream and is
-   logged (one line per peer and protocol per 10 s).
+   it is banned for a while (disconnected; new connections closed once the handshake names it).
+   The shared semaphore is sized by ``Limits.streams_total`` (host.py). And an exception out of
+   any protocol handler (seen: gossipsub lets protobuf's DecodeError out on a garbage RPC) went
+   up through the connection into the host and ended the whole node: it now resets that one
+   stream and is logged (one line per peer and protocol per 10 s). Tests: tests/test_limits.py,
+   tests/test_node.py::test_garbage_on_a_libp2p_protocol_resets_only_that_stream.
 13. Unbounded reads from strangers, before any handshake. Multistream-select reads a varint
    length and then that many bytes (no limit), and a TCP read of n bytes asks the socket for n
    at once, which allocates n: four random bytes from anyone who can reach the port made the
@@ -88,6 +88,7 @@ method or one module-level constant each, so they are easy to drop when upstream
 14. A DHT request stream is read message after message with no limit on how many or how fast.
    Each message read from a stream the node meters (dht.py: inbound request streams) first takes
    a token from its peer's bucket (``dht_requests_per_peer``); without one the stream is reset.
+   Test: tests/test_limits.py::test_dht_requests_per_peer.
 
 Fixes that are settings or wrappers rather than patches live where they are used, each tested
 too: host.py (250 ms happy-eyeballs dial delay, auto-connector dialling ~100 peers, dial

@@ -23,7 +23,7 @@ anything else             (a js/go peer, a scanner) the private side logs that i
                           swarm-key security
 ========================  =====================================================================
 
-Refusal lines are WARNINGs, at most one per remote address and reason every 30 s.
+Refusal lines are WARNINGs, at most one per remote host and kind of refusal every 30 s.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ class SwarmKeyNoise(ISecureTransport):
             log.debug("admitted %s at %s to the private swarm", _short(remote), addr)
             return
         await _close_quietly(secure)
-        _refuse(self.local_peer, addr, "mismatch", f"refused {_short(remote)} at {addr}: {problem} "
-                                  f"(this node's key: {self.key.fingerprint})")
+        _refuse(self.local_peer, addr, "mismatch",
+                f"refused {_short(remote)} at {addr}: {problem} (this node's key: {self.key.fingerprint})")
 
 
 class RefusePrivateSwarm(ISecureTransport):
@@ -136,14 +136,16 @@ class RefusePrivateSwarm(ISecureTransport):
     async def secure_inbound(self, conn: IRawConnection) -> ISecureConn:
         addr = remote_address(conn)
         await _close_quietly(conn)
-        _refuse(self.local_peer, addr, "public-in", f"refused a connection from {addr}: it is in a private swarm (it asked for swarm-key "
-                      f"security) and this node has no swarm key (--swarm-key)")
+        _refuse(self.local_peer, addr, "public-in",
+                f"refused a connection from {addr}: it is in a private swarm (it asked for swarm-key security) "
+                f"and this node has no swarm key (--swarm-key)")
 
     async def secure_outbound(self, conn: IRawConnection, peer_id: ID) -> ISecureConn:
         addr = remote_address(conn)
         await _close_quietly(conn)
-        _refuse(self.local_peer, addr, "public-out", f"{_short(peer_id)} at {addr} is in a private swarm (it accepts only swarm-key "
-                      f"security); this node has no swarm key (--swarm-key)")
+        _refuse(self.local_peer, addr, "public-out",
+                f"{_short(peer_id)} at {addr} is in a private swarm (it accepts only swarm-key security); "
+                f"this node has no swarm key (--swarm-key)")
 
 
 def guard_upgrader(upgrader: Any, local_peer: ID) -> None:
