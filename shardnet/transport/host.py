@@ -102,15 +102,15 @@ def ping_answerer():
     return handler
 
 
-async def answer_pings(stream, _ping_streams: Counter) -> None:
+async def answer_pings(stream, open_streams: Counter) -> None:
     """libp2p ping: every 32 bytes received are sent back. All complete pings that arrived
     together go back in one write (the same bytes, in order); a stream idle for 10 s is closed;
     at most two ping streams per peer, as py-libp2p's own handler allows."""
     peer = stream.muxed_conn.peer_id
-    if _ping_streams[peer] >= PING_STREAMS_PER_PEER:
+    if open_streams[peer] >= PING_STREAMS_PER_PEER:
         await stream.reset()
         return
-    _ping_streams[peer] += 1
+    open_streams[peer] += 1
     pending = b""
     try:
         while True:
@@ -132,9 +132,9 @@ async def answer_pings(stream, _ping_streams: Counter) -> None:
         except Exception:
             pass
     finally:
-        _ping_streams[peer] -= 1
-        if _ping_streams[peer] <= 0:
-            del _ping_streams[peer]
+        open_streams[peer] -= 1
+        if open_streams[peer] <= 0:
+            del open_streams[peer]
 
 
 def interface_ips() -> list[str]:
