@@ -153,8 +153,8 @@ class InferenceSession:
         self.length = 0
         self.step_no = 0
         self.error: InferenceError | None = None
-        #: steps sent and not yet answered: n -> (pos, tokens, logits_for). A result must answer
-        #: one of them, in order: a replayed, reordered or reflected frame is refused.
+        #: steps sent and not yet answered: a result must answer one of them, in order, so a
+        #: replayed, reordered or reflected frame is refused
         self._awaiting = ap.PendingSteps()
         self._receiving: trio.CancelScope | None = None
 

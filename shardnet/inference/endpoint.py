@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import Counter
 from dataclasses import dataclass, field
 
 import trio
@@ -25,7 +24,7 @@ from shardnet.protocols import activation as ap
 from shardnet.protocols.receipts import HashChain
 from shardnet.transport.config import peer_info
 from shardnet.transport.errors import ShardnetError
-from shardnet.transport.limits import Refusals, TokenBuckets
+from shardnet.transport.limits import PeerCounts, Refusals, TokenBuckets
 from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream
 
@@ -139,7 +138,7 @@ class ActivationEndpoint:
         self.served: ServedBlock | None = None
         self._returns: dict[bytes, tuple[str, trio.MemorySendChannel]] = {}
         #: sessions open per upstream peer, and the rate each may open new ones at
-        self.sessions_by_peer: Counter[str] = Counter()
+        self.sessions_by_peer = PeerCounts()
         self._session_rate = TokenBuckets(self.limits.session_rate_per_peer, self.limits.session_burst_per_peer)
         self.refusals = Refusals()
         node.set_stream_handler(ap.PROTOCOL_ID, self._handle)
@@ -251,9 +250,7 @@ class ActivationEndpoint:
             log.info("session %s ended: %s", s.hex()[:8], e)
         finally:
             sb.kv.release(s)
-            self.sessions_by_peer[up.remote_peer] -= 1
-            if self.sessions_by_peer[up.remote_peer] <= 0:
-                del self.sessions_by_peer[up.remote_peer]
+            self.sessions_by_peer.release(up.remote_peer)
             if down is not None:
                 with trio.move_on_after(5):
                     await down.close()
@@ -266,14 +263,15 @@ class ActivationEndpoint:
     def _admit_session(self, peer: str) -> None:
         """Raise InferenceError when ``peer`` may not open another session now."""
         limits = self.limits
-        if self.sessions_by_peer[peer] >= limits.sessions_per_peer:
-            self.refusals.note("sessions_per_peer", peer, f"limit sessions_per_peer: {peer[:16]} holds {self.sessions_by_peer[peer]} "
-                                                          f"sessions; refusing another")
-            raise InferenceError("too_many_sessions", f"you hold {self.sessions_by_peer[peer]} sessions here, "
+        held = self.sessions_by_peer[peer]
+        if held >= limits.sessions_per_peer:
+            self.refusals.note("sessions_per_peer", peer,
+                               f"limit sessions_per_peer: {peer[:16]} holds {held} sessions; refusing another")
+            raise InferenceError("too_many_sessions", f"you hold {held} sessions here, "
                                  f"the most this peer allows one peer (sessions_per_peer)")
         if not self._session_rate.take(peer):
-            self.refusals.note("session_rate_per_peer", peer, f"limit session_rate_per_peer: {peer[:16]} opens sessions faster than "
-                                                              f"{limits.session_rate_per_peer:g}/s")
+            self.refusals.note("session_rate_per_peer", peer, f"limit session_rate_per_peer: {peer[:16]} opens "
+                                                              f"sessions faster than {limits.session_rate_per_peer:g}/s")
             raise InferenceError("rate_limited", f"more than {limits.session_rate_per_peer:g} new sessions per "
                                  f"second (session_rate_per_peer); try again shortly")
 

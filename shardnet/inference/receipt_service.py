@@ -87,7 +87,8 @@ class ReceiptService:
             log.exception("no longer hearing reports")
 
     def _note_report(self, data: bytes, sender: str) -> None:
-        # gossip already dropped what does not decode (_is_report); this is the one decode we keep
+        # decoded a second time: the gossip validator (_is_report) only answers yes or no, and
+        # reports are rare (one per conviction)
         try:
             report = rg.decode_report(data)
         except rg.GossipError as e:

@@ -298,6 +298,8 @@ def _route_libp2p_logging() -> None:
 # 1. inbound connection lifetime ---------------------------------------------------------------
 def _fix_inbound_connection_lifetime() -> None:
     from libp2p.abc import IMuxedConn
+
+    from .nat.rawstream import PrefixedStream
     from libp2p.network.connection.raw_connection import RawConnection
     from libp2p.network.swarm import Swarm
 
@@ -323,7 +325,7 @@ def _fix_inbound_connection_lifetime() -> None:
             else:
                 with trio.fail_after(deadline):  # fix 13: the whole upgrade, stranger's pace
                     opening = await _opening_bytes(read_write_closer)
-                    raw_conn = RawConnection(_Replay(read_write_closer, opening), False)
+                    raw_conn = RawConnection(PrefixedStream(read_write_closer, opening), False)
                     muxed = await self.upgrade_inbound_raw_conn(raw_conn, maddr)
         except Exception as e:  # an inbound handshake failing must not hurt the listener
             log.debug("inbound connection on %s failed: %r", maddr, e)
@@ -381,23 +383,6 @@ async def _opening_bytes(stream: Any) -> bytes:
         if not MULTISTREAM_HEADER.startswith(got):
             raise NotMultistream(f"opened with {got[:20]!r}")
     return got
-
-
-class _Replay:
-    """A stream whose first reads return bytes already read from it."""
-
-    def __init__(self, stream: Any, pending: bytes) -> None:
-        self._stream, self._pending = stream, pending
-
-    async def read(self, n: int | None = None) -> bytes:
-        if self._pending:
-            take = len(self._pending) if n is None else n
-            out, self._pending = self._pending[:take], self._pending[take:]
-            return out
-        return await self._stream.read(n)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
 
 
 def _bound_reads_from_strangers() -> None:

@@ -42,15 +42,13 @@ def _meter_requests(kad, host, limits) -> None:
     and ``dht_requests_per_peer`` messages per second (compat fix 14 counts each message read
     from a metered stream). Upstream allows 12 request streams at once *in all*, so one peer
     holding 12 idle streams shut everyone else out of this node's DHT."""
-    from collections import Counter
-
     from libp2p.custom_types import TProtocol
 
-    from .limits import TokenBuckets
+    from .limits import PeerCounts, TokenBuckets
 
     kad._inbound_limiter = trio.CapacityLimiter(max(64, 4 * limits.dht_streams_per_peer))
     requests = TokenBuckets(limits.dht_requests_per_peer, limits.dht_burst_per_peer)
-    open_streams: Counter = Counter()
+    open_streams = PeerCounts()
     refusals = Refusals()
     handle = kad.handle_stream
 
@@ -66,9 +64,7 @@ def _meter_requests(kad, host, limits) -> None:
         try:
             await handle(stream)
         finally:
-            open_streams[peer] -= 1
-            if open_streams[peer] <= 0:
-                del open_streams[peer]
+            open_streams.release(peer)
 
     if kad.mode == DHTMode.SERVER:
         host.set_stream_handler(TProtocol(KAD_PROTOCOL), metered)

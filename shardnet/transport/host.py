@@ -23,10 +23,8 @@ from __future__ import annotations
 import errno
 import logging
 import socket
-from collections import Counter
 
 import trio
-
 from libp2p import new_host
 from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
@@ -35,7 +33,7 @@ from multiaddr import Multiaddr
 
 from .config import NodeConfig
 from .errors import PortInUseError
-from .limits import ConnectionGate, StreamGate
+from .limits import ConnectionGate, PeerCounts, StreamGate
 from .security import guard_upgrader, security_options
 
 log = logging.getLogger(__name__)
@@ -94,7 +92,7 @@ PING_STREAMS_PER_PEER = 2
 
 def ping_answerer():
     """A handler for one host (it counts each peer's ping streams)."""
-    streams: Counter = Counter()
+    streams = PeerCounts()
 
     async def handler(stream) -> None:
         await answer_pings(stream, streams)
@@ -102,7 +100,7 @@ def ping_answerer():
     return handler
 
 
-async def answer_pings(stream, open_streams: Counter) -> None:
+async def answer_pings(stream, open_streams: PeerCounts) -> None:
     """libp2p ping: every 32 bytes received are sent back. All complete pings that arrived
     together go back in one write (the same bytes, in order); a stream idle for 10 s is closed;
     at most two ping streams per peer, as py-libp2p's own handler allows."""
@@ -132,9 +130,7 @@ async def answer_pings(stream, open_streams: Counter) -> None:
         except Exception:
             pass
     finally:
-        open_streams[peer] -= 1
-        if open_streams[peer] <= 0:
-            del open_streams[peer]
+        open_streams.release(peer)
 
 
 def interface_ips() -> list[str]:

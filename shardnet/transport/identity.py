@@ -32,6 +32,12 @@ def peer_id_of(key_pair: KeyPair) -> ID:
     return ID.from_pubkey(key_pair.public_key)
 
 
+def short(peer_id: object) -> str:
+    """A peer ID cut to its first 8 and last 6 characters, for log lines."""
+    text = str(peer_id)
+    return f"{text[:8]}…{text[-6:]}" if len(text) > 16 else text
+
+
 def generate() -> KeyPair:
     return create_new_key_pair()
 
@@ -60,19 +66,22 @@ def decode(data: bytes, *, source: str = "key data") -> KeyPair:
     return KeyPair(priv, priv.get_public_key())
 
 
-def load(path: Path) -> KeyPair:
-    path = Path(path).expanduser()
+def check_private_file(path: Path, what: str, error: type[Exception]) -> None:
+    """Raise ``error`` unless ``path`` is a regular file only its owner can read (a secret:
+    an identity, a swarm key)."""
     try:
         st = path.stat()
     except FileNotFoundError:
-        raise IdentityError(f"no identity at {path}") from None
+        raise error(f"no {what} at {path}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise IdentityError(f"identity path {path} is not a regular file")
+        raise error(f"{what} path {path} is not a regular file")
     if st.st_mode & 0o077:
-        raise IdentityError(
-            f"identity {path} is readable by others (mode {oct(st.st_mode & 0o777)}); "
-            f"run: chmod 600 {path}"
-        )
+        raise error(f"{what} {path} is readable by others (mode {oct(st.st_mode & 0o777)}); run: chmod 600 {path}")
+
+
+def load(path: Path) -> KeyPair:
+    path = Path(path).expanduser()
+    check_private_file(path, "identity", IdentityError)
     return decode(path.read_bytes(), source=str(path))
 
 

@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .errors import ShardnetError
+from .identity import short
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +152,16 @@ class Refusals:
         self.logger.log(self.level, "%s%s", message, f" ({more} more like it since the last line)" if more else "")
 
 
+class PeerCounts(Counter):
+    """How many of something (streams, sessions) each peer holds open; a peer whose count falls
+    to zero leaves the table, so it never grows with peers that have come and gone."""
+
+    def release(self, peer: object) -> None:
+        self[peer] -= 1
+        if self[peer] <= 0:
+            del self[peer]
+
+
 class ConnectionGate:
     """Admits inbound connections within ``connection_rate_per_ip`` / ``connection_burst_per_ip``
     (a stranger's connections cost a handshake each before it has to prove anything)."""
@@ -176,7 +187,7 @@ class StreamGate:
 
     def __init__(self, limits: Limits, refusals: Refusals | None = None) -> None:
         self.limits = limits
-        self.open: Counter[object] = Counter()
+        self.open = PeerCounts()
         self.rate = TokenBuckets(limits.stream_rate_per_peer, limits.stream_burst_per_peer)
         self.strikes = TokenBuckets(5.0, limits.refusals_before_ban)
         self.banned_until: dict[object, float] = {}
@@ -184,26 +195,24 @@ class StreamGate:
 
     def admit(self, peer: object) -> bool:
         if self.open[peer] >= self.limits.streams_per_peer:
-            self._refuse(peer, "streams_per_peer", f"limit streams_per_peer: {_short(peer)} has {self.open[peer]} "
+            self._refuse(peer, "streams_per_peer", f"limit streams_per_peer: {short(peer)} has {self.open[peer]} "
                                                    f"streams open; resetting its new ones")
             return False
         if not self.rate.take(peer):
-            self._refuse(peer, "stream_rate_per_peer", f"limit stream_rate_per_peer: {_short(peer)} opens streams "
+            self._refuse(peer, "stream_rate_per_peer", f"limit stream_rate_per_peer: {short(peer)} opens streams "
                                                        f"faster than {self.limits.stream_rate_per_peer:g}/s; resetting")
             return False
         self.open[peer] += 1
         return True
 
     def release(self, peer: object) -> None:
-        self.open[peer] -= 1
-        if self.open[peer] <= 0:
-            del self.open[peer]
+        self.open.release(peer)
 
     def _refuse(self, peer: object, kind: str, message: str) -> None:
         self.refusals.note(kind, peer, message)
         if not self.strikes.take(peer) and not self.is_banned(peer):
             self.banned_until[peer] = time.monotonic() + self.limits.ban_s
-            self.refusals.note("ban", peer, f"banning {_short(peer)} for {self.limits.ban_s:g} s: "
+            self.refusals.note("ban", peer, f"banning {short(peer)} for {self.limits.ban_s:g} s: "
                                             f"{self.limits.refusals_before_ban} streams refused")
 
     def is_banned(self, peer: object) -> bool:
@@ -214,8 +223,3 @@ class StreamGate:
             del self.banned_until[peer]
             return False
         return True
-
-
-def _short(peer: object) -> str:
-    text = str(peer)
-    return f"{text[:8]}…{text[-6:]}" if len(text) > 16 else text

@@ -43,6 +43,8 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.transport.exceptions import SecurityUpgradeFailure
 
+from .identity import short
+from .nat.rawstream import close_quietly
 from .swarm_key import ADMISSION_BYTES, SECURITY_PROTOCOL, AdmissionError, SwarmKey
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ class SwarmKeyNoise(ISecureTransport):
     async def secure_outbound(self, conn: IRawConnection, peer_id: ID) -> ISecureConn:
         addr = remote_address(conn)
         secure = await self._handshake(self.noise.secure_outbound(conn, peer_id), conn, addr, "refused",
-                                       f"{_short(peer_id)} at {addr} refused the swarm-key handshake: it is not in "
+                                       f"{short(peer_id)} at {addr} refused the swarm-key handshake: it is not in "
                                        f"this private swarm (it holds no swarm key)")
         await self._admit(secure, addr)
         return secure
@@ -100,7 +102,7 @@ class SwarmKeyNoise(ISecureTransport):
                 log.debug("swarm-key handshake with %s failed: %r", addr, e)
         if scope.cancelled_caught:
             refusal += f" (no answer in {self.timeout:g} s)"
-        await _close_quietly(conn)
+        await close_quietly(conn, timeout=2)
         _refuse(self.local_peer, addr, kind, refusal)
 
     async def _admit(self, secure: ISecureConn, addr: str) -> None:
@@ -120,11 +122,11 @@ class SwarmKeyNoise(ISecureTransport):
         except AdmissionError as e:
             problem = str(e)
         else:
-            log.debug("admitted %s at %s to the private swarm", _short(remote), addr)
+            log.debug("admitted %s at %s to the private swarm", short(remote), addr)
             return
-        await _close_quietly(secure)
+        await close_quietly(secure, timeout=2)
         _refuse(self.local_peer, addr, "mismatch",
-                f"refused {_short(remote)} at {addr}: {problem} (this node's key: {self.key.fingerprint})")
+                f"refused {short(remote)} at {addr}: {problem} (this node's key: {self.key.fingerprint})")
 
 
 class RefusePrivateSwarm(ISecureTransport):
@@ -135,16 +137,16 @@ class RefusePrivateSwarm(ISecureTransport):
 
     async def secure_inbound(self, conn: IRawConnection) -> ISecureConn:
         addr = remote_address(conn)
-        await _close_quietly(conn)
+        await close_quietly(conn, timeout=2)
         _refuse(self.local_peer, addr, "public-in",
                 f"refused a connection from {addr}: it is in a private swarm (it asked for swarm-key security) "
                 f"and this node has no swarm key (--swarm-key)")
 
     async def secure_outbound(self, conn: IRawConnection, peer_id: ID) -> ISecureConn:
         addr = remote_address(conn)
-        await _close_quietly(conn)
+        await close_quietly(conn, timeout=2)
         _refuse(self.local_peer, addr, "public-out",
-                f"{_short(peer_id)} at {addr} is in a private swarm (it accepts only swarm-key security); "
+                f"{short(peer_id)} at {addr} is in a private swarm (it accepts only swarm-key security); "
                 f"this node has no swarm key (--swarm-key)")
 
 
@@ -161,7 +163,7 @@ def guard_upgrader(upgrader: Any, local_peer: ID) -> None:
                 raise
             addr = remote_address(raw_conn)
             if is_initiator:
-                reason = (f"{_short(peer_id)} at {addr} does not offer swarm-key security: it is not in a "
+                reason = (f"{short(peer_id)} at {addr} does not offer swarm-key security: it is not in a "
                           f"private swarm")
             else:
                 reason = (f"refused a connection from {addr}: it offered no swarm-key security (it holds no "
@@ -223,16 +225,3 @@ def _warn(local_peer: ID, addr: str, kind: str, message: str) -> None:
         _last_warned.clear()
     _last_warned[key] = now
     log.warning("swarm admission: %s", message)
-
-
-async def _close_quietly(conn: Any) -> None:
-    with trio.move_on_after(2):
-        try:
-            await conn.close()
-        except Exception:
-            pass
-
-
-def _short(peer_id: Any) -> str:
-    text = str(peer_id)
-    return f"{text[:8]}…{text[-6:]}" if len(text) > 16 else text

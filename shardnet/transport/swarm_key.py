@@ -25,12 +25,12 @@ import binascii
 import hashlib
 import hmac
 import os
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ShardnetError
+from .identity import check_private_file
 
 KEY_FILE_HEADER = "/key/swarm/psk/1.0.0/"
 KEY_BYTES = 32
@@ -111,15 +111,7 @@ class SwarmKey:
     @classmethod
     def load(cls, path: Path) -> SwarmKey:
         path = Path(path).expanduser()
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise SwarmKeyError(f"no swarm key at {path}") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise SwarmKeyError(f"swarm key path {path} is not a regular file")
-        if st.st_mode & 0o077:
-            raise SwarmKeyError(f"swarm key {path} is readable by others (mode {oct(st.st_mode & 0o777)}); "
-                                f"run: chmod 600 {path}")
+        check_private_file(path, "swarm key", SwarmKeyError)
         try:
             text = path.read_text()
         except UnicodeDecodeError:

@@ -1,5 +1,5 @@
-"""The two stream chores every NAT protocol driver shares: read one framed message, close
-without caring whether the other side is still there."""
+"""Chores on raw byte streams: read one framed message, close without caring whether the other
+side is still there, and hand on a stream with bytes already read from it put back in front."""
 
 from __future__ import annotations
 
@@ -27,3 +27,28 @@ async def close_quietly(raw, timeout: float = 1.0) -> None:
             await raw.close()
         except Exception:
             pass
+
+
+class PrefixedStream:
+    """A byte pipe for py-libp2p's RawConnection (read, write, close, get_remote_address) over
+    ``stream``, whose first reads return ``pending``: bytes already taken from it, e.g. past the
+    last message a protocol driver parsed."""
+
+    def __init__(self, stream, pending: bytes) -> None:
+        self.stream, self.pending = stream, pending
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self.pending:
+            n = len(self.pending) if n is None else n
+            out, self.pending = self.pending[:n], self.pending[n:]
+            return out
+        return await self.stream.read(n)
+
+    async def write(self, data: bytes) -> None:
+        await self.stream.write(data)
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+    def get_remote_address(self):
+        return self.stream.get_remote_address()

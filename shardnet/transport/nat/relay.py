@@ -25,7 +25,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
 from ..errors import ShardnetError
-from .rawstream import close_quietly, read_message
+from .rawstream import PrefixedStream, close_quietly, read_message
 from .relay_messages import (
     HOP_PROTOCOL, STOP_PROTOCOL, FrameBuffer, HopMessage, HopType, Limit, Peer, RelayProtocolError, Reservation,
     Status, StopMessage, StopType, decode_hop, decode_stop, encode_hop, encode_stop)
@@ -96,25 +96,12 @@ async def _exchange(raw, frame: bytes | None, fb: FrameBuffer, decode, timeout: 
         return await read_message(raw, fb, decode, chunk=COPY_CHUNK)
 
 
-class _CircuitStream:
+class _CircuitStream(PrefixedStream):
     """A relay stream as a byte pipe for a raw connection: bytes read past the last protocol
     message come out first."""
 
-    def __init__(self, raw, leftover: bytes) -> None:
-        self.raw, self.leftover = raw, leftover
-
-    async def read(self, n: int | None = None) -> bytes:
-        if self.leftover:
-            n = len(self.leftover) if n is None else n
-            out, self.leftover = self.leftover[:n], self.leftover[n:]
-            return out
-        return await self.raw.read(n)
-
-    async def write(self, data: bytes) -> None:
-        await self.raw.write(data)
-
     async def close(self) -> None:
-        await self.raw.reset()
+        await self.stream.reset()
 
     def get_remote_address(self):
         return None
