@@ -87,3 +87,96 @@ async def test_circuit_data_limit_ends_the_circuit(loopback_config):
                     await s.read_some()
         assert relay.relay_service.stats["circuits_over_data_limit"] >= 1
 
+
+
+async def _raw_circuit(relay, a, b, on_target):
+    """b opens a hop CONNECT to a by hand; a's stop handler is replaced by ``on_target(raw)``,
+    which gets the circuit's bytes with no libp2p connection on top. Returns b's raw stream."""
+    from shardnet.transport.nat.relay_messages import (
+        STOP_PROTOCOL, HopMessage, HopType, Peer, StopMessage, StopType, decode_stop, encode_hop, encode_stop)
+    from shardnet.transport.nat.rawstream import read_message
+
+    async def stop(raw):
+        fb = FrameBuffer()
+        msg = await read_message(raw, fb, decode_stop)
+        assert msg.type == StopType.CONNECT
+        await raw.write(encode_stop(StopMessage(StopType.STATUS, status=Status.OK)))
+        await on_target(raw)
+
+    a.host.set_stream_handler(TProtocol(STOP_PROTOCOL), stop)
+    await b.connect(relay.listen_addrs[0])
+    raw = await b.host.new_stream(relay.peer_id, [TProtocol(HOP_PROTOCOL)])
+    await raw.write(encode_hop(HopMessage(HopType.CONNECT, peer=Peer(a.peer_id.to_bytes()))))
+    from shardnet.transport.nat.rawstream import read_message as rm
+    reply = await rm(raw, FrameBuffer(), decode_hop)
+    assert reply.status == Status.OK
+    return raw
+
+
+async def _read_to_end(raw) -> tuple[int, str]:
+    """(bytes read, how it ended: "eof" or "reset")."""
+    n = 0
+    try:
+        while data := await raw.read(1 << 16):
+            n += len(data)
+    except EOFError:
+        pass
+    except Exception as e:
+        return n, "reset" if "reset" in f"{type(e).__name__} {e}".lower() else f"error {type(e).__name__}: {e}"
+    return n, "eof"
+
+
+async def test_a_circuit_cut_at_its_data_limit_is_a_reset_at_both_ends_and_logged(loopback_config, caplog):
+    limit = 64 << 10
+    at_target = {}
+    done = trio.Event()
+
+    async def target(raw):
+        at_target["end"] = await _read_to_end(raw)
+        done.set()
+
+    caplog.set_level("INFO", logger="shardnet.transport.nat.relay")
+    async with open_node(loopback_config(relay_service=RelayLimits(circuit_bytes=limit))) as relay, \
+            open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        await a.relay_client.reserve(_info(relay))
+        raw = await _raw_circuit(relay, a, b, target)
+        with trio.fail_after(20):
+            try:
+                for _ in range(32):
+                    await raw.write(b"x" * 8192)  # twice the limit
+            except Exception:
+                pass
+            await done.wait()
+            at_source = await _read_to_end(raw)
+        n, how = at_target["end"]
+        assert how == "reset" and n <= limit, at_target  # never a clean end after a truncation
+        assert at_source[1] == "reset", at_source
+        line = [r.getMessage() for r in caplog.records if "cut:" in r.getMessage()]
+        assert line and f"forward data limit of {limit} bytes" in line[0] and f"{n} bytes forward" in line[0], line
+
+
+async def test_a_circuit_end_that_closes_its_half_still_gets_the_answer(loopback_config, caplog):
+    """Half-close goes through the relay: a request ending in EOF, then the answer back."""
+    async def target(raw):
+        n, how = await _read_to_end(raw)
+        await raw.write(f"{n} {how}".encode())
+        await raw.close()
+
+    caplog.set_level("INFO", logger="shardnet.transport.nat.relay")
+    async with open_node(loopback_config(relay_service=RelayLimits())) as relay, \
+            open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        await a.relay_client.reserve(_info(relay))
+        raw = await _raw_circuit(relay, a, b, target)
+        with trio.fail_after(20):
+            await raw.write(b"q" * 100_000)
+            await raw.close()
+            got = b""
+            try:
+                while data := await raw.read(1024):
+                    got += data
+            except EOFError:  # how py-libp2p's streams end
+                pass
+        assert got == b"100000 eof"
+        with trio.fail_after(5):
+            while not any("closed by both ends" in r.getMessage() for r in caplog.records):
+                await trio.sleep(0.05)

@@ -90,6 +90,18 @@ method or one module-level constant each, so they are easy to drop when upstream
    a token from its peer's bucket (``dht_requests_per_peer``); without one the stream is reset.
    Test: tests/test_limits.py::test_dht_requests_per_peer.
 
+15. Cancelled writes broke connections. Yamux frames were encrypted and written by whichever task
+   wrote to a stream; a cancellation (a step timeout, a heal, a client hanging up) landing inside
+   the socket write left a Noise message half sent after its nonce was consumed, so the peer's
+   next decryption failed ("Failed authentication of message") and every stream on that
+   connection died (measured: 23 of 28 writes cut midway killed the connection). Each Yamux
+   connection now has one writer task (conn_writer.py) fed by a queue; only it encrypts and
+   writes. A cancelled stream write abandons what it had not queued, and if it had queued part
+   of its data it resets its own stream; the connection is never touched. And a reader whose
+   stream was reset sees the reset once the bytes before it are read (upstream forgot the stream
+   and reported a clean end, passing a truncated message off as whole). Tests:
+   tests/test_cancel_safety.py.
+
 Fixes that are settings or wrappers rather than patches live where they are used, each tested
 too: host.py (250 ms happy-eyeballs dial delay, auto-connector dialling ~100 peers, dial
 retries, SO_REUSEPORT letting two nodes share a port), pubsub.py (120 s heartbeat, 10 msgs/s
@@ -138,6 +150,7 @@ def apply() -> None:
     _gate_inbound_streams()
     _bound_reads_from_strangers()
     _meter_dht_requests()
+    _send_through_one_writer()
     if os.environ.get(ENV_UNTUNED_DATA_PATH) != "1":
         _speed_up_noise()
         _speed_up_secure_session()
@@ -719,42 +732,53 @@ def _speed_up_yamux_writes() -> None:
     from libp2p.stream_muxer.exceptions import MuxedStreamEOF, MuxedStreamError, MuxedStreamReset
     from libp2p.stream_muxer.yamux import yamux as ymod
 
+    from .conn_writer import WriterClosed
+
     header = ymod.struct.Struct(ymod.YAMUX_HEADER_FORMAT)
-
-    async def _write_frame(self: Any, data: bytes) -> None:
-        async with self._write_lock:
-            await self.secured_conn.write(data)
-
-    ymod.Yamux._write_frame = _write_frame
 
     async def write(self: Any, data: bytes) -> None:
         view = memoryview(data)
         total = len(view)
-        sent = 0
+        sent = 0  # bytes handed to the connection's writer: those go out whole, come what may
+        last = None
         conn = self.conn
-        while sent < total:
-            # Frames are built and written under the connection's write lock, so concurrent
-            # writers on one stream cannot reorder their frames (one lock, not two).
-            async with conn._write_lock:
+        writer = conn._sn_writer
+        try:
+            while sent < total:
                 if self.send_closed:
                     raise MuxedStreamError("Stream is closed for sending")
                 if self.closed:
                     raise MuxedStreamError("Stream is closed")
-                budget = min(self.send_window, total - sent, YAMUX_MAX_BATCH)
-                if budget > 0:
-                    max_frame = _max_frame_for(conn)
-                    self.send_window -= budget
-                    batch = bytearray()
-                    pos, end = sent, sent + budget
-                    while pos < end:
-                        n = min(max_frame, end - pos)
-                        batch += header.pack(0, ymod.TYPE_DATA, 0, self.stream_id, n)
-                        batch += view[pos : pos + n]
-                        pos += n
-                    await conn.secured_conn.write(batch)
-                    sent = end
+                if self.send_window <= 0:
+                    await _wait_for_window(self)
                     continue
-            await _wait_for_window(self)
+                await writer.wait_for_room(min(self.send_window, total - sent, YAMUX_MAX_BATCH))
+                budget = min(self.send_window, total - sent, YAMUX_MAX_BATCH)
+                if budget <= 0 or self.send_closed or self.closed:
+                    continue
+                # From here to push() nothing awaits: frames of concurrent writers on one
+                # connection never interleave inside a batch, and stay in order.
+                max_frame = _max_frame_for(conn)
+                batch = bytearray()
+                pos, end = sent, sent + budget
+                while pos < end:
+                    n = min(max_frame, end - pos)
+                    batch += header.pack(0, ymod.TYPE_DATA, 0, self.stream_id, n)
+                    batch += view[pos : pos + n]
+                    pos += n
+                last = writer.push(batch)
+                self.send_window -= budget
+                sent = end
+            if last is not None:
+                await last.written()
+        except WriterClosed as e:
+            raise MuxedStreamReset(f"connection lost: {e}") from None
+        except BaseException:
+            if 0 < sent < total:
+                # Part of this write is committed and the rest never will be: the peer must see
+                # a reset, not a message that silently stops short.
+                await _reset_cut_stream(self)
+            raise
 
     ymod.YamuxStream.write = write
 
@@ -790,7 +814,6 @@ def _speed_up_yamux_writes() -> None:
 
     def conn_init(self: Any, *args: Any, **kwargs: Any) -> None:
         orig_conn_init(self, *args, **kwargs)
-        self._write_lock = _FastLock()
         self.streams_lock = _FastLock()
         self.stream_buffers = _ChunkBufferDict(self.stream_buffers)
 
@@ -1009,3 +1032,92 @@ class _NoCheckpointLock:
 
     async def __aexit__(self, *exc: object) -> None:
         return None
+
+
+# 15. one writer per connection ----------------------------------------------------------------
+#: Data bytes a connection's writer queue holds before stream writes wait for room (control
+#: frames are always admitted).
+WRITE_QUEUE_BYTES = 4 << 20
+#: Seconds a closing connection waits for its queued frames and GO_AWAY to reach the socket.
+CLOSE_FLUSH_S = 2.0
+
+
+def _send_through_one_writer() -> None:
+    from libp2p.io.exceptions import ConnectionClosedError
+    from libp2p.stream_muxer.yamux import yamux as ymod
+
+    from .conn_writer import ConnectionWriter, WriterClosed
+
+    orig_init = ymod.Yamux.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        self._sn_writer = ConnectionWriter(
+            self.secured_conn.write, max_queued=WRITE_QUEUE_BYTES, on_failure=self.secured_conn.close,
+            name=str(getattr(self, "peer_id", ""))[:16])
+
+    ymod.Yamux.__init__ = __init__
+
+    async def start(self: Any) -> None:
+        # Upstream's start, with the writer running beside the reader in the connection's
+        # nursery: it stops when the reader does (the connection is gone), and not before.
+        if self.event_started.is_set():
+            return
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self._sn_writer.run)
+            nursery.start_soon(self._measure_rtt_loop)
+            nursery.start_soon(self._stale_stream_sweeper)
+            await nursery.start(self._handle_incoming_with_ready_signal)
+            self._established = True
+            self.event_started.set()
+        try:
+            self.new_stream_send_channel.close()
+        except trio.ClosedResourceError:
+            pass
+
+    ymod.Yamux.start = start
+
+    async def _write_frame(self: Any, data: bytes) -> None:
+        # Control frames (and upstream's unbatched data frames) are queued whole and not waited
+        # for: a reset or window update can never be cut, and never waits behind data.
+        try:
+            frame = self._sn_writer.push(data)
+        except WriterClosed as e:
+            raise ConnectionClosedError(str(e)) from None
+        if len(data) > 1 and data[1] == ymod.TYPE_GO_AWAY:
+            # The last frame of a closing connection: let it (and all before it) reach the socket.
+            with trio.move_on_after(CLOSE_FLUSH_S):
+                try:
+                    await frame.written()
+                except WriterClosed:
+                    pass
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    ymod.Yamux._write_frame = _write_frame
+
+    from libp2p.stream_muxer.exceptions import MuxedStreamEOF, MuxedStreamReset
+
+    orig_read = ymod.YamuxStream.read
+
+    async def read(self: Any, n: int | None = -1) -> bytes:
+        # Once a reset stream's buffered bytes are read, upstream forgets the stream and the next
+        # read says "end of stream": a message cut short by a reset would pass for a whole one.
+        try:
+            return await orig_read(self, n)
+        except MuxedStreamEOF:
+            if self.reset_received:
+                raise MuxedStreamReset("Stream was reset") from None
+            raise
+
+    ymod.YamuxStream.read = read
+
+
+async def _reset_cut_stream(stream: Any) -> None:
+    """Reset a Yamux stream whose write was cut after part of it was queued, even from a
+    cancelled task (the reset is queued, never waited for on the wire)."""
+    with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_FLUSH_S):
+        try:
+            await stream.reset()
+        except Exception as e:
+            log.debug("reset of a cut stream failed: %s", e)

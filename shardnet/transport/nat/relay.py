@@ -196,6 +196,7 @@ class RelayService:
         self.circuits[src] += 1
         self.circuits[target] += 1
         dst_raw = None
+        cut = "not spliced"
         try:
             dst_fb = FrameBuffer()
             try:
@@ -213,43 +214,61 @@ class RelayService:
             await src_raw.write(encode_hop(HopMessage(HopType.STATUS, limit=self._limit(), status=Status.OK)))
             self.stats["circuits"] += 1
             log.info("circuit %s -> %s open", str(src)[:16], str(target)[:16])
-            await self._splice(src_raw, src_fb.take_rest(), dst_raw, dst_fb.take_rest())
+            cut, forward, backward = await self._splice(src_raw, src_fb.take_rest(), dst_raw, dst_fb.take_rest())
+            log.info("circuit %s -> %s %s (%d bytes forward, %d back)", str(src)[:16], str(target)[:16],
+                     f"cut: {cut}" if cut else "closed by both ends", forward, backward)
         finally:
             self.circuits[src] -= 1
             self.circuits[target] -= 1
             for s in (src_raw, dst_raw):
                 if s is not None:
-                    with trio.move_on_after(1):
+                    # A reset unless both ends closed their halves: an end must never take a cut
+                    # circuit for one that finished.
+                    with trio.CancelScope(shield=True), trio.move_on_after(1):
                         try:
-                            await s.reset()
+                            await (s.close() if cut == "" else s.reset())
                         except Exception:
                             pass
 
-    async def _splice(self, a, a_rest: bytes, b, b_rest: bytes) -> None:
-        """Copy both ways until either side ends, a direction's byte limit or the duration."""
-        async def copy(src, rest: bytes, dst, direction: str, done: trio.CancelScope) -> None:
-            sent = 0
+    async def _splice(self, a, a_rest: bytes, b, b_rest: bytes) -> tuple[str, int, int]:
+        """Copy both ways. An end that closes its half has that half closed at the other end
+        too, and the other direction goes on; a direction over its byte limit, the duration or
+        an error cuts both. Returns (why it was cut, or "" if both ends closed; bytes forward;
+        bytes back)."""
+        limit = self.limits.circuit_bytes
+        sent = {"forward": 0, "back": 0}
+        cut = ""
+
+        async def copy(src, rest: bytes, dst, direction: str, scope: trio.CancelScope) -> None:
+            nonlocal cut
             try:
                 if rest:
                     await dst.write(rest)
-                    sent += len(rest)
-                while sent < self.limits.circuit_bytes:
-                    data = await src.read(min(COPY_CHUNK, self.limits.circuit_bytes - sent))
+                    sent[direction] += len(rest)
+                while sent[direction] < limit:
+                    try:
+                        data = await src.read(min(COPY_CHUNK, limit - sent[direction]))
+                    except EOFError:  # py-libp2p's streams end with an exception, not b""
+                        data = b""
                     if not data:
-                        break
+                        await dst.close()  # this half is done; the other may still be talking
+                        return
                     await dst.write(data)
-                    sent += len(data)
+                    sent[direction] += len(data)
                     self.stats["bytes_relayed"] += len(data)
-                if sent >= self.limits.circuit_bytes:
-                    self.stats["circuits_over_data_limit"] += 1
+                self.stats["circuits_over_data_limit"] += 1
+                cut = cut or f"{direction} data limit of {limit} bytes"
             except Exception as e:
-                log.debug("circuit %s ended: %s", direction, e)
-            done.cancel()
+                cut = cut or f"{direction}: {type(e).__name__}: {e}".rstrip(": ")
+            scope.cancel()
 
-        with trio.move_on_after(self.limits.circuit_duration):
+        with trio.move_on_after(self.limits.circuit_duration) as timer:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(copy, a, a_rest, b, "forward", nursery.cancel_scope)
-                nursery.start_soon(copy, b, b_rest, a, "backward", nursery.cancel_scope)
+                nursery.start_soon(copy, b, b_rest, a, "back", nursery.cancel_scope)
+        if timer.cancelled_caught:
+            cut = cut or f"duration limit of {self.limits.circuit_duration:g} s"
+        return cut, sent["forward"], sent["back"]
 
 
 async def _reply(raw, msg: HopMessage, close: bool = False) -> None:
