@@ -121,6 +121,9 @@ def network_options(default_listen: str | None):
                          help="Keep relayed connections relayed (no DCUtR hole punching).")(f)
         f = click.option("--no-auto-relay", is_flag=True, expose_value=False, callback=_remember,
                          help="Without --relay, do not reserve relay slots when AutoNAT finds us behind NAT.")(f)
+        f = click.option("--no-autonat", is_flag=True, expose_value=False, callback=_remember,
+                         help="Do not ask peers whether we are reachable (for bootstrap and relay nodes whose "
+                              "reachability is known); still answer their questions.")(f)
         return limit_option(swarm_key_option(f))
 
     return deco
@@ -184,6 +187,8 @@ def make_config(*, identity: Path | None, listen, announce, bootstrap, quic: boo
     _load_swarm_key(cfg)
     if meta.get("shardnet.no_auto_relay", False):
         cfg.auto_relays = 0
+    if meta.get("shardnet.no_autonat", False):
+        cfg.autonat_client = False
     if persistent:
         path = identity or ident.default_identity_path()
         kp, created = ident.load_or_create(path)

@@ -34,6 +34,12 @@ if (opts.relay) {
   services.relay = circuitRelayServer({ reservations: { maxReservations: 16 } })
 }
 
+// AutoNAT v1 (client and server), as a js-libp2p app would enable it: {"autonat": true}
+if (opts.autonat) {
+  const { autoNAT } = await import('@libp2p/autonat')
+  services.autonat = autoNAT()
+}
+
 const transports = [tcp()]
 if (opts.circuit) {
   transports.push(circuitRelayTransport())
@@ -77,6 +83,13 @@ await node.handle(ECHO, async (stream) => {
   }
   await stream.close()
 })
+
+if (opts.autonat) {
+  // every closed connection as an event: the AutoNAT check watches for a peer dropped after a question
+  node.addEventListener('connection:close', (evt) => {
+    out({ event: 'connection_closed', peer: evt.detail.remotePeer.toString(), remote: evt.detail.remoteAddr.toString() })
+  })
+}
 
 node.services.pubsub.addEventListener('message', (evt) => {
   const m = evt.detail

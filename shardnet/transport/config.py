@@ -59,6 +59,9 @@ class NodeConfig:
     hole_punch: bool = True
     #: Ask peers whether we are reachable (AutoNAT client), and answer them (service).
     autonat: bool = True
+    #: Ask at all (the client): off for nodes whose reachability their operator knows (a
+    #: bootstrap or relay on a public address: ``--no-autonat``); they still answer others.
+    autonat_client: bool = True
     #: Seconds between AutoNAT checks once the answer is known (sooner while unknown).
     autonat_interval: float = 300.0
     #: Seconds between keepalive pings on each connection, and how long an unanswered one may

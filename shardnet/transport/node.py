@@ -569,7 +569,7 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
                             log.warning("no relay slot yet; peers behind other NATs cannot reach us")
                     nursery.start_soon(node._discover)
                     nursery.start_soon(node._close_dead_connections)
-                    if config.autonat:
+                    if config.autonat and config.autonat_client:
                         nursery.start_soon(functools.partial(node.autonat.run, interval=config.autonat_interval))
                         if not relays and config.auto_relays > 0:
                             nursery.start_soon(node._find_relays)

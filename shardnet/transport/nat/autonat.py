@@ -10,6 +10,17 @@ The client side asks a few connected peers, keeps the answer (``public``, ``priv
 ``unknown``) and the addresses that worked, and re-checks periodically. It also keeps the IP
 addresses peers report seeing us at (identify's observed address), which the hole puncher
 combines with our listen port.
+
+Whom the client asks, and how often, is :class:`AskPolicy` (sans-IO). Asking costs the server a
+dial, and with some implementations it costs us the connection: js-libp2p's server dials back
+through its connection manager, which hands it the connection we asked on, and closes that
+connection when done (@libp2p/autonat ``handleAutonatMessage``: ``openConnection`` without
+``force``, then ``connection.close()``): its answer proves nothing and the peer is gone. So
+servers that advertise :data:`DIAL_BACK_MARKER` (shardnet's: a fresh connection under a
+throwaway identity) are asked first; others only when none of those is connected, one per check,
+never js-libp2p; a server that does not answer, or whose connection goes as it answers, is left
+alone for 30 minutes, doubling up to a day; and while the answer stays unknown the checks space
+out from 15 s up to the normal interval.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from dataclasses import dataclass, field
 
 import trio
 from libp2p.custom_types import TProtocol
+from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
@@ -44,6 +56,93 @@ MAX_ADDRS = 8  # addresses per request that a server considers
 SERVERS_PER_CHECK = 3
 
 PUBLIC, PRIVATE, UNKNOWN = "public", "private", "unknown"
+
+#: Advertised (identify's protocol list, never opened) by servers that answer from a dial-back
+#: on a fresh connection and leave the asker's connection alone.
+DIAL_BACK_MARKER = "/shardnet/cap/autonat-fresh-dial-back/1.0.0"
+IDENTIFY_PROTOCOL = "/ipfs/id/1.0.0"
+#: Agent versions (prefixes) of servers that answer over the connection they were asked on and
+#: then close it (see the module docstring): never asked.
+REUSING_AGENTS = ("js-libp2p",)
+
+#: kinds of AutoNAT server, as far as we know them
+FRESH, REUSES, UNKNOWN_KIND = "fresh", "reuses", "unknown"
+
+NO_ANSWER_BACKOFF = 30 * 60.0  # seconds a server that did not answer is left alone (doubling)
+REFUSED_BACKOFF = 5 * 60.0  # ... one that refused to dial (busy, same machine, bad request)
+MAX_BACKOFF = 24 * 3600.0  # the longest; also for a server whose connection went as it answered
+MAX_REMEMBERED = 1024  # servers the policy keeps state for
+
+
+@dataclass
+class _ServerState:
+    failures: int = 0
+    not_before: float = 0.0  # (policy clock) when it may be asked again
+    dial_backs: int = 0  # answers that came from a dial-back (OK or E_DIAL_ERROR)
+
+
+class AskPolicy:
+    """Whom to ask and when (sans-IO: the caller passes the clock and reports what happened).
+
+    ``choose`` takes the connected servers with their kind (FRESH, REUSES, UNKNOWN_KIND) and
+    returns whom to ask now: FRESH servers not backing off, those whose answers came from
+    dial-backs first; only when there is none, one UNKNOWN_KIND server; REUSES never.
+    ``next_delay`` is the pause before the next check."""
+
+    def __init__(self, *, retry: float = 15.0, interval: float = 300.0, rng=None) -> None:
+        self.retry, self.interval = retry, interval
+        self.servers: dict[object, _ServerState] = {}
+        self._unknown_streak = 0
+        self._rng = rng or secrets.SystemRandom()
+
+    def _state(self, server) -> _ServerState:
+        st = self.servers.get(server)
+        if st is None:
+            if len(self.servers) >= MAX_REMEMBERED:  # forget the oldest entry
+                self.servers.pop(next(iter(self.servers)))
+            st = self.servers[server] = _ServerState()
+        return st
+
+    def backing_off(self, server, now: float) -> bool:
+        st = self.servers.get(server)
+        return st is not None and st.not_before > now
+
+    def choose(self, servers: dict, now: float, n: int = SERVERS_PER_CHECK) -> list:
+        ready = [s for s, kind in servers.items() if kind != REUSES and not self.backing_off(s, now)]
+        self._rng.shuffle(ready)
+        fresh = [s for s in ready if servers[s] == FRESH]
+        if fresh:
+            fresh.sort(key=lambda s: -min(self.servers.get(s, _ServerState()).dial_backs, 3))
+            return fresh[:n]
+        return [s for s in ready if servers[s] == UNKNOWN_KIND][:1]
+
+    def answered(self, server, now: float, *, dial_back: bool) -> None:
+        st = self._state(server)
+        st.failures, st.not_before = 0, 0.0
+        if dial_back:
+            st.dial_backs += 1
+
+    def refused(self, server, now: float) -> None:
+        st = self._state(server)
+        st.failures += 1
+        st.not_before = now + min(MAX_BACKOFF, REFUSED_BACKOFF * 2 ** (st.failures - 1))
+
+    def no_answer(self, server, now: float, *, dropped: bool = False) -> None:
+        """No answer (error, timeout, closed stream); ``dropped``: the connection went too."""
+        st = self._state(server)
+        st.failures += 1
+        st.not_before = now + (MAX_BACKOFF if dropped else
+                               min(MAX_BACKOFF, NO_ANSWER_BACKOFF * 2 ** (st.failures - 1)))
+
+    def next_delay(self, status: str) -> float:
+        """Seconds to the next check: ``interval`` once known; while unknown 15 s, 30 s, ...
+        up to ``interval``."""
+        if status != UNKNOWN:
+            self._unknown_streak = 0
+            return self.interval
+        delay = min(self.interval, self.retry * 2 ** self._unknown_streak)
+        self._unknown_streak += 1
+        return delay
 
 
 @dataclass
@@ -102,9 +201,12 @@ class AutoNAT:
         self._dial_backs = trio.Semaphore(MAX_DIAL_BACKS)
         self._serving: set[ID] = set()
         self._upgrader = None
+        self.policy = AskPolicy()
+        self._agents: dict[ID, str] = {}  # servers' agent versions (asked of unmarked servers only)
         self._watch_observations()
         if serve:
             node.host.set_stream_handler(TProtocol(AUTONAT_PROTOCOL), self._handle)
+            node.host.set_stream_handler(TProtocol(DIAL_BACK_MARKER), _refuse)
 
     # -- what we know about ourselves ------------------------------------------------------------
     @property
@@ -305,21 +407,85 @@ class AutoNAT:
             raise MessageError("expected DIAL_RESPONSE")
         return reply.response
 
+    def _kind_by_protocols(self, server: ID) -> str:
+        try:
+            protocols = self.node.host.get_peerstore().get_protocols(server)
+        except Exception:
+            return UNKNOWN_KIND
+        if DIAL_BACK_MARKER in protocols:
+            return FRESH
+        agent = self._agents.get(server)
+        if agent is not None and agent.startswith(REUSING_AGENTS):
+            return REUSES
+        return UNKNOWN_KIND
+
+    async def _agent_of(self, server: ID) -> str:
+        """The server's agent version, from an identify exchange of our own ("" if none came)."""
+        if server in self._agents:
+            return self._agents[server]
+        agent = ""
+        try:
+            with trio.fail_after(IO_TIMEOUT):
+                raw = await self.node.host.new_stream(server, [TProtocol(IDENTIFY_PROTOCOL)])
+                data = b""
+                try:
+                    while len(data) < 64 * 1024 and (chunk := await raw.read(4096)):
+                        data += chunk
+                except StreamEOF:  # py-libp2p's end of stream
+                    pass
+                finally:
+                    await close_quietly(raw)
+            from libp2p.identity.identify.identify import parse_identify_response
+
+            agent = parse_identify_response(data).agent_version or ""
+        except Exception as e:
+            log.debug("identify of %s for its agent: %s: %s", str(server)[:16], type(e).__name__, e)
+        if len(self._agents) >= MAX_REMEMBERED:
+            self._agents.pop(next(iter(self._agents)))
+        self._agents[server] = agent
+        return agent
+
+    async def server_kinds(self) -> dict[ID, str]:
+        """The connected servers and what kind each is (agents looked up only while no server
+        advertises the fresh-dial-back marker: only then would an unmarked one be asked)."""
+        kinds = {s: self._kind_by_protocols(s) for s in self.servers()}
+        if FRESH not in kinds.values():
+            now = trio.current_time()
+            for s, kind in kinds.items():
+                if kind == UNKNOWN_KIND and s not in self._agents and not self.policy.backing_off(s, now):
+                    agent = await self._agent_of(s)
+                    kinds[s] = self._kind_by_protocols(s)
+                    if kinds[s] == REUSES:
+                        log.info("not asking %s for AutoNAT: %s answers over the connection it is asked on "
+                                 "and then closes it", str(s)[:16], agent.split()[0] if agent else "it")
+        return kinds
+
     async def check(self) -> Reachability:
-        """Ask up to three servers; public if any reached us, private if they tried and none did."""
-        servers = self.servers()
-        secrets.SystemRandom().shuffle(servers)
+        """Ask up to three servers (``policy`` picks them); public if any reached us, private if
+        they tried and none did."""
+        chosen = self.policy.choose(await self.server_kinds(), trio.current_time())
+        if not chosen:
+            return self.reachability  # nobody to ask now: what we knew stands
         addrs = self.candidate_addrs()
         answers: dict[str, str] = {}
         confirmed: list[Multiaddr] = []
         failed = 0
-        for server in servers[:SERVERS_PER_CHECK]:
+        for server in chosen:
             name = str(server)
+            self.stats["asked"] += 1
             try:
                 r = await self.ask(server, addrs)
             except Exception as e:
-                answers[name] = f"no answer: {type(e).__name__}: {e}"
+                dropped = self.node.link(server) is None
+                self.policy.no_answer(server, trio.current_time(), dropped=dropped)
+                self.stats["no_answer"] += 1
+                answers[name] = f"no answer{' (and it closed the connection)' if dropped else ''}: " \
+                                f"{type(e).__name__}: {e}"
                 continue
+            if r.status in (DialStatus.OK, DialStatus.E_DIAL_ERROR):
+                self.policy.answered(server, trio.current_time(), dial_back=True)
+            else:
+                self.policy.refused(server, trio.current_time())
             if r.status == DialStatus.OK and r.addr:
                 try:
                     confirmed.append(Multiaddr(r.addr))
@@ -345,17 +511,19 @@ class AutoNAT:
             self.changed = trio.Event()
 
     async def run(self, *, first_delay: float = 1.0, interval: float = 300.0, retry: float = 15.0) -> None:
-        """Check now and then: soon while unknown, every ``interval`` seconds once known."""
+        """Check now and then: soon while unknown (backing off), every ``interval`` s once known."""
+        self.policy.retry, self.policy.interval = retry, interval
         await trio.sleep(first_delay)
         while True:
-            if not self.servers() or not self.candidate_addrs():
+            if not self.candidate_addrs() or not self.policy.choose(
+                    {s: self._kind_by_protocols(s) for s in self.servers()}, trio.current_time()):
                 await trio.sleep(1.0)  # nobody to ask yet (or loopback only: nothing to ask about)
                 continue
             try:
                 await self.check()
             except Exception as e:  # a check is best effort; the next one retries
                 log.debug("autonat check failed: %s", e)
-            await trio.sleep(retry if self.status == UNKNOWN else interval)
+            await trio.sleep(self.policy.next_delay(self.status))
 
 
 def _interface_networks() -> list:
@@ -371,6 +539,11 @@ def _interface_networks() -> list:
             except ValueError:
                 continue
     return out
+
+
+async def _refuse(raw) -> None:
+    """A capability marker is advertised, never spoken."""
+    await raw.reset()
 
 
 async def _answer(raw, status: DialStatus, text: str | None, addr: bytes | None = None) -> None:
