@@ -157,3 +157,75 @@ def _covered(peers, n_layers, need=1):
             for layer in range(*p.span):
                 count[layer] += 1
     return all(c >= need for c in count)
+
+
+@pytest.mark.slow
+def test_four_peers_started_at_once_cover_the_model_within_seconds():
+    """Four `join --max-layers <half>` at the same moment see the same (empty) swarm and may all
+    take the same half; each looks again before loading, and the rebalancer, looking every
+    couple of seconds while a layer is unserved or the span was just chosen, moves the surplus
+    (default --rebalance-interval: the fast looks are not an option the operator must set)."""
+    n_layers = Checkpoint(default_model_path()).num_layers
+    half = n_layers // 2
+    with LocalSwarm() as swarm:
+        swarm.start_bootstrap()
+        procs = [swarm.spawn_node(f"at-once{i}", "--threads", "1", "--throughput", "100", "--max-layers", str(half),
+                                  command="join") for i in range(4)]
+        peers = {}
+        for p in procs:
+            ev = p.wait_event(lambda e: e.get("event") == "serving", 180)
+            p.span = tuple(ev["layers"])
+            peers[swarm.wait_ready(p, 60)["peer_id"]] = p
+        chosen = sorted(p.span for p in peers.values())
+        t0, moved = time.monotonic(), []
+        while not _covered(peers, n_layers) and time.monotonic() - t0 < 15:
+            for p in peers.values():
+                try:
+                    ev = p.wait_event(lambda e: e.get("event") == "moved", 0.2)
+                except ShardnetError:
+                    continue
+                p.span = tuple(ev["layers"])
+                moved.append((p.name, round(time.monotonic() - t0, 1), ev["layers"]))
+        print(f"chosen {chosen}; moves (name, seconds after all four served, layers): {moved}; "
+              f"covered {time.monotonic() - t0:.1f} s after all four served")
+        assert _covered(peers, n_layers), (chosen, moved, sorted(p.span for p in peers.values()))
+        assert all(p.alive() for p in peers.values())
+
+
+async def test_two_peers_that_took_the_same_window_are_fixed_within_seconds_at_the_default_interval(
+        loopback_config):
+    """The race itself, made certain: two peers both loaded layers half:end (as two joins that
+    chose at the same moment would), the first half unserved, rebalancing at the default
+    interval (60 s). The look every FAST_INTERVAL s while a layer is unserved moves one of them."""
+    import trio
+
+    from shardnet.inference.claims import ClaimPublisher
+    from shardnet.inference.peer import DEFAULT_REBALANCE_INTERVAL, ComputePeer
+    from shardnet.transport import open_node
+
+    path = default_model_path()
+    n_layers = Checkpoint(path).num_layers
+    half = n_layers // 2
+    async with open_node(loopback_config()) as boot:
+        cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
+        async with open_node(cfg) as na, open_node(cfg) as nb, trio.open_nursery() as nursery:
+            peers = []
+            for node in (na, nb):
+                await node.wait_bootstrapped()
+                peer = ComputePeer(node, path, throughput=100.0)
+                await peer.load(half, n_layers)
+                publisher = ClaimPublisher(node, peer.claim)
+                await nursery.start(lambda task_status, p=publisher: p.run(ttl=120, task_status=task_status))
+                peers.append((peer, publisher))
+            t0 = trio.current_time()
+            for peer, publisher in peers:
+                nursery.start_soon(lambda p=peer, pub=publisher: p.maintain(
+                    pub, interval=DEFAULT_REBALANCE_INTERVAL, rebalance=True))
+            with trio.fail_after(15):
+                while sorted(p.span for p, _ in peers) != [(0, half), (half, n_layers)]:
+                    await trio.sleep(0.1)
+            print(f"fixed {trio.current_time() - t0:.1f} s after both served {half}:{n_layers}")
+            await trio.sleep(3 * 2.0)  # and it stays fixed: the other does not follow
+            assert sorted(p.span for p, _ in peers) == [(0, half), (half, n_layers)]
+            assert sum(len(p.moves) for p, _ in peers) == 1
+            nursery.cancel_scope.cancel()

@@ -38,6 +38,14 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_BUDGET = 512 << 20
 DEFAULT_REBALANCE_INTERVAL = 60.0
 REBALANCE_MARGIN = 0.2
+#: Seconds between looks at the swarm while a layer is unserved, and for SETTLE_S after this
+#: peer (re)loaded a span chosen by itself: peers that chose at the same moment saw the same
+#: claims and may have taken the same window, which the next look undoes within seconds.
+FAST_INTERVAL = 2.0
+SETTLE_S = 30.0
+#: A joining peer waits this long (uniformly at random) after choosing, then looks again before
+#: it loads: a peer that joined just before it has published its claim by then.
+RECHECK_DELAY = (0.5, 2.5)
 
 
 def measure_throughput(block: Block, tokens: int = 8, rounds: int = 3) -> float:
@@ -141,6 +149,20 @@ class ComputePeer:
                  n, self.ckpt.num_layers, [round(x, 1) for x in served], start, end)
         return start, end
 
+    async def recheck_span(self, span: tuple[int, int], *, wait: float = 5.0,
+                           rng: random.Random | None = None) -> tuple[int, int]:
+        """``span`` if it is still among the windows the swarm needs most, given the claims now;
+        else the neediest window of the same size."""
+        start, end = span
+        claims = await self.live_claims(wait)
+        served = served_throughput(claims, self.ckpt.num_layers)
+        best = best_window(served, end - start, rng=rng)
+        if sorted(served[start:end]) <= sorted(served[best[0]:best[1]]):
+            return span
+        log.info("the swarm changed while choosing (%d live claims): taking %d:%d instead of %d:%d",
+                 len(claims), *best, start, end)
+        return best
+
     async def live_claims(self, wait: float = 5.0) -> list[Claim]:
         """Other peers' claims for this model whose peers answer a ping now."""
         me = str(self.node.peer_id)
@@ -159,15 +181,25 @@ class ComputePeer:
                        rng: random.Random | None = None) -> None:
         """Every ~``interval`` s: refresh successor RTTs and, if allowed, move when it pays."""
         rng = rng or random.Random()
+        fast = min(interval, FAST_INTERVAL)
+        settle_until = trio.current_time() + SETTLE_S if rebalance else 0.0
+        gap = False
 
         def plan(claims: list[Claim]) -> Move | None:
             return plan_move(claims, self.claim(time.time() + 60), self.ckpt.num_layers,
                              margin=REBALANCE_MARGIN, rng=rng)
 
         while True:
-            await trio.sleep(interval * rng.uniform(0.75, 1.25))  # peers out of step: fewer moves at once
+            # soon while a layer is unserved or we only just chose our span; else every interval
+            step = fast if rebalance and (gap or trio.current_time() < settle_until) else interval
+            await trio.sleep(step * rng.uniform(0.75, 1.25))  # peers out of step: fewer moves at once
             try:
                 claims = await self.live_claims()
+                # a gap that we could fill (others serve every layer of ours): look again soon
+                others = served_throughput(claims, self.ckpt.num_layers)
+                start, end = self.span
+                gap = min(served_throughput([*claims, self.claim(time.time() + 60)], self.ckpt.num_layers)) <= 0 \
+                    and all(others[layer] > 0 for layer in range(start, end))
                 await self.measure_successors(claims)
                 log.debug("upkeep: %d live claims; successors' round trips %s", len(claims),
                           {p[:16]: round(t, 4) for p, t in self.successor_rtts.items()})
@@ -180,7 +212,7 @@ class ComputePeer:
                         same = sorted({c.peer for c in claims if (c.start, c.end) == self.span}
                                       | {str(self.node.peer_id)})
                         rank = same.index(str(self.node.peer_id))
-                        await trio.sleep(rank * interval * 1.5 + rng.uniform(0, min(1.0, interval / 4)))
+                        await trio.sleep(rank * step * 1.5 + rng.uniform(0, min(1.0, step / 4)))
                         move = plan(await self.live_claims())
                     if move is not None:
                         old = self.span
@@ -188,6 +220,7 @@ class ComputePeer:
                                     *old, move.start, move.end, move.bottleneck_now, move.bottleneck_after)
                         await self.load(move.start, move.end)
                         self.moves.append(move)
+                        settle_until = trio.current_time() + SETTLE_S
                         if on_move is not None:
                             on_move(move, old)
                 publisher.refresh()
@@ -205,6 +238,8 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
     if layers is None:
         await trio.sleep(random.uniform(0, 1.0))  # peers started together: look one after another
         layers = await peer.choose_span(max_layers=max_layers)
+        await trio.sleep(random.uniform(*RECHECK_DELAY))  # and once more before loading
+        layers = await peer.recheck_span(layers)
     await peer.load(*layers)
     publisher = ClaimPublisher(node, peer.claim)
     async with trio.open_nursery() as nursery:
