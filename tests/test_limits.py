@@ -172,7 +172,8 @@ async def test_session_limits_answer_with_errors(loopback_config, model_path):
         for _ in range(2):
             node = await stack.enter_async_context(open_node(loopback_config()))
             await node.connect(f"{peer.listen_addrs[0]}/p2p/{peer.peer_id}")
-            clients.append(Client(node, model, route=await fetch_claims(node, str(peer.peer_id))))
+            # (a refused open waits in line and tries again up to queue_timeout, then fails naming the refusal)
+            clients.append(Client(node, model, route=await fetch_claims(node, str(peer.peer_id)), queue_timeout=1.0))
         greedy, modest = clients
         x = model.head.embed(torch.tensor([[1, 2]]))
         async with greedy.session(8) as s1, greedy.session(8) as s2:

@@ -7,7 +7,8 @@ trio, in the same event loop as the node it generates through.
 Each request runs its own chain session, so requests are served concurrently. Errors use
 OpenAI's error shape with a fitting status: 400 bad input (``context_length_exceeded`` when the
 prompt and ``max_tokens`` do not fit), 404 unknown model or path, 405, 408 a body that does not
-arrive, 413 an oversize body, 503 when no chain covers the model, 502 when the swarm fails
+arrive, 413 an oversize body, 503 when no chain covers the model (or requests waited in line
+for a session past the queue timeout: code ``busy``), 502 when the swarm fails
 mid-request (before anything was sent; a stream that fails later ends with an error event).
 """
 
@@ -158,6 +159,8 @@ class Gateway:
                             text, stopped = text[:cut], True
                             break
             except ShardnetError as e:
+                if getattr(e, "code", None) == "busy":  # waited in line past the client's queue timeout
+                    raise oa.ApiError(503, f"the swarm is busy: {e}", type="server_error", code="busy") from None
                 raise oa.ApiError(502, f"the swarm failed during generation: {e}", type="server_error",
                                   code="swarm_error") from None
             finish = "length" if len(out) >= max_new and not stopped else "stop"

@@ -14,6 +14,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import random
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -36,7 +38,7 @@ from shardnet.transport.node import Node
 from . import wire
 from .block import Head, pick_device, resolve_dtype
 from .checkpoint import Checkpoint
-from .claims import CLAIM_TTL, RTT_SAMPLES, NoRouteError, find_claims
+from .claims import CLAIM_TTL, RTT_SAMPLES, ClaimsView, NoRouteError
 from .endpoint import (
     FOREVER,
     OPEN_TIMEOUT,
@@ -48,6 +50,7 @@ from .endpoint import (
 )
 from .audit import DEFAULT_AUDIT_RATE, AuditStats, RunAuditor
 from .healing import Heal, HealingSession
+from .probes import Probes
 from .receipt_service import ReceiptService
 from .reputation import Reputation
 from .routing import plan_route
@@ -294,12 +297,63 @@ RELAYED_RTT_FACTOR = 3.0
 #: how much cheaper a peer already in the chain looks when a chain heals (keep what works)
 KEEP_DISCOUNT = 0.25
 RTT_CACHE_S = 30.0
+#: route cost of a hop whose peer is there but did not answer a probe in time (seconds)
+SLOW_RTT = 2.0
+#: refusals that mean "not now": the request waits and tries again (see ``Client.session``)
+BUSY = frozenset({"too_many_sessions", "rate_limited", "kv_budget"})
+#: how long a request waits in line for a session before it fails with code "busy" (seconds)
+QUEUE_TIMEOUT = 60.0
+
+
+def _busy(e: InferenceError) -> bool:
+    """Whether a refusal goes away by waiting (a KV budget too small for the session never does)."""
+    if e.code not in BUSY:
+        return False
+    m = re.search(r"needs (\d+) bytes of KV cache; \d+ of (\d+) are free", str(e))
+    return e.code != "kv_budget" or m is None or int(m[1]) <= int(m[2])
+
+
+class SessionSlots:
+    """Sessions this node holds open per first hop, at most ``sessions_out_per_peer`` each
+    (``SessionSlots.of(node)``, shared by every client of the node). More wait in line, first
+    come first served (a trio.Semaphore wakes its waiters in order)."""
+
+    def __init__(self, per_peer: int) -> None:
+        self.per_peer = per_peer
+        self._sems: dict[str, trio.Semaphore] = {}
+
+    @classmethod
+    def of(cls, node: Node) -> SessionSlots:
+        slots = getattr(node, "_shardnet_session_slots", None)
+        if slots is None:
+            slots = node._shardnet_session_slots = cls(node.config.limits.sessions_out_per_peer)
+        return slots
+
+    @asynccontextmanager
+    async def hold(self, peer: str, deadline: float) -> AsyncIterator[None]:
+        sem = self._sems.get(peer)
+        if sem is None:
+            sem = self._sems[peer] = trio.Semaphore(self.per_peer)
+        try:
+            with trio.move_on_at(deadline) as waited:
+                await sem.acquire()
+            if waited.cancelled_caught:
+                raise InferenceError("busy", f"no session slot at {peer[:16]}… within the queue timeout "
+                                     f"({self.per_peer} sessions per peer, sessions_out_per_peer)", peer)
+            try:
+                yield
+            finally:
+                sem.release()
+        finally:
+            if sem.value == self.per_peer and not sem.statistics().tasks_waiting:
+                self._sems.pop(peer, None)
 
 
 class Client:
     def __init__(self, node: Node, model: LocalModel, *, logits_on_last: bool = False,
                  route: list[Claim] | None = None, route_timeout: float = 30.0, wire: str | None = None,
-                 max_heals: int = 5, receipts: bool = True, audit_rate: float = DEFAULT_AUDIT_RATE) -> None:
+                 max_heals: int = 5, receipts: bool = True, audit_rate: float = DEFAULT_AUDIT_RATE,
+                 queue_timeout: float = QUEUE_TIMEOUT) -> None:
         self.node, self.model = node, model
         if wire is not None and wire not in ap.WIRE_DTYPES:
             raise ShardnetError(f"unknown wire dtype {wire!r} (choose from {', '.join(ap.WIRE_DTYPES)})")
@@ -320,15 +374,25 @@ class Client:
             lambda report: report["reporter"] != me and self.reputation.note_report(report))
         self._last_run: dict | None = None
         self.last_stats: GenerationStats | None = None
-        self._avoid: dict[str, float] = {}  # peer -> until (trio time): failed during a request
-        self._rtt: dict[str, tuple[float, float]] = {}  # peer -> (seconds, measured at)
-        self._claims: list[Claim] = []  # the last claims found, and when (Unix time)
-        self._claims_at = 0.0
+        #: peer -> (until (trio time), the expiry of its claim then): failed during a request
+        self._avoid: dict[str, tuple[float, float]] = {}
+        #: the swarm's claims for this model, shared by every request and client of this node
+        #: (kept fresh in the background from now on, unless this client has a fixed route)
+        self.view = ClaimsView.of(node, model.model_id)
+        if route is None:
+            self.view.start()
+        #: round-trip probes, shared likewise (one probe per peer at a time, results reused)
+        self.probes = Probes.of(node)
+        #: sessions per first hop, shared likewise: more wait in line (see ``session``)
+        self.slots = SessionSlots.of(node)
+        self.queue_timeout = queue_timeout
         ActivationEndpoint.of(node)  # accept the chain's direct return
 
     def forget_peer(self, peer: str, seconds: float = CLAIM_TTL) -> None:
-        """Route around ``peer`` for a while (its claim may outlive it in the DHT)."""
-        self._avoid[peer] = trio.current_time() + seconds
+        """Route around ``peer`` for a while (its claim may outlive it in the DHT), or until it
+        signs a newer claim: a peer that restarted and claimed its layers again is back."""
+        claim = self.view.get(peer)
+        self._avoid[peer] = (trio.current_time() + seconds, claim.expires if claim else time.time() + CLAIM_TTL)
 
     async def find_route(self, *, timeout: float | None = None, avoid: set[str] | frozenset = frozenset(),
                          keep: list[Claim] | None = None) -> list[Claim]:
@@ -344,21 +408,17 @@ class Client:
         deadline = trio.current_time() + timeout
         kept = {c.peer for c in keep or ()}
         last_error: Exception | None = None
-        # Healing is in a hurry: first the claims seen moments ago (their peers' liveness is
-        # checked below anyway), then the DHT again.
-        cached = self._recent_claims() if keep is not None else None
+        view = self.view
+        view.start()
         while True:
-            now = trio.current_time()
-            from_cache = cached is not None
-            if cached is not None:
-                claims, cached = cached, None
-            else:
-                claims = await self._find_claims(timeout=max(1.0, min(15.0, deadline - now)))
+            if not view.running:  # a node without a nursery of its own: look up here
+                await view.lookup(timeout=max(1.0, min(15.0, deadline - trio.current_time())))
+            claims = view.current()
             try:
                 usable = self._usable(claims, avoid)
                 plan_route(usable, self.model.ckpt.num_layers)  # fail fast, before measuring anything
                 await self._measure_rtts([c.peer for c in usable])
-                usable = self._usable(claims, avoid)  # without the peers that did not answer
+                usable = self._usable(claims, avoid)  # without the peers found gone
 
                 def cost(prev: Claim | None, c: Claim) -> float:
                     return self.hop_cost(prev, c) * (KEEP_DISCOUNT if c.peer in kept else 1.0)
@@ -370,11 +430,17 @@ class Client:
                 return route
             except NoRouteError as e:
                 last_error = e
-                if from_cache:
-                    continue  # straight to the DHT
-            if trio.current_time() + 1.0 >= deadline:
-                raise NoRouteError(f"after {timeout:g} s: {last_error}")
-            await trio.sleep(1.0)
+            left = deadline - trio.current_time()
+            if left <= 0:
+                why = f"; {view.last_lookup_error}" if view.last_lookup_error and not claims else ""
+                raise NoRouteError(f"after {timeout:g} s: {last_error}{why}")
+            # a fresh lookup (one for every request waiting, at most one per LOOKUP_GAP_S), and
+            # whatever gossip brings meanwhile
+            view.kick()
+            if view.running:
+                await view.wait_changed(min(1.0, left))
+            else:
+                await trio.sleep(min(1.0, left))
 
     async def run_receipt(self, *, wait: float = 10.0) -> dict:
         """The last ``generate``'s run receipt, signed by this node's key: JSON-ready (see
@@ -425,32 +491,31 @@ class Client:
         }
         return rc.seal_run(self.node.key_pair, body)
 
-    def _recent_claims(self) -> list[Claim] | None:
-        """The unexpired claims found moments ago, or None when that was too long ago."""
-        if time.time() - self._claims_at >= CLAIM_TTL / 4:
-            return None
-        return [c for c in self._claims if c.expires > time.time()]
-
-    async def _find_claims(self, timeout: float) -> list[Claim]:
-        """Claims from the DHT, remembered for ``_recent_claims``."""
-        claims = await find_claims(self.node, self.model.model_id, timeout=timeout)
-        self._claims, self._claims_at = claims, time.time()
-        return claims
-
     async def usable_claims(self) -> list[Claim]:
-        """Claims of peers this client would route through now (recent ones, else from the DHT)."""
-        claims = self._recent_claims()
-        return self._usable(claims if claims is not None else await self._find_claims(timeout=5.0), frozenset())
+        """Claims of peers this client would route through now."""
+        self.view.start()
+        if not self.view.running:
+            await self.view.lookup(timeout=5.0)
+        elif not self.view.lookups:
+            await self.view.wait_changed(5.0)
+        return self._usable(self.view.current(), frozenset())
 
     def _usable(self, claims: list[Claim], avoid) -> list[Claim]:
         now = trio.current_time()
         excluded = self.reputation.excluded()
-        return [c for c in claims
-                if c.peer not in avoid and c.peer not in excluded and self._avoid.get(c.peer, 0) <= now]
+        out = []
+        for c in claims:
+            if c.peer in avoid or c.peer in excluded or self.probes.verdict(c.peer) == "gone":
+                continue
+            until, expiry_then = self._avoid.get(c.peer, (0.0, 0.0))
+            if until > now and c.expires <= expiry_then:
+                continue  # failed during a request and has not claimed again since
+            out.append(c)
+        return out
 
     def rtt(self, peer: str) -> float:
         """Our round trip to ``peer`` (measured, else a guess), relayed links counted several times."""
-        rtt = self._rtt.get(peer, (UNKNOWN_RTT, 0.0))[0]
+        rtt = SLOW_RTT if self.probes.verdict(peer) == "slow" else self.probes.rtts.get(peer, UNKNOWN_RTT)
         return rtt * RELAYED_RTT_FACTOR if self.node.link(peer) == "relayed" else rtt
 
     def hop_cost(self, prev: Claim | None, claim: Claim) -> float:
@@ -473,39 +538,65 @@ class Client:
         return total + (self.return_cost(route[-1]) if route else 0.0)
 
     async def _measure_rtts(self, peers: list[str], *, timeout: float = 2.0, most: int = 64) -> None:
-        now = trio.current_time()
-        todo = [p for p in dict.fromkeys(peers) if now - self._rtt.get(p, (0.0, -RTT_CACHE_S))[1] >= RTT_CACHE_S]
-        pings = await self.node.ping_many(todo[:most], timeout=timeout, samples=RTT_SAMPLES)
-        now = trio.current_time()
-        for peer, p in pings.items():
-            if p.rtt is not None:
-                self._rtt[peer] = (p.rtt, now)
-            elif p.seconds >= timeout * 0.9:  # there but slow: a costly hop, not a dead one
-                self._rtt[peer] = (timeout, now)
-            else:  # a claim can outlive its peer in the DHT: leave it out of this and the next plans
-                log.info("peer %s does not answer a ping (%s): not routing through it", peer[:16], p.error)
-                self.forget_peer(peer, RTT_CACHE_S)
+        """Probe the peers not probed lately (shared with every other request; see probes.py). A
+        peer that cannot be reached is left out of routes until it claims again or ``GONE_S``
+        passes; one that is there but does not answer in time is a costly hop (``SLOW_RTT``)."""
+        await self.probes.probe(list(dict.fromkeys(peers))[:most], max_age=RTT_CACHE_S, timeout=timeout,
+                                samples=RTT_SAMPLES)
 
     @asynccontextmanager
     async def session(self, max_len: int, route: list[Claim] | None = None) -> AsyncIterator[InferenceSession]:
+        """An open chain session. Over ``sessions_out_per_peer`` sessions at the first hop, or
+        refused as busy by a hop (its ``sessions_per_peer``, session rate or KV budget), the
+        request waits in line and tries again, up to ``queue_timeout``; then InferenceError
+        "busy". Queueing is what a user of an overloaded server expects (requests take longer,
+        none fail); failing at once would hand every caller a retry loop of its own, and retrying
+        without a line would let the last comer overtake those waiting. Slots are kept here,
+        where the requests are (the client knows its own sessions; a peer only sees that one
+        upstream peer holds too many), and a hop's refusal further down the chain, which no
+        client-side count can foresee, is waited out with a jittered backoff."""
         route = route or await self.find_route()
-        sess = InferenceSession(self, route, max_len)
-        body_error: BaseException | None = None
-        try:
-            await sess._open()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(sess._watch_errors)
-                try:
-                    yield sess
-                except BaseException as e:  # re-raised below as itself, not as an exception group
-                    body_error = e
-                finally:
-                    nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True):
-                await sess.close()
+        deadline = trio.current_time() + self.queue_timeout
+        async with self.slots.hold(route[0].peer, deadline):
+            sess = await self._open_when_free(route, max_len, deadline)
+            body_error: BaseException | None = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(sess._watch_errors)
+                    try:
+                        yield sess
+                    except BaseException as e:  # re-raised below as itself, not as an exception group
+                        body_error = e
+                    finally:
+                        nursery.cancel_scope.cancel()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await sess.close()
         if body_error is not None:
             raise body_error
+
+    async def _open_when_free(self, route: list[Claim], max_len: int, deadline: float) -> InferenceSession:
+        delay = 0.1
+        while True:
+            sess = InferenceSession(self, route, max_len)
+            try:
+                await sess._open()
+                return sess
+            except InferenceError as e:
+                with trio.CancelScope(shield=True):
+                    await sess.close()
+                if not _busy(e):
+                    raise
+                if trio.current_time() + delay >= deadline:
+                    raise InferenceError("busy", f"the chain stayed busy for {self.queue_timeout:g} s: {e}",
+                                         e.peer) from None
+                log.info("chain busy (%s); trying again in %.1f s", e, delay)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await sess.close()
+                raise
+            await trio.sleep(delay * random.uniform(0.5, 1.5))
+            delay = min(2.0, delay * 2)
 
     async def generate(self, prompt: str | list[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_at_eos: bool = True,

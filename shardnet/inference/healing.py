@@ -7,8 +7,9 @@ rolls back), and the steps whose results have not come back yet. On a failure (a
 unreachable, a stream cut, a step timing out) it
 
 1. names the failed peer: hops report the peer after them that failed (the ``peer`` field of an
-   activation ``error``); failing that, it pings the chain's peers and blames those that do not
-   answer;
+   activation ``error``); failing that, it probes the chain's peers and blames those that cannot
+   be reached (or, when every peer can, those that did not answer in time: they are avoided
+   only briefly, since a busy peer is not a dead one);
 2. finds a replacement for exactly that peer's span, keeping the rest of the chain (or, when no
    claims line up with the span's boundaries, a whole new chain), avoiding the failed peers;
 3. opens a session on the healed chain, replays the history up to the oldest unanswered step in
@@ -35,6 +36,7 @@ from shardnet.transport.errors import ShardnetError
 
 from .audit import AuditJob
 from .endpoint import InferenceError
+from .probes import Probes
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 HEALABLE = frozenset({"next_hop", "timeout", "idle", "unknown_session"})
 PROBE_TIMEOUT = 3.0
 NAMED_ERROR_WAIT = 1.0
+#: how long a peer blamed only for answering a probe late is routed around (seconds)
+SLOW_AVOID_S = 10.0
 
 
 @dataclass
@@ -98,6 +102,7 @@ class HealingSession:
         self._next = 0
         self._answered_any = False
         self.entered: list[tuple[object, list[Claim]]] = []  # every session opened, with its chain
+        self._only_slow: set[str] = set()  # blamed for not answering a probe in time, not for being gone
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def open(self, route: list[Claim]) -> None:
@@ -224,7 +229,10 @@ class HealingSession:
             if len(self.heals) >= self.max_heals:
                 raise InferenceError(error.code, f"{error} (gave up after {self.max_heals} heals)", error.peer)
             for p in failed:
-                self.client.forget_peer(p)
+                if p in self._only_slow:
+                    self.client.forget_peer(p, SLOW_AVOID_S)
+                else:
+                    self.client.forget_peer(p)
             # the old chain with each failed span replaced (a whole new chain if that cannot be done)
             route = await self.client.find_route(avoid=set(failed),
                                                  keep=[c for c in old_route if c.peer not in failed])
@@ -251,7 +259,8 @@ class HealingSession:
         self._notify("heal", heal.to_json())
 
     async def _name_failed(self, error: InferenceError) -> list[str]:
-        """The peer the chain named, or the ones that do not answer a ping."""
+        """The peer the chain named, or the ones that cannot be reached now, or (when all can)
+        the ones that did not answer a probe in time."""
         if error.peer is None and self.inner is not None:
             # a hop's named error races the return stream closing: give it a moment
             with trio.move_on_after(NAMED_ERROR_WAIT):
@@ -263,8 +272,14 @@ class HealingSession:
         if error.peer is not None and error.peer != me:
             return [error.peer]
         # (a last hop that could not open its return stream to us names us: we are not the problem)
-        pings = await self.client.node.ping_many([c.peer for c in self.route], timeout=PROBE_TIMEOUT)
-        return [peer for peer, p in pings.items() if p.rtt is None]
+        probes = await Probes.of(self.client.node).probe([c.peer for c in self.route], max_age=0,
+                                                         timeout=PROBE_TIMEOUT)
+        gone = [peer for peer, p in probes.items() if p.verdict == "gone"]
+        if gone:
+            return gone
+        slow = [peer for peer, p in probes.items() if p.verdict == "slow"]
+        self._only_slow.update(slow)
+        return slow
 
     async def _replay(self) -> int:
         """Rebuild every hop's KV cache up to the oldest unanswered step, then re-send those."""

@@ -69,7 +69,7 @@ def build_host(config: NodeConfig, key_pair: KeyPair, announce: list[Multiaddr])
     swarm.stream_gate = StreamGate(config.limits)  # per-peer stream limits (compat fix 12)
     swarm.handshake_timeout = config.limits.handshake_s  # inbound upgrade deadline (compat fix 13)
     swarm.connection_rate = ConnectionGate(config.limits)  # per-IP inbound connection rate (fix 13)
-    host.set_stream_handler(TProtocol(PING_PROTOCOL), ping_answerer())
+    host.set_stream_handler(TProtocol(PING_PROTOCOL), ping_answerer(config.limits.ping_streams_per_peer))
     if config.swarm_key is not None:
         guard_upgrader(swarm.upgrader, host.get_id())
     swarm.retry_config = RetryConfig(max_retries=0)
@@ -87,25 +87,26 @@ async def _no_auto_connector(*_args) -> None:
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
 PING_BYTES = 32
 PING_IDLE_S = 10.0
-PING_STREAMS_PER_PEER = 2
 
 
-def ping_answerer():
-    """A handler for one host (it counts each peer's ping streams)."""
+def ping_answerer(streams_per_peer: int = 8):
+    """A handler for one host (it counts each peer's ping streams; at most ``streams_per_peer``,
+    the limit ``ping_streams_per_peer``)."""
     streams = PeerCounts()
 
     async def handler(stream) -> None:
-        await answer_pings(stream, streams)
+        await answer_pings(stream, streams, streams_per_peer)
 
     return handler
 
 
-async def answer_pings(stream, open_streams: PeerCounts) -> None:
+async def answer_pings(stream, open_streams: PeerCounts, streams_per_peer: int = 8) -> None:
     """libp2p ping: every 32 bytes received are sent back. All complete pings that arrived
     together go back in one write (the same bytes, in order); a stream idle for 10 s is closed;
-    at most two ping streams per peer, as py-libp2p's own handler allows."""
+    at most ``streams_per_peer`` ping streams per peer (py-libp2p's own handler allows 2, which
+    concurrent requests of one busy client ran into: a reset ping then looked like a dead peer)."""
     peer = stream.muxed_conn.peer_id
-    if open_streams[peer] >= PING_STREAMS_PER_PEER:
+    if open_streams[peer] >= streams_per_peer:
         await stream.reset()
         return
     open_streams[peer] += 1

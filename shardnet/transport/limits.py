@@ -2,7 +2,8 @@
 
 Operators set them with ``--limit NAME=VALUE`` (repeatable) on every node command;
 ``shardnet limits`` prints them all. Embedding apps fill ``NodeConfig.limits``. Exceeding a limit
-costs the peer that exceeded it (a reset stream, an error reply), never the node.
+costs the peer that exceeded it (a reset stream, an error reply), never the node. The last
+section bounds what this node asks of others as a client (there, more work waits in line).
 
 Limits that are part of a protocol's definition (the 4 KiB NAT messages, a claim's 16 KiB, a
 DHT record's 64 KiB) are not here: a peer cannot change what the other side accepts.
@@ -46,6 +47,8 @@ class Limits:
     ban_s: float = _limit(60.0, "seconds a banned peer's connections are closed right after its handshake")
     handshake_s: float = _limit(10.0, "seconds an inbound connection may take from its first byte to a "
                                       "finished Noise and Yamux handshake")
+    ping_streams_per_peer: int = _limit(8, "ping streams one peer may have open to us at once; more are "
+                                           "reset (a client probes each peer once at a time, see probes_in_flight)")
     # -- gossip -------------------------------------------------------------------------------
     gossip_invalid_rate_per_peer: float = _limit(1.0, "gossip messages per second from one peer that may fail "
                                                       "validation (refill rate) before it is muted")
@@ -69,6 +72,11 @@ class Limits:
                                           "and frees its KV cache")
     first_frame_s: float = _limit(30.0, "seconds a peer may take to send the first frame of an activation "
                                         "stream (slowloris)")
+    # -- what this node asks of others (as a client) ------------------------------------------
+    sessions_out_per_peer: int = _limit(16, "sessions this node opens to one peer at once (keep it at or below "
+                                            "that peer's sessions_per_peer); more requests wait in line")
+    probes_in_flight: int = _limit(16, "round-trip probes (pings) this node runs at once; a probe of a peer "
+                                       "is shared by every request that needs it")
 
     def set(self, assignment: str) -> None:
         """Apply one ``NAME=VALUE``."""

@@ -1,0 +1,212 @@
+"""Concurrent users through `shardnet serve`: how many requests fail, and how long they take.
+
+    python bench/gateway_load.py [--users 16] [--seconds 30] [--replicas 1] [--before DIR [--after DIR]]
+
+A bootstrap, compute peers of the shipped model (layers 0:4 and 4:8, ``--replicas`` peers each)
+and a gateway run as processes on loopback, with default limits. ``--users`` threads each send
+greedy completions with the official ``openai`` client (no retries) back to back for
+``--seconds``; a request fails when it raises or when its text differs from the text of one
+request sent alone first. ``--before DIR``: run the same scenario first with the shardnet tree
+in DIR (e.g. ``git archive <commit> shardnet | tar -x -C DIR``) and then with this one (or the
+one in ``--after DIR``), and print both.
+tests/test_gateway_load.py drives the helpers here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import os
+import re
+import statistics
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shardnet.localswarm import LocalSwarm, ShardnetProcess  # noqa: E402
+
+PROMPT = "def main(args):\n    "
+MAX_TOKENS = 12
+SPANS = [(0, 4), (4, 8)]
+
+
+@dataclass
+class Load:
+    """What the users saw."""
+
+    latencies: list[float] = field(default_factory=list)  # of the requests that succeeded
+    errors: collections.Counter = field(default_factory=collections.Counter)  # failure kind -> count
+    examples: dict[str, str] = field(default_factory=dict)  # failure kind -> one message
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def requests(self) -> int:
+        return len(self.latencies) + self.failures
+
+    @property
+    def failures(self) -> int:
+        return sum(self.errors.values())
+
+    def ok(self, seconds: float) -> None:
+        with self.lock:
+            self.latencies.append(seconds)
+
+    def failed(self, kind: str, message: str) -> None:
+        with self.lock:
+            self.errors[kind] += 1
+            self.examples.setdefault(kind, message[:300])
+
+    def summary(self, label: str = "") -> str:
+        p50 = statistics.median(self.latencies) if self.latencies else float("nan")
+        rate = 100.0 * self.failures / self.requests if self.requests else 0.0
+        kinds = ", ".join(f"{k}: {n}" for k, n in self.errors.most_common()) or "none"
+        return (f"{label}requests={self.requests} failures={self.failures} ({rate:.1f} %) "
+                f"p50={p50:.2f} s (failures by kind: {kinds})")
+
+
+def api(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=170)
+
+
+def complete(client, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS) -> str:
+    return client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=max_tokens,
+                                     temperature=0).choices[0].text
+
+
+def one_request(client, load: Load, expected: str, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS) -> None:
+    import openai
+
+    t0 = time.monotonic()
+    try:
+        text = complete(client, prompt, max_tokens)
+    except openai.APIStatusError as e:
+        load.failed(f"HTTP {e.status_code}", str(e))
+        return
+    except openai.APIError as e:
+        load.failed(type(e).__name__, str(e))
+        return
+    if text != expected:
+        load.failed("wrong text", repr(text))
+        return
+    load.ok(time.monotonic() - t0)
+
+
+def users(url: str, n: int, seconds: float, expected: str, *, load: Load | None = None) -> Load:
+    """``n`` users sending requests back to back until ``seconds`` have passed (each finishes the
+    request it has started)."""
+    load = load or Load()
+    deadline = time.monotonic() + seconds
+
+    def user() -> None:
+        client = api(url)
+        while time.monotonic() < deadline:
+            one_request(client, load, expected)
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        for f in [pool.submit(user) for _ in range(n)]:
+            f.result()
+    return load
+
+
+def burst(url: str, n: int, expected: str) -> Load:
+    """``n`` requests sent at once, one per thread."""
+    load = Load()
+    start = threading.Barrier(n)
+
+    def one() -> None:
+        client = api(url)
+        start.wait()
+        one_request(client, load, expected)
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        for f in [pool.submit(one) for _ in range(n)]:
+            f.result()
+    return load
+
+
+def start_gateway(swarm: LocalSwarm, *extra: str) -> str:
+    from socket import socket
+
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = ShardnetProcess("gateway", ["serve", "--bootstrap", swarm.bootstrap_addr, "--port", str(port), *extra],
+                        workdir=swarm.workdir)
+    swarm.procs.append(p)
+    line = p.wait_for_line(lambda s: "serving the OpenAI API" in s, 90)
+    return re.search(r"http://[\d.]+:\d+", line).group(0)
+
+
+def start_peers(swarm: LocalSwarm, replicas: int, *extra: str) -> list[tuple[str, ShardnetProcess, tuple[int, int]]]:
+    """``replicas`` peers per span, loading in parallel: (peer ID, process, span) each."""
+    procs = [(swarm.spawn_node(f"p{a}-{i}", "--layers", f"{a}:{b}", "--threads", "1", *extra, command="join"),
+              (a, b)) for (a, b) in SPANS for i in range(replicas)]
+    return [(swarm.wait_ready(p, 180)["peer_id"], p, span) for p, span in procs]
+
+
+@contextmanager
+def swarm_with_gateway(replicas: int = 1, source: Path | None = None):
+    """A swarm and its gateway; with ``source``, every process runs the shardnet tree there."""
+    old = os.environ.get("PYTHONPATH")
+    if source is not None:
+        os.environ["PYTHONPATH"] = str(source)
+    try:
+        with LocalSwarm() as swarm:
+            swarm.start_bootstrap()
+            peers = start_peers(swarm, replicas)
+            yield swarm, peers, start_gateway(swarm)
+    finally:
+        if source is not None:
+            if old is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = old
+
+
+def scenario(users_n: int, seconds: float, replicas: int, source: Path | None) -> Load:
+    with swarm_with_gateway(replicas, source) as (_, _, url):
+        client = api(url)
+        expected = None
+        for _ in range(60):  # the first request alone, once the gateway sees the whole model
+            try:
+                expected = complete(client)
+                break
+            except Exception:
+                time.sleep(1.0)
+        if expected is None:
+            raise SystemExit("error: the gateway never served a first request")
+        return users(url, users_n, seconds, expected)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--replicas", type=int, default=1, help="compute peers per span")
+    ap.add_argument("--before", type=Path, default=None, help="a shardnet tree to run first, for comparison")
+    ap.add_argument("--after", type=Path, default=None, help="the tree to compare it with (default: this one)")
+    args = ap.parse_args()
+    runs = ([("before", args.before.resolve())] if args.before else []) + [
+        ("after" if args.before else "this", args.after.resolve() if args.after else None)]
+    lines = []
+    for label, source in runs:
+        load = scenario(args.users, args.seconds, args.replicas, source)
+        lines.append(load.summary(f"{label}: {args.users} users x {args.seconds:g} s: "))
+        print(lines[-1], flush=True)
+        for kind, msg in load.examples.items():
+            print(f"  e.g. {kind}: {msg}", flush=True)
+    if len(lines) > 1:
+        print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
