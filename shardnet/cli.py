@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -552,6 +552,7 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
 
         torch.set_num_threads(threads)
     path = _model_dir(model_path)
+    _check_device(device)
     try:
         ckpt = Checkpoint(path)
         span = parse_layers(layers, ckpt.num_layers) if layers else None
@@ -588,7 +589,41 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
     run(_main)
 
 
+def _check_device(device: str | None) -> None:
+    """--device names a device this machine has (checked before joining the network)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        fail(f"--device {device!r} is not a torch device (cpu, cuda, cuda:N)", 2)
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            fail(f"--device {device}: no CUDA device is available on this machine (torch "
+                 f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); use --device cpu", 2)
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            fail(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
+    elif kind != "cpu" and not getattr(getattr(torch.backends, kind, None), "is_available", lambda: False)():
+        fail(f"--device {device}: no {kind} device is available on this machine", 2)
+
+
+def _client_identity_option(f):
+    return click.option("--identity", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                        help="Identity key file to use, created if missing (default: a throwaway identity "
+                             "for this run).")(f)
+
+
+def _generation_config(identity: Path | None, **net) -> NodeConfig:
+    """A generating client's node: DHT client; its own identity with --identity, else a throwaway one."""
+    return make_config(identity=identity, persistent=identity is not None, default_listen="/ip4/0.0.0.0/tcp/0",
+                       dht_mode="client", **net)
+
+
 @main.command()
+@_client_identity_option
 @network_options("/ip4/0.0.0.0/tcp/0")
 @model_path_option
 @click.argument("prompt")
@@ -617,8 +652,8 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
               help="Share of steps re-run on other peers of the same layers to catch wrong computation "
                    "(default 0.1; 0: off).")
 @_wrap_errors
-def generate(listen, announce, bootstrap, quic, mdns, relays, model_path, prompt, max_new_tokens, temperature, top_p,
-             top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k, depth, wire,
+def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, prompt, max_new_tokens, temperature,
+             top_p, top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k, depth, wire,
              receipt, receipt_without_prompt, check_speculation, audit_rate) -> None:
     """Generate text from PROMPT through the swarm; print tokens as they arrive."""
     from .inference.client import Client, LocalModel
@@ -628,8 +663,8 @@ def generate(listen, announce, bootstrap, quic, mdns, relays, model_path, prompt
     if not bootstrap and not mdns:
         fail("generate needs --bootstrap MADDR (or --mdns)", 2)
     path = _model_dir(model_path)
-    cfg = make_config(relays=relays, identity=None, listen=listen, announce=announce, bootstrap=bootstrap, quic=quic,
-                      mdns=mdns, default_listen="/ip4/0.0.0.0/tcp/0", persistent=False, dht_mode="client")
+    cfg = _generation_config(identity, relays=relays, listen=listen, announce=announce, bootstrap=bootstrap,
+                             quic=quic, mdns=mdns)
 
     drafter = None
 
@@ -658,6 +693,7 @@ def generate(listen, announce, bootstrap, quic, mdns, relays, model_path, prompt
 
 
 @main.command()
+@_client_identity_option
 @network_options("/ip4/0.0.0.0/tcp/0")
 @model_path_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP server binds.")
@@ -670,8 +706,8 @@ def generate(listen, announce, bootstrap, quic, mdns, relays, model_path, prompt
 @click.option("--audit-rate", type=click.FloatRange(0, 1), default=None,
               help="Share of steps re-run on other peers to catch wrong computation (default 0.1; 0: off).")
 @_wrap_errors
-def serve(listen, announce, bootstrap, quic, mdns, relays, model_path, host, port, name, logits_on_last, dtype,
-          route_timeout, audit_rate) -> None:
+def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, host, port, name, logits_on_last,
+          dtype, route_timeout, audit_rate) -> None:
     """Serve an OpenAI-compatible HTTP API (completions, chat, streaming) backed by the swarm."""
     from .gateway.server import serve_gateway
     from .inference.client import Client, LocalModel
@@ -680,8 +716,8 @@ def serve(listen, announce, bootstrap, quic, mdns, relays, model_path, host, por
     if not bootstrap and not mdns:
         fail("serve needs --bootstrap MADDR (or --mdns)", 2)
     path = _model_dir(model_path)
-    cfg = make_config(relays=relays, identity=None, listen=listen, announce=announce, bootstrap=bootstrap, quic=quic,
-                      mdns=mdns, default_listen="/ip4/0.0.0.0/tcp/0", persistent=False, dht_mode="client")
+    cfg = _generation_config(identity, relays=relays, listen=listen, announce=announce, bootstrap=bootstrap,
+                             quic=quic, mdns=mdns)
 
     async def _main() -> None:
         log.info("loading the model's head from %s…", path)
@@ -693,15 +729,44 @@ def serve(listen, announce, bootstrap, quic, mdns, relays, model_path, host, por
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout,
                             **({} if audit_rate is None else {"audit_rate": audit_rate}))
             async with trio.open_nursery() as nursery:
-                try:
-                    urls = await nursery.start(functools.partial(
-                        serve_gateway, client, name or path.name, host=host, port=port, route_timeout=route_timeout))
-                except OSError as e:
-                    fail(f"cannot listen on {host}:{port}: {e}")
+                # a port in use: PortInUseError, one line like the libp2p port's
+                urls = await nursery.start(functools.partial(
+                    serve_gateway, client, name or path.name, host=host, port=port, route_timeout=route_timeout))
                 _say(f"serving the OpenAI API for model {name or path.name!r} on {', '.join(urls)} "
                      f"(model {model.model_id[:16]}…)")
 
     run(_main)
+
+
+@contextmanager
+def _log_held_while_streaming():
+    """While generated text streams to a terminal that also shows the log (stdout and stderr
+    both ttys), log records wait and are printed after the text's line ends, so no status line
+    lands inside the text. Elsewhere (a pipe, a file) stdout holds only text anyway."""
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        yield
+        return
+    held: list[tuple[logging.Handler, logging.LogRecord]] = []
+
+    class Hold(logging.Filter):
+        def __init__(self, handler: logging.Handler) -> None:
+            super().__init__()
+            self.handler = handler
+
+        def filter(self, record: logging.LogRecord) -> bool:
+            held.append((self.handler, record))
+            return False
+
+    holds = [(h, Hold(h)) for h in logging.getLogger().handlers]
+    for h, f in holds:
+        h.addFilter(f)
+    try:
+        yield
+    finally:
+        for h, f in holds:
+            h.removeFilter(f)
+        for h, record in held:
+            h.handle(record)
 
 
 async def _write_receipt(client, path: Path, *, with_prompt: bool, check: bool) -> None:
@@ -726,18 +791,21 @@ async def _write_receipt(client, path: Path, *, with_prompt: bool, check: bool) 
 
 async def _stream_generation(client, prompt: str, **kw) -> None:
     log.info("finding peers for model %s…", client.model.model_id[:16])
+    route = await client.find_route()  # its status lines come before the text, not inside it
     sys.stdout.write(prompt)
     ids: list[int] = []
-    async for tok in client.generate(prompt, **kw):
-        tok.apply(ids)
-        if tok.retracted:
-            sys.stdout.write(f"\n-- {tok.retracted} token(s) withdrawn (a peer was caught computing wrong); "
-                             f"corrected text:\n{prompt}{client.model.decode(ids)}")
-        else:
-            sys.stdout.write(tok.text)
+    with _log_held_while_streaming():
+        async for tok in client.generate(prompt, route=route, **kw):
+            tok.apply(ids)
+            if tok.retracted:
+                sys.stdout.write(f"\n-- {tok.retracted} token(s) withdrawn (a peer was caught computing wrong); "
+                                 f"corrected text:\n{prompt}{client.model.decode(ids)}")
+            else:
+                sys.stdout.write(tok.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
         sys.stdout.flush()
     st = client.last_stats
-    sys.stdout.write("\n")
     click.echo(f"-- {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s decode, prefill {st.prefill_s * 1000:.0f} ms")
     sp = st.speculation
     if sp.drafted:

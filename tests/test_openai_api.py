@@ -108,3 +108,39 @@ def test_chat_templates_render_in_a_sandbox():
         oa.render_chat_template("{{ messages.__class__.__mro__ }}", [])
     with pytest.raises(oa.ApiError, match="only user"):
         oa.render_chat_template("{{ raise_exception('only user turns') }}", [])
+
+
+def test_top_p_zero_is_greedy():
+    """OpenAI accepts top_p 0..1; 0 keeps only the most likely token: greedy, which the sampler can run."""
+    r = parse({"model": "m", "prompt": "x", "temperature": 1.5, "top_p": 0})
+    assert (r.temperature, r.top_p) == (0.0, 1.0)
+    from shardnet.inference.sampling import SamplingParams
+
+    assert SamplingParams(r.temperature, r.top_p).greedy  # what the gateway hands the sampler is valid
+    assert parse({"model": "m", "prompt": "x", "top_p": 0.5}).top_p == 0.5
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"model": "m", "prompt": "a\\ud800b"}', "prompt"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages"),
+    (b'{"model": "m", "prompt": "x", "stop": ["\\ud800"]}', "stop"),
+    (b'{"model": "m", "prompt": "x", "\\ud800": 1}', None),
+])
+def test_lone_surrogates_are_refused_naming_the_field(body, param):
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_json(body)
+    assert e.value.status == 400 and e.value.param == param and "surrogate" in e.value.message
+
+
+@pytest.mark.parametrize("depth", [oa.MAX_DEPTH + 1, 5000, 100_000])
+def test_deep_nesting_is_a_400(depth):
+    body = b'{"model": "m", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_json(body)
+    assert e.value.status == 400 and "nests deeper" in e.value.message
+
+
+def test_seed_must_fit_64_bits():
+    with pytest.raises(oa.ApiError) as e:
+        parse({"model": "m", "prompt": "x", "seed": 2**64})
+    assert e.value.param == "seed"

@@ -5,6 +5,13 @@ Only what shardnet can honour is accepted: ``n`` must be 1, and options that cha
 computed but are not supported (``logprobs``, ``best_of`` > 1, ``logit_bias``, tools) are refused
 with a 400 naming the parameter, rather than silently ignored. Options that only concern
 presentation or accounting (``user``, ``presence_penalty`` = 0, ...) pass.
+
+``top_p`` takes OpenAI's whole range 0..1: 0 keeps only the most likely token (the tiniest
+nucleus), which is greedy decoding, and is sent to the swarm as ``temperature`` 0.
+
+A body is refused with a 400 (never a 500) when it is not JSON, nests deeper than
+``MAX_DEPTH``, or holds text that is not valid Unicode (a lone surrogate such as ``"\\ud800"``,
+which JSON can spell but no tokenizer can encode).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from dataclasses import dataclass, field
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP = 4
+MAX_DEPTH = 32  # nesting of a request body (a chat request needs 3)
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' documented default
 UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "tools", "functions", "response_format", "suffix")
 
@@ -56,9 +64,35 @@ def parse_json(body: bytes) -> dict:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON ({e})") from None
+    except RecursionError:  # the decoder's own limit (about 1000 levels)
+        raise ApiError(400, f"request body nests deeper than {MAX_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
+    _check_structure(data)
     return data
+
+
+def _check_structure(data: dict) -> None:
+    """Refuse bodies nested deeper than MAX_DEPTH and text that is not valid Unicode (lone
+    surrogates), naming the top-level field. Iterative: no recursion on hostile input."""
+    stack: list[tuple[object, str, int]] = [(v, k, 1) for k, v in data.items()]
+    stack.append((list(data), "", 1))  # the keys are text too
+    while stack:
+        v, field, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"request body nests deeper than {MAX_DEPTH} levels", param=field or None)
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ApiError(400, f"{field or 'a field name'} is not valid Unicode text: it holds a lone "
+                               f"surrogate ({v[e.start]!r}) at position {e.start}",
+                               param=field or None) from None
+        elif isinstance(v, dict):
+            stack.extend((x, field, depth + 1) for x in v.values())
+            stack.append((list(v), field, depth + 1))
+        elif isinstance(v, list):
+            stack.extend((x, field, depth + 1) for x in v)
 
 
 def _number(data: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -124,11 +158,13 @@ def parse_request(data: dict, *, chat: bool, render_chat=None) -> GenerationRequ
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", param="stream")
+    temperature, top_p = _number(data, "temperature", 1.0, 0.0, 2.0), _number(data, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:  # the tiniest nucleus: only the most likely token, i.e. greedy decoding
+        temperature, top_p = 0.0, 1.0
     return GenerationRequest(
-        chat=chat, model=model, prompt=prompt, max_tokens=max_tokens,
-        temperature=_number(data, "temperature", 1.0, 0.0, 2.0), top_p=_number(data, "top_p", 1.0, 0.0, 1.0),
-        stop=stop, seed=_int(data, "seed", -(2**63)), stream=stream, include_usage=bool(opts.get("include_usage")),
-        echo=bool(data.get("echo")) and not chat)
+        chat=chat, model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        stop=stop, seed=_int(data, "seed", -(2**63), 2**63 - 1), stream=stream,
+        include_usage=bool(opts.get("include_usage")), echo=bool(data.get("echo")) and not chat)
 
 
 def first_stop(text: str, stops: list[str], start: int = 0) -> int:

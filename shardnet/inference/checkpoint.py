@@ -19,6 +19,8 @@ from typing import Any
 
 import cbor2
 
+from shardnet.transport.errors import ShardnetError
+
 log = logging.getLogger(__name__)
 
 MANIFEST_VERSION = 1
@@ -29,8 +31,8 @@ LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-class CheckpointError(Exception):
-    """The directory is not a usable checkpoint."""
+class CheckpointError(ShardnetError):
+    """The directory is not a usable checkpoint (or a layer range does not fit it): a user error."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,10 @@ class Checkpoint:
             raise CheckpointError(
                 f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
         self.entries = self._index()
-        self.num_layers = int(self.raw_config["num_hidden_layers"])
+        n = self.raw_config.get("num_hidden_layers")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise CheckpointError(f"{cfg_file}: num_hidden_layers must be a positive integer, not {n!r}")
+        self.num_layers = n
         self._config = None
         self._manifest: dict | None = None
 
@@ -117,9 +122,44 @@ class Checkpoint:
         return out
 
     # -- identity ----------------------------------------------------------------------------
+    def check_structure(self) -> None:
+        """The config agrees with the tensors: layers 0..num_hidden_layers-1 all present with the
+        same tensor names, none beyond, the embedding and final norm there, hidden_size matching
+        the embedding. Reads only the headers; raises CheckpointError with a one-line reason."""
+        per_layer: dict[int, set[str]] = {}
+        for name in self.entries:
+            m = LAYER_RE.match(name)
+            if m:
+                per_layer.setdefault(int(m[1]), set()).add(name[m.end():])
+        found = sorted(per_layer)
+        where = f"{self.path.name}/config.json says num_hidden_layers = {self.num_layers}"
+        if found != list(range(self.num_layers)):
+            have = f"layers {found[0]}-{found[-1]}" if found else "no layers"
+            missing = sorted(set(range(self.num_layers)) - set(found))
+            extra = [i for i in found if i >= self.num_layers]
+            detail = (f"; missing {len(missing)} (first: {missing[0]})" if missing else "") + \
+                     (f"; {len(extra)} beyond it" if extra else "")
+            raise CheckpointError(f"{where} but the weights hold {have}{detail}")
+        odd = next((i for i in found if per_layer[i] != per_layer[0]), None)
+        if odd is not None:
+            diff = sorted(per_layer[0] ^ per_layer[odd])
+            raise CheckpointError(f"layer {odd} of {self.path.name} does not have the tensors layer 0 has "
+                                  f"(differs in {', '.join(diff[:3])}{', ...' if len(diff) > 3 else ''})")
+        head = self.head_tensors()
+        for part in ("embed", "norm"):
+            if head[part] not in self.entries:
+                raise CheckpointError(f"{self.path.name} has no {head[part]} tensor")
+        hidden = self.raw_config.get("hidden_size")
+        shape = self.entries[head["embed"]].shape
+        if hidden is not None and (len(shape) != 2 or shape[1] != hidden):
+            raise CheckpointError(f"{self.path.name}/config.json says hidden_size = {hidden} but "
+                                  f"{head['embed']} has shape {list(shape)}")
+
     def manifest(self) -> dict:
-        """Content hashes of config, tokenizer files and every layer's tensors (cached on disk)."""
+        """Content hashes of config, tokenizer files and every layer's tensors (cached on disk).
+        Checks first that the config agrees with the tensors (``check_structure``)."""
         if self._manifest is None:
+            self.check_structure()
             self._manifest = self._load_cached_manifest() or self._compute_manifest()
         return self._manifest
 
@@ -128,9 +168,17 @@ class Checkpoint:
         return model_id_of(self.manifest())
 
     def _fingerprint(self) -> list:
+        """What the manifest cache is keyed on, per file: besides name, size and mtime (which an
+        in-place edit can keep: ``os.utime``, ``cp -p``, ``rsync -t``), the inode and the ctime,
+        which every write and every utime moves and no user call can set back. A copied or
+        restored directory hashes again, once."""
         files = sorted({e.file for e in self.entries.values()} | {self.path / "config.json"}
                        | {self.path / t for t in TOKENIZER_FILES if (self.path / t).exists()})
-        return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        out = []
+        for f in files:
+            st = f.stat()
+            out.append([f.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev])
+        return out
 
     def _load_cached_manifest(self) -> dict | None:
         try:
