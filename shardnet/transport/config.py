@@ -74,6 +74,9 @@ class NodeConfig:
     #: A private swarm's key (a swarm_key.SwarmKey): only peers holding the same key connect.
     #: None: a public swarm (Noise, no admission step).
     swarm_key: object | None = None
+    #: With a persistent identity (key_pair or identity_path): ask the bootstrap peers on start
+    #: whether another live node uses it, and refuse to start if so (identity_check.py).
+    check_identity: bool = True
     #: What this node allows each peer (streams, DHT records, activation sessions): limits.py.
     limits: Limits = field(default_factory=Limits)
 

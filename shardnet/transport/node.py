@@ -22,7 +22,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
-from . import allocator, compat, identity
+from . import allocator, compat, identity, identity_check
 from .config import NodeConfig, parse_multiaddr, parse_peer_addr
 from .dht import DHT
 from .errors import DialError, OverlayTimeout, ProtocolNotSupported, ShardnetError
@@ -79,6 +79,9 @@ class _ConnectionEvents:
 
 #: Seconds for the direct addresses of a peer that also advertises relay circuits.
 DIRECT_FIRST = 3.0
+#: Seconds open_node waits for a first bootstrap connection to check our identity is not live
+#: elsewhere before handing out the node (later connections are checked in the background).
+IDENTITY_CHECK_WAIT = 3.0
 
 
 @dataclass(frozen=True)
@@ -305,6 +308,28 @@ class Node:
                 await trio.sleep(0.05)
         reasons = "; ".join(self._bootstrap_errors.get(b.peer_id, "no answer") for b in boots)
         raise DialError(f"could not reach any bootstrap peer ({reasons})")
+
+    async def _check_identity(self, boots: list[PeerInfo], *, wait: float) -> None:
+        """Refuse (DuplicateIdentity) if a bootstrap peer holds a live connection to our peer ID
+        besides ours: asked of those connected within ``wait`` s, else of the first to connect."""
+        ids = [b.peer_id for b in boots if b.peer_id != self.peer_id]
+        if not ids:
+            return
+        with trio.move_on_after(wait):
+            while not any(p in self.host.get_connected_peers() for p in ids) and \
+                    not all(p in self._bootstrap_errors for p in ids):
+                await trio.sleep(0.02)
+        connected = [p for p in ids if p in self.host.get_connected_peers()]
+        if connected:
+            await identity_check.check_unique(self, connected)
+            return
+
+        async def later() -> None:
+            while not (connected := [p for p in ids if p in self.host.get_connected_peers()]):
+                await trio.sleep(0.2)
+            await identity_check.check_unique(self, connected)
+
+        self.nursery.start_soon(later)
 
     async def disconnect(self, peer_id: ID | str) -> None:
         with trio.move_on_after(self.config.dial_timeout):
@@ -551,6 +576,8 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
             async with DHT.start(host, config) as dht, PubSub.start(host, config) as pubsub:
                 node = Node(config, key_pair, host, dht, pubsub)
                 host.get_network().register_notifee(_ConnectionEvents(node))
+                host.set_stream_handler(TProtocol(identity_check.PROTOCOL_ID),
+                                        functools.partial(identity_check.serve, node))
                 if config.relay_service is not None:
                     node.relay_service = RelayService(node, config.relay_service)
                 async with trio.open_nursery() as nursery:
@@ -574,12 +601,20 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
                         if not relays and config.auto_relays > 0:
                             nursery.start_soon(node._find_relays)
                     log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
+                    persistent = config.key_pair is not None or config.identity_path is not None
                     try:
-                        yield node
-                    except BaseException as e:
-                        body_error = e
-                    finally:
+                        if config.check_identity and persistent and bootstrap:
+                            await node._check_identity(bootstrap, wait=min(IDENTITY_CHECK_WAIT, config.dial_timeout))
+                    except identity_check.DuplicateIdentity as e:
+                        body_error = e  # raised before the caller ever sees the node
                         nursery.cancel_scope.cancel()
+                    else:
+                        try:
+                            yield node
+                        except BaseException as e:
+                            body_error = e
+                        finally:
+                            nursery.cancel_scope.cancel()
         finally:
             # py-libp2p's own stop path closes connections and listeners from inside a
             # cancelled scope, so the first await aborts it and the listening socket stays
