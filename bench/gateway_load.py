@@ -1,12 +1,14 @@
 """Concurrent users through `shardnet serve`: how many requests fail, and how long they take.
 
-    python bench/gateway_load.py [--users 16] [--seconds 30] [--replicas 1] [--before DIR [--after DIR]]
+    python bench/gateway_load.py [--users 16] [--seconds 30] [--burst N] [--replicas 1] [--chaos]
+                                 [--before DIR [--after DIR]]
 
 A bootstrap, compute peers of the shipped model (layers 0:4 and 4:8, ``--replicas`` peers each)
 and a gateway run as processes on loopback, with default limits. ``--users`` threads each send
 greedy completions with the official ``openai`` client (no retries) back to back for
 ``--seconds``; a request fails when it raises or when its text differs from the text of one
-request sent alone first. ``--before DIR``: run the same scenario first with the shardnet tree
+request sent alone first. ``--burst N``: instead, N requests sent at once. ``--chaos`` (with
+``--replicas 2``): replicas die and come back meanwhile (see ``replica_chaos``). ``--before DIR``: run the same scenario first with the shardnet tree
 in DIR (e.g. ``git archive <commit> shardnet | tar -x -C DIR``) and then with this one (or the
 one in ``--after DIR``), and print both.
 tests/test_gateway_load.py drives the helpers here.
@@ -19,7 +21,9 @@ import collections
 import concurrent.futures
 import os
 import re
+import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -133,6 +137,28 @@ def burst(url: str, n: int, expected: str) -> Load:
     return load
 
 
+def replica_chaos(swarm: LocalSwarm, peers, seconds: float, events: list[str]) -> None:
+    """A quarter of ``seconds`` in, one replica of the first span is killed (SIGKILL by PID) and
+    restarted 5 s later with the same identity; 12 s after it serves again (past one background
+    refresh of the gateway's claims) the other replica of that span is killed, so the restarted
+    peer is the span's only one. ``events`` gets a line per step."""
+    t0 = time.monotonic()
+    (a_id, a), (b_id, b) = [(pid, p) for pid, p, span in peers if span == SPANS[0]][:2]
+    time.sleep(seconds / 4)
+    os.kill(a.pid, signal.SIGKILL)
+    a.proc.wait(10)
+    events.append(f"{time.monotonic() - t0:.0f} s: killed {a_id[:12]} (replica of {SPANS[0][0]}:{SPANS[0][1]})")
+    time.sleep(5)
+    again = swarm.spawn_node(a.name, "--layers", f"{SPANS[0][0]}:{SPANS[0][1]}", "--threads", "1", command="join")
+    if swarm.wait_ready(again, 90)["peer_id"] != a_id:
+        raise RuntimeError("the restarted peer has another identity")
+    events.append(f"{time.monotonic() - t0:.0f} s: {a_id[:12]} serves again")
+    time.sleep(12)
+    os.kill(b.pid, signal.SIGKILL)
+    b.proc.wait(10)
+    events.append(f"{time.monotonic() - t0:.0f} s: killed {b_id[:12]}: {a_id[:12]} is the span's only peer")
+
+
 def start_gateway(swarm: LocalSwarm, *extra: str) -> str:
     from socket import socket
 
@@ -155,10 +181,16 @@ def start_peers(swarm: LocalSwarm, replicas: int, *extra: str) -> list[tuple[str
 
 @contextmanager
 def swarm_with_gateway(replicas: int = 1, source: Path | None = None):
-    """A swarm and its gateway; with ``source``, every process runs the shardnet tree there."""
-    old = os.environ.get("PYTHONPATH")
+    """A swarm and its gateway; with ``source``, every process runs the shardnet tree there (the
+    children start there too: ``python -m`` puts the working directory first on the path)."""
+    old, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
     if source is not None:
         os.environ["PYTHONPATH"] = str(source)
+        os.chdir(source)
+        used = subprocess.run([sys.executable, "-c", "import shardnet; print(shardnet.__file__)"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        if not Path(used).resolve().is_relative_to(source.resolve()):
+            raise SystemExit(f"error: processes would run {used}, not the tree in {source}")
     try:
         with LocalSwarm() as swarm:
             swarm.start_bootstrap()
@@ -166,14 +198,16 @@ def swarm_with_gateway(replicas: int = 1, source: Path | None = None):
             yield swarm, peers, start_gateway(swarm)
     finally:
         if source is not None:
+            os.chdir(cwd)
             if old is None:
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = old
 
 
-def scenario(users_n: int, seconds: float, replicas: int, source: Path | None) -> Load:
-    with swarm_with_gateway(replicas, source) as (_, _, url):
+def scenario(users_n: int, seconds: float, replicas: int, source: Path | None, burst_n: int = 0,
+             chaos: bool = False) -> Load:
+    with swarm_with_gateway(replicas, source) as (swarm, peers, url):
         client = api(url)
         expected = None
         for _ in range(60):  # the first request alone, once the gateway sees the whole model
@@ -184,23 +218,40 @@ def scenario(users_n: int, seconds: float, replicas: int, source: Path | None) -
                 time.sleep(1.0)
         if expected is None:
             raise SystemExit("error: the gateway never served a first request")
-        return users(url, users_n, seconds, expected)
+        if burst_n:
+            return burst(url, burst_n, expected)
+        if not chaos:
+            return users(url, users_n, seconds, expected)
+        events: list[str] = []
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            done = pool.submit(replica_chaos, swarm, peers, seconds, events)
+            load = users(url, users_n, seconds, expected)
+            done.result()
+        for line in events:
+            print("  " + line, flush=True)
+        return load
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--users", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--burst", type=int, default=0, help="send this many requests at once instead")
     ap.add_argument("--replicas", type=int, default=1, help="compute peers per span")
+    ap.add_argument("--chaos", action="store_true", help="kill and restart replicas meanwhile (--replicas 2)")
     ap.add_argument("--before", type=Path, default=None, help="a shardnet tree to run first, for comparison")
     ap.add_argument("--after", type=Path, default=None, help="the tree to compare it with (default: this one)")
     args = ap.parse_args()
+    if args.chaos and args.replicas < 2:
+        ap.error("--chaos needs --replicas 2 (or more)")
     runs = ([("before", args.before.resolve())] if args.before else []) + [
         ("after" if args.before else "this", args.after.resolve() if args.after else None)]
     lines = []
     for label, source in runs:
-        load = scenario(args.users, args.seconds, args.replicas, source)
-        lines.append(load.summary(f"{label}: {args.users} users x {args.seconds:g} s: "))
+        load = scenario(args.users, args.seconds, args.replicas, source, args.burst, args.chaos)
+        what = f"{args.burst} at once" if args.burst else f"{args.users} users x {args.seconds:g} s"
+        what += ", replicas killed and restarted" if args.chaos else ""
+        lines.append(load.summary(f"{label}: {what}: "))
         print(lines[-1], flush=True)
         for kind, msg in load.examples.items():
             print(f"  e.g. {kind}: {msg}", flush=True)
