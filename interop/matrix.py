@@ -47,6 +47,10 @@ CHECKS = [
      {"js": "test_js_dcutr.test_js_starts_dcutr_and_shardnet_behind_a_nat_answers", "go": GO_NO_DCUTR}),
     ("DCUtR (NAT lab): both behind cone NATs, a TCP simultaneous open",
      {"js": "test_js_dcutr.test_both_behind_cone_nats", "go": GO_NO_DCUTR}),
+    ("AutoNAT (NAT lab): a foreign peer with AutoNAT on stays connected to a shardnet bootstrap for 60 s "
+     "(js answers AutoNAT over the connection asked on, then closes it: shardnet never asks it)",
+     {"js": "test_js_autonat.test_a_js_peer_with_autonat_stays_connected_to_a_shardnet_bootstrap",
+      "go": "not checked: the suite's p2pd is started without AutoNAT"}),
 ]
 NOT_BUILT = "not built yet"
 
