@@ -8,14 +8,14 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import pytest
 import trio
 
-from shardnet.inference.claims import claim_record_name
+from shardnet.inference.claims import NoRouteError, claim_record_name
 from shardnet.inference.client import Client, LocalModel
 from shardnet.inference.endpoint import InferenceError
-from shardnet.inference.claims import NoRouteError
 from shardnet.inference.peer import serve_block
 from shardnet.models import default_model_path
 from shardnet.protocols import block_claim as bc
 from shardnet.transport import open_node
+from shardnet.transport.errors import ShardnetError
 from shardnet.transport.limits import Limits
 
 PATH = default_model_path()
@@ -108,3 +108,31 @@ async def test_sessions_over_the_per_peer_slots_wait_in_line(loopback_config):
             with pytest.raises(InferenceError, match="busy"):
                 async with impatient.session(8, route):
                     pass
+
+
+def test_which_refusals_are_waited_out():
+    from shardnet.inference.client import _busy
+
+    assert _busy(InferenceError("too_many_sessions", "you hold 16 sessions here"))
+    assert _busy(InferenceError("rate_limited", "more than 20 new sessions per second"))
+    assert _busy(InferenceError("kv_budget", "session needs 4096 bytes of KV cache; 100 of 8192 are free"))
+    # a session larger than the whole budget never fits: no use waiting
+    assert not _busy(InferenceError("kv_budget", "session needs 9000 bytes of KV cache; 8192 of 8192 are free"))
+    assert not _busy(InferenceError("layers", "layers 0:4 requested"))
+
+
+async def test_ping_streams_per_peer_is_a_limit(loopback_config):
+    from shardnet.transport.host import PING_PROTOCOL
+
+    lim = Limits()
+    lim.set("ping_streams_per_peer=1")
+    async with open_node(loopback_config(limits=lim)) as a, open_node(loopback_config()) as b:
+        await b.connect(f"{a.listen_addrs[0]}/p2p/{a.peer_id}")
+        first = await b.new_stream(a.peer_id, PING_PROTOCOL)
+        await first.write(b"x" * 32)
+        assert await first.read_exactly(32, timeout=5) == b"x" * 32
+        second = await b.new_stream(a.peer_id, PING_PROTOCOL)  # one more than the limit: reset
+        with pytest.raises(ShardnetError):
+            await second.write(b"y" * 32)
+            await second.read_exactly(32, timeout=5)
+        await first.close()
