@@ -240,10 +240,11 @@ class ClaimsView:
         try:
             found = await find_claims(self.node, self.model_id, timeout=timeout)
             self.last_lookup_error = None if found else "the last lookup found no claims"
-        except (ShardnetError, trio.TooSlowError, OSError) as e:
+        except Exception as e:  # whatever it was, the view (and the node it runs in) carries on
             found = []
             self.last_lookup_error = f"the last lookup failed: {e}"
-            log.info("claims lookup failed (keeping the %d claims known): %s", len(self._claims), e)
+            log.info("claims lookup failed (keeping the %d claims known): %s: %s", len(self._claims),
+                     type(e).__name__, e)
         for c in found:
             self.note(c)
         self.lookups += 1
@@ -270,14 +271,17 @@ class ClaimsView:
             except bc.ClaimError:
                 return False
 
-        try:
-            async with self.node.pubsub.subscribe(bc.topic(self.model_id), validate=valid) as sub:
-                async for msg in sub:
-                    try:
-                        claim = bc.decode(msg.data)
-                    except bc.ClaimError:
-                        continue
-                    if self.note(claim):
-                        self.from_gossip += 1
-        except (ShardnetError, OSError) as e:  # the view still has its lookups
-            log.info("not following claims on gossip: %s", e)
+        while True:
+            try:
+                async with self.node.pubsub.subscribe(bc.topic(self.model_id), validate=valid) as sub:
+                    async for msg in sub:
+                        try:
+                            claim = bc.decode(msg.data)
+                        except bc.ClaimError:
+                            continue
+                        if self.note(claim):
+                            self.from_gossip += 1
+            except Exception as e:  # the view still has its lookups; the node carries on
+                log.info("following claims on gossip failed (again in %g s): %s: %s", REFRESH_S,
+                         type(e).__name__, e)
+            await trio.sleep(REFRESH_S)

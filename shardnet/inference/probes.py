@@ -120,7 +120,7 @@ class Probes:
             try:
                 with trio.fail_after(timeout * samples + 1.0):
                     rtt = await self._ping(peer, timeout, samples)
-            except (ShardnetError, trio.TooSlowError, OSError) as e:
+            except Exception as e:  # (ShardnetError, TooSlowError, OSError, or py-libp2p's own)
                 why = str(e) or type(e).__name__
                 connected = peer in {str(p) for p in self.node.peers()}
                 verdict = "slow" if connected else "gone"
