@@ -39,6 +39,18 @@ CHECKS = [
      "128 KiB circuit limit then ends the circuit with a clear error)",
      {"js": "test_js.test_a_shardnet_peer_reserves_on_a_js_relay_and_is_dialled_through_it",
       "go": "test_go.test_a_shardnet_peer_reserves_on_a_go_relay_and_is_dialled_through_it"}),
+    ("relay role: the foreign peer reserves a slot on `shardnet relay`; it is reached through the circuit "
+     "50 times (js: by another js peer with js's dial API, which races and aborts duplicate circuits; go: by "
+     "shardnet peers) and keeps its relay connection and slot every round",
+     {"js": "test_js_relay.test_a_js_peer_reserved_on_a_shardnet_relay_is_reached_by_another_for_50_rounds",
+      "go": "test_go_relay.test_a_go_peer_reserved_on_a_shardnet_relay_is_reached_for_50_rounds"}),
+    ("relay role: a circuit cut at the shardnet relay's data limit ends as a reset at both ends, logged at "
+     "INFO with peers, bytes and reason; the reserved peer keeps its slot",
+     {"js": "test_js_relay.test_a_circuit_cut_at_the_relay_limit_ends_as_a_reset_and_is_logged[data]",
+      "go": "not checked: the js check covers it (p2pd's stream bridge hides resets)"}),
+    ("relay role: a circuit cut at the shardnet relay's time limit, likewise",
+     {"js": "test_js_relay.test_a_circuit_cut_at_the_relay_limit_ends_as_a_reset_and_is_logged[time]",
+      "go": "not checked: the js check covers it (p2pd's stream bridge hides resets)"}),
     ("DCUtR (NAT lab): shardnet, public, starts the upgrade of a relayed connection; the foreign peer, "
      "behind a cone NAT, answers and dials it directly",
      {"js": "test_js_dcutr.test_shardnet_starts_dcutr_and_js_behind_a_nat_answers", "go": GO_NO_DCUTR}),

@@ -6,7 +6,8 @@
 // It speaks TCP + Noise + Yamux, identify, ping, gossipsub, Kademlia (/ipfs/kad/1.0.0), and
 // echoes every stream opened on /shardnet/activation/1.0.0 back byte for byte. With "circuit" it
 // also dials and listens on relayed addresses (listen: "<relay>/p2p-circuit" reserves there) and
-// runs DCUtR, to turn relayed connections into direct ones.
+// runs DCUtR, to turn relayed connections into direct ones ({"dcutr": false} leaves it out, so
+// relayed connections stay relayed). Streams run on limited (relayed) connections too.
 import { createInterface } from 'node:readline'
 import { createLibp2p } from 'libp2p'
 import { tcp } from '@libp2p/tcp'
@@ -43,7 +44,8 @@ if (opts.autonat) {
 const transports = [tcp()]
 if (opts.circuit) {
   transports.push(circuitRelayTransport())
-  services.dcutr = dcutr()
+  // {"dcutr": false}: stay on the relay (the relay-role checks want every round to cross it)
+  if (opts.dcutr !== false) services.dcutr = dcutr()
 }
 
 const node = await createLibp2p({
@@ -82,7 +84,7 @@ await node.handle(ECHO, async (stream) => {
     if (!stream.send(bytes)) await stream.onDrain()
   }
   await stream.close()
-})
+}, { runOnLimitedConnection: true }) // relayed connections are "limited" when the relay says so
 
 if (opts.autonat) {
   // every closed connection as an event: the AutoNAT check watches for a peer dropped after a question
@@ -122,16 +124,21 @@ const commands = {
         peer: c.remotePeer.toString(),
         remote: c.remoteAddr.toString(),
         direction: c.direction,
-        limited: c.limits != null
+        limited: c.limits != null,
+        id: c.id
       }))
     }
+  },
+  async hang_up (cmd) {
+    await node.hangUp(target(cmd))
+    return {}
   },
   async addrs () {
     return { addrs: node.getMultiaddrs().map((a) => a.toString()) }
   },
   async echo (cmd) {
     // open a stream on ECHO, send the bytes, read back as many, close
-    const stream = await node.dialProtocol(target(cmd), cmd.protocol ?? ECHO)
+    const stream = await node.dialProtocol(target(cmd), cmd.protocol ?? ECHO, { runOnLimitedConnection: true })
     const data = Buffer.from(cmd.data, 'base64')
     if (!stream.send(data)) await stream.onDrain()
     const got = []
@@ -142,8 +149,10 @@ const commands = {
       n += bytes.length
       if (n >= data.length) break
     }
-    await stream.close()
-    return { data: b64(Buffer.concat(got)) }
+    // how the stream ended: "reset" or "aborted" when a relay cut the circuit under it
+    const status = stream.status
+    if (status === 'open') await stream.close()
+    return { data: b64(Buffer.concat(got)), status }
   },
   async dht_put (cmd) {
     let responses = 0
