@@ -199,8 +199,38 @@ def tiny_model(tmp_path_factory):
                        kv_heads=1, vocab=300, seed=4)
 
 
+def on_a_terminal(*args, timeout=120):
+    """Run shardnet with stdout and stderr both on one pseudo-terminal, as a user sees it."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "shardnet", *args], stdin=subprocess.DEVNULL, stdout=slave,
+                         stderr=slave)
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            ready, _, _ = select.select([master], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, b"".join(chunks).decode(errors="replace")
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the child has closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=20)
+        os.close(master)
+    return p.returncode, b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+
+
 @pytest.mark.slow
-def test_join_then_generate_through_two_peers(swarm, tiny_model):
+def test_join_then_generate_through_two_peers(swarm, tiny_model, tmp_path):
     swarm.join_spans([(0, 2), (2, 4)], "--model", str(tiny_model))
     r = shardnet("generate", "--model", str(tiny_model), "--bootstrap", swarm.bootstrap_addr, "-n", "6",
                  "hello world", timeout=120)
@@ -208,6 +238,15 @@ def test_join_then_generate_through_two_peers(swarm, tiny_model):
     assert r.stdout.startswith("hello world")
     assert re.search(r"-- \d+ tokens, [0-9.]+ tok/s decode", r.stdout), r.stdout
     assert re.search(r"-- chain: \S+ \[0:2\] -> \S+ \[2:4\]", r.stdout), r.stdout
+    # On a terminal showing both streams, no log line lands inside the text; and --identity is used.
+    key = tmp_path / "gen.key"
+    code, screen = on_a_terminal("generate", "--model", str(tiny_model), "--bootstrap", swarm.bootstrap_addr,
+                                 "-n", "6", "--identity", str(key), "hello world")
+    assert code == 0, screen
+    text = r.stdout.split("\n-- ")[0]
+    assert text + "\n" in screen and "route:" in screen.split(text)[0], screen
+    peer_id = re.search(r"peer id:\s+(\S+)", shardnet("id", "--identity", str(key)).stdout).group(1)
+    assert f"created identity {peer_id}" in screen, screen
 
 
 @pytest.mark.slow

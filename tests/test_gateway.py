@@ -5,6 +5,8 @@ import concurrent.futures
 import http.client
 import json
 import re
+import socket
+import time
 
 import openai
 import pytest
@@ -32,12 +34,32 @@ def start_gateway(swarm: LocalSwarm, *extra: str) -> str:
     return re.search(r"http://[\d.]+:\d+", line).group(0)
 
 
+GATEWAY = {}  # the module gateway's swarm and identity file
+
+
+def wait_healthy(url: str, timeout: float = 90) -> dict:
+    """/health until it answers 200: every layer served by a peer the gateway would route through."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, data = http_request(url, "GET", "/health")
+        body = json.loads(data)
+        if status == 200:
+            return body
+        assert status == 503 and body["status"] == "unavailable" and body["missing_layers"], body
+        assert time.monotonic() < deadline, body
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def gateway():
     with LocalSwarm() as swarm:
         swarm.start_bootstrap()
         swarm.join_spans([(0, 4), (4, 8)], "--threads", "1")
-        yield start_gateway(swarm)
+        identity = swarm.workdir / "gateway.key"
+        GATEWAY.update(swarm=swarm, identity=identity)
+        url = start_gateway(swarm, "--identity", str(identity))
+        wait_healthy(url)
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +155,9 @@ def test_bad_requests_get_openai_errors(gateway):
     (b'{"model": "tiny-llama", "prompt": "x", "max_tokens": "many"}', 400),
     (b'{"model": "tiny-llama", "prompt": [99999999]}', 400),
     (b"x" * ((1 << 20) + 1), 413),
+    (b'{"model": "tiny-llama", "prompt": "a\\ud800b"}', 400),  # a lone surrogate: no tokenizer encodes it
+    (b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "\\udc00"}]}', 400),
+    (b'{"model": "tiny-llama", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
 ])
 def test_malformed_bodies_get_error_json(gateway, body, status):
     got, data = http_request(gateway, "POST", "/v1/completions", body, {"content-type": "application/json"})
@@ -142,17 +167,49 @@ def test_malformed_bodies_get_error_json(gateway, body, status):
 
 
 def test_health_models_swarm_and_unknown_paths(gateway):
-    status, data = http_request(gateway, "GET", "/health")
-    assert status == 200 and json.loads(data)["status"] == "ok"
+    health = wait_healthy(gateway)  # waits for coverage rather than racing it
+    assert health["status"] == "ok" and health["missing_layers"] == [] and health["num_layers"] == 8
     status, data = http_request(gateway, "GET", "/v1/models")
     assert [m["id"] for m in json.loads(data)["data"]] == ["tiny-llama"]
     assert [m.id for m in api(gateway).models.list()] == ["tiny-llama"]
-    status, data = http_request(gateway, "GET", "/v1/swarm")
-    swarm = json.loads(data)
-    assert status == 200 and swarm["missing_layers"] == [] and len(swarm["peers"]) == 2
+    deadline = time.monotonic() + 60
+    while True:  # /v1/swarm looks the claims up afresh (and pings every peer): wait for both answers
+        status, data = http_request(gateway, "GET", "/v1/swarm")
+        swarm = json.loads(data)
+        if status == 200 and swarm["missing_layers"] == [] and len(swarm["peers"]) == 2:
+            break
+        assert time.monotonic() < deadline, swarm
+        time.sleep(0.5)
     assert all(c["peers"] == 1 for c in swarm["coverage"])
     assert http_request(gateway, "GET", "/v2/nothing")[0] == 404
     assert http_request(gateway, "GET", "/v1/completions")[0] == 405
+    # probes are not requests; completions are
+    assert wait_healthy(gateway)["requests"] == health["requests"]
+    api(gateway).completions.create(model="tiny-llama", prompt="x", max_tokens=1)
+    assert wait_healthy(gateway)["requests"] == health["requests"] + 1
+
+
+def test_serve_uses_the_identity_it_is_given(gateway):
+    from test_cli import shardnet
+
+    r = shardnet("id", "--identity", str(GATEWAY["identity"]))
+    assert "(existing)" in r.stdout, r.stdout  # serve created it
+    assert wait_healthy(gateway)["peer_id"] == re.search(r"peer id:\s+(\S+)", r.stdout).group(1)
+
+
+def test_an_http_port_in_use_is_one_error_line(gateway):
+    from test_cli import assert_one_line_failure, shardnet
+
+    port = gateway.rsplit(":", 1)[1]  # held by the module's gateway
+    r = shardnet("serve", "--bootstrap", GATEWAY["swarm"].bootstrap_addr, "--port", port, timeout=120)
+    assert_one_line_failure(r, rf"HTTP 127\.0\.0\.1:{port}: port {port} is already in use by another process")
+    assert "unexpected" not in r.stderr
+
+
+def test_top_p_zero_is_greedy(gateway, expected):
+    r = api(gateway).completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=MAX, temperature=1.0, top_p=0,
+                                        seed=3)
+    assert r.choices[0].text == expected[0]
 
 
 def test_a_swarm_that_cannot_cover_the_model_is_a_503():
@@ -164,12 +221,13 @@ def test_a_swarm_that_cannot_cover_the_model_is_a_503():
             api(url).completions.create(model="tiny-llama", prompt="x", max_tokens=2)
         assert e.value.status_code == 503 and e.value.body["code"] == "no_route"
         assert "layers 4-7" in e.value.body["message"]
+        status, data = http_request(url, "GET", "/health")  # health says what completions see
+        health = json.loads(data)
+        assert status == 503 and health["status"] == "unavailable", health
+        assert health["missing_layers"] == [4, 5, 6, 7] and "layers 4-7" in health["reason"]
 
 
 def test_a_streaming_client_that_goes_away_stops_its_generation(gateway):
-    import socket
-    import time
-
     host, port = gateway.removeprefix("http://").split(":")
     body = json.dumps({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 400, "stream": True,
                        "temperature": 0}).encode()
@@ -187,3 +245,24 @@ def test_a_streaming_client_that_goes_away_stops_its_generation(gateway):
         time.sleep(0.2)
     status, _ = http_request(gateway, "GET", "/health")  # and it goes on serving
     assert status == 200
+
+
+def test_a_waiting_client_that_goes_away_stops_its_generation(gateway):
+    """Not streaming: the client waits for the whole answer, and gives up (closes) before it."""
+    log = GATEWAY_LOG[0]
+    started, cancelled = (log.read_text().count(s) for s in ("generating up to 1000 tokens", "went away"))
+    host, port = gateway.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 1000, "temperature": 0}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 30
+        while log.read_text().count("generating up to 1000 tokens") == started:
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while log.read_text().count("went away") == cancelled:
+        assert time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.2)
+    assert re.search(r"cmpl-\w+: \d+ prompt tokens, cancelled: the client went away", log.read_text())
+    assert wait_healthy(gateway)["status"] == "ok"  # and it goes on serving

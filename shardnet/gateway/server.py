@@ -4,16 +4,24 @@ trio, in the same event loop as the node it generates through.
     POST /v1/completions, POST /v1/chat/completions (``stream: true``: server-sent events)
     GET /v1/models, GET /health, GET /v1/swarm (``shardnet status --json``'s data)
 
+``/health`` answers 200 ``{"status": "ok"}`` only while every layer of the model is served by a
+peer this gateway would route through, else 503 ``{"status": "unavailable", "missing_layers":
+[...]}``: a load balancer sees what completions would see. Its ``requests`` counts completion
+requests (probes of /health, /v1/models and /v1/swarm are not counted).
+
 Each request runs its own chain session, so requests are served concurrently. Errors use
 OpenAI's error shape with a fitting status: 400 bad input (``context_length_exceeded`` when the
 prompt and ``max_tokens`` do not fit), 404 unknown model or path, 405, 408 a body that does not
 arrive, 413 an oversize body, 503 when no chain covers the model (or requests waited in line
 for a session past the queue timeout: code ``busy``), 502 when the swarm fails
 mid-request (before anything was sent; a stream that fails later ends with an error event).
+A client that disconnects before its answer is complete (streaming or not) cancels its
+generation, which frees its chain.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import time
@@ -24,8 +32,9 @@ import trio
 
 from shardnet.inference.claims import NoRouteError
 from shardnet.inference.client import Client
+from shardnet.inference.routing import format_layers, uncovered_layers
 from shardnet.inference.swarm_status import swarm_report
-from shardnet.transport.errors import ShardnetError
+from shardnet.transport.errors import PortInUseError, ShardnetError
 
 from . import openai_api as oa
 
@@ -33,6 +42,7 @@ log = logging.getLogger(__name__)
 
 BODY_TIMEOUT = 30.0
 SWARM_WAIT = 3.0
+HEALTH_WAIT = 5.0  # the longest /health waits for the client's view of the claims
 
 
 def chat_template_of(model_dir: Path) -> str | None:
@@ -55,7 +65,7 @@ class Gateway:
         self.created = oa.now()
         self.context = int(getattr(self.model.ckpt.config, "max_position_embeddings", 0) or 1 << 30)
         self.template = chat_template_of(self.model.ckpt.path)
-        self.requests = 0
+        self.requests = 0  # completion requests (not probes)
 
     # -- ASGI ----------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
@@ -72,11 +82,11 @@ class Gateway:
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
         routes = {("GET", "/health"): self.health, ("GET", "/v1/models"): self.models,
                   ("GET", "/v1/swarm"): self.swarm}
-        self.requests += 1
         try:
             if (method, path) in routes:
-                await _json(send, 200, await routes[(method, path)]())
+                await _json(send, *await routes[(method, path)]())
             elif (method, path) in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+                self.requests += 1
                 await self.generate(path.endswith("chat/completions"), receive, send)
             elif path in {p for _, p in routes} | {"/v1/completions", "/v1/chat/completions"}:
                 raise oa.ApiError(405, f"{method} is not allowed on {path}")
@@ -90,16 +100,29 @@ class Gateway:
             await _json(send, 500, oa.ApiError(500, f"internal error: {e}", type="server_error").body())
 
     # -- simple endpoints ----------------------------------------------------------------------
-    async def health(self) -> dict:
+    async def health(self) -> tuple[int, dict]:
+        """200 while every layer is served by a peer this gateway would route through, else 503
+        naming the layers nobody serves (read afresh from the client's view of the claims)."""
         node = self.client.node
-        return {"status": "ok", "model": self.name, "model_id": self.model.model_id, "peer_id": str(node.peer_id),
-                "connected_peers": len(node.peers()), "requests": self.requests}
+        num_layers = self.model.ckpt.num_layers
+        claims = None
+        with trio.move_on_after(HEALTH_WAIT):
+            claims = await self.client.usable_claims()
+        missing = list(range(num_layers)) if claims is None else uncovered_layers(claims, num_layers)
+        body = {"status": "unavailable" if missing else "ok", "model": self.name, "model_id": self.model.model_id,
+                "peer_id": str(node.peer_id), "connected_peers": len(node.peers()), "requests": self.requests,
+                "num_layers": num_layers, "missing_layers": missing}
+        if missing:
+            body["reason"] = ("no claims could be read within %g s" % HEALTH_WAIT if claims is None
+                              else f"no live peer serves layers {format_layers(missing)}")
+        return (503 if missing else 200), body
 
-    async def models(self) -> dict:
-        return oa.models_body(self.name, self.created)
+    async def models(self) -> tuple[int, dict]:
+        return 200, oa.models_body(self.name, self.created)
 
-    async def swarm(self) -> dict:
-        return await swarm_report(self.client.node, self.model.model_id, self.model.ckpt.num_layers, wait=SWARM_WAIT)
+    async def swarm(self) -> tuple[int, dict]:
+        return 200, await swarm_report(self.client.node, self.model.model_id, self.model.ckpt.num_layers,
+                                       wait=SWARM_WAIT)
 
     # -- generation ----------------------------------------------------------------------------
     def _render_chat(self, messages: list[dict]) -> str:
@@ -141,11 +164,28 @@ class Gateway:
 
     async def generate(self, chat: bool, receive, send) -> None:
         req, ids, max_new = await self._request(chat, receive)
-        route = await self._route()
-        rid, created = oa.new_id(chat), oa.now()
+        rid = oa.new_id(chat)
         t0 = time.perf_counter()
+        gone = trio.Event()
+        # A client that goes away (streaming or not) cancels its generation and frees its chain.
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, gone)
+                await self._generate(req, ids, max_new, rid, send)
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as eg:  # the request's own error (an ApiError: its status), unwrapped
+            if len(eg.exceptions) == 1:
+                raise eg.exceptions[0] from None
+            raise
+        log.info("%s: %d prompt tokens, %s in %.2f s", rid, len(ids),
+                 "cancelled: the client went away" if gone.is_set() else "done", time.perf_counter() - t0)
+
+    async def _generate(self, req, ids, max_new, rid, send) -> None:
+        route = await self._route()
+        created = oa.now()
+        log.info("%s: generating up to %d tokens after %d prompt tokens", rid, max_new, len(ids))
         if req.stream:
-            await self._stream(req, ids, max_new, route, rid, created, receive, send)
+            await self._stream(req, ids, max_new, route, rid, created, send)
         else:
             out: list[int] = []
             text, stopped = "", False
@@ -167,9 +207,8 @@ class Gateway:
             if req.echo:
                 text = self.model.decode(ids) + text
             await _json(send, 200, oa.response_body(req, rid, created, text, finish, oa.usage(len(ids), len(out))))
-        log.info("%s: %d prompt tokens, done in %.2f s", rid, len(ids), time.perf_counter() - t0)
 
-    async def _stream(self, req, ids, max_new, route, rid, created, receive, send) -> None:
+    async def _stream(self, req, ids, max_new, route, rid, created, send) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
 
@@ -179,39 +218,36 @@ class Gateway:
         stop = oa.StopMatcher(req.stop)
         n = 0
         finish = "length"
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            try:
-                if req.chat:
-                    await event(oa.chunk_body(req, rid, created, role=True, text=""))
-                elif req.echo:
-                    await event(oa.chunk_body(req, rid, created, text=self.model.decode(ids)))
-                async with aclosing(self._tokens(req, ids, max_new, route)) as tokens:
-                    async for tok in tokens:
-                        if tok.retracted:
-                            # text already sent cannot be taken back: say so and end the stream
-                            raise ShardnetError(f"a peer was caught computing wrong; {tok.retracted} token(s) "
-                                                "already sent were withdrawn: retry the request")
-                        n += 1
-                        piece = stop.feed(tok.text)
-                        if piece:
-                            await event(oa.chunk_body(req, rid, created, text=piece))
-                        if stop.stopped:
-                            finish = "stop"
-                            break
-                if not stop.stopped:
-                    if piece := stop.flush():
+        try:
+            if req.chat:
+                await event(oa.chunk_body(req, rid, created, role=True, text=""))
+            elif req.echo:
+                await event(oa.chunk_body(req, rid, created, text=self.model.decode(ids)))
+            async with aclosing(self._tokens(req, ids, max_new, route)) as tokens:
+                async for tok in tokens:
+                    if tok.retracted:
+                        # text already sent cannot be taken back: say so and end the stream
+                        raise ShardnetError(f"a peer was caught computing wrong; {tok.retracted} token(s) "
+                                            "already sent were withdrawn: retry the request")
+                    n += 1
+                    piece = stop.feed(tok.text)
+                    if piece:
                         await event(oa.chunk_body(req, rid, created, text=piece))
-                    finish = "length" if n >= max_new else "stop"
-                await event(oa.chunk_body(req, rid, created, finish=finish, text=None if req.chat else ""))
-                if req.include_usage:
-                    await event(oa.chunk_body(req, rid, created, use=oa.usage(len(ids), n)))
-            except ShardnetError as e:
-                log.warning("%s: stream ended early: %s", rid, e)
-                await event(oa.ApiError(502, str(e), type="server_error", code="swarm_error").body())
-            await event("[DONE]")
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            nursery.cancel_scope.cancel()
+                    if stop.stopped:
+                        finish = "stop"
+                        break
+            if not stop.stopped:
+                if piece := stop.flush():
+                    await event(oa.chunk_body(req, rid, created, text=piece))
+                finish = "length" if n >= max_new else "stop"
+            await event(oa.chunk_body(req, rid, created, finish=finish, text=None if req.chat else ""))
+            if req.include_usage:
+                await event(oa.chunk_body(req, rid, created, use=oa.usage(len(ids), n)))
+        except ShardnetError as e:
+            log.warning("%s: stream ended early: %s", rid, e)
+            await event(oa.ApiError(502, str(e), type="server_error", code="swarm_error").body())
+        await event("[DONE]")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _read_body(receive) -> bytes:
@@ -231,11 +267,12 @@ async def _read_body(receive) -> bytes:
         raise oa.ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT:g} s") from None
 
 
-async def _cancel_on_disconnect(receive, scope: trio.CancelScope) -> None:
-    """A streaming client that goes away stops its generation (and frees its chain)."""
+async def _cancel_on_disconnect(receive, scope: trio.CancelScope, gone: trio.Event) -> None:
+    """A client that goes away stops its generation (and frees its chain)."""
     while (await receive())["type"] != "http.disconnect":
         pass
     log.info("client disconnected: generation cancelled")
+    gone.set()
     scope.cancel()
 
 
@@ -250,11 +287,22 @@ async def serve_gateway(client: Client, name: str, *, host: str = "127.0.0.1", p
                         route_timeout: float = 10.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled; ``task_status.started`` gets the bound URLs."""
     from hypercorn.config import Config
-    from hypercorn.trio import serve
+    from hypercorn.trio.run import worker_serve
+    from hypercorn.utils import wrap_app
 
     config = Config()
     config.bind = [f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 5.0
-    await serve(Gateway(client, name, route_timeout=route_timeout), config, task_status=task_status)
+    # Bind here, before Hypercorn's nurseries, so a port in use is one clear error.
+    try:
+        sockets = config.create_sockets()
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUseError(f"HTTP {host}:{port}: port {port} is already in use by another process") from None
+        raise PortInUseError(f"HTTP {host}:{port}: cannot bind: {e.strerror or e}") from None
+    for sock in sockets.insecure_sockets:
+        sock.listen(config.backlog)
+    await worker_serve(wrap_app(Gateway(client, name, route_timeout=route_timeout), config.wsgi_max_body_size, "asgi"),
+                       config, sockets=sockets, task_status=task_status)
