@@ -1,7 +1,8 @@
 """The OpenAI HTTP API's shapes, without I/O: request validation, response and stream-chunk
 bodies, error bodies, stop sequences, chat templates.
 
-Only what shardnet can honour is accepted: ``n`` must be 1, and options that change what is
+Requests are validated by pydantic models (strict: JSON types as sent). Only what shardnet can
+honour is accepted: ``n`` must be 1, and options that change what is
 computed but are not supported (``logprobs``, ``best_of`` > 1, ``logit_bias``, tools) are refused
 with a 400 naming the parameter, rather than silently ignored. Options that only concern
 presentation or accounting (``user``, ``presence_penalty`` = 0, ...) pass.
@@ -20,6 +21,9 @@ import json
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP = 4
@@ -95,76 +99,95 @@ def _check_structure(data: dict) -> None:
             stack.extend((x, field, depth + 1) for x in v)
 
 
-def _number(data: dict, name: str, default: float, lo: float, hi: float) -> float:
-    v = data.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise ApiError(400, f"{name} must be a number between {lo:g} and {hi:g}", param=name)
-    return float(v)
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+OptInt = Annotated[int, Field(ge=1)] | None
 
 
-def _int(data: dict, name: str, lo: int, hi: int | None = None) -> int | None:
-    v = data.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        raise ApiError(400, f"{name} must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else ""),
-                       param=name)
-    return v
+class _Body(BaseModel):
+    """What both endpoints take. Strict: JSON types as they are (``true`` is not a number);
+    fields not named here pass (presentation and accounting options)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    model: Text
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    max_tokens: OptInt = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
+    stream: bool | None = None
+    stream_options: dict | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    n: Literal[1] | None = None
+    best_of: Literal[1] | None = None
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: str
+    content: str
+
+
+class _Completion(_Body):
+    prompt: Text | TokenIds | Annotated[list[Text | TokenIds], Field(min_length=1, max_length=1)]  # a batch of one
+
+
+class _Chat(_Body):
+    messages: Annotated[list[_Message], Field(min_length=1)]
+    max_completion_tokens: OptInt = None
+
+
+#: messages for fields whose pydantic errors (one per member of a union) would not read well
+_MESSAGES = {
+    "model": "model is required (a non-empty string)",
+    "prompt": "prompt must be a non-empty string or list of token ids (one prompt per request)",
+    "messages": "messages must be a non-empty list of objects with a string role and string content",
+    "stop": f"stop must be a string or a list of at most {MAX_STOP} non-empty strings",
+    "n": "only n = 1 is supported",
+    "best_of": "only best_of = 1 is supported",
+    "stream": "stream must be true or false",
+    "stream_options": "stream_options must be an object",
+}
+
+
+def _api_error(e: ValidationError) -> ApiError:
+    """The first problem pydantic found, as OpenAI's 400 naming the parameter."""
+    err = e.errors()[0]
+    param = str(err["loc"][0]) if err["loc"] else None
+    where = ".".join(str(x) for x in err["loc"])
+    message = _MESSAGES.get(param) or f"{where}: {err['msg']}"
+    if param == "messages" and len(err["loc"]) > 1 and isinstance(err["loc"][1], int):
+        message += f" (messages[{err['loc'][1]}])"
+    return ApiError(400, message, param=param)
 
 
 def parse_request(data: dict, *, chat: bool, render_chat=None) -> GenerationRequest:
     """Validate a request body; ``render_chat(messages) -> str`` applies the chat template."""
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(400, "model is required", param="model")
     for name in UNSUPPORTED:
         if data.get(name) not in (None, False, [], {}):
             raise ApiError(400, f"{name} is not supported by this server", param=name)
-    if data.get("n", 1) != 1 or data.get("best_of", 1) != 1:
-        raise ApiError(400, "only n = 1 is supported", param="n")
+    try:
+        body = (_Chat if chat else _Completion).model_validate(data)
+    except ValidationError as e:
+        raise _api_error(e) from None
     if chat:
-        messages = data.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list", param="messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ApiError(400, f"messages[{i}] must have a string role and string content", param="messages")
-        prompt: str | list[int] = render_chat(messages)
+        prompt: str | list[int] = render_chat([m.model_dump() for m in body.messages])
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     else:
-        prompt = data.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                          and t >= 0 for t in prompt)
-        if not (isinstance(prompt, str) and prompt) and not ids:
-            raise ApiError(400, "prompt must be a non-empty string or list of token ids (one prompt per request)",
-                           param="prompt")
-    stop = data.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP} non-empty strings", param="stop")
-    max_name = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(data, max_name, 1)
-    if max_tokens is None and not chat:
-        max_tokens = DEFAULT_MAX_TOKENS
-    opts = data.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise ApiError(400, "stream_options must be an object", param="stream_options")
-    stream = data.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be true or false", param="stream")
-    temperature, top_p = _number(data, "temperature", 1.0, 0.0, 2.0), _number(data, "top_p", 1.0, 0.0, 1.0)
+        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) \
+            else body.prompt
+        max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
     if top_p == 0:  # the tiniest nucleus: only the most likely token, i.e. greedy decoding
         temperature, top_p = 0.0, 1.0
+    stop = [] if body.stop is None else [body.stop] if isinstance(body.stop, str) else body.stop
     return GenerationRequest(
-        chat=chat, model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-        stop=stop, seed=_int(data, "seed", -(2**63), 2**63 - 1), stream=stream,
-        include_usage=bool(opts.get("include_usage")), echo=bool(data.get("echo")) and not chat)
+        chat=chat, model=body.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        stop=stop, seed=body.seed, stream=bool(body.stream),
+        include_usage=bool((body.stream_options or {}).get("include_usage")),
+        echo=bool(data.get("echo")) and not chat)
 
 
 def first_stop(text: str, stops: list[str], start: int = 0) -> int:
