@@ -121,3 +121,28 @@ def test_the_no_autonat_flag_turns_the_client_off_and_keeps_the_service():
     assert CliRunner().invoke(cmd, []).exit_code == 0
     assert (made[0].autonat_client, made[0].autonat) == (False, True)
     assert made[1].autonat_client is True
+
+
+async def test_an_unmarked_server_is_asked_only_once_its_agent_is_known_and_not_one_that_drops_us(
+        loopback_config, monkeypatch):
+    from libp2p.custom_types import TProtocol
+
+    import shardnet.transport.nat.autonat as autonat
+
+    async with open_node(loopback_config()) as foreign, open_node(loopback_config()) as b:
+        foreign.host.remove_stream_handler(TProtocol(DIAL_BACK_MARKER))  # as a non-shardnet server
+        await b.connect(foreign.listen_addrs[0])
+        with trio.fail_after(10):
+            while "/libp2p/autonat/1.0.0" not in b.host.get_peerstore().get_protocols(foreign.peer_id):
+                await trio.sleep(0.05)
+        assert DIAL_BACK_MARKER not in b.host.get_peerstore().get_protocols(foreign.peer_id)
+        # its agent, read with an identify exchange of b's own: py-libp2p, which dials back on a
+        # fresh connection: asked
+        assert await b.autonat.server_kinds() == {foreign.peer_id: UNKNOWN_KIND}
+        assert b.autonat._agents[foreign.peer_id].startswith("py-libp2p")
+        # were it an agent known to answer over the asked connection and close it: never asked
+        monkeypatch.setattr(autonat, "REUSING_AGENTS", ("py-libp2p",))
+        assert await b.autonat.server_kinds() == {foreign.peer_id: REUSES}
+        assert b.autonat.policy.choose(await b.autonat.server_kinds(), trio.current_time()) == []
+        await b.autonat.check()
+        assert b.autonat.stats["asked"] == 0 and foreign.peer_id in b.peers()

@@ -72,6 +72,7 @@ NO_ANSWER_BACKOFF = 30 * 60.0  # seconds a server that did not answer is left al
 REFUSED_BACKOFF = 5 * 60.0  # ... one that refused to dial (busy, same machine, bad request)
 MAX_BACKOFF = 24 * 3600.0  # the longest; also for a server whose connection went as it answered
 MAX_REMEMBERED = 1024  # servers the policy keeps state for
+AGENT_LOOKUPS_PER_CHECK = 4  # identify exchanges (for an agent version) one check may make
 
 
 @dataclass
@@ -451,13 +452,20 @@ class AutoNAT:
         kinds = {s: self._kind_by_protocols(s) for s in self.servers()}
         if FRESH not in kinds.values():
             now = trio.current_time()
-            for s, kind in kinds.items():
-                if kind == UNKNOWN_KIND and s not in self._agents and not self.policy.backing_off(s, now):
+            unknown = [s for s, kind in kinds.items() if kind == UNKNOWN_KIND and not self.policy.backing_off(s, now)]
+            if any(s in self._agents for s in unknown):
+                unknown = []  # one we know is no js-libp2p: enough to ask
+            secrets.SystemRandom().shuffle(unknown)
+            for s in unknown[:AGENT_LOOKUPS_PER_CHECK]:
+                if s not in self._agents:
                     agent = await self._agent_of(s)
                     kinds[s] = self._kind_by_protocols(s)
-                    if kinds[s] == REUSES:
-                        log.info("not asking %s for AutoNAT: %s answers over the connection it is asked on "
-                                 "and then closes it", str(s)[:16], agent.split()[0] if agent else "it")
+                    if kinds[s] != REUSES:
+                        break  # found one to ask
+                    log.info("not asking %s for AutoNAT: %s answers over the connection it is asked on "
+                             "and then closes it", str(s)[:16], agent.split()[0] if agent else "it")
+            # an unmarked server is asked only once we know its agent
+            kinds = {s: k for s, k in kinds.items() if k != UNKNOWN_KIND or s in self._agents}
         return kinds
 
     async def check(self) -> Reachability:
