@@ -264,8 +264,9 @@ async def test_pings_are_answered_in_order_and_in_batches(loopback_config):
             while len(got) < len(sent):
                 got += await s.read_some(timeout=5)
         assert got == sent
-        extra = [await peer.new_stream(node.peer_id, "/ipfs/ping/1.0.0") for _ in range(2)]
-        await extra[-1].write(b"p" * 32)  # a third ping stream from one peer is refused
+        limit = node.config.limits.ping_streams_per_peer
+        extra = [await peer.new_stream(node.peer_id, "/ipfs/ping/1.0.0") for _ in range(limit)]
+        await extra[-1].write(b"p" * 32)  # one ping stream over the per-peer limit is refused
         try:
             answer = await extra[-1].read_some(timeout=5)
         except ShardnetError:
