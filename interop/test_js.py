@@ -145,5 +145,6 @@ async def test_a_shardnet_peer_reserves_on_a_js_relay_and_is_dialled_through_it(
                         await s.read_exactly(len(frame), timeout=10)
                         echoed += len(frame)
             except ShardnetError as e:
-                assert "ended" in str(e) or "closed" in str(e) or "reset" in str(e), e
+                # a js relay resets the circuit at its limit, which now reads as a reset, not an end
+                assert any(w in str(e).lower() for w in ("ended", "closed", "reset")), e
         assert 0 < echoed < 200 * len(frame)
