@@ -1,0 +1,87 @@
+"""One stream between two nodes in one process: throughput and small-message round trip.
+
+    python bench/stream_echo.py [--label NAME]
+
+64 MiB in 1 MiB writes (best of 4 passes) and 500 echoes of 64 bytes (median), over loopback.
+In-process, so it shows what the stream path itself costs per message (task switches, framing,
+encryption) without a second process's scheduling. Run it in two trees (a ``git worktree`` of
+another commit, with ``PYTHONPATH`` set to it) to compare them; docs/benchmarks.md does so for
+the single-writer change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: another tree wins
+
+from shardnet.transport import open_node  # noqa: E402
+from shardnet.transport.config import NodeConfig  # noqa: E402
+
+MIB = 64
+ECHOES = 500
+
+
+def _config() -> NodeConfig:
+    return NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], dial_timeout=5.0)
+
+
+async def measure() -> tuple[float, float]:
+    async with open_node(_config()) as a, open_node(_config()) as b:
+        got = {"n": 0}
+        done = trio.Event()
+
+        async def sink(s) -> None:
+            while got["n"] < MIB << 20:
+                data = await s.read_some(1 << 20, timeout=30)
+                if not data:
+                    break
+                got["n"] += len(data)
+            done.set()
+
+        async def echo(s) -> None:
+            while data := await s.read_some(1 << 16, timeout=30):
+                await s.write(data)
+
+        b.set_stream_handler("/bench/sink", sink)
+        b.set_stream_handler("/bench/echo", echo)
+        await a.connect(b.listen_addrs[0])
+        chunk = b"x" * (1 << 20)
+        best = 0.0
+        for _ in range(4):
+            got["n"], done = 0, trio.Event()
+            s = await a.new_stream(b.peer_id, "/bench/sink")
+            t0 = time.perf_counter()
+            for _ in range(MIB):
+                await s.write(chunk)
+            await done.wait()
+            best = max(best, MIB / (time.perf_counter() - t0))
+        s = await a.new_stream(b.peer_id, "/bench/echo")
+        rtts = []
+        for _ in range(ECHOES):
+            t0 = time.perf_counter()
+            await s.write(b"y" * 64)
+            await s.read_exactly(64)
+            rtts.append(time.perf_counter() - t0)
+        return best, statistics.median(rtts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--label", default="")
+    args = ap.parse_args()
+    import shardnet
+
+    tput, rtt = trio.run(measure)
+    print(f"{args.label or Path(shardnet.__file__).parent.parent}: {tput:.0f} MiB/s (best of 4), "
+          f"median 64-byte round trip {rtt * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
