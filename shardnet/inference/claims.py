@@ -174,6 +174,7 @@ class ClaimsView:
         self.node, self.model_id = node, model_id
         self._claims: dict[str, bc.Claim] = {}
         self.lookups = 0  # finished
+        self.first_lookup = trio.Event()  # set once a lookup has finished, found or not
         self.last_lookup_error: str | None = None
         self.from_gossip = 0  # claims taken from gossip
         self._changed = trio.Event()
@@ -248,6 +249,7 @@ class ClaimsView:
         for c in found:
             self.note(c)
         self.lookups += 1
+        self.first_lookup.set()
         self._changed.set()
         self._changed = trio.Event()
 

@@ -410,6 +410,11 @@ class Client:
         last_error: Exception | None = None
         view = self.view
         view.start()
+        if view.running and not view.first_lookup.is_set():
+            # A new view fills from gossip claim by claim: the first route is chosen from what a
+            # whole lookup sees, not from whichever claims happened to arrive first.
+            with trio.move_on_after(max(0.0, deadline - trio.current_time())):
+                await view.first_lookup.wait()
         while True:
             if not view.running:  # a node without a nursery of its own: look up here
                 await view.lookup(timeout=max(1.0, min(15.0, deadline - trio.current_time())))
