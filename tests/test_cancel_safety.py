@@ -91,6 +91,24 @@ async def test_frames_keep_their_order_and_are_joined_into_few_writes():
         nursery.cancel_scope.cancel()
 
 
+async def test_urgent_frames_go_before_queued_data_and_control_frames_are_bounded():
+    sink = _SlowSink(delay=0.02)
+    w = ConnectionWriter(sink.write, max_queued=100, control_slack=50)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(w.run)
+        w.push(b"d1" * 10)
+        await trio.sleep(0.005)  # the writer is busy with d1
+        w.push(b"d2" * 10)
+        w.push(b"u", urgent=True)
+        await w.flush()
+        assert sink.got[0] == b"d1" * 10 and sink.got[1].startswith(b"u")  # u jumped d2
+        w.push(b"x" * 140)  # data and control past the data bound, within the slack
+        with trio.move_on_after(0.01) as scope:  # a flood of control frames meets a bound
+            await w.wait_for_room(20, control=True)
+        assert scope.cancelled_caught
+        nursery.cancel_scope.cancel()
+
+
 # -- real connections --------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("path,rounds", [("direct", 1200), ("relayed", 600)])
@@ -178,3 +196,44 @@ async def test_a_session_cancelled_mid_step_leaves_the_other_session_on_the_conn
         assert both == alone
         assert cuts >= 3
         assert conns_before == {id(c) for c in node.host.get_network().get_connections()}
+
+
+async def test_a_fin_before_a_reset_reads_as_a_whole_stream_and_a_local_reset_wakes_readers(loopback_config):
+    from libp2p.stream_muxer.yamux import yamux as ymod
+
+    ended = {}
+
+    async def fin_then_reset(stream):
+        await stream.write(b"whole")
+        await stream.raw.close()  # FIN: the data is complete
+        await trio.sleep(0.2)
+        await stream.raw.reset()  # then a reset, as some peers do
+
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        b.set_stream_handler("/t/fin-reset", fin_then_reset)
+        await a.connect(b.listen_addrs[0])
+        s = await a.new_stream(b.peer_id, "/t/fin-reset")
+        await trio.sleep(0.5)  # FIN and RST have both arrived
+        assert await s.read_exactly(5, timeout=5) == b"whole"
+        assert await s.read_some(timeout=5) == b""  # a clean end, not a reset
+
+        b.set_stream_handler("/t/silent", lambda stream: trio.sleep(5))
+        s = await a.new_stream(b.peer_id, "/t/silent")
+        muxed = s.raw.muxed_stream
+        assert isinstance(muxed, ymod.YamuxStream)
+
+        async def reader():
+            try:
+                await s.read_some(timeout=10)
+                ended["how"] = "eof"
+            except Exception as e:
+                ended["how"] = type(e).__name__
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.sleep(0.1)
+            with trio.fail_after(3):  # the reader must not sleep on after our own reset
+                await muxed.reset()
+                while "how" not in ended:
+                    await trio.sleep(0.01)
+        assert ended["how"] == "StreamClosedError", ended

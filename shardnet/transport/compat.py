@@ -99,8 +99,10 @@ method or one module-level constant each, so they are easy to drop when upstream
    writes. A cancelled stream write abandons what it had not queued, and if it had queued part
    of its data it resets its own stream; the connection is never touched. And a reader whose
    stream was reset sees the reset once the bytes before it are read (upstream forgot the stream
-   and reported a clean end, passing a truncated message off as whole). Tests:
-   tests/test_cancel_safety.py.
+   and reported a clean end, passing a truncated message off as whole), while a stream whose FIN
+   came before its reset reads to a clean end. With SHARDNET_UNTUNED_DATA_PATH=1 (upstream's
+   stream write, for benchmarks) frames still go through the writer whole, but a write cut
+   midway does not reset its stream. Tests: tests/test_cancel_safety.py.
 
 Fixes that are settings or wrappers rather than patches live where they are used, each tested
 too: host.py (250 ms happy-eyeballs dial delay, auto-connector dialling ~100 peers, dial
@@ -1045,6 +1047,7 @@ CLOSE_FLUSH_S = 2.0
 
 def _send_through_one_writer() -> None:
     from libp2p.io.exceptions import ConnectionClosedError
+    from libp2p.network.connection.exceptions import RawConnError
     from libp2p.stream_muxer.yamux import yamux as ymod
 
     from .conn_writer import ConnectionWriter, WriterClosed
@@ -1079,14 +1082,28 @@ def _send_through_one_writer() -> None:
 
     ymod.Yamux.start = start
 
+    class WriterGone(ConnectionClosedError, RawConnError):
+        """The connection's writer stopped: both upstream's close/reset paths (which expect
+        ConnectionClosedError) and its reader loop (which stops on RawConnError) understand it."""
+
+    urgent_types = (ymod.TYPE_WINDOW_UPDATE, ymod.TYPE_PING)
+
     async def _write_frame(self: Any, data: bytes) -> None:
         # Control frames (and upstream's unbatched data frames) are queued whole and not waited
-        # for: a reset or window update can never be cut, and never waits behind data.
+        # for on the wire, so a reset or window update is never cut; the queue's control slack
+        # bounds them (the reader answering a flood of pings waits here, as upstream's reader
+        # waited on its socket write). Window updates and pings without FIN/RST jump the data
+        # queue: nothing sent earlier must precede them.
+        writer = self._sn_writer
         try:
-            frame = self._sn_writer.push(data)
+            await writer.wait_for_room(len(data), control=True)
+            typ = data[1] if len(data) > 3 else None
+            flags = int.from_bytes(data[2:4], "big") if len(data) > 3 else 0
+            urgent = typ in urgent_types and not flags & (ymod.FLAG_FIN | ymod.FLAG_RST)
+            frame = writer.push(data, urgent=urgent)
         except WriterClosed as e:
-            raise ConnectionClosedError(str(e)) from None
-        if len(data) > 1 and data[1] == ymod.TYPE_GO_AWAY:
+            raise WriterGone(str(e)) from None
+        if typ == ymod.TYPE_GO_AWAY and writer.started:
             # The last frame of a closing connection: let it (and all before it) reach the socket.
             with trio.move_on_after(CLOSE_FLUSH_S):
                 try:
@@ -1099,19 +1116,51 @@ def _send_through_one_writer() -> None:
 
     from libp2p.stream_muxer.exceptions import MuxedStreamEOF, MuxedStreamReset
 
+    # Whether a stream's reset came after the peer's FIN (the data was whole) is noted when the
+    # reset is recorded locally or by the connection's end; a remote RST leaves recv_closed as it
+    # was, so recv_closed itself tells for that one.
     orig_read = ymod.YamuxStream.read
 
     async def read(self: Any, n: int | None = -1) -> bytes:
         # Once a reset stream's buffered bytes are read, upstream forgets the stream and the next
         # read says "end of stream": a message cut short by a reset would pass for a whole one.
+        # And upstream calls a stream whose FIN came before the reset "reset", though its data
+        # was whole (go-yamux reads such a stream to a clean end).
         try:
             return await orig_read(self, n)
-        except MuxedStreamEOF:
-            if self.reset_received:
+        except (MuxedStreamEOF, MuxedStreamReset) as e:
+            whole = self.__dict__.get("_sn_fin_before_reset", self.recv_closed)
+            if self.reset_received and not whole:
                 raise MuxedStreamReset("Stream was reset") from None
+            if isinstance(e, MuxedStreamReset) and whole:
+                raise MuxedStreamEOF("Stream is closed for receiving") from None
             raise
 
     ymod.YamuxStream.read = read
+
+    orig_reset = ymod.YamuxStream.reset
+
+    async def reset(self: Any) -> None:
+        self.__dict__.setdefault("_sn_fin_before_reset", self.recv_closed)
+        # Upstream drops the stream's wake-up event without setting it: a task reading the same
+        # stream would sleep on it forever.
+        event = self.conn.stream_events.get(self.stream_id)
+        try:
+            await orig_reset(self)
+        finally:
+            if event is not None:
+                event.set()
+
+    ymod.YamuxStream.reset = reset
+
+    orig_cleanup = ymod.Yamux._cleanup_on_error
+
+    async def _cleanup_on_error(self: Any) -> None:
+        for stream in list(self.streams.values()):
+            stream.__dict__.setdefault("_sn_fin_before_reset", stream.recv_closed)
+        await orig_cleanup(self)
+
+    ymod.Yamux._cleanup_on_error = _cleanup_on_error
 
 
 async def _reset_cut_stream(stream: Any) -> None:

@@ -9,8 +9,13 @@ connection takes them in order, encrypts and writes them. A caller's cancellatio
 it has not queued yet; whatever is queued is written whole, or the connection fails as a whole
 (the writer closes it), never half a frame.
 
-Queued bytes are bounded (``max_queued``) for data; control frames (window updates, resets,
-pings) are small and always admitted, so a full queue can never keep a stream from being reset.
+Queued bytes are bounded (``max_queued``) for data. Control frames (window updates, resets,
+pings) get ``control_slack`` bytes beyond that bound, so a queue full of data never keeps a stream
+from being reset, while a peer that floods us with pings and never reads still meets a bound (its
+pongs then wait, which stops our reading from it, as a blocked socket write did before). Frames
+pushed as urgent (window updates and pings, which no earlier frame must precede) are written
+before queued data, so a long data queue on a slow uplink does not starve flow control or delay
+keepalive answers past their deadline.
 """
 
 from __future__ import annotations
@@ -80,11 +85,15 @@ class ConnectionWriter:
     """
 
     def __init__(self, write: Callable[[bytes], Awaitable[None]], *, max_queued: int,
+                 control_slack: int = 1 << 20,
                  on_failure: Callable[[], Awaitable[None]] | None = None, name: str = "") -> None:
         self._write = write
         self._on_failure = on_failure
         self.max_queued = max_queued
+        self.control_slack = control_slack
         self.name = name
+        self.started = False
+        self._urgent: deque[QueuedFrame] = deque()
         self._queue: deque[QueuedFrame] = deque()
         self._in_flight: list[QueuedFrame] = []  # taken from the queue, being written
         self._queued_bytes = 0  # queued or being written, not yet on the wire
@@ -106,22 +115,25 @@ class ConnectionWriter:
         if self._error is not None:
             raise WriterClosed(f"connection writer stopped: {self._error}")
 
-    async def wait_for_room(self, n: int) -> None:
-        """Wait until ``n`` more data bytes fit in the queue. Nothing is committed by waiting,
-        so a caller cancelled here has written nothing."""
+    async def wait_for_room(self, n: int, *, control: bool = False) -> None:
+        """Wait until ``n`` more bytes fit in the queue (``control``: within the control slack
+        beyond the data bound). Nothing is committed by waiting, so a caller cancelled here has
+        written nothing."""
         await trio.lowlevel.checkpoint_if_cancelled()
+        bound = self.max_queued + (self.control_slack if control else 0)
         while True:
             self._check()
-            if self._queued_bytes == 0 or self._queued_bytes + n <= self.max_queued:
+            if self._queued_bytes == 0 or self._queued_bytes + n <= bound:
                 return
             await self._room.park()
 
-    def push(self, data: bytes | bytearray) -> QueuedFrame:
-        """Queue ``data`` to be written whole, after everything queued before it; never blocks.
-        Callers bound data with :meth:`wait_for_room` first; control frames skip that."""
+    def push(self, data: bytes | bytearray, *, urgent: bool = False) -> QueuedFrame:
+        """Queue ``data`` to be written whole; never blocks. Frames go out in the order pushed,
+        except that urgent ones go before every data frame still queued (only for frames that
+        no earlier frame must precede). Callers bound what they push with :meth:`wait_for_room`."""
         self._check()
         frame = QueuedFrame(data)
-        self._queue.append(frame)
+        (self._urgent if urgent else self._queue).append(frame)
         self._queued_bytes += len(data)
         self._work.unpark()
         return frame
@@ -133,7 +145,8 @@ class ConnectionWriter:
 
     async def flush(self) -> None:
         """Wait until everything queued so far is written (or the writer has stopped)."""
-        last = self._queue[-1] if self._queue else self._in_flight[-1] if self._in_flight else None
+        last = (self._queue[-1] if self._queue else self._urgent[-1] if self._urgent
+                else self._in_flight[-1] if self._in_flight else None)
         if last is not None:
             try:
                 await last.written()
@@ -145,13 +158,18 @@ class ConnectionWriter:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The writer task: runs until cancelled (the connection's owner closes it) or a write
         fails. The only caller of ``write`` while it runs."""
+        self.started = True
         task_status.started()
         try:
             while True:
-                while not self._queue:
+                while not self._queue and not self._urgent:
                     await self._work.park()
                 batch = self._in_flight
                 size = 0
+                while self._urgent:
+                    frame = self._urgent.popleft()
+                    batch.append(frame)
+                    size += len(frame.data)
                 while self._queue and (not batch or size + len(self._queue[0].data) <= COALESCE_BYTES):
                     frame = self._queue.popleft()
                     batch.append(frame)
@@ -190,8 +208,9 @@ class ConnectionWriter:
         for frame in self._in_flight:
             frame._finish(self._error)
         self._in_flight.clear()
-        while self._queue:
-            self._queue.popleft()._finish(self._error)
+        for queue in (self._urgent, self._queue):
+            while queue:
+                queue.popleft()._finish(self._error)
         self._queued_bytes = 0
         self._room.unpark_all()
         self._work.unpark_all()

@@ -251,7 +251,12 @@ class RelayService:
                     except EOFError:  # py-libp2p's streams end with an exception, not b""
                         data = b""
                     if not data:
-                        await dst.close()  # this half is done; the other may still be talking
+                        if getattr(getattr(src, "muxed_conn", None), "event_shutting_down", None) is not None \
+                                and src.muxed_conn.event_shutting_down.is_set():
+                            # our own connection to that end is closing (keepalive, pruning):
+                            # an end of its stream here is no FIN of that peer's
+                            raise EOFError("the relay's connection to it closed")
+                        await dst.close_write()  # this half is done; the other may still be talking
                         return
                     await dst.write(data)
                     sent[direction] += len(data)
