@@ -189,6 +189,10 @@ class InferenceSession:
                 self.ret = await returns.receive()
         except trio.TooSlowError:
             raise InferenceError("timeout", "the chain did not become ready in time") from None
+        except InferenceError:
+            raise
+        except ShardnetError as e:  # the first hop went away while opening (a reset, its connection lost)
+            raise InferenceError("next_hop", f"{first.peer[:16]}… failed: {e}", first.peer) from None
         finally:
             ep.forget_return(s)
 

@@ -294,9 +294,14 @@ class ActivationEndpoint:
         ms = MessageStream(stream)
         if rec is not None:
             ms.sent_hash = rec.sent
-        await ms.send(first)
+        try:
+            await ms.send(first)
+            reply = await ms.recv(OPEN_TIMEOUT) if chain else None
+        except InferenceError:
+            raise
+        except ShardnetError as e:  # the next hop went away (a reset, its connection lost)
+            raise InferenceError("next_hop", f"{target['peer'][:16]}… failed: {e}", target["peer"]) from None
         if chain:
-            reply = await ms.recv(OPEN_TIMEOUT)
             if reply is None or reply.type == "error":
                 await ms.close()
                 if reply is None:
