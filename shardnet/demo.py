@@ -61,8 +61,14 @@ def run_overlay_demo(*, nodes: int, timeout: float, say: Callable[[str], None]) 
 
         say(f"gossipsub: node1 publishes on {TOPIC!r} ...")
         deadline = time.monotonic() + timeout
-        for p, _ in members[1:]:  # meshes form within a heartbeat or two
-            while len(p.command({"cmd": "topic_peers", "topic": TOPIC}, timeout)["peers"]) == 0:
+        # meshes form within a heartbeat or two; the publisher must also know every subscriber
+        # (a node that saw only another subscriber could otherwise miss the message)
+        for p, me in members:
+            want = ids - {me} if p is first else None
+            while True:
+                peers = set(p.command({"cmd": "topic_peers", "topic": TOPIC}, timeout)["peers"])
+                if (want <= peers) if want is not None else peers:
+                    break
                 if time.monotonic() > deadline:
                     raise ShardnetError("gossip mesh did not form")
                 time.sleep(0.2)
