@@ -100,16 +100,10 @@ class ConnectionWriter:
         self._work = trio.lowlevel.ParkingLot()
         self._room = trio.lowlevel.ParkingLot()
         self._error: BaseException | None = None
-        self.bytes_written = 0
-        self.writes = 0
 
     @property
     def closed(self) -> bool:
         return self._error is not None
-
-    @property
-    def queued_bytes(self) -> int:
-        return self._queued_bytes
 
     def _check(self) -> None:
         if self._error is not None:
@@ -176,8 +170,6 @@ class ConnectionWriter:
                     size += len(frame.data)
                 data = batch[0].data if len(batch) == 1 else b"".join(f.data for f in batch)
                 await self._write(data)
-                self.bytes_written += size
-                self.writes += 1
                 self._queued_bytes -= size
                 for frame in batch:
                     frame._finish()
