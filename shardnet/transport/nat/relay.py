@@ -251,8 +251,8 @@ class RelayService:
                     except EOFError:  # py-libp2p's streams end with an exception, not b""
                         data = b""
                     if not data:
-                        if getattr(getattr(src, "muxed_conn", None), "event_shutting_down", None) is not None \
-                                and src.muxed_conn.event_shutting_down.is_set():
+                        closing = getattr(getattr(src, "muxed_conn", None), "event_shutting_down", None)
+                        if closing is not None and closing.is_set():
                             # our own connection to that end is closing (keepalive, pruning):
                             # an end of its stream here is no FIN of that peer's
                             raise EOFError("the relay's connection to it closed")
