@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shardnet.inference.random_model import init_random  # noqa: E402
-from shardnet.inference.speculative import ModelDrafter  # noqa: E402
+from shardnet.inference.model.random_model import init_random  # noqa: E402
+from shardnet.inference.client.speculative import ModelDrafter  # noqa: E402
 from shardnet.models import default_draft_path  # noqa: E402
 
 

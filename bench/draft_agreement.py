@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shardnet.inference.client import LocalModel  # noqa: E402
-from shardnet.inference.speculative import NGramDrafter  # noqa: E402
+from shardnet.inference.model.local_model import LocalModel  # noqa: E402
+from shardnet.inference.client.speculative import NGramDrafter  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
 
 PROMPTS = ["def __init__(self, name):\n        self.name = name\n        self.",

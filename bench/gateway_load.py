@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shardnet.localswarm import LocalSwarm, ShardnetProcess  # noqa: E402
+from shardnet.testing.localswarm import LocalSwarm, ShardnetProcess  # noqa: E402
 
 PROMPT = "def main(args):\n    "
 MAX_TOKENS = 12

@@ -3,8 +3,8 @@
     python bench/hostile_peers.py [--rounds 9] [--attacks spin,garbage,slowloris,flood,streams]
 
 A bootstrap, two compute peers (the shipped model, layers 0:4 and 4:8) and an honest client
-(tests/doubles/honest_client.py) run as processes; the first compute peer is attacked by one
-attacker process at a time (tests/doubles/hostile_peer.py, see there for what each attack does;
+(tests/system/doubles/honest_client.py) run as processes; the first compute peer is attacked by one
+attacker process at a time (tests/system/doubles/hostile_peer.py, see there for what each attack does;
 "spin" is the control, an attacker that only burns CPU). For each attack: ``--rounds`` generations
 of 16 tokens right before it starts and as many during it; the ratio of the medians, whether the
 tokens changed, whether a new process could still connect (``shardnet ping``), and how much the
@@ -31,11 +31,11 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shardnet.inference.checkpoint import Checkpoint  # noqa: E402
-from shardnet.localswarm import LocalSwarm  # noqa: E402
+from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
+from shardnet.testing.localswarm import LocalSwarm  # noqa: E402
 from shardnet.models import default_model_path  # noqa: E402
 
-DOUBLES = ROOT / "tests" / "doubles"
+DOUBLES = ROOT / "tests" / "system" / "doubles"
 HOSTILE = [sys.executable, str(DOUBLES / "hostile_peer.py")]
 HONEST = [sys.executable, str(DOUBLES / "honest_client.py")]
 ATTACKS = ["spin", "garbage", "slowloris", "flood", "streams"]

@@ -3,7 +3,7 @@ and relayed vs direct stream throughput, measured side by side in one run.
 
     sudo python bench/nat_traversal.py [--rounds 20] [--attempts-symmetric 20] [--mib 32] [--repeats 3]
 
-Needs root (network namespaces, nftables). The lab (shardnet/natlab.py): a relay on the public
+Needs root (network namespaces, nftables). The lab (shardnet/testing/natlab.py): a relay on the public
 segment; targets a (cone NAT) and s (symmetric NAT) hold a slot at it; dialers b (cone) and
 c (symmetric) connect to a target through the relay, and the target (which accepted the relayed
 connection) hole-punches. One "round" is: drop the connection, reconnect through the relay,
@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shardnet import natlab  # noqa: E402
-from shardnet.localswarm import ShardnetProcess  # noqa: E402
+from shardnet.testing import natlab  # noqa: E402
+from shardnet.testing.localswarm import ShardnetProcess  # noqa: E402
 
 
 def start(lab, tmp: Path, procs: list, name: str, args: list[str]) -> tuple[ShardnetProcess, str, float]:

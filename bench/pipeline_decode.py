@@ -32,11 +32,12 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shardnet.inference.checkpoint import Checkpoint  # noqa: E402
-from shardnet.inference.client import Client, LocalModel  # noqa: E402
-from shardnet.inference.layout import split_layers  # noqa: E402
-from shardnet.inference.speculative import ModelDrafter  # noqa: E402
-from shardnet.localswarm import LocalSwarm  # noqa: E402
+from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
+from shardnet.inference.client.client import Client
+from shardnet.inference.model.local_model import LocalModel  # noqa: E402
+from shardnet.inference.model.layout import split_layers  # noqa: E402
+from shardnet.inference.client.speculative import ModelDrafter  # noqa: E402
+from shardnet.testing.localswarm import LocalSwarm  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 

@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.claims import find_claims  # noqa: E402
-from shardnet.inference.client import Client, LocalModel  # noqa: E402
-from shardnet.localswarm import ShardnetProcess  # noqa: E402
+from shardnet.inference.client.client import Client
+from shardnet.inference.model.local_model import LocalModel  # noqa: E402
+from shardnet.testing.localswarm import ShardnetProcess  # noqa: E402
 from shardnet.models import default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 from tests.conftest import free_port  # noqa: E402

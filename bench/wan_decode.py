@@ -13,7 +13,7 @@ Alternating runs (greedy, same prompt) measure: plain decode; speculative decode
 shipped draft model and with the n-gram drafter (one verify chunk at a time); and both with
 ``--depth`` verify chunks in flight. Per mode: tok/s, the ratio to plain, tokens gained per
 traversal, the share of drafts accepted, the share of chunks sent that went stale, and the
-analytical ceiling (shardnet/inference/throughput.py, docs/performance.md) with the share of it
+analytical ceiling (shardnet/inference/client/throughput.py, docs/performance.md) with the share of it
 reached. The ceiling is what the mode's own acceptance outcomes would give if a chunk's trip cost
 only the WAN (the emulated delays and serialisation at the cap) plus computation measured in
 this process (each block, the client's embedding and head, the drafting): the gap to it is the
@@ -40,12 +40,13 @@ import trio  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.wan_emulator import Link, WanProxy  # noqa: E402
-from shardnet.inference.checkpoint import Checkpoint  # noqa: E402
-from shardnet.inference.client import Client, LocalModel  # noqa: E402
-from shardnet.inference.layout import split_layers  # noqa: E402
-from shardnet.inference.speculative import ModelDrafter, NGramDrafter, SpeculationStats  # noqa: E402
-from shardnet.inference.throughput import ceiling  # noqa: E402
-from shardnet.localswarm import ShardnetProcess  # noqa: E402
+from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
+from shardnet.inference.client.client import Client
+from shardnet.inference.model.local_model import LocalModel  # noqa: E402
+from shardnet.inference.model.layout import split_layers  # noqa: E402
+from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter, SpeculationStats  # noqa: E402
+from shardnet.inference.client.throughput import ceiling  # noqa: E402
+from shardnet.testing.localswarm import ShardnetProcess  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 
@@ -147,7 +148,7 @@ def measure_compute(ckpt: Checkpoint, ranges, model: LocalModel, positions: int,
     """Seconds of computation per chunk of ``positions`` tokens at ``context`` tokens of history,
     measured here one block at a time: (summed over the chain's blocks, at the client: embedding
     and head)."""
-    from shardnet.inference.block import Block
+    from shardnet.inference.model.block import Block
 
     def timed(fn) -> float:
         times = []
@@ -208,7 +209,7 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
               f"{total.stale / max(1, total.chunks):6.0%} {top:8.2f} {rate / top:8.0%}")
     same = all(ids == modes[0].ids[0] for m in modes for ids in m.ids)
     print(f"greedy output identical in every mode and run: {same}")
-    print("ceiling: shardnet/inference/throughput.py over each mode's own acceptance outcomes, with the WAN")
+    print("ceiling: shardnet/inference/client/throughput.py over each mode's own acceptance outcomes, with the WAN")
     print("delays above plus compute measured in this process per chunk: " + ", ".join(
         f"{n} position{'s' if n > 1 else ''} {c[0] * 1e3:.1f} ms chain + {c[1] * 1e3:.1f} ms client"
         for n, c in sorted(compute.items())) + f"; drafting {modes[1].name.split(', ')[1]}: "

@@ -17,9 +17,10 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shardnet.inference import wire  # noqa: E402
-from shardnet.inference.client import Client, LocalModel  # noqa: E402
-from shardnet.inference.peer import serve_block  # noqa: E402
+from shardnet.inference.model import wire  # noqa: E402
+from shardnet.inference.client.client import Client
+from shardnet.inference.model.local_model import LocalModel  # noqa: E402
+from shardnet.inference.server.compute_peer import serve_block  # noqa: E402
 from shardnet.models import default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from foreign import ForeignError, JsPeer, js_available
-from shardnet import natlab
-from shardnet.localswarm import ShardnetProcess
+from shardnet.testing import natlab
+from shardnet.testing.localswarm import ShardnetProcess
 
 pytestmark = pytest.mark.skipif(natlab.available() is not None, reason=f"NAT lab: {natlab.available()}")
 

@@ -1,4 +1,4 @@
-"""DCUtR between shardnet and js-libp2p in the NAT lab (shardnet/natlab.py): a relayed connection
+"""DCUtR between shardnet and js-libp2p in the NAT lab (shardnet/testing/natlab.py): a relayed connection
 through a shardnet relay becomes a direct one, with either implementation starting the upgrade.
 
 js-libp2p takes part in DCUtR only with addresses it considers public, and it counts the lab's
@@ -12,7 +12,7 @@ both behind NATs, is an expected failure. The js side logs its DCUtR steps (DEBU
 import pytest
 
 from foreign import JsPeer, js_available
-from shardnet import natlab
+from shardnet.testing import natlab
 from shardnet.protocols import activation as ap
 
 pytestmark = pytest.mark.skipif(natlab.available() is not None, reason=f"NAT lab: {natlab.available()}")

@@ -434,7 +434,7 @@ def peers(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> Non
 def status(listen, announce, bootstrap, quic, mdns, relays, model_path, wait, as_json) -> None:
     """This machine's reachability (AutoNAT, relays) and the swarm serving a model: the layer
     coverage map and each peer's range, throughput, reachability, load and round trip."""
-    from .inference.checkpoint import Checkpoint
+    from shardnet.inference.model.checkpoint import Checkpoint
     from .inference.swarm_status import format_report, swarm_report
     from .transport import open_node
 
@@ -541,9 +541,9 @@ def ping(maddr: str, count: int, timeout: float) -> None:
 def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, layers, max_layers, rebalance_interval,
          dtype, device, kv_budget_mb, hold_head, threads, throughput, events) -> None:
     """Serve a block of a model's layers to the swarm (chosen for you unless --layers)."""
-    from .inference.block import parse_layers
-    from .inference.checkpoint import Checkpoint, CheckpointError
-    from .inference.peer import join_swarm
+    from shardnet.inference.model.block import parse_layers
+    from shardnet.inference.model.checkpoint import Checkpoint, CheckpointError
+    from shardnet.inference.server.compute_peer import join_swarm
     from .node_control import NodeControl
     from .transport import open_node
 
@@ -656,8 +656,9 @@ def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_pa
              top_p, top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k, depth, wire,
              receipt, receipt_without_prompt, check_speculation, audit_rate) -> None:
     """Generate text from PROMPT through the swarm; print tokens as they arrive."""
-    from .inference.client import Client, LocalModel
-    from .inference.speculative import ModelDrafter, NGramDrafter
+    from shardnet.inference.client.client import Client
+    from shardnet.inference.model.local_model import LocalModel
+    from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter
     from .transport import open_node
 
     if not bootstrap and not mdns:
@@ -710,7 +711,8 @@ def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path,
           dtype, route_timeout, audit_rate) -> None:
     """Serve an OpenAI-compatible HTTP API (completions, chat, streaming) backed by the swarm."""
     from .gateway.server import serve_gateway
-    from .inference.client import Client, LocalModel
+    from shardnet.inference.client.client import Client
+    from shardnet.inference.model.local_model import LocalModel
     from .transport import open_node
 
     if not bootstrap and not mdns:
@@ -845,7 +847,7 @@ def verify(receipt: Path, manifest: Path | None, recompute: Path | None, prompt:
         fail(f"{receipt} is not a JSON receipt: {e}")
     model_id = None
     if manifest is not None:
-        from .inference.checkpoint import Checkpoint, model_id_of
+        from shardnet.inference.model.checkpoint import Checkpoint, model_id_of
 
         if manifest.is_dir():
             model_id = Checkpoint(manifest).model_id
@@ -864,11 +866,12 @@ def verify(receipt: Path, manifest: Path | None, recompute: Path | None, prompt:
 
 
 def _recompute_check(doc: dict, path: Path, prompt: str | None):
-    from .inference.block import Block
-    from .inference.client import GenerationStats, LocalModel, generate_on
-    from .inference.local_session import LocalSession
-    from .inference.sampling import Randomness, SamplingParams
-    from .inference.speculative import NGramDrafter
+    from shardnet.inference.model.block import Block
+    from shardnet.inference.client.decode import GenerationStats, generate_on
+    from shardnet.inference.model.local_model import LocalModel
+    from shardnet.inference.model.local_session import LocalSession
+    from shardnet.inference.client.sampling import Randomness, SamplingParams
+    from shardnet.inference.client.speculative import NGramDrafter
     from .protocols import receipts as rc
 
     body = doc["body"]
@@ -1004,7 +1007,7 @@ def model() -> None:
 @click.option("--shards", default=1, show_default=True, help="Split the weights into this many files.")
 def model_init_random(out, family, layers, hidden, heads, kv_heads, intermediate, vocab, seed, dtype, shards) -> None:
     """Write a random checkpoint (any size) to OUT."""
-    from .inference.random_model import init_random
+    from shardnet.inference.model.random_model import init_random
 
     if hidden % heads or heads % kv_heads:
         fail("--hidden must be a multiple of --heads, and --heads of --kv-heads", 2)
@@ -1018,7 +1021,7 @@ def model_init_random(out, family, layers, hidden, heads, kv_heads, intermediate
 @click.option("--json", "as_json", is_flag=True)
 def model_manifest(path, as_json) -> None:
     """Print a checkpoint's model ID (and its manifest with --json)."""
-    from .inference.checkpoint import Checkpoint, CheckpointError
+    from shardnet.inference.model.checkpoint import Checkpoint, CheckpointError
 
     try:
         ck = Checkpoint(path)

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable
 
-from .localswarm import LocalSwarm
+from shardnet.testing.localswarm import LocalSwarm
 from .transport.errors import ShardnetError
 
 DEFAULT_PROMPT = "def __init__(self"
@@ -86,9 +86,10 @@ def run_model_demo(*, model_path, peers: int, prompt: str | None, max_new_tokens
 
     import trio
 
-    from .inference.checkpoint import Checkpoint
-    from .inference.client import Client, LocalModel
-    from .inference.layout import split_layers
+    from shardnet.inference.model.checkpoint import Checkpoint
+    from shardnet.inference.client.client import Client
+    from shardnet.inference.model.local_model import LocalModel
+    from shardnet.inference.model.layout import split_layers
     from .transport import NodeConfig, open_node
 
     path = model_path

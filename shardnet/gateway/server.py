@@ -30,9 +30,9 @@ from pathlib import Path
 
 import trio
 
-from shardnet.inference.claims import NoRouteError
-from shardnet.inference.client import Client
-from shardnet.inference.routing import format_layers, uncovered_layers
+from shardnet.errors import NoRouteError
+from shardnet.inference.client.client import Client
+from shardnet.inference.client.routing import format_layers, uncovered_layers
 from shardnet.inference.swarm_status import swarm_report
 from shardnet.transport.errors import PortInUseError, ShardnetError
 

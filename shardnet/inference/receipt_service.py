@@ -16,9 +16,15 @@ import trio
 
 from shardnet import __version__
 from shardnet.protocols import receipt_gossip as rg
-from shardnet.protocols.receipts import HashChain, ReceiptError, StageReceipt, decode_stage, encode_stage
-from shardnet.transport.limits import Refusals
+from shardnet.protocols.receipts import (
+    HashChain,
+    ReceiptError,
+    StageReceipt,
+    decode_stage,
+    encode_stage,
+)
 from shardnet.transport.errors import ShardnetError
+from shardnet.transport.limits import Refusals
 from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream
 

@@ -4,12 +4,10 @@ each peer's range, throughput, reachability, load and our link and round trip to
 
 from __future__ import annotations
 
-
+from shardnet.inference.claims import find_claims
+from shardnet.inference.client.routing import format_layers, uncovered_layers
+from shardnet.inference.server.placement import coverage
 from shardnet.transport.node import Node
-
-from .claims import find_claims
-from .placement import coverage
-from .routing import format_layers, uncovered_layers
 
 
 async def swarm_report(node: Node, model_id: str, num_layers: int, *, wait: float = 10.0) -> dict:

@@ -33,6 +33,7 @@ a bad frame raises ``ActivationProtocolError`` with a code and a message naming 
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,10 @@ class Message:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
+
+
+def new_session_id() -> bytes:
+    return os.urandom(SESSION_ID_BYTES)
 
 
 # -- constructors ------------------------------------------------------------------------------

@@ -1,0 +1,48 @@
+"""Every error shardnet raises on purpose derives from ``ShardnetError``. Each carries a one-line
+message fit for a CLI user and a ``code``: a short stable name a caller can branch on (never
+parse the message)."""
+
+
+class ShardnetError(Exception):
+    """Base class: anything shardnet raises on purpose."""
+
+
+class IdentityError(ShardnetError):
+    """The identity key file is missing its key, corrupt, foreign or unsafe."""
+
+
+class AddressError(ShardnetError):
+    """A multiaddr could not be parsed or is unusable for its purpose."""
+
+
+class DialError(ShardnetError):
+    """A peer could not be reached in time."""
+
+
+class ProtocolNotSupported(ShardnetError):
+    """The remote peer does not speak the requested protocol."""
+
+
+class PortInUseError(ShardnetError):
+    """A fixed listen port is already bound by another process."""
+
+
+class OverlayTimeout(ShardnetError):
+    """A network wait ran past its deadline."""
+
+
+class RecordError(ShardnetError):
+    """A DHT record is malformed or its signature does not verify."""
+
+
+class InferenceError(ShardnetError):
+    """A chain failed or refused: ``code`` says how, ``peer`` (when known) which peer failed."""
+
+    def __init__(self, code: str, message: str, peer: str | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.peer = peer
+
+
+class NoRouteError(ShardnetError):
+    """No set of live claims covers every layer."""

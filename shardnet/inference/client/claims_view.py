@@ -1,0 +1,156 @@
+"""``ClaimsView``: one process's view of the claims for a model, shared by all its requests."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from shardnet.inference.claims import find_claims
+from shardnet.inference.probes import Probes
+from shardnet.protocols import block_claim as bc
+from shardnet.transport.node import Node
+
+log = logging.getLogger(__name__)
+
+
+#: seconds between background lookups of a view (gossip brings changes in between)
+REFRESH_S = 10.0
+#: the least time between two lookups, however many requests ask for one
+LOOKUP_GAP_S = 2.0
+LOOKUP_TIMEOUT = 15.0
+
+
+class ClaimsView:
+    """The claims for one model as this process knows them, kept fresh in the background
+    (``ClaimsView.of(node, model_id)``; one per node and model, shared by every client).
+
+    A request reads the view instead of looking the claims up itself: lookups cost DHT requests
+    that compute peers rate-limit per peer (``dht_requests_per_peer``), so a request per lookup
+    had concurrent requests refused and their empty answers read as "nothing is served". The view
+    looks up every ``REFRESH_S`` and when a request finds no route (``kick``; one lookup at a time
+    and at most one per ``LOOKUP_GAP_S``, whoever asks), and takes every claim published on the
+    model's gossip topic as it arrives. A lookup only adds: a peer's claim is replaced by a newer
+    one (later expiry) and dropped when it expires, so a refused or failed lookup keeps the last
+    known view. Whether a claim's peer is alive is the prober's business (probes.py); a newer
+    claim from a peer clears its probe verdict (a peer that restarted and claimed again is
+    probed afresh, not taken for dead)."""
+
+    def __init__(self, node: Node, model_id: str) -> None:
+        self.node, self.model_id = node, model_id
+        self._claims: dict[str, bc.Claim] = {}
+        self.lookups = 0  # finished
+        self.first_lookup = trio.Event()  # set once a lookup has finished, found or not
+        self.last_lookup_error: str | None = None
+        self.from_gossip = 0  # claims taken from gossip
+        self._changed = trio.Event()
+        self._kick = trio.Event()
+        self._last_lookup = -LOOKUP_GAP_S
+        self._running = False
+
+    @classmethod
+    def of(cls, node: Node, model_id: str) -> ClaimsView:
+        views = getattr(node, "_shardnet_claims_views", None)
+        if views is None:
+            views = node._shardnet_claims_views = {}
+        view = views.get(model_id)
+        if view is None:
+            view = views[model_id] = cls(node, model_id)
+        return view
+
+    def start(self) -> None:
+        """Start the background work in the node's nursery (no-op if running or no nursery)."""
+        if not self._running and self.node.nursery is not None:
+            self._running = True
+            self.node.nursery.start_soon(self._run)
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def current(self) -> list[bc.Claim]:
+        """The unexpired claims, one per peer."""
+        now = time.time()
+        for peer in [p for p, c in self._claims.items() if c.expires <= now]:
+            del self._claims[peer]
+        return list(self._claims.values())
+
+    def get(self, peer: str) -> bc.Claim | None:
+        return self._claims.get(peer)
+
+    def note(self, claim: bc.Claim) -> bool:
+        """Take a verified claim; True when it is new or newer than what we had for its peer."""
+        if claim.model != self.model_id or claim.expires <= time.time():
+            return False
+        old = self._claims.get(claim.peer)
+        if old is not None and claim.expires <= old.expires:
+            return False
+        self._claims[claim.peer] = claim
+        if old is not None:
+            Probes.of(self.node).forget(claim.peer)
+        self._changed.set()
+        self._changed = trio.Event()
+        return True
+
+    def kick(self) -> None:
+        """Ask for a lookup soon (a request found no route)."""
+        self._kick.set()
+
+    async def wait_changed(self, timeout: float) -> None:
+        """Until a claim changes or a lookup finishes, at most ``timeout`` seconds."""
+        with trio.move_on_after(max(0.0, timeout)):
+            await self._changed.wait()
+
+    async def lookup(self, timeout: float = LOOKUP_TIMEOUT) -> None:
+        """One lookup through the DHT (and direct requests), merged into the view."""
+        self._last_lookup = trio.current_time()
+        try:
+            found = await find_claims(self.node, self.model_id, timeout=timeout)
+            self.last_lookup_error = None if found else "the last lookup found no claims"
+        except Exception as e:  # whatever it was, the view (and the node it runs in) carries on
+            found = []
+            self.last_lookup_error = f"the last lookup failed: {e}"
+            log.info("claims lookup failed (keeping the %d claims known): %s: %s", len(self._claims),
+                     type(e).__name__, e)
+        for c in found:
+            self.note(c)
+        self.lookups += 1
+        self.first_lookup.set()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _run(self) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._gossip)
+                while True:
+                    await self.lookup()
+                    with trio.move_on_after(REFRESH_S):
+                        await self._kick.wait()
+                    self._kick = trio.Event()
+                    await trio.sleep(max(0.0, self._last_lookup + LOOKUP_GAP_S - trio.current_time()))
+        finally:
+            self._running = False
+
+    async def _gossip(self) -> None:
+        def valid(data: bytes) -> bool:
+            try:
+                return bc.decode(data).model == self.model_id
+            except bc.ClaimError:
+                return False
+
+        while True:
+            try:
+                async with self.node.pubsub.subscribe(bc.topic(self.model_id), validate=valid) as sub:
+                    async for msg in sub:
+                        try:
+                            claim = bc.decode(msg.data)
+                        except bc.ClaimError:
+                            continue
+                        if self.note(claim):
+                            self.from_gossip += 1
+            except Exception as e:  # the view still has its lookups; the node carries on
+                log.info("following claims on gossip failed (again in %g s): %s: %s", REFRESH_S,
+                         type(e).__name__, e)
+            await trio.sleep(REFRESH_S)

@@ -1,0 +1,189 @@
+"""Drafters for speculative decoding, and verification of their proposals.
+
+One chain traversal verifies k drafted tokens at once: the client sends the last accepted token
+plus the k drafts and the chain returns the target model's output for all k + 1 positions.
+Peers roll their KV caches back to the accepted length on the next step (its position is lower
+than what they hold).
+
+- Greedy: the longest prefix of drafts the target agrees with is kept, plus the target's own
+  next token (the bonus): output identical to plain greedy decoding.
+- Sampling (temperature / top-k / top-p), lossless: draft token x, drawn from the draft's
+  distribution q, is kept with probability min(1, p(x) / q(x)) where p is the target's
+  distribution; at the first rejection the token is drawn from normalize(max(0, p - q)) instead;
+  if every draft is kept, the bonus is drawn from p. Each emitted token is then distributed
+  exactly as if sampled from p alone (Leviathan et al., Chen et al., 2023).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from shardnet.inference.client.sampling import (
+    Randomness,
+    SamplingParams,
+    draw,
+    probabilities,
+)
+from shardnet.inference.model.static_decoder import StaticKVDecoder
+
+
+class Drafter(Protocol):
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` greedy guesses of the tokens that follow ``ids``."""
+
+    def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
+               vocab_size: int) -> tuple[list[int], torch.Tensor]:
+        """Up to ``k`` drafted tokens, each drawn from the drafter's distribution with
+        ``rng.uniform(position, "draft")``, and those distributions ([len(tokens), vocab_size]
+        float32) for verification."""
+
+
+class NGramDrafter:
+    """Model-free prompt lookup: continue with what followed the latest earlier occurrence of
+    the text's last n tokens (longest n first)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(ids) <= n:
+                continue
+            tail = ids[-n:]
+            for start in range(len(ids) - n - 1, -1, -1):
+                if ids[start:start + n] == tail:
+                    cont = ids[start + n:start + n + k]
+                    if cont:
+                        return cont
+        return []
+
+    def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
+               vocab_size: int) -> tuple[list[int], torch.Tensor]:
+        # A lookup is deterministic: its distribution is a point mass on each proposed token.
+        tokens = [t for t in self.propose(ids, k) if t < vocab_size]
+        q = torch.zeros(len(tokens), vocab_size)
+        if tokens:
+            q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+        return tokens, q
+
+
+class ModelDrafter:
+    """A small local model (the shipped tiny-llama-draft, for instance) run over a static KV
+    cache (see static_decoder), captured in a CUDA graph on a GPU. Its cache follows the
+    accepted text: each call keeps the longest prefix it shares with the new text and feeds the
+    rest, so rejected drafts cost a rollback, not a recomputation."""
+
+    def __init__(self, path: str | Path, *, vocab_size: int | None = None, device: str = "cpu",
+                 max_len: int = 4096, cuda_graph: bool | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+        if vocab_size is not None and model.config.vocab_size != vocab_size:
+            raise ValueError(f"draft vocabulary ({model.config.vocab_size}) differs from the "
+                             f"target's ({vocab_size}); drafts would be meaningless")
+        self.decoder = StaticKVDecoder(model, max_len, cuda_graph=cuda_graph)
+        self.fed: list[int] = []  # the tokens the decoder's cache holds
+
+    @property
+    def graphed(self) -> bool:
+        return self.decoder.graph is not None
+
+    @torch.inference_mode()
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        if k <= 0 or len(ids) + k > self.decoder.max_len:
+            return []  # past the draft's cache: decode on without speculation
+        logits = self.decoder.feed(self._align(ids))
+        drafts = [logits.argmax()]
+        for _ in range(k - 1):
+            drafts.append(self.decoder.step(drafts[-1]).argmax())
+        tokens = torch.stack(drafts).tolist()  # one device sync for the whole chunk
+        self.fed += tokens[:-1]
+        return tokens
+
+    @torch.inference_mode()
+    def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
+               vocab_size: int) -> tuple[list[int], torch.Tensor]:
+        if k <= 0 or len(ids) + k > self.decoder.max_len:
+            return [], torch.zeros(0, vocab_size)
+        logits = self.decoder.feed(self._align(ids))
+        tokens, qs = [], []
+        for j in range(k):
+            if j:
+                self.fed.append(tokens[-1])
+                logits = self.decoder.step(torch.tensor(tokens[-1], device=self.decoder.device))
+            q = probabilities(logits[:vocab_size].float().cpu(), params)
+            tokens.append(draw(q, rng.uniform(len(ids) + j, "draft")))
+            qs.append(q)
+        return tokens, torch.stack(qs)
+
+    def _align(self, ids: list[int]) -> list[int]:
+        """Roll the cache back to the longest prefix it shares with ``ids`` (keeping at least one
+        token to feed); return the tokens still to feed."""
+        common = 0
+        for a, b in zip(self.fed, ids, strict=False):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)
+        self.decoder.rollback(common)
+        self.fed = ids[:]
+        return ids[common:]
+
+
+@dataclass
+class SpeculationStats:
+    """What the verify chunks of one generation did. A chunk either ends a *cycle* (something
+    was rejected, or nothing was in flight behind it: the next chunk starts one ring traversal
+    later) or is *carried* (fully accepted with the next chunk already in flight)."""
+
+    chunks: int = 0  # verify chunks sent
+    verified: int = 0  # chunks whose result was used
+    stale: int = 0  # chunks discarded after a rejection ahead of them
+    carried: int = 0
+    drafted: int = 0  # drafts in verified chunks
+    accepted: int = 0
+    tokens: int = 0  # tokens the verified chunks yielded
+    draft_s: float = 0.0  # time spent drafting
+    wait_s: float = 0.0  # time spent waiting for results
+    round_trip_s: float = 0.0  # summed send-to-result time of verified chunks
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def cycles(self) -> int:
+        return self.verified - self.carried
+
+    @property
+    def tokens_per_traversal(self) -> float:
+        """Tokens gained per verified chunk."""
+        return self.tokens / self.verified if self.verified else 0.0
+
+
+def accept_greedy(drafts: list[int], target_tokens: list[int]) -> list[int]:
+    """Tokens to keep: the longest prefix of ``drafts`` the target agrees with, plus the target's
+    token after it. ``target_tokens[i]`` is the target's choice after the i-th fed position."""
+    i = 0
+    while i < len(drafts) and drafts[i] == target_tokens[i]:
+        i += 1
+    return drafts[:i] + [target_tokens[i]]
+
+
+def accept_sampled(drafts: list[int], q: torch.Tensor, p: torch.Tensor, rng: Randomness,
+                   start: int) -> list[int]:
+    """Lossless speculative sampling. ``q[i]``: the distribution drafts[i] was drawn from;
+    ``p[i]``: the target's distribution at the same position (``p`` has one more row, for the
+    bonus token after the last draft); ``start``: the position of drafts[0] in the text."""
+    for i, x in enumerate(drafts):
+        r = rng.uniform(start + i, "accept")
+        if r * float(q[i, x]) < float(p[i, x]):  # kept with probability min(1, p/q)
+            continue
+        residual = (p[i] - q[i]).clamp_min(0.0)
+        dist = residual if float(residual.sum()) > 0 else p[i]
+        return drafts[:i] + [draw(dist, rng.uniform(start + i, "residual"))]
+    return drafts + [draw(p[len(drafts)], rng.uniform(start + len(drafts), "target"))]

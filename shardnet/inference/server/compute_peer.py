@@ -1,0 +1,276 @@
+"""A compute peer: load a block, serve it on the activation protocol, keep its claim published;
+pick the block itself when not told, and move when the swarm needs it elsewhere.
+
+``serve_block`` serves a fixed span (tests, benchmarks, ``join --layers``). ``join_swarm`` is
+what ``shardnet join`` runs: with no span given it sizes one from free memory, takes the window
+of layers the swarm needs most (``placement``), and every ``rebalance_interval`` seconds looks
+at the live claims again: it measures round trips to the peers serving the layers after its
+own (published in its claim, for clients' routing) and moves when that raises the swarm's
+bottleneck throughput by a margin without leaving any layer unserved. A move loads the new
+block first; sessions already open finish on the old one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import torch
+import trio
+
+from shardnet.inference.claims import RTT_SAMPLES, find_claims, live_claims
+from shardnet.inference.model.block import Block, Head, pick_device, resolve_dtype
+from shardnet.inference.model.checkpoint import Checkpoint
+from shardnet.inference.server.block_endpoint import (
+    BlockEndpoint,
+    KvBudget,
+    ServedBlock,
+)
+from shardnet.inference.server.claim_publisher import ClaimPublisher
+from shardnet.inference.server.placement import (
+    Move,
+    affordable_layers,
+    best_window,
+    plan_move,
+    served_throughput,
+)
+from shardnet.protocols.block_claim import Claim
+from shardnet.transport.errors import ShardnetError
+from shardnet.transport.node import Node
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_BUDGET = 512 << 20
+DEFAULT_REBALANCE_INTERVAL = 60.0
+REBALANCE_MARGIN = 0.2
+#: Seconds between looks at the swarm while a layer is unserved, and for SETTLE_S after this
+#: peer (re)loaded a span chosen by itself: peers that chose at the same moment saw the same
+#: claims and may have taken the same window, which the next look undoes within seconds.
+FAST_INTERVAL = 2.0
+SETTLE_S = 30.0
+#: A joining peer waits this long (uniformly at random) after choosing, then looks again before
+#: it loads: a peer that joined just before it has published its claim by then.
+RECHECK_DELAY = (0.5, 2.5)
+
+
+def measure_throughput(block: Block, tokens: int = 8, rounds: int = 3) -> float:
+    """Tokens per second of decode-like forwards, the best of a few rounds: what the hardware
+    does when nothing else competes (a peer loading next door must not make us look slow)."""
+    hidden = torch.zeros(1, 1, block.config.hidden_size, dtype=block.dtype, device=block.device)
+    cache = block.new_cache()
+    block.forward(hidden, cache, 0)  # warm-up
+    best = float("inf")
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        for i in range(tokens):
+            block.forward(hidden, cache, 1 + r * tokens + i)
+        best = min(best, time.perf_counter() - t0)
+    return tokens / max(best, 1e-9)
+
+
+def free_memory_bytes(device: str) -> int:
+    """Memory a new block could use: free GPU memory, or the RAM the kernel calls available."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ComputePeer:
+    """One peer's block (replaceable), its claim, and the upkeep that keeps both right."""
+
+    def __init__(self, node: Node, model_path: str | Path, *, dtype: str = "float32", device: str | None = None,
+                 kv_budget_bytes: int = DEFAULT_KV_BUDGET, idle_timeout: float | None = None,
+                 hold_head: bool = False, throughput: float | None = None) -> None:
+        self.node = node
+        #: tokens/s to advertise instead of a measurement (None: measure each block loaded)
+        self.fixed_throughput = throughput
+        self.ckpt = Checkpoint(model_path)
+        self.model_id = self.ckpt.model_id
+        self.dtype_name = dtype
+        self.dtype, self.device = resolve_dtype(dtype), pick_device(device)
+        self.kv_budget_bytes = kv_budget_bytes
+        #: seconds a session may idle (default: the node's session_idle_s limit)
+        self.idle_timeout = node.config.limits.session_idle_s if idle_timeout is None else idle_timeout
+        self.hold_head = hold_head
+        self.served: ServedBlock | None = None
+        self.tput = 0.0
+        self.successor_rtts: dict[str, float] = {}
+        self.moves: list[Move] = []
+
+    @property
+    def span(self) -> tuple[int, int]:
+        b = self.served.block
+        return b.start, b.end
+
+    async def load(self, start: int, end: int) -> ServedBlock:
+        """Load layers start..end and serve them to new sessions (open ones keep their block)."""
+        ckpt = self.ckpt
+        log.info("loading layers %d:%d of %s (%s, %s)", start, end, ckpt.path.name, self.dtype_name, self.device)
+        block = await trio.to_thread.run_sync(lambda: Block(ckpt, start, end, dtype=self.dtype, device=self.device))
+        r = block.load_report
+        log.info("loaded %d tensors (%.1f MB) in %.2f s", r.tensors, r.bytes / 1e6, r.seconds)
+        head = None
+        if self.hold_head and end == ckpt.num_layers:
+            head = Head(ckpt, dtype=self.dtype, device=self.device, embed=False, lm_head=True)
+        if self.fixed_throughput is not None:
+            self.tput = self.fixed_throughput
+        else:
+            self.tput = await trio.to_thread.run_sync(measure_throughput, block)
+        served = ServedBlock(block, self.model_id, KvBudget(self.kv_budget_bytes), head=head,
+                             idle_timeout=self.idle_timeout)
+        BlockEndpoint.of(self.node).serve(served)
+        self.served = served
+        self.successor_rtts = {}
+        return served
+
+    def claim(self, expires: float) -> Claim:
+        sb = self.served
+        kv = sb.kv
+        rtts = tuple(sorted(self.successor_rtts.items(), key=lambda kv_: kv_[1]))
+        return Claim(model=self.model_id, start=sb.block.start, end=sb.block.end,
+                     kv_tokens=(kv.limit - kv.used) // sb.block.kv_bytes_per_token(), tput=self.tput,
+                     addrs=tuple(str(a) for a in self.node.listen_addrs), expires=expires, peer=str(self.node.peer_id),
+                     reach=self.node.autonat.status if self.node.autonat else "unknown",
+                     load=min(1.0, kv.used / kv.limit) if kv.limit else 0.0, rtts=rtts, dtype=self.dtype_name)
+
+    # -- choosing and revising the span ----------------------------------------------------------
+    async def choose_span(self, *, max_layers: int | None = None, wait: float = 5.0,
+                          rng: random.Random | None = None) -> tuple[int, int]:
+        """How many layers fit here, and the window of that size the swarm needs most."""
+        n = affordable_layers(self.ckpt, self.dtype_name, free_memory_bytes(self.device),
+                              reserve_bytes=self.kv_budget_bytes, max_layers=max_layers)
+        claims = await self.live_claims(wait)
+        served = served_throughput(claims, self.ckpt.num_layers)
+        start, end = best_window(served, n, rng=rng)
+        log.info("room for %d of %d layers; the swarm serves %s tok/s per layer: taking %d:%d",
+                 n, self.ckpt.num_layers, [round(x, 1) for x in served], start, end)
+        return start, end
+
+    async def recheck_span(self, span: tuple[int, int], *, wait: float = 5.0,
+                           rng: random.Random | None = None) -> tuple[int, int]:
+        """``span`` if it is still among the windows the swarm needs most, given the claims now;
+        else the neediest window of the same size."""
+        start, end = span
+        claims = await self.live_claims(wait)
+        served = served_throughput(claims, self.ckpt.num_layers)
+        best = best_window(served, end - start, rng=rng)
+        if sorted(served[start:end]) <= sorted(served[best[0]:best[1]]):
+            return span
+        log.info("the swarm changed while choosing (%d live claims): taking %d:%d instead of %d:%d",
+                 len(claims), *best, start, end)
+        return best
+
+    async def live_claims(self, wait: float = 5.0) -> list[Claim]:
+        """Other peers' claims for this model whose peers answer a ping now."""
+        me = str(self.node.peer_id)
+        claims = [c for c in await find_claims(self.node, self.model_id, timeout=wait) if c.peer != me]
+        return await live_claims(self.node, claims)
+
+    async def measure_successors(self, claims: list[Claim]) -> None:
+        """Round trips to the peers serving the layers right after ours (for clients' routing)."""
+        _, end = self.span
+        pings = await self.node.ping_many([c.peer for c in claims if c.start == end][:32], timeout=3.0,
+                                          samples=RTT_SAMPLES)
+        self.successor_rtts = {peer: p.rtt for peer, p in pings.items() if p.rtt is not None}
+
+    async def maintain(self, publisher: ClaimPublisher, *, interval: float, rebalance: bool,
+                       on_move: Callable[[Move, tuple[int, int]], None] | None = None,
+                       rng: random.Random | None = None) -> None:
+        """Every ~``interval`` s: refresh successor RTTs and, if allowed, move when it pays."""
+        rng = rng or random.Random()
+        fast = min(interval, FAST_INTERVAL)
+        settle_until = trio.current_time() + SETTLE_S if rebalance else 0.0
+        gap = False
+
+        def plan(claims: list[Claim]) -> Move | None:
+            return plan_move(claims, self.claim(time.time() + 60), self.ckpt.num_layers,
+                             margin=REBALANCE_MARGIN, rng=rng)
+
+        while True:
+            # soon while a layer is unserved or we only just chose our span; else every interval
+            step = fast if rebalance and (gap or trio.current_time() < settle_until) else interval
+            await trio.sleep(step * rng.uniform(0.75, 1.25))  # peers out of step: fewer moves at once
+            try:
+                claims = await self.live_claims()
+                # a gap that we could fill (others serve every layer of ours): look again soon
+                others = served_throughput(claims, self.ckpt.num_layers)
+                start, end = self.span
+                gap = min(served_throughput([*claims, self.claim(time.time() + 60)], self.ckpt.num_layers)) <= 0 \
+                    and all(others[layer] > 0 for layer in range(start, end))
+                await self.measure_successors(claims)
+                log.debug("upkeep: %d live claims; successors' round trips %s", len(claims),
+                          {p[:16]: round(t, 4) for p, t in self.successor_rtts.items()})
+                if rebalance:
+                    move = plan(claims)
+                    if move is not None:
+                        # Peers on the same span would all make this move at once: they take turns
+                        # by peer ID, each looking again after the ones before it had a round to
+                        # act (a peer that never moves, pinned by --layers, just delays the next).
+                        same = sorted({c.peer for c in claims if (c.start, c.end) == self.span}
+                                      | {str(self.node.peer_id)})
+                        rank = same.index(str(self.node.peer_id))
+                        await trio.sleep(rank * step * 1.5 + rng.uniform(0, min(1.0, step / 4)))
+                        move = plan(await self.live_claims())
+                    if move is not None:
+                        old = self.span
+                        log.warning("moving from layers %d:%d to %d:%d (swarm bottleneck %.1f -> %.1f tok/s)",
+                                    *old, move.start, move.end, move.bottleneck_now, move.bottleneck_after)
+                        await self.load(move.start, move.end)
+                        self.moves.append(move)
+                        settle_until = trio.current_time() + SETTLE_S
+                        if on_move is not None:
+                            on_move(move, old)
+                publisher.refresh()
+            except (ShardnetError, trio.TooSlowError) as e:
+                log.info("swarm upkeep failed this round: %s", e)
+
+
+@asynccontextmanager
+async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, int] | None = None,
+                     max_layers: int | None = None, rebalance_interval: float = DEFAULT_REBALANCE_INTERVAL,
+                     claim_ttl: float = 120.0, on_move=None, **peer_kw) -> AsyncIterator[ComputePeer]:
+    """Serve ``layers`` (or a span chosen for the swarm's sake, revised over time) until exit."""
+    peer = ComputePeer(node, model_path, **peer_kw)
+    chosen = layers is None  # a span we picked we may also leave; one we were given, never
+    if layers is None:
+        await trio.sleep(random.uniform(0, 1.0))  # peers started together: look one after another
+        layers = await peer.choose_span(max_layers=max_layers)
+        await trio.sleep(random.uniform(*RECHECK_DELAY))  # and once more before loading
+        layers = await peer.recheck_span(layers)
+    await peer.load(*layers)
+    publisher = ClaimPublisher(node, peer.claim)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(lambda task_status: publisher.run(ttl=claim_ttl, task_status=task_status))
+        if rebalance_interval > 0:
+            nursery.start_soon(lambda: peer.maintain(publisher, interval=rebalance_interval,
+                                                     rebalance=chosen,
+                                                     on_move=on_move))
+        try:
+            yield peer
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def serve_block(node: Node, model_path: str, start: int, end: int, *, dtype: str = "float32",
+                      device: str | None = None, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
+                      idle_timeout: float | None = None, hold_head: bool = False,
+                      claim_ttl: float = 120.0) -> AsyncIterator[ServedBlock]:
+    """Serve exactly layers start..end (no rebalancing)."""
+    async with join_swarm(node, model_path, layers=(start, end), rebalance_interval=0, claim_ttl=claim_ttl,
+                          dtype=dtype, device=device, kv_budget_bytes=kv_budget_bytes, idle_timeout=idle_timeout,
+                          hold_head=hold_head) as peer:
+        yield peer.served

@@ -1,0 +1,94 @@
+"""The trio driver of ``/shardnet/activation/1.0.0``: carries codec messages over a Stream.
+
+The codec and the session rules are I/O-free (``activation.py``); this module only feeds the
+bytes a stream reads into the decoder and writes encoded frames out, under deadlines.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from shardnet.protocols import activation as ap
+from shardnet.protocols.receipts import HashChain
+from shardnet.transport.errors import ShardnetError
+from shardnet.transport.limits import Refusals
+from shardnet.transport.stream import Stream
+
+log = logging.getLogger(__name__)
+
+OPEN_TIMEOUT = 30.0
+STEP_TIMEOUT = 120.0
+#: for waits another deadline bounds (a session's idle timeout): no deadline of their own
+FOREVER = 10 * 365 * 86400.0
+
+
+class MessageStream:
+    """A Stream carrying activation-protocol messages."""
+
+    def __init__(self, stream: Stream, max_frame: int = ap.DEFAULT_MAX_FRAME) -> None:
+        self.stream = stream
+        self.decoder = ap.ActivationDecoder(max_frame)
+        self.pending: list[ap.Message] = []
+        self._send_lock = trio.Lock()
+        #: hash chains over the frames sent / taken from this stream, when a receipt needs them
+        self.sent_hash: HashChain | None = None
+        self.received_hash: HashChain | None = None
+
+    @property
+    def remote_peer(self) -> str:
+        return str(self.stream.remote_peer)
+
+    async def send(self, msg: ap.Message) -> None:
+        data = ap.encode(msg)
+        async with self._send_lock:
+            if self.sent_hash is not None:
+                self.sent_hash.add(data[4:])  # the frame without its length prefix, as the receiver sees it
+            await self.stream.write(data, timeout=STEP_TIMEOUT)
+
+    async def recv(self, timeout: float) -> ap.Message | None:
+        """Next message, or None at end of stream. Raises ActivationProtocolError on bad input."""
+        with trio.fail_after(timeout):
+            while not self.pending:
+                data = await self.stream.read_some(1 << 20, timeout=timeout)
+                if not data:
+                    if self.decoder.pending:
+                        raise ap.ActivationProtocolError("malformed", "stream ended inside a frame")
+                    return None
+                self.pending.extend(self.decoder.feed(data))
+        msg = self.pending.pop(0)
+        if self.received_hash is not None:
+            self.received_hash.add(msg.raw)
+        return msg
+
+    def observed(self) -> str:
+        """The address this stream's peer is seen at (for receipts)."""
+        if self.stream.relayed:
+            return "relayed"
+        try:
+            host, port = self.stream.raw.get_remote_address()
+            return f"{host}:{port}"
+        except Exception:
+            return "unknown"
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+
+async def reply_error(ms: MessageStream, session: bytes, code: str, msg: str, n: int | None = None,
+                       peer: str | None = None) -> None:
+    _error_replies.note(code, ms.remote_peer, f"error reply to {ms.remote_peer[:16]}: {code}: {msg}")
+    with trio.move_on_after(5):
+        try:
+            await ms.send(ap.error_msg(session, code, msg, n, peer))
+        except ShardnetError:
+            pass
+
+
+#: a peer sending garbage gets an error reply per stream, and the log one line per 10 s
+_error_replies = Refusals(log, logging.INFO)
+
+
+#: a peer sending garbage gets an error reply per stream, and the log one line per 10 s
+_error_replies = Refusals(log, logging.INFO)

@@ -1,0 +1,1 @@
+"""Tools for tests, benchmarks and interop runs: local swarms of real processes, the NAT lab."""

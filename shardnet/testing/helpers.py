@@ -1,0 +1,84 @@
+"""Helpers shared by the tests and benchmarks: ports, loopback configs, in-process chains, and
+what single-process ``transformers`` generates (the reference every distributed run must match).
+
+Imported explicitly (``from shardnet.testing.helpers import ...``), never through conftest."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+#: the repository root (tests, benches, examples and fuzz targets live beside the package)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def transformers_greedy(path, prompt: str, new: int) -> list[int]:
+    """The ``new`` tokens plain single-process transformers generates greedily after ``prompt``:
+    what every distributed run must reproduce."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    ids = Tokenizer.from_file(str(Path(path) / "tokenizer.json")).encode(prompt).ids
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_config(**kw):
+    """A NodeConfig listening on a free loopback port, with short dial timeouts."""
+    from shardnet.transport.config import NodeConfig
+
+    kw.setdefault("listen", ["/ip4/127.0.0.1/tcp/0"])
+    kw.setdefault("dial_timeout", 5.0)
+    return NodeConfig(**kw)
+
+
+@asynccontextmanager
+async def local_chain(config, path, ranges, **serve_kw):
+    """A bootstrap, one node per layer range serving it, and a client node (all in this process);
+    yields the client node once it has joined. ``config(**kw)`` makes each node's NodeConfig."""
+    from shardnet.inference.server.compute_peer import serve_block
+    from shardnet.transport import open_node
+
+    async with AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(open_node(config()))
+        cfg = config(bootstrap=[str(boot.listen_addrs[0])])
+        for a, b in ranges:
+            peer = await stack.enter_async_context(open_node(cfg))
+            await stack.enter_async_context(serve_block(peer, str(path), a, b, **serve_kw))
+        client_node = await stack.enter_async_context(open_node(cfg))
+        await client_node.wait_bootstrapped()
+        yield client_node
+
+
+#: a well-formed peer ID nobody holds
+FAKE_ID = "12D3KooWJ6qwgeXYApCdiMkT5Yx3Dse7BVqQ3hSXTGzoi2hA5Ffk"
+
+
+def shardnet(*args, timeout=60, env=None):
+    """Run the ``shardnet`` command (this interpreter's), capturing its output."""
+    return subprocess.run([sys.executable, "-m", "shardnet", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def assert_one_line_failure(r, pattern):
+    """A CLI failure as users must see it: non-zero exit, no traceback, one ``error:`` line."""
+    assert r.returncode != 0, r
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, r.stderr
+    assert re.search(pattern, errors[0]), errors[0]

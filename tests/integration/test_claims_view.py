@@ -1,0 +1,139 @@
+"""What concurrent requests of one client process share (real nodes in this process, the
+shipped model): one view of the swarm's claims, one probe per peer at a time, a line for
+sessions; and what a peer that failed must do to be routed through again (claim anew)."""
+
+import dataclasses
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import trio
+
+from shardnet.errors import InferenceError, NoRouteError
+from shardnet.inference.claims import claim_record_name
+from shardnet.inference.client.client import Client
+from shardnet.inference.model.local_model import LocalModel
+from shardnet.inference.server.compute_peer import serve_block
+from shardnet.models import default_model_path
+from shardnet.protocols import block_claim as bc
+from shardnet.transport import open_node
+from shardnet.transport.errors import ShardnetError
+from shardnet.transport.limits import Limits
+
+PATH = default_model_path()
+
+
+@asynccontextmanager
+async def chain(loopback_config, ranges, **client_kw):
+    """A bootstrap, a compute node per range, a client node: (compute nodes, client node)."""
+    async with AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(open_node(loopback_config()))
+        cfg = dict(bootstrap=[str(boot.listen_addrs[0])])
+        peers = []
+        for a, b in ranges:
+            peer = await stack.enter_async_context(open_node(loopback_config(**cfg)))
+            await stack.enter_async_context(serve_block(peer, str(PATH), a, b))
+            peers.append(peer)
+        node = await stack.enter_async_context(open_node(loopback_config(**cfg, **client_kw)))
+        await node.wait_bootstrapped()
+        yield peers, node
+
+
+async def test_concurrent_requests_share_one_view_and_one_probe_per_peer(loopback_config):
+    async with chain(loopback_config, [(0, 4), (4, 8)]) as (peers, node):
+        model = LocalModel(PATH)
+        client = Client(node, model)
+        await client.find_route()
+        view, probes = client.view, client.probes
+        assert Client(node, model).view is view and Client(node, model).probes is probes
+        probes.results.clear()  # every peer needs probing again
+        sent, lookups = probes.sent, view.lookups
+        routes = []
+
+        async def route():
+            routes.append(await client.find_route())
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(32):
+                nursery.start_soon(route)
+        assert len(routes) == 32
+        assert probes.sent - sent == 2  # one probe per peer, shared by the 32 requests
+        assert view.lookups - lookups <= 1  # none of their own (a background refresh may fall in)
+
+        # a lookup that finds nothing (refused, timed out) keeps what is known
+        known = sorted(c.peer for c in view.current())
+        await view.lookup(timeout=0.0)
+        assert view.last_lookup_error and sorted(c.peer for c in view.current()) == known
+        assert [c.peer for c in await client.find_route(timeout=1)] == [str(p.peer_id) for p in peers]
+
+
+async def test_a_failed_peer_that_claims_again_is_routed_through(loopback_config):
+    async with chain(loopback_config, [(0, 4), (4, 8)]) as (peers, node):
+        client = Client(node, LocalModel(PATH))
+        first = str(peers[0].peer_id)
+        assert (await client.find_route())[0].peer == first
+        client.forget_peer(first)  # as healing does when it failed during a request
+        with pytest.raises(NoRouteError, match="layers 0-3"):
+            await client.find_route(timeout=1)
+        # it signs a newer claim (as after a restart) and publishes it as a publisher does
+        old = client.view.get(first)
+        blob = bc.encode(peers[0].key_pair, dataclasses.replace(old, expires=old.expires + 1))
+        await peers[0].dht.put(claim_record_name(old.model), blob)
+        await peers[0].pubsub.publish(bc.topic(old.model), blob)
+        with trio.fail_after(30):
+            route = await client.find_route(timeout=25)
+        assert route[0].peer == first and client.view.get(first).expires == old.expires + 1
+        print(f"claims taken from gossip: {client.view.from_gossip}, lookups: {client.view.lookups}")
+
+
+async def test_sessions_over_the_per_peer_slots_wait_in_line(loopback_config):
+    lim = Limits()
+    lim.set("sessions_out_per_peer=2")
+    async with chain(loopback_config, [(0, 8)], limits=lim) as (_, node):
+        client = Client(node, LocalModel(PATH), audit_rate=0.0)
+        route = await client.find_route()
+        opened = trio.Event()
+
+        async def third() -> None:
+            async with client.session(8, route):
+                opened.set()
+
+        async with trio.open_nursery() as nursery:
+            async with client.session(8, route), client.session(8, route):
+                nursery.start_soon(third)
+                await trio.sleep(0.5)
+                assert not opened.is_set()  # waiting for a slot
+            with trio.fail_after(30):
+                await opened.wait()  # the first to go made room
+        impatient = Client(node, client.model, audit_rate=0.0, queue_timeout=0.3)
+        async with client.session(8, route), client.session(8, route):
+            with pytest.raises(InferenceError, match="busy"):
+                async with impatient.session(8, route):
+                    pass
+
+
+def test_which_refusals_are_waited_out():
+    from shardnet.inference.client.session import _busy
+
+    assert _busy(InferenceError("too_many_sessions", "you hold 16 sessions here"))
+    assert _busy(InferenceError("rate_limited", "more than 20 new sessions per second"))
+    assert _busy(InferenceError("kv_budget", "session needs 4096 bytes of KV cache; 100 of 8192 are free"))
+    # a session larger than the whole budget never fits: no use waiting
+    assert not _busy(InferenceError("kv_budget", "session needs 9000 bytes of KV cache; 8192 of 8192 are free"))
+    assert not _busy(InferenceError("layers", "layers 0:4 requested"))
+
+
+async def test_ping_streams_per_peer_is_a_limit(loopback_config):
+    from shardnet.transport.host import PING_PROTOCOL
+
+    lim = Limits()
+    lim.set("ping_streams_per_peer=1")
+    async with open_node(loopback_config(limits=lim)) as a, open_node(loopback_config()) as b:
+        await b.connect(f"{a.listen_addrs[0]}/p2p/{a.peer_id}")
+        first = await b.new_stream(a.peer_id, PING_PROTOCOL)
+        await first.write(b"x" * 32)
+        assert await first.read_exactly(32, timeout=5) == b"x" * 32
+        second = await b.new_stream(a.peer_id, PING_PROTOCOL)  # one more than the limit: reset
+        with pytest.raises(ShardnetError):
+            await second.write(b"y" * 32)
+            await second.read_exactly(32, timeout=5)
+        await first.close()

@@ -1,0 +1,282 @@
+"""One process, several real py-libp2p hosts on loopback."""
+
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import trio
+
+from shardnet.protocols import echo
+from shardnet.transport import open_node
+from shardnet.transport.errors import (
+    AddressError,
+    DialError,
+    ProtocolNotSupported,
+    ShardnetError,
+)
+from shardnet.transport.stream import StreamClosedError
+
+
+async def test_stream_between_two_nodes(loopback_config):
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        b.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
+        await a.connect(b.listen_addrs[0])
+        async with await a.new_stream(b.peer_id, echo.PROTOCOL_ID) as s:
+            assert await echo.echo_once(s, b"ping over the overlay") == b"ping over the overlay"
+            big = bytes(range(256)) * 4000  # ~1 MB, more than one Yamux window
+            assert await echo.echo_once(s, big[: echo.MAX_FRAME]) == big[: echo.MAX_FRAME]
+        assert a.peer_id in b.peers() and b.peer_id in a.peers()
+
+
+async def test_unknown_protocol_is_a_clear_error_and_the_node_stays_up(loopback_config):
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        b.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
+        await a.connect(b.listen_addrs[0])
+        with pytest.raises(ProtocolNotSupported, match="/no/such/1.0.0"):
+            await a.new_stream(b.peer_id, "/no/such/1.0.0")
+        # both sides keep working afterwards
+        async with await a.new_stream(b.peer_id, echo.PROTOCOL_ID) as s:
+            assert await echo.echo_once(s, b"still here") == b"still here"
+
+
+async def test_dead_peer_fails_fast_and_the_node_stays_up(loopback_config):
+    async with open_node(loopback_config()) as a:
+        async with open_node(loopback_config()) as b:
+            dead_addr, dead_id = b.listen_addrs[0], b.peer_id
+        with trio.fail_after(10):  # far below any sane hang; the dial itself gives the reason
+            with pytest.raises(DialError, match="refused"):
+                await a.connect(dead_addr)
+            with pytest.raises(DialError, match="refused"):
+                await a.new_stream(dead_id, echo.PROTOCOL_ID)
+        async with open_node(loopback_config()) as c:
+            c.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
+            await a.connect(c.listen_addrs[0])
+            assert await a.ping(c.peer_id) > 0
+
+
+async def test_peer_dying_mid_stream_gives_a_clear_error(loopback_config):
+    async with open_node(loopback_config()) as a:
+        async with open_node(loopback_config()) as b:
+            started = trio.Event()
+
+            async def stall(stream):
+                started.set()
+                await trio.sleep_forever()
+
+            b.set_stream_handler("/stall/1.0.0", stall)
+            await a.connect(b.listen_addrs[0])
+            s = await a.new_stream(b.peer_id, "/stall/1.0.0")
+            await s.write(b"x")
+            await started.wait()
+        # b is gone: the read must end promptly with an error, not hang
+        with trio.fail_after(15):
+            with pytest.raises(ShardnetError):
+                data = await s.read_exactly(10, timeout=10)
+                assert not data
+
+
+async def test_malformed_multiaddrs(loopback_config):
+    async with open_node(loopback_config()) as a:
+        for bad in ("/ip4/1.2.3/tcp/1", "not-an-addr", "/ip4/127.0.0.1/tcp/1"):
+            with pytest.raises(AddressError):
+                await a.connect(bad)
+    with pytest.raises(AddressError, match="--listen"):
+        async with open_node(loopback_config(listen=["/ip4/127.0.0.1/tcp/x"])):
+            pass
+
+
+async def test_handler_exception_resets_only_that_stream(loopback_config):
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        async def boom(stream):
+            await stream.read_some()
+            raise RuntimeError("handler bug")
+
+        b.set_stream_handler("/boom/1.0.0", boom)
+        b.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
+        await a.connect(b.listen_addrs[0])
+        s = await a.new_stream(b.peer_id, "/boom/1.0.0")
+        await s.write(b"trigger")
+        with pytest.raises(StreamClosedError):  # reset (or at least ended), never a hang
+            await s.read_exactly(1, timeout=5)
+        async with await a.new_stream(b.peer_id, echo.PROTOCOL_ID) as s2:
+            assert await echo.echo_once(s2, b"ok") == b"ok"
+
+
+@asynccontextmanager
+async def bootstrapped_nodes(loopback_config, n):
+    """A bootstrap node and ``n`` nodes joined through it, all in this process."""
+    async with open_node(loopback_config()) as boot, AsyncExitStack() as stack:
+        cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
+        nodes = [await stack.enter_async_context(open_node(cfg)) for _ in range(n)]
+        for node in nodes:
+            await node.wait_bootstrapped()
+        yield nodes
+
+
+async def test_dht_signed_values_and_providers(loopback_config):
+    from shardnet.transport import records
+
+    async with bootstrapped_nodes(loopback_config, 3) as (a, b, c):
+        key = await a.dht.put("greeting", b"hello v1")
+        assert key == records.record_key(a.peer_id, "greeting")
+        assert await c.dht.get(a.peer_id, "greeting") == b"hello v1"
+        await a.dht.put("greeting", b"hello v2")
+        assert await c.dht.get(a.peer_id, "greeting") == b"hello v2"
+        assert await c.dht.get(b.peer_id, "greeting") is None
+        # providers: a provides twice, b once; every provider appears exactly once
+        await a.dht.provide("model/abc")
+        await a.dht.provide("model/abc")
+        await b.dht.provide("model/abc")
+        provs = await c.dht.find_providers("model/abc")
+        ids = [p.peer_id for p in provs]
+        assert sorted(map(str, ids)) == sorted([str(a.peer_id), str(b.peer_id)])
+
+
+async def test_forged_dht_value_is_rejected_by_remote_peers(loopback_config):
+    from shardnet.transport import records
+
+    async with bootstrapped_nodes(loopback_config, 3) as (victim, attacker, reader):
+        key = records.record_key(victim.peer_id, "claim")
+        forged = records.encode(attacker.key_pair, "claim", b"i am the victim", key=key)
+        genuine = records.encode(victim.key_pair, "claim", b"the real claim")
+        for src, dst in ((attacker, reader), (attacker, victim), (victim, reader)):
+            await src.connect(dst.listen_addrs[0])  # so a refusal below can only be validation
+        # The attacker skips its own validator and sends PUT_VALUE straight to the others.
+        for target in (reader, victim):
+            with trio.move_on_after(10):
+                accepted = await attacker.dht.kad.value_store._store_at_peer(
+                    target.peer_id, key.encode(), forged)
+            assert not accepted
+            assert target.dht.kad.value_store.get(key.encode()) is None
+        # the same path accepts the genuine record, so the refusal above is the validator's
+        with trio.move_on_after(10):
+            assert await victim.dht.kad.value_store._store_at_peer(reader.peer_id, key.encode(), genuine)
+        assert await reader.dht.get(victim.peer_id, "claim") == b"the real claim"
+
+
+async def test_pubsub_between_three_nodes(loopback_config):
+    async with bootstrapped_nodes(loopback_config, 3) as (a, b, c):
+        async with b.pubsub.subscribe("t") as sb, c.pubsub.subscribe("t") as sc:
+            with trio.fail_after(20):
+                while not (a.pubsub.topic_peers("t") and len(b.pubsub.topic_peers("t")) >= 1):
+                    await trio.sleep(0.1)
+            await a.pubsub.publish("t", b"hi all")
+            for sub in (sb, sc):
+                m = await sub.receive(timeout=10)
+                assert (m.data, m.sender, m.topic) == (b"hi all", a.peer_id, "t")
+
+
+async def test_bootstrap_reconnects_after_restart(loopback_config, tmp_path):
+    from shardnet.testing.helpers import free_port
+    from shardnet.transport import identity
+
+    kp = identity.generate()
+    port = free_port()
+    boot_cfg = lambda: loopback_config(key_pair=kp, listen=[f"/ip4/127.0.0.1/tcp/{port}"])  # noqa: E731
+    boot_addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{identity.peer_id_of(kp)}"
+    cfg = loopback_config(bootstrap=[boot_addr], reconnect_initial=0.1, reconnect_max=0.5)
+    async with open_node(cfg) as a:
+        async with open_node(boot_cfg()):
+            await a.wait_bootstrapped(5, fail_fast=False)
+        with trio.fail_after(5):
+            while identity.peer_id_of(kp) in a.peers():
+                await trio.sleep(0.05)
+        async with open_node(boot_cfg()):
+            # reconnection happens on the node's own backoff, not py-libp2p's 60 s negative cache
+            await a.wait_bootstrapped(10, fail_fast=False)
+
+
+async def test_quic_transport_behind_a_flag(loopback_config):
+    cfg = lambda: loopback_config(listen=["/ip4/127.0.0.1/udp/0/quic-v1"], enable_quic=True)  # noqa: E731
+    async with open_node(cfg()) as a, open_node(cfg()) as b:
+        assert "/quic-v1/" in str(b.listen_addrs[0])
+        b.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
+        await a.connect(b.listen_addrs[0])
+        async with await a.new_stream(b.peer_id, echo.PROTOCOL_ID) as s:
+            assert await echo.echo_once(s, b"over quic") == b"over quic"
+        assert await a.ping(b.peer_id) > 0
+
+
+async def test_peer_events_report_connections(loopback_config):
+    async with open_node(loopback_config(low_watermark=0)) as a:
+        async with a.peer_events() as events:
+            async with open_node(loopback_config(low_watermark=0)) as b:
+                await b.connect(a.listen_addrs[0])
+                seen = []
+                with trio.fail_after(10):
+                    while ("connected", b.peer_id) not in seen:
+                        ev = await events.receive()
+                        seen.append((ev.kind, ev.peer_id))
+            with trio.fail_after(10):
+                while ("disconnected", b.peer_id) not in seen:
+                    ev = await events.receive()
+                    seen.append((ev.kind, ev.peer_id))
+        assert seen.index(("connected", b.peer_id)) < seen.index(("disconnected", b.peer_id))
+
+
+async def test_only_noise_is_accepted(loopback_config):
+    """py-libp2p offers /plaintext/2.0.0 by default, where a peer states any public key and
+    proves nothing: a shardnet node neither offers nor accepts it."""
+    from libp2p import new_host
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from libp2p.security.insecure.transport import (
+        PLAINTEXT_PROTOCOL_ID,
+        InsecureTransport,
+    )
+    from multiaddr import Multiaddr
+
+    async with open_node(loopback_config()) as node, open_node(loopback_config()) as other:
+        await other.connect(f"{node.listen_addrs[0]}/p2p/{node.peer_id}")
+        conn = other.host.get_network().get_connections(node.peer_id)[0]
+        secured = conn.muxed_conn.secured_conn
+        assert getattr(secured, "negotiated_security_protocol", None) == "/noise"
+
+        kp = create_new_key_pair()
+        plain = new_host(key_pair=kp, sec_opt={TProtocol(PLAINTEXT_PROTOCOL_ID): InsecureTransport(kp)})
+        async with plain.run([Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            with pytest.raises(Exception), trio.fail_after(10):
+                await plain.connect(info_from_p2p_addr(Multiaddr(f"{node.listen_addrs[0]}/p2p/{node.peer_id}")))
+            assert plain.get_id() not in node.host.get_connected_peers()
+
+
+async def test_garbage_on_a_libp2p_protocol_resets_only_that_stream(loopback_config):
+    """Gossipsub lets protobuf's DecodeError out of its handler on a garbage RPC, which went up
+    through the connection and ended the whole node (found by the hostile-peer test)."""
+    async with open_node(loopback_config()) as victim, open_node(loopback_config()) as peer:
+        victim.set_stream_handler("/t/echo", _echo)
+        await peer.connect(f"{victim.listen_addrs[0]}/p2p/{victim.peer_id}")
+        for proto in ("/meshsub/1.1.0", "/ipfs/kad/1.0.0", "/ipfs/id/push/1.0.0", "/libp2p/autonat/1.0.0"):
+            s = await peer.new_stream(victim.peer_id, proto)
+            await s.write(b"\x10" + b"\xff" * 16)  # a varint length, then no valid protobuf
+            await trio.sleep(0.2)
+        s = await peer.new_stream(victim.peer_id, "/t/echo")
+        await s.write(b"still here")
+        assert await s.read_some(timeout=5) == b"still here"
+
+
+async def _echo(stream):
+    while data := await stream.read_some():
+        await stream.write(data)
+
+
+async def test_pings_are_answered_in_order_and_in_batches(loopback_config):
+    async with open_node(loopback_config()) as node, open_node(loopback_config()) as peer:
+        await peer.connect(f"{node.listen_addrs[0]}/p2p/{node.peer_id}")
+        assert await peer.ping(node.peer_id) > 0  # one ping, as every libp2p peer sends it
+        s = await peer.new_stream(node.peer_id, "/ipfs/ping/1.0.0")
+        sent = bytes(range(256)) * 32  # 256 pings at once, then half of one more
+        await s.write(sent + b"x" * 16)
+        got = b""
+        with trio.fail_after(5):
+            while len(got) < len(sent):
+                got += await s.read_some(timeout=5)
+        assert got == sent
+        limit = node.config.limits.ping_streams_per_peer
+        extra = [await peer.new_stream(node.peer_id, "/ipfs/ping/1.0.0") for _ in range(limit)]
+        await extra[-1].write(b"p" * 32)  # one ping stream over the per-peer limit is refused
+        try:
+            answer = await extra[-1].read_some(timeout=5)
+        except ShardnetError:
+            answer = b""
+        assert answer == b""

@@ -1,0 +1,81 @@
+"""Concurrent users through `shardnet serve`, as processes, with the official `openai` client
+and default limits: many requests at once come back with the texts they get alone, and users
+sending requests for two minutes see no failure while replicas die and come back. The helpers
+are bench/gateway_load.py's (the bench prints the same figures, before and after)."""
+
+import concurrent.futures
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.gateway_load import (  # noqa: E402
+    Load,
+    api,
+    burst,
+    complete,
+    one_request,
+    replica_chaos,
+    swarm_with_gateway,
+    users,
+)
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["def main(args):\n    ", "import os\n", "class Parser:\n    def ", "for i in range(",
+           "    return ", "# Copyright", "with open(path) as f:\n", "if __name__ == "]
+
+
+def test_64_concurrent_requests_get_the_texts_they_get_alone():
+    """More requests at once than a compute peer allows one upstream peer sessions (16): the
+    rest wait in line instead of failing, and every text is the one-by-one text."""
+    with swarm_with_gateway(replicas=1) as (_, _, url):
+        client = api(url)
+        alone = {p: complete(client, p) for p in PROMPTS}  # one by one
+        load = Load()
+        start = threading.Barrier(64)
+        t0 = time.monotonic()
+
+        def one(i: int) -> None:
+            c = api(url)
+            start.wait()
+            one_request(c, load, alone[PROMPTS[i % len(PROMPTS)]], PROMPTS[i % len(PROMPTS)])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        print(f"\n{load.summary('64 at once: ')} in {time.monotonic() - t0:.1f} s")
+        assert load.requests == 64, load.summary()
+        assert load.failures == 0, (load.summary(), load.examples)
+        # and a second burst, right after (nothing left over from the first: slots, probes)
+        again = burst(url, 16, alone[PROMPTS[0]])
+        print(again.summary("16 more at once: "))
+        assert again.failures == 0, (again.summary(), again.examples)
+
+
+def test_16_users_for_two_minutes_while_replicas_die_and_come_back():
+    """Two peers per span (bench/gateway_load.py's replica_chaos). A quarter of the way in, one
+    replica of the first span is killed (SIGKILL) and restarted with the same identity; once it
+    serves again, the other replica of that span is killed, so the restarted peer is the span's
+    only one: it must be routed through again (it failed during requests, and claimed its
+    layers anew). Not one request may fail."""
+    seconds = 120.0
+    with swarm_with_gateway(replicas=2) as (swarm, peers, url):
+        expected = complete(api(url))
+        events: list[str] = []
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            chaos = pool.submit(replica_chaos, swarm, peers, seconds, events)
+            load = users(url, 16, seconds, expected)
+            chaos.result()  # (raises what went wrong there)
+        print("\n" + "\n".join(events))
+        print(load.summary("16 users x 120 s, replicas killed and restarted: "))
+        assert len(events) == 3, events
+        assert load.failures == 0, (load.summary(), load.examples)
+        # and the restarted peer alone serves its span now
+        last = Load()
+        one_request(api(url), last, expected)
+        assert last.failures == 0, last.examples

@@ -1,0 +1,121 @@
+"""Receipts of real runs: peers sign stage receipts when sessions end and serve them; the client
+writes a signed run receipt; `shardnet verify` checks it offline (and recomputes the tokens)."""
+
+import json
+import subprocess
+
+import pytest
+
+from shardnet.inference.client.client import Client
+from shardnet.inference.client.speculative import NGramDrafter
+from shardnet.inference.model.local_model import LocalModel
+from shardnet.inference.receipt_service import ReceiptService, request
+from shardnet.models import default_model_path
+from shardnet.protocols import receipt_gossip as rg
+from shardnet.protocols import receipts as rc
+from shardnet.testing.helpers import local_chain
+from shardnet.testing.localswarm import LocalSwarm, shardnet_argv
+
+PROMPT = "def main(args):\n    "
+
+
+async def test_a_run_receipt_verifies_and_links_every_stage(loopback_config):
+    path = default_model_path()
+    async with local_chain(loopback_config, path, [(0, 3), (3, 5), (5, 8)]) as node:
+        client = Client(node, LocalModel(path))
+        got = [t.id async for t in client.generate(PROMPT, max_new_tokens=12, stop_at_eos=False,
+                                                    drafter=NGramDrafter(), k=4, depth=2)]
+        doc = await client.run_receipt()
+    checks = rc.verify_run(doc, manifest_model_id=client.model.model_id)
+    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    body = doc["body"]
+    assert body["output_ids"] == got and body["client"] == str(node.peer_id)
+    stages = [rc.decode_stage(__import__("base64").b64decode(s)) for s in body["sessions"][-1]["stages"]]
+    assert [tuple(s.layers) for s in stages] == [(0, 3), (3, 5), (5, 8)]
+    assert all(s.steps_in >= 2 and s.device["kind"] == "cpu" for s in stages)
+    assert body["speculative"]["drafter"] == "ngram"
+    # the run says how much of it was cross-checked (here: no second peer for any span)
+    assert body["checks"]["rate"] == client.audit_rate and body["checks"]["checked"] == 0
+    assert body["checks"]["sampled"] == body["checks"]["no_witness"]
+
+
+async def test_the_head_peer_commits_to_its_tokens(loopback_config):
+    path = default_model_path()
+    async with local_chain(loopback_config, path, [(0, 4), (4, 8)], hold_head=True) as node:
+        client = Client(node, LocalModel(path, lm_head=False), logits_on_last=True)
+        got = [t.id async for t in client.generate(PROMPT, max_new_tokens=6, stop_at_eos=False)]
+        doc = await client.run_receipt()
+    assert all(c.ok for c in rc.verify_run(doc))
+    head = rc.decode_stage(__import__("base64").b64decode(doc["body"]["sessions"][-1]["stages"][-1]))
+    assert head.tokens == got  # greedy: one argmax per step, prefill included
+    # a client claiming other tokens, even re-signing its receipt, contradicts the head peer
+    import copy
+
+    body = copy.deepcopy(doc["body"])
+    body["output_ids"][-1] = (body["output_ids"][-1] + 1) % 2048
+    body["output_sha256"] = rc.tokens_hash(body["output_ids"])
+    bad = rc.seal_run(node.key_pair, body)
+    assert [c.name for c in rc.verify_run(bad) if not c.ok] == ["session 1 head tokens"]
+
+
+async def test_receipts_are_served_by_id_and_session_and_bad_requests_get_errors(loopback_config):
+    path = default_model_path()
+    async with local_chain(loopback_config, path, [(0, 8)]) as node:
+        client = Client(node, LocalModel(path))
+        [t async for t in client.generate(PROMPT, max_new_tokens=3)]
+        doc = await client.run_receipt()
+        peer = client.last_stats.chain[0].peer
+        listed = await request(node, peer, rg.encode_request(list_max=10))
+        assert len(listed["digests"]) == 1 and listed["digests"][0]["layers"] == [0, 8]
+        rid = listed["digests"][0]["id"]
+        got = await request(node, peer, rg.encode_request(get=[rid, "00" * 32]))
+        assert [rc.receipt_id(b) for b in got["receipts"]] == [rid]
+        assert doc["body"]["sessions"][-1]["stages"][0] == __import__("base64").b64encode(got["receipts"][0]).decode()
+        with pytest.raises(rg.GossipError, match="request must be"):
+            await request(node, peer, b"\xa1av\x01")  # {v: 1}, nothing asked
+        with pytest.raises(rg.GossipError, match="not CBOR|version"):
+            await request(node, peer, b"\xff\xfe")
+        assert len(ReceiptService.of(node).store) == 0  # the client signs no stage receipts
+
+
+@pytest.mark.slow
+def test_generate_writes_a_receipt_that_shardnet_verify_checks(tmp_path):
+    with LocalSwarm() as swarm:
+        swarm.start_bootstrap()
+        swarm.join_spans([(0, 4), (4, 8)], "--threads", "1")
+        receipt = tmp_path / "run.json"
+        r = subprocess.run(shardnet_argv("generate", "--bootstrap", swarm.bootstrap_addr, "-n", "8",
+                                         "--speculate", "ngram", "--depth", "2", "--check-speculation",
+                                         "--receipt", str(receipt), PROMPT), capture_output=True, text=True,
+                           timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "speculative output equals plain decoding" in r.stdout, r.stdout
+        spec = json.loads(receipt.read_text())["body"]["speculative"]
+        assert spec == {"drafter": "ngram", "k": 4, "depth": 2, "greedy_checked_equal_to_plain": True}, spec
+        # the peers keep their receipts and list and serve them to anyone
+        ls = subprocess.run(shardnet_argv("receipts", "--bootstrap", swarm.bootstrap_addr, "--json"),
+                            capture_output=True, text=True, timeout=120)
+        assert ls.returncode == 0, ls.stderr[-2000:]
+        digests = json.loads(ls.stdout)
+        # two sessions (the speculative run and its plain check), each through both peers
+        assert sorted(tuple(d["layers"]) for d in digests) == [(0, 4), (0, 4), (4, 8), (4, 8)], digests
+        one = subprocess.run(shardnet_argv("receipts", "--bootstrap", swarm.bootstrap_addr, "--get", digests[0]["id"]),
+                             capture_output=True, text=True, timeout=120)
+        assert one.returncode == 0 and json.loads(one.stdout)[digests[0]["id"]]["peer"] == digests[0]["peer"]
+        missing = subprocess.run(shardnet_argv("receipts", "--bootstrap", swarm.bootstrap_addr, "--get", "00" * 32),
+                                 capture_output=True, text=True, timeout=120)
+        assert missing.returncode != 0 and "not found" in missing.stderr
+    manifest = tmp_path / "manifest.json"
+    subprocess.run(shardnet_argv("model", "manifest", "--json", str(default_model_path())), check=True,
+                   stdout=manifest.open("w"), timeout=120)
+    v = subprocess.run(shardnet_argv("verify", str(receipt), "--manifest", str(manifest),
+                                     "--recompute", str(default_model_path())),
+                       capture_output=True, text=True, timeout=180)
+    assert v.returncode == 0, v.stdout + v.stderr[-2000:]
+    assert "ok    recompute" in v.stdout and "ok    run signature" in v.stdout and "ok    model ID" in v.stdout, v.stdout
+    # one changed token: the signature no longer holds, and verify says so first
+    doc = json.loads(receipt.read_text())
+    doc["body"]["output_ids"][0] += 1
+    receipt.write_text(json.dumps(doc))
+    v = subprocess.run(shardnet_argv("verify", str(receipt)), capture_output=True, text=True, timeout=120)
+    assert v.returncode != 0 and "FAIL  run signature" in v.stdout, v.stdout

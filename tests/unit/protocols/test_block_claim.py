@@ -1,0 +1,110 @@
+import dataclasses
+import random
+
+import cbor2
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardnet.errors import NoRouteError
+from shardnet.inference.client.routing import plan_route
+from shardnet.protocols import block_claim as bc
+from shardnet.transport import identity
+
+KP = identity.generate()
+ME = str(identity.peer_id_of(KP))
+MODEL = "ab" * 32
+
+
+def claim(start=0, end=4, peer=ME, expires=4e9, **kw):
+    return bc.Claim(model=MODEL, start=start, end=end, kv_tokens=kw.get("kv", 1000), tput=12.5,
+                    addrs=("/ip4/127.0.0.1/tcp/1",), expires=expires, peer=peer)
+
+
+def test_roundtrip_and_signature():
+    c = claim()
+    assert bc.decode(bc.encode(KP, c)) == c
+    full = dataclasses.replace(c, reach="private", load=0.25, rtts=(("12D3KooWpeer", 0.012),))
+    assert bc.decode(bc.encode(KP, full)) == full
+
+
+def test_optional_fields_are_checked():
+    for bad in ({"reach": "sometimes"}, {"load": 1.5}, {"tput": float("nan")},
+                {"rtts": (("p", -1.0),)}, {"rtts": (("p", "soon"),)}, {"rtts": ((7, 0.1),)}):
+        blob = bc.encode(KP, dataclasses.replace(claim(), **bad))
+        with pytest.raises(bc.ClaimError):
+            bc.decode(blob)
+
+
+def test_tampered_forged_and_expired_claims_are_refused():
+    blob = bc.encode(KP, claim())
+    m = cbor2.loads(blob)
+    m["body"]["end"] = 8  # claim more layers than signed
+    with pytest.raises(bc.ClaimError, match="signature"):
+        bc.decode(cbor2.dumps(m))
+    other = identity.generate()
+    with pytest.raises(bc.ClaimError, match="signed by the peer it names"):
+        bc.encode(other, claim())
+    m = cbor2.loads(blob)
+    m["pk"] = other.public_key.serialize()  # swap in another key: the signature no longer holds
+    with pytest.raises(bc.ClaimError, match="signature"):
+        bc.decode(cbor2.dumps(m))
+    from dataclasses import asdict
+
+    from shardnet.transport import envelope
+
+    body = {**asdict(claim()), "addrs": ["/ip4/127.0.0.1/tcp/1"]}  # validly signed, by someone else
+    forged = envelope.seal(other, domain=bc.SIGNING_DOMAIN, version=bc.CLAIM_VERSION, body=body,
+                           max_bytes=bc.MAX_CLAIM_BYTES, error=bc.ClaimError, what="claim")
+    with pytest.raises(bc.ClaimError, match="key other than its peer's"):
+        bc.decode(forged)
+    with pytest.raises(bc.ClaimError, match="expired"):
+        bc.decode(bc.encode(KP, claim(expires=1000.0)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=500))
+def test_arbitrary_bytes_raise_only_claim_errors(blob):
+    with pytest.raises(bc.ClaimError):
+        bc.decode(blob)
+
+
+def test_route_covers_every_layer_exactly_and_names_gaps():
+    cs = [claim(0, 3, peer="a"), claim(0, 2, peer="b"), claim(3, 6, peer="c"), claim(2, 6, peer="d"),
+          claim(6, 8, peer="e")]
+    routes = {tuple((c.start, c.end) for c in plan_route(cs, 8, rng=random.Random(seed))) for seed in range(20)}
+    assert routes == {((0, 3), (3, 6), (6, 8)), ((0, 2), (2, 6), (6, 8))}  # both 3 hops: either
+    with pytest.raises(NoRouteError, match=r"serves layers 6-7 \(model has 8"):
+        plan_route(cs[:4], 8)
+    with pytest.raises(NoRouteError, match=r"serves layer 0 "):
+        plan_route([claim(1, 8)], 8)
+    with pytest.raises(NoRouteError, match="no chain of spans lines up"):
+        plan_route([claim(0, 4), claim(2, 8)], 8)
+
+
+def test_route_is_the_lowest_latency_chain_over_peer_to_peer_edges():
+    """Dijkstra over (layer, peer): the cost of a hop depends on the peer before it."""
+    cs = [claim(0, 4, peer="a1"), claim(0, 4, peer="b1"), claim(4, 8, peer="a2"), claim(4, 8, peer="b2"),
+          claim(0, 8, peer="slow")]
+    rtt = {(None, "a1"): 0.010, (None, "b1"): 0.001, ("a1", "a2"): 0.001, ("a1", "b2"): 0.050,
+           ("b1", "a2"): 0.080, ("b1", "b2"): 0.040, (None, "slow"): 0.001}
+    compute = {"a1": 0.002, "b1": 0.002, "a2": 0.002, "b2": 0.002, "slow": 0.5}
+
+    def cost(prev, c):
+        return rtt[(prev.peer if prev else None, c.peer)] + compute[c.peer]
+
+    for seed in range(10):  # b1 is the closest first hop, but a1 -> a2 is the cheapest chain
+        assert [c.peer for c in plan_route(cs, 8, cost=cost, rng=random.Random(seed))] == ["a1", "a2"]
+    # the return to the client counts too
+    back = {"a2": 0.5, "b2": 0.0, "slow": 0.0}
+    assert [c.peer for c in plan_route(cs, 8, cost=cost, finish=lambda c: back[c.peer])] == ["b1", "b2"]
+
+
+def test_route_prefers_peers_reached_directly_over_relayed_ones():
+    cs = [claim(0, 4, peer="relayed"), claim(0, 4, peer="direct"), claim(0, 4, peer="unknown"), claim(4, 8, peer="x")]
+    cost = {"direct": 1.0, "unknown": 1.5, "relayed": 3.0, "x": 1.0}
+    for seed in range(20):  # never a relayed or unknown peer while a direct one serves the same span
+        route = plan_route(cs, 8, rng=random.Random(seed), cost=lambda prev, c: cost[c.peer])
+        assert [c.peer for c in route] == ["direct", "x"]
+    picked = {plan_route(cs, 8, rng=random.Random(s))[0].peer for s in range(40)}
+    assert picked == {"relayed", "direct", "unknown"}  # equal costs: any of them, at random
