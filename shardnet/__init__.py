@@ -4,8 +4,38 @@
         ...
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
-from .transport import Node, NodeConfig, ShardnetError, Stream, open_node  # noqa: E402
-
 __all__ = ["Node", "NodeConfig", "ShardnetError", "Stream", "open_node", "__version__"]
+
+if TYPE_CHECKING:
+    from .errors import ShardnetError
+    from .transport import Node, NodeConfig, Stream, open_node
+
+# Names resolved on first use, so that importing a light subpackage (shardnet.protocols, shardnet.errors)
+# does not load py-libp2p through shardnet.transport.
+_LAZY = {
+    "Node": "shardnet.transport",
+    "NodeConfig": "shardnet.transport",
+    "Stream": "shardnet.transport",
+    "open_node": "shardnet.transport",
+    "ShardnetError": "shardnet.errors",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,7 +1,10 @@
 """The dependency rule: inference -> protocols -> transport, never upwards, and transport and
-protocols never import torch (or anything else from the model stack)."""
+protocols never import torch (or anything else from the model stack). Inside inference/, the client
+and the server never import each other, and model/ imports neither (nor the network). In protocols/
+only the ``*_io.py`` drivers import trio; the rest is sans-IO."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +16,17 @@ FORBIDDEN = {
     "transport": ("torch", "transformers", "safetensors", "tokenizers", "numpy",
                   "shardnet.inference", "shardnet.protocols"),
     "protocols": ("torch", "transformers", "safetensors", "tokenizers", "shardnet.inference"),
+    # the requester and the compute peer meet only on the wire and in the activation router
+    "inference/client": ("shardnet.inference.server",),
+    "inference/server": ("shardnet.inference.client",),
+    # what a model is does not depend on who runs it, nor on the network
+    "inference/model": ("shardnet.inference.client", "shardnet.inference.server", "shardnet.transport"),
 }
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import in ``path``, relative ones resolved. ``from a import b``
+    yields both ``a`` and ``a.b``: b may be a module (``from .. import server``)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = "shardnet." + ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
     out = []
@@ -30,16 +40,23 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
             else:
                 mod = node.module or ""
             out.append((node.lineno, mod))
+            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names if a.name != "*"]
     return out
+
+
+def forbidden_imports(path: Path, forbidden) -> list[str]:
+    """One line per import statement of ``path`` that names a module under any of ``forbidden``."""
+    bad: dict[int, str] = {}
+    for lineno, mod in imported_modules(path):
+        if lineno not in bad and any(mod == f or mod.startswith(f + ".") for f in forbidden):
+            bad[lineno] = f"{path.relative_to(ROOT.parent)}:{lineno} imports {mod}"
+    return [bad[n] for n in sorted(bad)]
 
 
 def violations(layer: str) -> list[str]:
     bad = []
     for path in sorted((ROOT / layer).rglob("*.py")):
-        for lineno, mod in imported_modules(path):
-            for f in FORBIDDEN[layer]:
-                if mod == f or mod.startswith(f + "."):
-                    bad.append(f"{path.relative_to(ROOT.parent)}:{lineno} imports {mod}")
+        bad += forbidden_imports(path, FORBIDDEN[layer])
     return bad
 
 
@@ -67,3 +84,94 @@ def test_importing_the_overlay_loads_no_torch():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_client_never_imports_the_server():
+    assert violations("inference/client") == []
+
+
+def test_the_server_never_imports_the_client():
+    assert violations("inference/server") == []
+
+
+def test_the_model_imports_neither_client_server_nor_network():
+    assert violations("inference/model") == []
+
+
+def test_the_checker_catches_client_server_and_model_violations(tmp_path, monkeypatch):
+    fake = tmp_path / "shardnet"
+    for layer in ("client", "server", "model"):
+        (fake / "inference" / layer).mkdir(parents=True)
+    (fake / "inference" / "client" / "bad.py").write_text(
+        "from ..server.compute_peer import join_swarm\nfrom .. import server\nfrom . import routing\n")
+    (fake / "inference" / "server" / "bad.py").write_text(
+        "def f():\n    from shardnet.inference.client import session\n")
+    (fake / "inference" / "model" / "bad.py").write_text(
+        "from shardnet.transport.errors import ShardnetError\nfrom ..client import decode\n"
+        "import shardnet.inference.server\nfrom shardnet.protocols import activation\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    assert len(violations("inference/client")) == 2, violations("inference/client")
+    assert len(violations("inference/server")) == 1, violations("inference/server")
+    assert len(violations("inference/model")) == 3, violations("inference/model")
+
+
+def trio_outside_io_modules() -> list[str]:
+    """protocols/ is sans-IO; its trio drivers are the ``*_io.py`` modules."""
+    bad = []
+    for path in sorted((ROOT / "protocols").rglob("*.py")):
+        if not path.stem.endswith("_io"):
+            bad += forbidden_imports(path, ("trio",))
+    return bad
+
+
+def test_protocols_import_trio_only_in_io_modules():
+    assert trio_outside_io_modules() == []
+
+
+def test_the_checker_catches_trio_outside_io_modules(tmp_path, monkeypatch):
+    fake = tmp_path / "shardnet"
+    (fake / "protocols").mkdir(parents=True)
+    (fake / "protocols" / "codec.py").write_text("import trio\nfrom trio import testing\n")
+    (fake / "protocols" / "codec_io.py").write_text("import trio\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    found = trio_outside_io_modules()
+    assert len(found) == 2 and all("codec.py" in f for f in found), found
+
+
+def modules_loaded_by(statement: str, watched: tuple[str, ...], path: Path | None = None) -> list[str]:
+    """Which of ``watched`` a fresh interpreter has loaded after ``statement`` (``path``: first on sys.path)."""
+    code = (f"import sys; {statement}; "
+            f"print(' '.join(m for m in {watched!r} if m in sys.modules))")
+    env = None
+    if path is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.split()
+
+
+HEAVY = ("libp2p", "trio", "torch", "transformers", "shardnet.transport", "shardnet.inference")
+
+
+def test_importing_the_protocols_loads_no_libp2p_trio_or_torch():
+    # shardnet/__init__ resolves open_node & co. lazily: a codec user pays for no network stack
+    assert modules_loaded_by("import shardnet.protocols", HEAVY) == []
+    assert modules_loaded_by("import shardnet", HEAVY) == []
+
+
+def test_the_import_check_sees_what_a_module_loads(tmp_path):
+    (tmp_path / "heavy_pkg").mkdir()
+    (tmp_path / "heavy_pkg" / "__init__.py").write_text("import trio\n")
+    assert modules_loaded_by("import heavy_pkg", HEAVY, tmp_path) == ["trio"]
+
+
+def test_the_package_root_still_exports_the_overlay():
+    code = ("import shardnet, shardnet.transport as t, shardnet.errors as e; "
+            "assert (shardnet.Node, shardnet.NodeConfig, shardnet.Stream, shardnet.open_node) == "
+            "(t.Node, t.NodeConfig, t.Stream, t.open_node); "
+            "assert shardnet.ShardnetError is e.ShardnetError is t.ShardnetError; "
+            "from shardnet import open_node, Node, NodeConfig, Stream, ShardnetError; "
+            "assert set(shardnet.__all__) <= set(dir(shardnet)); print(shardnet.__version__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "0.1.0", r.stdout + r.stderr
+

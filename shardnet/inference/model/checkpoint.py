@@ -19,7 +19,7 @@ from typing import Any
 
 import cbor2
 
-from shardnet.transport.errors import ShardnetError
+from shardnet.errors import ShardnetError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Layer layouts: how a model's layers are split over peers."""
 
-from shardnet.transport.errors import ShardnetError
+from shardnet.errors import ShardnetError
 
 
 def split_layers(num_layers: int, parts: int) -> list[tuple[int, int]]:

@@ -13,8 +13,12 @@ import os
 import time
 from collections.abc import Callable
 
+import click
+
 from shardnet.testing.localswarm import LocalSwarm
-from .transport.errors import ShardnetError
+from shardnet.transport.errors import ShardnetError
+
+from .common import fail, model_dir, model_path_option, say
 
 DEFAULT_PROMPT = "def __init__(self"
 
@@ -86,11 +90,11 @@ def run_model_demo(*, model_path, peers: int, prompt: str | None, max_new_tokens
 
     import trio
 
-    from shardnet.inference.model.checkpoint import Checkpoint
     from shardnet.inference.client.client import Client
-    from shardnet.inference.model.local_model import LocalModel
+    from shardnet.inference.model.checkpoint import Checkpoint
     from shardnet.inference.model.layout import split_layers
-    from .transport import NodeConfig, open_node
+    from shardnet.inference.model.local_model import LocalModel
+    from shardnet.transport import NodeConfig, open_node
 
     path = model_path
     ckpt = Checkpoint(path)
@@ -132,3 +136,22 @@ def run_model_demo(*, model_path, peers: int, prompt: str | None, max_new_tokens
         trio.run(generate)
         say("stopping every process ...")
     say(f"done in {time.monotonic() - t_start:.1f} s")
+
+
+@click.command()
+@model_path_option
+@click.option("--prompt", default=None, help="Prompt (default: the start of a Python function).")
+@click.option("--max-new-tokens", "-n", default=48, show_default=True)
+@click.option("--peers", default=3, show_default=True, help="Compute peers to start.")
+@click.option("--timeout", default=120.0, show_default=True, help="Give up after this many seconds.")
+@click.option("--overlay-only", is_flag=True, help="Only show the overlay (discovery, streams, gossip).")
+def demo(model_path, prompt, max_new_tokens, peers, timeout, overlay_only) -> None:
+    """Start a local swarm serving the shipped model, generate, print the layer map, stop it all."""
+    try:
+        if overlay_only:
+            run_overlay_demo(nodes=peers, timeout=timeout, say=say)
+        else:
+            run_model_demo(model_path=model_dir(model_path), peers=peers, prompt=prompt,
+                           max_new_tokens=max_new_tokens, timeout=timeout, say=say)
+    except ShardnetError as e:
+        fail(str(e))

@@ -16,9 +16,9 @@ from typing import Any
 
 import trio
 
-from .protocols import echo
-from .protocols.framing import encode_frame
-from .transport.node import Node
+from shardnet.protocols import echo
+from shardnet.protocols.framing import encode_frame
+from shardnet.transport.node import Node
 
 log = logging.getLogger(__name__)
 

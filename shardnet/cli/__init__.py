@@ -1,0 +1,40 @@
+"""``shardnet`` command line: a thin layer over the library.
+
+Every command says what it is doing on stderr (logging) and prints its results on stdout; a
+failure exits non-zero with one line ``error: <reason>`` and no traceback. One module per group
+of commands; :mod:`.common` holds what they share.
+"""
+
+from __future__ import annotations
+
+import click
+
+from shardnet import __version__, logs
+
+from . import compute, demo, generate, model, overlay, receipts, serve
+from .common import make_config, network_options
+
+__all__ = ["main", "make_config", "network_options"]
+
+
+@click.group()
+@click.option("-v", "--verbose", count=True, help="More logging (-vv includes py-libp2p).")
+@click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors on stderr.")
+@click.version_option(__version__, prog_name="shardnet")
+def main(verbose: int, quiet: bool) -> None:
+    """shardnet: pool machines over a peer-to-peer overlay to run large language models."""
+    logs.setup(-1 if quiet else verbose)
+
+
+for command in (
+    overlay.id_cmd, overlay.limits_cmd, overlay.swarm_key_cmd, overlay.bootstrap, overlay.relay, overlay.node,
+    overlay.peers, overlay.status, overlay.ping,
+    compute.join,
+    generate.generate,
+    serve.serve,
+    receipts.verify, receipts.receipts,
+    model.model,
+    demo.demo,
+):
+    main.add_command(command)
+del command

@@ -1,0 +1,249 @@
+"""What every ``shardnet`` command shares: running under trio with one-line failures, the
+network options and the NodeConfig they make, output helpers."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+import trio
+
+from shardnet.transport.config import NodeConfig, parse_multiaddr, parse_peer_addr
+from shardnet.transport.errors import ShardnetError
+
+# One logger for every command module: its name shows in each stderr line, as before the split.
+log = logging.getLogger("shardnet.cli")
+
+
+def fail(message: str, code: int = 1) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def run(main: Callable[[], Awaitable[Any]]) -> Any:
+    """Run ``main`` under trio; SIGINT/SIGTERM stop it cleanly; ShardnetError -> one line."""
+
+    async def _guarded() -> Any:
+        result: list[Any] = []
+        async with trio.open_nursery() as nursery:
+
+            async def _signals() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        log.info("received %s, shutting down", signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+                        return
+
+            async def _main() -> None:
+                result.append(await main())
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(_signals)
+            nursery.start_soon(_main)
+        return result[0] if result else None
+
+    try:
+        return trio.run(_guarded)
+    except (ShardnetError, BaseExceptionGroup) as e:
+        first = _first_shardnet_error(e)
+        if first is None:
+            _unexpected(e)
+        fail(str(first))
+    except Exception as e:
+        _unexpected(e)
+
+
+def _unexpected(e: BaseException) -> None:
+    """A bug, not a user error: still one line, with the traceback in the debug log."""
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    log.debug("unexpected failure", exc_info=e)
+    fail(f"unexpected {type(e).__name__}: {e} (run with -v for the traceback)")
+
+
+def _first_shardnet_error(e: BaseException) -> ShardnetError | None:
+    if isinstance(e, ShardnetError):
+        return e
+    if isinstance(e, BaseExceptionGroup):
+        for sub in e.exceptions:
+            found = _first_shardnet_error(sub)
+            if found is not None:
+                return found
+    return None
+
+
+def emit(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def say(text: str) -> None:
+    click.echo(text)
+    sys.stdout.flush()
+
+
+def identity_option(f):
+    return click.option(
+        "--identity",
+        type=click.Path(dir_okay=False, path_type=Path),
+        default=None,
+        help="Identity key file (default $SHARDNET_IDENTITY or ~/.shardnet/identity.key).",
+    )(f)
+
+
+def network_options(default_listen: str | None):
+    def deco(f):
+        f = click.option("--listen", "listen", multiple=True, metavar="MADDR",
+                         help=f"Listen multiaddr, repeatable (default {default_listen or '/ip4/0.0.0.0/tcp/0'}).")(f)
+        f = click.option("--announce", multiple=True, metavar="MADDR",
+                         help="Advertise this multiaddr instead of the listen addresses (repeatable).")(f)
+        f = click.option("--bootstrap", multiple=True, metavar="MADDR", envvar="SHARDNET_BOOTSTRAP",
+                         help="Bootstrap peer (/ip4/../tcp/../p2p/ID), repeatable.")(f)
+        f = click.option("--quic", is_flag=True, help="Also enable the QUIC transport.")(f)
+        f = click.option("--mdns", is_flag=True, help="Discover peers on the LAN with mDNS.")(f)
+        f = click.option("--relay", "relays", multiple=True, metavar="MADDR",
+                         help="Hold a slot at this circuit relay (/ip4/../tcp/../p2p/ID), repeatable: peers "
+                              "that cannot dial us (NAT) reach us through it.")(f)
+        f = click.option("--no-hole-punch", is_flag=True, expose_value=False, callback=_remember,
+                         help="Keep relayed connections relayed (no DCUtR hole punching).")(f)
+        f = click.option("--no-auto-relay", is_flag=True, expose_value=False, callback=_remember,
+                         help="Without --relay, do not reserve relay slots when AutoNAT finds us behind NAT.")(f)
+        f = click.option("--no-autonat", is_flag=True, expose_value=False, callback=_remember,
+                         help="Do not ask peers whether we are reachable (for bootstrap and relay nodes whose "
+                              "reachability is known); still answer their questions.")(f)
+        return limit_option(swarm_key_option(f))
+
+    return deco
+
+
+def limit_option(f):
+    return click.option("--limit", "limits", multiple=True, metavar="NAME=VALUE", expose_value=False,
+                        callback=_remember, help="Set a resource limit (repeatable; `shardnet limits` lists them).")(f)
+
+
+def swarm_key_option(f):
+    return click.option("--swarm-key", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                        envvar="SHARDNET_SWARM_KEY", expose_value=False, callback=_remember,
+                        help="Private swarm: connect only with peers holding this key file "
+                             "(make one with `shardnet swarm-key PATH`).")(f)
+
+
+def load_swarm_key(cfg: NodeConfig) -> NodeConfig:
+    """--swarm-key (or $SHARDNET_SWARM_KEY), remembered in the click context, into ``cfg``."""
+    meta = click.get_current_context(silent=True)
+    path = meta.meta.get("shardnet.swarm_key") if meta is not None else None
+    if path:
+        from shardnet.transport.swarm_key import SwarmKey
+
+        cfg.swarm_key = SwarmKey.load(path)
+        log.info("private swarm: key %s (%s)", cfg.swarm_key.fingerprint, path)
+    return cfg
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value) -> None:
+    """Network flags every command shares reach make_config through the click context."""
+    ctx.meta[f"shardnet.{param.name}"] = value
+
+
+def make_config(*, identity: Path | None, listen, announce, bootstrap, quic: bool, mdns: bool,
+                default_listen: str, persistent: bool = True, dht_mode: str = "server", relays=()) -> NodeConfig:
+    from shardnet.transport import identity as ident
+
+    for a in listen:
+        parse_multiaddr(a, what="--listen")
+    for a in announce:
+        parse_multiaddr(a, what="--announce")
+    for a in bootstrap:
+        parse_peer_addr(a, what="--bootstrap")
+    for a in relays:
+        parse_peer_addr(a, what="--relay")
+    cfg = NodeConfig(
+        listen=list(listen) or [default_listen],
+        announce=list(announce),
+        bootstrap=list(bootstrap),
+        enable_quic=quic,
+        enable_mdns=mdns,
+        dht_mode=dht_mode,
+        relays=list(relays),
+    )
+    meta = click.get_current_context(silent=True)
+    meta = meta.meta if meta is not None else {}
+    cfg.hole_punch = not meta.get("shardnet.no_hole_punch", False)
+    for assignment in meta.get("shardnet.limits", ()):
+        cfg.limits.set(assignment)
+    load_swarm_key(cfg)
+    if meta.get("shardnet.no_auto_relay", False):
+        cfg.auto_relays = 0
+    if meta.get("shardnet.no_autonat", False):
+        cfg.autonat_client = False
+    if persistent:
+        path = identity or ident.default_identity_path()
+        kp, created = ident.load_or_create(path)
+        log.info("%s identity %s (%s)", "created" if created else "using", ident.peer_id_of(kp), path)
+        cfg.key_pair = kp
+    return cfg
+
+
+def wrap_errors(f):
+    """Turn ShardnetError raised while parsing options into the one-line failure."""
+
+    @functools.wraps(f)
+    def inner(*a, **kw):
+        try:
+            return f(*a, **kw)
+        except ShardnetError as e:
+            fail(str(e))
+
+    return inner
+
+
+
+def model_path_option(f):
+    return click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                        default=None, help="Checkpoint directory (default: the shipped tiny-llama).")(f)
+
+
+def model_dir(path: Path | None) -> Path:
+    from shardnet.models import default_model_path
+
+    return path or default_model_path()
+
+
+@asynccontextmanager
+async def visiting(cfg: NodeConfig, wait: float):
+    """A visitor's node, joined (when it has bootstrap peers) and given ``wait`` s to discover."""
+    from shardnet.transport import open_node
+
+    async with open_node(cfg) as n:
+        if cfg.bootstrap:
+            await n.wait_bootstrapped()
+        log.info("discovering peers for %.1f s", wait)
+        await trio.sleep(wait)
+        yield n
+
+
+def visitor_config(relays, listen, announce, bootstrap, quic, mdns) -> NodeConfig:
+    """A short-lived look at the swarm: throwaway identity, ephemeral port, DHT client only."""
+    return make_config(relays=relays, identity=None, listen=listen, announce=announce, bootstrap=bootstrap,
+                       quic=quic, mdns=mdns, default_listen="/ip4/0.0.0.0/tcp/0",
+                       persistent=False, dht_mode="client")
+
+
+def client_identity_option(f):
+    return click.option("--identity", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                        help="Identity key file to use, created if missing (default: a throwaway identity "
+                             "for this run).")(f)
+
+
+def generation_config(identity: Path | None, **net) -> NodeConfig:
+    """A generating client's node: DHT client; its own identity with --identity, else a throwaway one."""
+    return make_config(identity=identity, persistent=identity is not None, default_listen="/ip4/0.0.0.0/tcp/0",
+                       dht_mode="client", **net)

@@ -1,0 +1,117 @@
+"""``shardnet join``: serve a block of a model's layers to the swarm."""
+
+from __future__ import annotations
+
+import click
+
+from shardnet.transport.config import DEFAULT_SERVER_LISTEN
+
+from .common import (
+    emit,
+    fail,
+    identity_option,
+    make_config,
+    model_dir,
+    model_path_option,
+    network_options,
+    run,
+    say,
+    wrap_errors,
+)
+
+
+@click.command()
+@identity_option
+@network_options(DEFAULT_SERVER_LISTEN)
+@model_path_option
+@click.option("--layers", default=None, metavar="START:END",
+              help="Layers to serve (default: as many as memory allows, where the swarm needs them most).")
+@click.option("--max-layers", type=click.IntRange(min=1), default=None,
+              help="Serve at most this many layers when choosing automatically.")
+@click.option("--rebalance-interval", default=60.0, show_default=True,
+              help="Seconds between looks at the swarm (RTTs to successors; moving, if the span was chosen "
+                   "automatically). 0: never.")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
+@click.option("--kv-budget-mb", default=512, show_default=True, help="KV cache memory for all sessions.")
+@click.option("--hold-head", is_flag=True, help="Also hold the final norm and LM head (last block only).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for block computation (default: torch's choice). Use 1 when several "
+                   "peers share a machine: small blocks lose more to thread hand-offs than they gain.")
+@click.option("--throughput", type=click.FloatRange(min=0, min_open=True), default=None, metavar="TOK_S",
+              help="Advertise this many tokens/s for the block instead of measuring it (default: measured "
+                   "when loaded). Placement and routing weigh peers by it; a fixed figure keeps them steady "
+                   "where a measurement would wobble, e.g. several peers on one busy machine.")
+@click.option("--events", is_flag=True, help="JSON events on stdout, JSON commands on stdin.")
+@wrap_errors
+def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, layers, max_layers, rebalance_interval,
+         dtype, device, kv_budget_mb, hold_head, threads, throughput, events) -> None:
+    """Serve a block of a model's layers to the swarm (chosen for you unless --layers)."""
+    from shardnet.inference.model.block import parse_layers
+    from shardnet.inference.model.checkpoint import Checkpoint, CheckpointError
+    from shardnet.inference.server.compute_peer import join_swarm
+    from shardnet.transport import open_node
+
+    from .node_control import NodeControl
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    path = model_dir(model_path)
+    _check_device(device)
+    try:
+        ckpt = Checkpoint(path)
+        span = parse_layers(layers, ckpt.num_layers) if layers else None
+    except CheckpointError as e:
+        fail(str(e))
+    cfg = make_config(relays=relays, identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,
+                      quic=quic, mdns=mdns, default_listen=DEFAULT_SERVER_LISTEN)
+
+    def moved(move, old) -> None:
+        if events:
+            emit({"event": "moved", "from": list(old), "layers": [move.start, move.end],
+                   "bottleneck": [move.bottleneck_now, move.bottleneck_after]})
+        else:
+            say(f"moved from layers {old[0]}:{old[1]} to {move.start}:{move.end} (swarm bottleneck "
+                 f"{move.bottleneck_now:.1f} -> {move.bottleneck_after:.1f} tok/s)")
+
+    async def _main() -> None:
+        async with open_node(cfg) as n:
+            if bootstrap and span is None:
+                await n.wait_bootstrapped()  # to see what the swarm serves before choosing
+            async with join_swarm(n, str(path), layers=span, max_layers=max_layers,
+                                  rebalance_interval=rebalance_interval, on_move=moved, dtype=dtype, device=device,
+                                  kv_budget_bytes=kv_budget_mb << 20, hold_head=hold_head,
+                                  throughput=throughput) as peer:
+                start, end = peer.span
+                if events:
+                    emit({"event": "serving", "model": peer.model_id, "layers": [start, end], "tput": peer.tput})
+                else:
+                    say(f"serving layers {start}:{end} of {path.name} (model {peer.model_id[:16]}…, "
+                         f"{peer.tput:.0f} tok/s)")
+                control = NodeControl(n, emit=emit if events else None, say=say)
+                await control.run(topics=[], read_commands=events)
+
+    run(_main)
+
+
+def _check_device(device: str | None) -> None:
+    """--device names a device this machine has (checked before joining the network)."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        fail(f"--device {device!r} is not a torch device (cpu, cuda, cuda:N)", 2)
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            fail(f"--device {device}: no CUDA device is available on this machine (torch "
+                 f"{torch.__version__}, CUDA build: {torch.version.cuda or 'none'}); use --device cpu", 2)
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            fail(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
+    elif kind != "cpu" and not getattr(getattr(torch.backends, kind, None), "is_available", lambda: False)():
+        fail(f"--device {device}: no {kind} device is available on this machine", 2)

@@ -1,0 +1,68 @@
+"""``shardnet serve``: an OpenAI-compatible HTTP gateway backed by the swarm."""
+
+from __future__ import annotations
+
+import functools
+
+import click
+import trio
+
+from .common import (
+    client_identity_option,
+    fail,
+    generation_config,
+    log,
+    model_dir,
+    model_path_option,
+    network_options,
+    run,
+    say,
+    wrap_errors,
+)
+
+
+@click.command()
+@client_identity_option
+@network_options("/ip4/0.0.0.0/tcp/0")
+@model_path_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP server binds.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="HTTP port (0: any).")
+@click.option("--name", default=None, help="The model name clients ask for (default: the model directory's name).")
+@click.option("--logits-on-last", is_flag=True, help="Let the last peer apply the LM head (thin gateway).")
+@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--route-timeout", default=10.0, show_default=True,
+              help="Seconds a request waits for peers covering the model before a 503.")
+@click.option("--audit-rate", type=click.FloatRange(0, 1), default=None,
+              help="Share of steps re-run on other peers to catch wrong computation (default 0.1; 0: off).")
+@wrap_errors
+def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, host, port, name, logits_on_last,
+          dtype, route_timeout, audit_rate) -> None:
+    """Serve an OpenAI-compatible HTTP API (completions, chat, streaming) backed by the swarm."""
+    from shardnet.gateway.server import serve_gateway
+    from shardnet.inference.client.client import Client
+    from shardnet.inference.model.local_model import LocalModel
+    from shardnet.transport import open_node
+
+    if not bootstrap and not mdns:
+        fail("serve needs --bootstrap MADDR (or --mdns)", 2)
+    path = model_dir(model_path)
+    cfg = generation_config(identity, relays=relays, listen=listen, announce=announce, bootstrap=bootstrap,
+                             quic=quic, mdns=mdns)
+
+    async def _main() -> None:
+        log.info("loading the model's head from %s…", path)
+        model = await trio.to_thread.run_sync(lambda: LocalModel(path, dtype=dtype, lm_head=not logits_on_last))
+        async with open_node(cfg) as n:
+            if bootstrap:
+                log.info("joining the swarm…")
+                await n.wait_bootstrapped()
+            client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout,
+                            **({} if audit_rate is None else {"audit_rate": audit_rate}))
+            async with trio.open_nursery() as nursery:
+                # a port in use: PortInUseError, one line like the libp2p port's
+                urls = await nursery.start(functools.partial(
+                    serve_gateway, client, name or path.name, host=host, port=port, route_timeout=route_timeout))
+                say(f"serving the OpenAI API for model {name or path.name!r} on {', '.join(urls)} "
+                     f"(model {model.model_id[:16]}…)")
+
+    run(_main)
