@@ -4,35 +4,52 @@ parse the message)."""
 
 
 class ShardnetError(Exception):
-    """Base class: anything shardnet raises on purpose."""
+    """Base class: anything shardnet raises on purpose. Each subclass names its own ``code``;
+    InferenceError carries one per instance (the chain's failure code)."""
+
+    code: str = "error"
 
 
 class IdentityError(ShardnetError):
     """The identity key file is missing its key, corrupt, foreign or unsafe."""
 
+    code = "identity"
+
 
 class AddressError(ShardnetError):
     """A multiaddr could not be parsed or is unusable for its purpose."""
+
+    code = "address"
 
 
 class DialError(ShardnetError):
     """A peer could not be reached in time."""
 
+    code = "dial"
+
 
 class ProtocolNotSupported(ShardnetError):
     """The remote peer does not speak the requested protocol."""
+
+    code = "protocol_not_supported"
 
 
 class PortInUseError(ShardnetError):
     """A fixed listen port is already bound by another process."""
 
+    code = "port_in_use"
+
 
 class OverlayTimeout(ShardnetError):
     """A network wait ran past its deadline."""
 
+    code = "timeout"
+
 
 class RecordError(ShardnetError):
     """A DHT record is malformed or its signature does not verify."""
+
+    code = "record"
 
 
 class InferenceError(ShardnetError):
@@ -41,8 +58,11 @@ class InferenceError(ShardnetError):
     def __init__(self, code: str, message: str, peer: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.message = message
         self.peer = peer
 
 
 class NoRouteError(ShardnetError):
     """No set of live claims covers every layer."""
+
+    code = "no_route"

@@ -30,11 +30,10 @@ from pathlib import Path
 
 import trio
 
-from shardnet.errors import NoRouteError
+from shardnet.errors import NoRouteError, PortInUseError, ShardnetError
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.routing import format_layers, uncovered_layers
 from shardnet.inference.swarm_status import swarm_report
-from shardnet.transport.errors import PortInUseError, ShardnetError
 
 from . import openai_api as oa
 
@@ -199,7 +198,7 @@ class Gateway:
                             text, stopped = text[:cut], True
                             break
             except ShardnetError as e:
-                if getattr(e, "code", None) == "busy":  # waited in line past the client's queue timeout
+                if e.code == "busy":  # waited in line past the client's queue timeout
                     raise oa.ApiError(503, f"the swarm is busy: {e}", type="server_error", code="busy") from None
                 raise oa.ApiError(502, f"the swarm failed during generation: {e}", type="server_error",
                                   code="swarm_error") from None

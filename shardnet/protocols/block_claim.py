@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
+from shardnet.errors import ShardnetError
 from shardnet.transport import envelope
 
 PROTOCOL_ID = "/shardnet/block-claim/1.0.0"
@@ -29,8 +30,10 @@ SIGNING_DOMAIN = b"shardnet-block-claim/1"
 MAX_CLAIM_BYTES = 16 * 1024
 
 
-class ClaimError(ValueError):
+class ClaimError(ShardnetError, ValueError):
     """A claim is malformed, forged or expired."""
+
+    code = "claim"
 
 
 @dataclass(frozen=True)

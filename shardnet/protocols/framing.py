@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import struct
 
+from shardnet.errors import ShardnetError
+
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 16 << 20
 
 
-class FrameError(ValueError):
+class FrameError(ShardnetError, ValueError):
     """The byte stream is not a valid frame sequence."""
+
+    code = "frame"
 
 
 def encode_frame(payload: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:

@@ -37,6 +37,7 @@ import cbor2
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
+from shardnet.errors import ShardnetError
 from shardnet.transport import envelope
 
 from .receipts import MAX_STAGE_BYTES, ReceiptError, StageReceipt, decode_stage, receipt_id
@@ -54,8 +55,10 @@ MAX_RESPONSE_BYTES = MAX_IDS_PER_REQUEST * (MAX_STAGE_BYTES + 64)  # (8 reports 
 MAX_REQUEST_BYTES = 16 * 1024
 
 
-class GossipError(ValueError):
-    pass
+class GossipError(ShardnetError, ValueError):
+    """A misbehaviour report is malformed or its signature does not verify."""
+
+    code = "gossip"
 
 
 def _load(data: bytes, limit: int, what: str) -> dict:

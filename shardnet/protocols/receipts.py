@@ -32,6 +32,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.peer.id import ID
 
+from shardnet.errors import ShardnetError
 from shardnet.transport import envelope
 
 SCHEMA = 1
@@ -42,8 +43,10 @@ MAX_RUN_BYTES = 16 << 20
 ZERO = "00" * 32
 
 
-class ReceiptError(ValueError):
+class ReceiptError(ShardnetError, ValueError):
     """A receipt is malformed or its signature does not verify."""
+
+    code = "receipt"
 
 
 class HashChain:

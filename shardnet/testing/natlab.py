@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardnet.errors import ShardnetError
 from shardnet.testing.localswarm import LocalSwarm, ShardnetProcess
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,10 @@ PRIVATE_NETS = list(ipaddress.ip_network("198.51.100.0/24").subnets(new_prefix=2
 NAT_TYPES = ("cone", "symmetric")
 
 
-class LabError(RuntimeError):
-    pass
+class LabError(ShardnetError, RuntimeError):
+    """A lab command failed, or the lab cannot be built here."""
+
+    code = "lab"
 
 
 def available() -> str | None:

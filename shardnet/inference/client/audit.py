@@ -22,7 +22,7 @@ Sampling: one step in every window of ``round(1 / rate)`` results, at a random p
 window; the span checked is the one checked least so far in this run (ties at random), so a
 peer that always cheats is caught within ``window x spans with a witness`` steps. The decode
 loop asks ``take_convicted()`` between steps; when a peer of its chain is convicted it rebuilds
-the chain without it and re-derives the text the cheater touched (see ``client.generate_on``).
+the chain without it and re-derives the text the cheater touched (see ``decode.generate_on``).
 """
 
 from __future__ import annotations

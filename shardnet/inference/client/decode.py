@@ -82,20 +82,6 @@ class _Chunk:
     sent: float  # perf_counter() when sent
 
 
-def _emit(model: LocalModel, out: list[int], tok: int, stats: GenerationStats, t0: float, max_new: int,
-          stop_at_eos: bool, retracted: int = 0) -> Token | None:
-    """Append an accepted token and return it with its text, or None when generation ends."""
-    if stop_at_eos and tok in model.eos_ids or len(out) >= max_new:
-        return None
-    out.append(tok)
-    stats.new_tokens += 1
-    stats.decode_s = time.perf_counter() - t0
-    # decode incrementally so multi-token characters come out whole
-    text = model.decode(out)
-    prev = model.decode(out[:-1]) if len(out) > 1 else ""
-    return Token(tok, text[len(prev):], retracted)
-
-
 def _first_wrong(out: list[int], logits: torch.Tensor, params: SamplingParams, rng: Randomness, start: int,
                  speculative: bool) -> tuple[int, int]:
     """Given trusted logits rows [len(out) + 1, vocab] (row i: the distribution of token i of
@@ -127,120 +113,224 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
     session is convicted of computing wrong, the session moves to a chain without it, the whole
     text is sent through the new chain once, and the first token the trusted logits do not
     support is replaced (the tokens after it are retracted; see ``Token``)."""
+    steps = _Steps(sess, model, logits_on_last)
     t0 = time.perf_counter()
-    n = await sess.send(model.head.embed(torch.tensor([prompt])), pos=0)
-    got, result = await sess.receive()
-    if got != n:
-        raise InferenceError("unexpected", f"expected result {n}, got {got}")
+    result = await steps.prefill(prompt)
     stats.prefill_s = time.perf_counter() - t0
-    logits = result[0, -1].float() if logits_on_last else model.head.logits(result[:, -1:])[0, -1]
-    first = next_token(logits, params, rng, len(prompt))
-    t0 = time.perf_counter()
-    spec_stats = stats.speculation
-    vocab = model.ckpt.config.vocab_size
-    out: list[int] = []
-    spec = list(prompt)  # accepted text plus every draft in flight
-    # chunks of the current epoch in flight, oldest first; results of older steps are stale
-    inflight: deque[_Chunk] = deque()
-    epoch, stale_below = 0, 0
-    todo = [first]
-    retracted = 0
+    first = next_token(steps.logits(result, rows=1)[-1], params, rng, len(prompt))
+    text = _Text(model, prompt, max_new, stop_at_eos, stats)
+    pipe = _Pipeline(steps, prompt, params, rng, drafter, k, depth, max_new, stats.speculation)
+    todo = [first]  # accepted tokens not yet emitted
     while True:
+        # emit: until EOS or max_new
         finished = False
-        for tok in todo:  # emit accepted tokens
-            emitted = _emit(model, out, tok, stats, t0, max_new, stop_at_eos, retracted)
-            if emitted is None:
+        for tok in todo:
+            token = text.emit(tok)
+            if token is None:
                 finished = True
                 break
-            retracted = 0
-            yield emitted
-        finished = finished or len(out) >= max_new
+            yield token
+        finished = finished or text.full
+        # a peer of this session convicted of computing wrong: correct the text without it
         if auditor is not None:
             if finished:
                 await auditor.settle()  # a verdict on this request's steps still corrects it
             convicted = [p for p in auditor.take_convicted() if p in sess.served_by()]
             if convicted:
-                # the convicted peer's work is not trusted: one pass of the whole text through a
-                # chain without it says which of our tokens stand
-                await sess.exclude(convicted)
-                epoch += 1
-                inflight.clear()
-                n = await sess.send(model.head.embed(torch.tensor([prompt + out])), pos=0,
-                                    logits_for=len(out) + 1, epoch=epoch)
-                stale_below = n
-                got, result = await sess.receive()
-                if got != n:
-                    raise InferenceError("unexpected", f"expected result {n}, got {got}")
-                rows = result[0].float() if logits_on_last else model.head.logits(result[:, -(len(out) + 1):])[0]
-                m, fixed = _first_wrong(out, rows, params, rng, len(prompt), drafter is not None)
-                if m < len(out):
-                    retracted += len(out) - m
-                    stats.new_tokens -= len(out) - m
-                    stats.retracted += len(out) - m
-                    log.warning("withdrawing %d token(s) computed with a convicted peer", len(out) - m)
-                    del out[m:]
-                todo = [fixed]
-                spec = prompt + out
+                todo = [await _correct_without(convicted, sess, steps, pipe, text, params, rng, drafter is not None)]
                 continue
         if finished:
-            if retracted:  # the corrected text ends where the retraction starts
-                yield Token(None, "", retracted)
+            if text.retracted:  # the corrected text ends where the retraction starts
+                yield Token(None, "", text.retracted)
             return
+        # draft -> send chunks -> receive the oldest -> accept
         if todo:  # the accepted text changed: drafts continue from it
-            spec = prompt + out + [d for c in inflight for d in c.drafts]
-        todo = []
-        # keep `depth` chunks in flight, drafting ahead as if earlier chunks were all accepted
-        while len(inflight) < depth and len(spec) - len(prompt) < max_new:
-            budget = min(k, max_new - (len(spec) - len(prompt)))
-            t_draft = time.perf_counter()
-            q = None
-            if drafter is None or budget <= 0:
-                drafts = []
-            elif params.greedy:
-                drafts = drafter.propose(spec, budget)
-            else:
-                drafts, q = drafter.sample(spec, budget, params, rng, vocab)
-            spec_stats.draft_s += time.perf_counter() - t_draft
+            pipe.continue_from(text.out)
+        await pipe.draft_and_send()
+        chunk, logits = await pipe.receive()
+        todo = pipe.accept(chunk, logits)
+
+
+class _Steps:
+    """One step through the session: hidden states out, the logits of its last positions back."""
+
+    def __init__(self, sess: InferenceSession, model: LocalModel, logits_on_last: bool) -> None:
+        self.sess, self.model, self.logits_on_last = sess, model, logits_on_last
+
+    async def send(self, tokens: list[int], *, pos: int, logits_for: int | None = None, epoch: int = 0) -> int:
+        hidden = self.model.head.embed(torch.tensor([tokens]))
+        if logits_for is None:
+            return await self.sess.send(hidden, pos=pos)
+        return await self.sess.send(hidden, pos=pos, logits_for=logits_for, epoch=epoch)
+
+    async def receive(self) -> tuple[int, torch.Tensor]:
+        return await self.sess.receive()
+
+    async def receive_step(self, n: int) -> torch.Tensor:
+        """The result of step ``n``, which must be the next to come back."""
+        got, result = await self.sess.receive()
+        if got != n:
+            raise InferenceError("unexpected", f"expected result {n}, got {got}")
+        return result
+
+    def logits(self, result: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """``[rows, vocab]``: the logits of a result's last ``rows`` positions (all: None). The
+        last peer applied the head already, or the client applies it here."""
+        if self.logits_on_last:
+            return result[0].float() if rows is None else result[0, -rows:].float()
+        return self.model.head.logits(result if rows is None else result[:, -rows:])[0]
+
+    async def prefill(self, prompt: list[int]) -> torch.Tensor:
+        """The prompt through the chain: its result (the last position's says the first new token)."""
+        return await self.receive_step(await self.send(prompt, pos=0))
+
+
+class _Text:
+    """The accepted output, and its emission as tokens with text."""
+
+    def __init__(self, model: LocalModel, prompt: list[int], max_new: int, stop_at_eos: bool,
+                 stats: GenerationStats) -> None:
+        self.model, self.prompt, self.max_new, self.stop_at_eos, self.stats = model, prompt, max_new, stop_at_eos, stats
+        self.out: list[int] = []
+        self.retracted = 0  # tokens withdrawn, announced with the next token emitted
+        self.t0 = time.perf_counter()
+
+    @property
+    def full(self) -> bool:
+        return len(self.out) >= self.max_new
+
+    def emit(self, tok: int) -> Token | None:
+        """Append an accepted token and return it with its text, or None when generation ends."""
+        if self.stop_at_eos and tok in self.model.eos_ids or self.full:
+            return None
+        out = self.out
+        out.append(tok)
+        self.stats.new_tokens += 1
+        self.stats.decode_s = time.perf_counter() - self.t0
+        # decode incrementally so multi-token characters come out whole
+        text = self.model.decode(out)
+        prev = self.model.decode(out[:-1]) if len(out) > 1 else ""
+        token = Token(tok, text[len(prev):], self.retracted)
+        self.retracted = 0
+        return token
+
+    def retract_from(self, m: int) -> None:
+        """Withdraw the tokens from index ``m`` on."""
+        gone = len(self.out) - m
+        self.retracted += gone
+        self.stats.new_tokens -= gone
+        self.stats.retracted += gone
+        log.warning("withdrawing %d token(s) computed with a convicted peer", gone)
+        del self.out[m:]
+
+
+class _Pipeline:
+    """Verify chunks in flight. ``spec`` is the accepted text plus every draft in flight, so the
+    next chunk drafts ahead as if earlier chunks were all accepted; a rejection ends the epoch,
+    and results of steps below ``stale_below`` (chunks of an ended epoch) are skipped."""
+
+    def __init__(self, steps: _Steps, prompt: list[int], params: SamplingParams, rng: Randomness,
+                 drafter: Drafter | None, k: int, depth: int, max_new: int, stats: SpeculationStats) -> None:
+        self.steps, self.prompt, self.params, self.rng = steps, prompt, params, rng
+        self.drafter, self.k, self.depth, self.max_new, self.stats = drafter, k, depth, max_new, stats
+        self.vocab = steps.model.ckpt.config.vocab_size
+        self.spec = list(prompt)
+        self.inflight: deque[_Chunk] = deque()  # of the current epoch, oldest first
+        self.epoch, self.stale_below = 0, 0
+
+    def continue_from(self, out: list[int]) -> None:
+        """The accepted text changed: drafting continues from it and the drafts still in flight."""
+        self.spec = self.prompt + out + [d for c in self.inflight for d in c.drafts]
+
+    def _draft(self, budget: int) -> tuple[list[int], torch.Tensor | None]:
+        t_draft = time.perf_counter()
+        q = None
+        if self.drafter is None or budget <= 0:
+            drafts = []
+        elif self.params.greedy:
+            drafts = self.drafter.propose(self.spec, budget)
+        else:
+            drafts, q = self.drafter.sample(self.spec, budget, self.params, self.rng, self.vocab)
+        self.stats.draft_s += time.perf_counter() - t_draft
+        return drafts, q
+
+    async def draft_and_send(self) -> None:
+        """Keep ``depth`` chunks in flight: each is the last text token and up to ``k`` drafts."""
+        spec, inflight = self.spec, self.inflight
+        while len(inflight) < self.depth and len(spec) - len(self.prompt) < self.max_new:
+            drafts, q = self._draft(min(self.k, self.max_new - (len(spec) - len(self.prompt))))
             if not drafts and inflight:
                 break  # nothing to speculate on: wait for a result first
             feed = [spec[-1]] + drafts
-            n = await sess.send(model.head.embed(torch.tensor([feed])), pos=len(spec) - 1,
-                                logits_for=len(feed), epoch=epoch)
-            inflight.append(_Chunk(n, epoch, len(spec), drafts, q, time.perf_counter()))
+            n = await self.steps.send(feed, pos=len(spec) - 1, logits_for=len(feed), epoch=self.epoch)
+            inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, time.perf_counter()))
             spec += drafts
-            spec_stats.chunks += 1
+            self.stats.chunks += 1
             if not drafts:
                 break
+
+    async def receive(self) -> tuple[_Chunk, torch.Tensor]:
+        """The oldest chunk in flight and its logits, skipping stale results the peers computed anyway."""
         t_wait = time.perf_counter()
-        n, result = await sess.receive()
-        while n < stale_below:  # a stale chunk the peers computed anyway
-            n, result = await sess.receive()
-        spec_stats.wait_s += time.perf_counter() - t_wait
-        chunk = inflight.popleft()
+        n, result = await self.steps.receive()
+        while n < self.stale_below:
+            n, result = await self.steps.receive()
+        self.stats.wait_s += time.perf_counter() - t_wait
+        chunk = self.inflight.popleft()
         if chunk.n != n:
             raise InferenceError("unexpected", f"result {n} does not match step {chunk.n}")
-        spec_stats.round_trip_s += time.perf_counter() - chunk.sent
-        logits = result[0].float() if logits_on_last else model.head.logits(result)[0]
+        self.stats.round_trip_s += time.perf_counter() - chunk.sent
+        return chunk, self.steps.logits(result)
+
+    def accept(self, chunk: _Chunk, logits: torch.Tensor) -> list[int]:
+        """The tokens a chunk's logits accept (its kept drafts and one more), less what the next
+        chunk in flight verifies anyway."""
+        params = self.params
         if params.greedy:
             kept = accept_greedy(chunk.drafts, logits.argmax(-1).tolist())
         else:
             p = torch.stack([probabilities(row, params) for row in logits])
-            kept = accept_sampled(chunk.drafts, chunk.q, p, rng, chunk.start)
-        spec_stats.verified += 1
-        spec_stats.drafted += len(chunk.drafts)
-        spec_stats.accepted += len(kept) - 1
-        if len(kept) == len(chunk.drafts) + 1 and inflight:
+            kept = accept_sampled(chunk.drafts, chunk.q, p, self.rng, chunk.start)
+        stats = self.stats
+        stats.verified += 1
+        stats.drafted += len(chunk.drafts)
+        stats.accepted += len(kept) - 1
+        if len(kept) == len(chunk.drafts) + 1 and self.inflight:
             # all accepted: the next chunk in flight verifies what follows, bonus included
             todo = kept[:-1]
-            spec_stats.carried += 1
+            stats.carried += 1
         else:
             todo = kept
-            if inflight:
+            if self.inflight:
                 # everything in flight drafted past a rejection: fence it off. The client forgets
                 # those chunks now, so what it does next never depends on whether the peers
                 # computed them or dropped them (which is timing): a seed fixes the output.
-                epoch += 1
-                stale_below = inflight[-1].n + 1
-                spec_stats.stale += len(inflight)
-                inflight.clear()
-        spec_stats.tokens += len(todo)
+                stats.stale += len(self.inflight)
+                self.new_epoch(stale_below=self.inflight[-1].n + 1)
+        stats.tokens += len(todo)
+        return todo
+
+    def new_epoch(self, *, stale_below: int | None = None) -> None:
+        """Forget every chunk in flight; their results, if they come, are stale."""
+        self.epoch += 1
+        if stale_below is not None:
+            self.stale_below = stale_below
+        self.inflight.clear()
+
+
+async def _correct_without(convicted: list[str], sess: InferenceSession, steps: _Steps, pipe: _Pipeline,
+                           text: _Text, params: SamplingParams, rng: Randomness, speculative: bool) -> int:
+    """The convicted peers' work is not trusted: move to a chain without them and send the whole
+    text through it once, to learn which of our tokens stand. Retracts the first token the trusted
+    logits do not support and what follows it; returns the token that belongs in its place."""
+    prompt, out = text.prompt, text.out
+    await sess.exclude(convicted)
+    pipe.new_epoch()
+    n = await steps.send(prompt + out, pos=0, logits_for=len(out) + 1, epoch=pipe.epoch)
+    pipe.stale_below = n
+    rows = steps.logits(await steps.receive_step(n), rows=len(out) + 1)
+    m, fixed = _first_wrong(out, rows, params, rng, len(prompt), speculative)
+    if m < len(out):
+        text.retract_from(m)
+    pipe.spec = prompt + out
+    return fixed

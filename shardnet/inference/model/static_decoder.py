@@ -17,11 +17,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardnet.errors import ShardnetError
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 
-class UnsupportedModel(ValueError):
-    pass
+class UnsupportedModel(ShardnetError, ValueError):
+    """The model cannot run on the static-cache decoder (its family, its attention, its device)."""
+
+    code = "unsupported_model"
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

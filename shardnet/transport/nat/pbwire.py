@@ -9,11 +9,15 @@ some exchanges (a relay CONNECT) the same stream goes on carrying another protoc
 
 from __future__ import annotations
 
+from shardnet.errors import ShardnetError
+
 MAX_MESSAGE = 4096  # bytes; what go-libp2p accepts for these protocols too
 
 
-class MessageError(ValueError):
+class MessageError(ShardnetError, ValueError):
     """A frame or message that breaks its protocol."""
+
+    code = "message"
 
 
 def encode_varint(n: int) -> bytes:

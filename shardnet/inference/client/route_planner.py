@@ -1,0 +1,178 @@
+"""Route planning: which peers a client routes through, and what each hop costs.
+
+The planner owns the client's view of the swarm's claims (``ClaimsView``) and the round-trip
+probes; it knows which peers failed during a request (``forget_peer``) and which the client's
+reputation excludes, and picks the cheapest chain with ``routing.plan_route``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from shardnet.errors import NoRouteError
+from shardnet.inference.claims import CLAIM_TTL, RTT_SAMPLES
+from shardnet.inference.client.reputation import Reputation
+from shardnet.inference.client.routing import plan_route
+from shardnet.protocols.block_claim import Claim
+
+if TYPE_CHECKING:
+    from shardnet.inference.client.claims_view import ClaimsView
+    from shardnet.inference.probes import Probes
+    from shardnet.transport.node import Node
+
+log = logging.getLogger(__name__)
+
+
+#: route cost of a hop whose round trip we could not measure (seconds)
+UNKNOWN_RTT = 0.05
+#: a relayed hop's round trip counts this many times (every byte crosses the relay twice)
+RELAYED_RTT_FACTOR = 3.0
+#: how much cheaper a peer already in the chain looks when a chain heals (keep what works)
+KEEP_DISCOUNT = 0.25
+RTT_CACHE_S = 30.0
+#: route cost of a hop whose peer is there but did not answer a probe in time (seconds)
+SLOW_RTT = 2.0
+
+
+class RoutePlanner:
+    """Chains over ``num_layers`` layers through the peers in ``view``. ``fixed_route``: always
+    this chain (no lookups), unless one of its peers is to be avoided."""
+
+    def __init__(self, node: Node, num_layers: int, *, view: ClaimsView, probes: Probes,
+                 reputation: Reputation, fixed_route: list[Claim] | None = None,
+                 route_timeout: float = 30.0) -> None:
+        self.node, self.num_layers = node, num_layers
+        #: the swarm's claims for the model (shared by every client of the node)
+        self.view = view
+        #: round-trip probes (shared likewise)
+        self.probes = probes
+        self.reputation = reputation
+        self.fixed_route = fixed_route
+        self.route_timeout = route_timeout
+        #: peer -> (until (trio time), the expiry of its claim then): failed during a request
+        self._avoid: dict[str, tuple[float, float]] = {}
+
+    def forget_peer(self, peer: str, seconds: float = CLAIM_TTL) -> None:
+        """Route around ``peer`` for a while (its claim may outlive it in the DHT), or until it
+        signs a newer claim: a peer that restarted and claimed its layers again is back."""
+        claim = self.view.get(peer)
+        self._avoid[peer] = (trio.current_time() + seconds, claim.expires if claim else time.time() + CLAIM_TTL)
+
+    async def find_route(self, *, timeout: float | None = None, avoid: set[str] | frozenset = frozenset(),
+                         keep: list[Claim] | None = None) -> list[Claim]:
+        """The cheapest chain covering every layer (see ``routing``); waits up to ``timeout`` for
+        peers to appear, then raises NoRouteError naming the layers nobody serves. ``keep``:
+        claims of a chain being healed, preferred so that only failed spans change."""
+        if self.fixed_route:
+            if not (avoid & {c.peer for c in self.fixed_route}):
+                return self.fixed_route
+            raise NoRouteError("a peer of the fixed route failed: "
+                               + ", ".join(c.peer[:16] for c in self.fixed_route if c.peer in avoid))
+        timeout = self.route_timeout if timeout is None else timeout
+        deadline = trio.current_time() + timeout
+        kept = {c.peer for c in keep or ()}
+        last_error: Exception | None = None
+        view = self.view
+        view.start()
+        if view.running and not view.first_lookup.is_set():
+            # A new view fills from gossip claim by claim: the first route is chosen from what a
+            # whole lookup sees, not from whichever claims happened to arrive first.
+            with trio.move_on_after(max(0.0, deadline - trio.current_time())):
+                await view.first_lookup.wait()
+        while True:
+            if not view.running:  # a node without a nursery of its own: look up here
+                await view.lookup(timeout=max(1.0, min(15.0, deadline - trio.current_time())))
+            claims = view.current()
+            try:
+                return await self._cheapest(claims, avoid, kept)
+            except NoRouteError as e:
+                last_error = e
+            left = deadline - trio.current_time()
+            if left <= 0:
+                why = f"; {view.last_lookup_error}" if view.last_lookup_error and not claims else ""
+                raise NoRouteError(f"after {timeout:g} s: {last_error}{why}")
+            # a fresh lookup (one for every request waiting, at most one per LOOKUP_GAP_S), and
+            # whatever gossip brings meanwhile
+            view.kick()
+            if view.running:
+                await view.wait_changed(min(1.0, left))
+            else:
+                await trio.sleep(min(1.0, left))
+
+    async def _cheapest(self, claims: list[Claim], avoid, kept: set[str]) -> list[Claim]:
+        """The cheapest chain through ``claims`` now, after probing their peers; NoRouteError if
+        the usable ones do not cover every layer."""
+        usable = self.usable(claims, avoid)
+        plan_route(usable, self.num_layers)  # fail fast, before measuring anything
+        await self.measure_rtts([c.peer for c in usable])
+        usable = self.usable(claims, avoid)  # without the peers found gone
+
+        def cost(prev: Claim | None, c: Claim) -> float:
+            return self.hop_cost(prev, c) * (KEEP_DISCOUNT if c.peer in kept else 1.0)
+
+        route = plan_route(usable, self.num_layers, cost=cost, finish=self.return_cost)
+        log.info("route: %s (estimated %.1f ms per token)",
+                 " -> ".join(f"{c.peer[:12]}…[{c.start}:{c.end}]" for c in route),
+                 1000 * self.route_cost(route))
+        return route
+
+    async def usable_claims(self) -> list[Claim]:
+        """Claims of peers this client would route through now."""
+        self.view.start()
+        if not self.view.running:
+            await self.view.lookup(timeout=5.0)
+        elif not self.view.lookups:
+            await self.view.wait_changed(5.0)
+        return self.usable(self.view.current(), frozenset())
+
+    def usable(self, claims: list[Claim], avoid) -> list[Claim]:
+        """``claims`` less those of peers avoided, excluded by reputation, gone, or failed during
+        a request and not claimed again since."""
+        now = trio.current_time()
+        excluded = self.reputation.excluded()
+        out = []
+        for c in claims:
+            if c.peer in avoid or c.peer in excluded or self.probes.verdict(c.peer) == "gone":
+                continue
+            until, expiry_then = self._avoid.get(c.peer, (0.0, 0.0))
+            if until > now and c.expires <= expiry_then:
+                continue  # failed during a request and has not claimed again since
+            out.append(c)
+        return out
+
+    def rtt(self, peer: str) -> float:
+        """Our round trip to ``peer`` (measured, else a guess), relayed links counted several times."""
+        rtt = SLOW_RTT if self.probes.verdict(peer) == "slow" else self.probes.rtts.get(peer, UNKNOWN_RTT)
+        return rtt * RELAYED_RTT_FACTOR if self.node.link(peer) == "relayed" else rtt
+
+    def hop_cost(self, prev: Claim | None, claim: Claim) -> float:
+        """Seconds one token spends reaching and crossing this hop: half the round trip from the
+        previous hop (as that peer reported it; ours as a stand-in) plus the peer's compute."""
+        reported = dict(prev.rtts).get(claim.peer) if prev is not None else None
+        rtt = reported if reported is not None else self.rtt(claim.peer)
+        compute = 1.0 / claim.tput if claim.tput > 0 else 0.0
+        return (rtt / 2 + compute) * self.reputation.cost_factor(claim.peer)
+
+    def return_cost(self, last: Claim) -> float:
+        """Seconds the last hop's result takes to come back to the client."""
+        return self.rtt(last.peer) / 2
+
+    def route_cost(self, route: list[Claim]) -> float:
+        """Estimated seconds per token through ``route``, the return included."""
+        prev = None
+        total = 0.0
+        for c in route:
+            total += self.hop_cost(prev, c)
+            prev = c
+        return total + (self.return_cost(route[-1]) if route else 0.0)
+
+    async def measure_rtts(self, peers: list[str], *, timeout: float = 2.0, most: int = 64) -> None:
+        """Probe the peers not probed lately (shared with every other request; see probes.py). A
+        peer that cannot be reached is left out of routes until it claims again or ``GONE_S``
+        passes; one that is there but does not answer in time is a costly hop (``SLOW_RTT``)."""
+        await self.probes.probe(list(dict.fromkeys(peers))[:most], max_age=RTT_CACHE_S, timeout=timeout,
+                                samples=RTT_SAMPLES)

@@ -1,0 +1,145 @@
+"""RoutePlanner without a network: fake claims view, probes and node."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+
+from shardnet.errors import NoRouteError
+from shardnet.inference.client.reputation import Reputation
+from shardnet.inference.client.route_planner import (
+    KEEP_DISCOUNT,
+    RELAYED_RTT_FACTOR,
+    RTT_CACHE_S,
+    SLOW_RTT,
+    UNKNOWN_RTT,
+    RoutePlanner,
+)
+from shardnet.protocols.block_claim import Claim
+
+
+def claim(peer: str, start: int, end: int, *, tput: float = 0.0, expires: float | None = None,
+          rtts: tuple = ()) -> Claim:
+    return Claim(model="m", start=start, end=end, kv_tokens=1000, tput=tput, addrs=(),
+                 expires=time.time() + 60 if expires is None else expires, peer=peer, rtts=rtts)
+
+
+class FakeNode:
+    def __init__(self, relayed: set[str] = frozenset()) -> None:
+        self.relayed = relayed
+
+    def link(self, peer: str) -> str:
+        return "relayed" if peer in self.relayed else "direct"
+
+
+class FakeProbes:
+    def __init__(self, rtts: dict[str, float] | None = None, verdicts: dict[str, str] | None = None) -> None:
+        self.rtts = dict(rtts or {})
+        self.verdicts = dict(verdicts or {})
+        self.probed: list[tuple[list[str], float]] = []
+
+    def verdict(self, peer: str) -> str | None:
+        return self.verdicts.get(peer)
+
+    async def probe(self, peers, *, max_age, timeout, samples) -> None:
+        self.probed.append((list(peers), max_age))
+
+
+class FakeView:
+    """A view without a background task: ``find_route`` looks up itself."""
+
+    def __init__(self, claims: list[Claim]) -> None:
+        self.claims = claims
+        self.running = False
+        self.lookups = 0
+        self.last_lookup_error: str | None = None
+
+    def start(self) -> None:
+        pass
+
+    def kick(self) -> None:
+        pass
+
+    async def lookup(self, timeout: float) -> None:
+        self.lookups += 1
+
+    def current(self) -> list[Claim]:
+        return list(self.claims)
+
+    def get(self, peer: str) -> Claim | None:
+        return next((c for c in self.claims if c.peer == peer), None)
+
+
+def planner(claims: list[Claim], *, rtts=None, verdicts=None, relayed=frozenset(), layers: int = 4,
+            fixed_route=None) -> RoutePlanner:
+    return RoutePlanner(FakeNode(relayed), layers, view=FakeView(claims), probes=FakeProbes(rtts, verdicts),
+                        reputation=Reputation(), fixed_route=fixed_route, route_timeout=0.5)
+
+
+def test_rtt_measured_guessed_slow_and_relayed():
+    p = planner([], rtts={"a": 0.01, "r": 0.02}, verdicts={"s": "slow"}, relayed={"r"})
+    assert p.rtt("a") == 0.01
+    assert p.rtt("unknown") == UNKNOWN_RTT
+    assert p.rtt("s") == SLOW_RTT
+    assert p.rtt("r") == pytest.approx(0.02 * RELAYED_RTT_FACTOR)
+
+
+def test_hop_cost_prefers_the_previous_hops_report_and_counts_compute_and_reputation():
+    p = planner([], rtts={"b": 0.04})
+    a = claim("a", 0, 2, rtts=(("b", 0.01),))
+    b = claim("b", 2, 4, tput=100.0)
+    assert p.hop_cost(None, b) == pytest.approx(0.04 / 2 + 1 / 100)  # our own round trip
+    assert p.hop_cost(a, b) == pytest.approx(0.01 / 2 + 1 / 100)  # as the previous hop reported it
+    p.reputation.note_report({"accused": "b", "reporter": "x", "layers": [2, 4], "divergence": 1.0})
+    assert p.hop_cost(a, b) == pytest.approx((0.01 / 2 + 1 / 100) * 2.0)
+    assert p.return_cost(b) == pytest.approx(0.02)
+    assert p.route_cost([a, b]) == pytest.approx(p.hop_cost(None, a) + p.hop_cost(a, b) + p.return_cost(b))
+    assert p.route_cost([]) == 0.0
+
+
+async def test_usable_leaves_out_avoided_convicted_gone_and_forgotten_peers():
+    claims = [claim(x, 0, 4) for x in "abcde"]
+    p = planner(claims, verdicts={"c": "gone"})
+    p.reputation.convict("b", {})
+    p.forget_peer("d")
+    assert [c.peer for c in p.usable(claims, {"a"})] == ["e"]
+    # a peer that claimed again since it failed is back
+    newer = claim("d", 0, 4, expires=claims[3].expires + 1)
+    assert [c.peer for c in p.usable([newer], frozenset())] == ["d"]
+    # and so is one whose time out is over
+    p.forget_peer("e", seconds=0.01)
+    await trio.sleep(0.02)
+    assert [c.peer for c in p.usable(claims[4:], frozenset())] == ["e"]
+
+
+async def test_find_route_picks_the_cheapest_chain_and_probes_its_peers():
+    claims = [claim("slow", 0, 4, tput=250.0), claim("a", 0, 2, tput=1000.0), claim("b", 2, 4, tput=1000.0)]
+    p = planner(claims, rtts={"slow": 0.001, "a": 0.001, "b": 0.001})
+    route = await p.find_route()
+    assert [c.peer for c in route] == ["a", "b"]
+    assert p.probes.probed == [(["slow", "a", "b"], RTT_CACHE_S)]
+    assert p.view.lookups == 1
+    # healing: a kept peer looks cheaper (KEEP_DISCOUNT), so only the failed span changes
+    p2 = planner(claims, rtts={"slow": 0.001, "a": 0.001, "b": 0.001})
+    assert KEEP_DISCOUNT < 1
+    assert [c.peer for c in await p2.find_route(keep=[claims[0]])] == ["slow"]
+
+
+async def test_find_route_names_the_missing_layers_after_its_timeout():
+    p = planner([claim("a", 0, 2)])
+    with pytest.raises(NoRouteError) as e:
+        await p.find_route(timeout=0)
+    assert str(e.value).startswith("after 0 s:") and e.value.code == "no_route"
+    with pytest.raises(NoRouteError):
+        await p.find_route(timeout=0.5, avoid={"a"})
+
+
+async def test_a_fixed_route_is_used_as_is_until_one_of_its_peers_fails():
+    fixed = [claim("a", 0, 4)]
+    p = planner([], fixed_route=fixed)
+    assert await p.find_route() is fixed
+    assert p.view.lookups == 0
+    with pytest.raises(NoRouteError, match="a peer of the fixed route failed"):
+        await p.find_route(avoid={"a"})
