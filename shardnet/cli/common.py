@@ -205,7 +205,6 @@ def wrap_errors(f):
     return inner
 
 
-
 def model_path_option(f):
     return click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False, path_type=Path),
                         default=None, help="Checkpoint directory (default: the shipped tiny-llama).")(f)

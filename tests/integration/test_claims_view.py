@@ -111,17 +111,6 @@ async def test_sessions_over_the_per_peer_slots_wait_in_line(loopback_config):
                     pass
 
 
-def test_which_refusals_are_waited_out():
-    from shardnet.inference.client.session import _busy
-
-    assert _busy(InferenceError("too_many_sessions", "you hold 16 sessions here"))
-    assert _busy(InferenceError("rate_limited", "more than 20 new sessions per second"))
-    assert _busy(InferenceError("kv_budget", "session needs 4096 bytes of KV cache; 100 of 8192 are free"))
-    # a session larger than the whole budget never fits: no use waiting
-    assert not _busy(InferenceError("kv_budget", "session needs 9000 bytes of KV cache; 8192 of 8192 are free"))
-    assert not _busy(InferenceError("layers", "layers 0:4 requested"))
-
-
 async def test_ping_streams_per_peer_is_a_limit(loopback_config):
     from shardnet.transport.host import PING_PROTOCOL
 

@@ -1,0 +1,71 @@
+"""Automatic block placement and rebalancing: the rules, sans-IO (the processes that follow them
+are tests/system/test_placement.py)."""
+
+import random
+
+import pytest
+
+from shardnet.inference.model.checkpoint import Checkpoint
+from shardnet.inference.server.placement import (
+    affordable_layers,
+    best_window,
+    coverage,
+    layer_bytes,
+    plan_move,
+    served_throughput,
+)
+from shardnet.models import default_model_path
+from shardnet.protocols.block_claim import Claim
+from shardnet.transport.errors import ShardnetError
+
+
+def claim(start, end, peer, tput=10.0):
+    return Claim(model="m", start=start, end=end, kv_tokens=100, tput=tput, addrs=(), expires=4e9, peer=peer)
+
+
+def test_memory_decides_how_many_layers():
+    ckpt = Checkpoint(default_model_path())
+    per = layer_bytes(ckpt, 0, "float32")
+    assert per == 2 * layer_bytes(ckpt, 0, "float16") > 0
+    assert affordable_layers(ckpt, "float32", 100 * per) == ckpt.num_layers  # everything fits
+    assert affordable_layers(ckpt, "float32", int(3.9 / 0.8 * per)) == 3
+    assert affordable_layers(ckpt, "float32", 100 * per, max_layers=2) == 2
+    with pytest.raises(ShardnetError, match="not enough memory for one layer"):
+        affordable_layers(ckpt, "float32", 10 * per, reserve_bytes=10 * per)
+
+
+def test_a_joining_peer_takes_the_least_served_window_and_packs_against_its_neighbours():
+    rng = random.Random(0)
+    assert best_window([0.0] * 8, 3, rng=rng) in ((0, 3), (5, 8))  # flush with an end, never 2:5
+    served = served_throughput([claim(0, 3, "a")], 8)
+    for seed in range(20):  # right after the served layers, or flush with the end: no 1-layer gap
+        assert best_window(served, 3, rng=random.Random(seed)) in ((3, 6), (5, 8))
+    served = served_throughput([claim(0, 3, "a"), claim(5, 8, "b")], 8)
+    assert best_window(served, 2) == (3, 5)
+    # all served once: the window whose weakest layers are weakest
+    served = served_throughput([claim(0, 8, "a", 10), claim(0, 4, "b", 10)], 8)
+    assert best_window(served, 4) == (4, 8)
+
+
+def test_a_peer_moves_only_when_it_raises_the_bottleneck_and_never_leaves_a_gap():
+    a, b, c = claim(0, 4, "a"), claim(4, 8, "b"), claim(0, 4, "c")
+    fixed = claim(0, 4, "fixed")
+    # a is the only server of 0..3 (b and c absent): it stays whatever it would gain
+    assert plan_move([a], a, 8) is None
+    # 0..3 served three times, 4..7 once: a (or c) should move to 4..8
+    move = plan_move([a, b, c, fixed], a, 8)
+    assert (move.start, move.end) == (4, 8) and move.bottleneck_after == 2 * move.bottleneck_now
+    # balanced already: moving gains nothing
+    assert plan_move([a, b, c, claim(4, 8, "d")], a, 8) is None
+    # a gap (4..7 unserved) is filled by a peer whose layers others also serve
+    move = plan_move([a, c], a, 8)
+    assert (move.start, move.end) == (4, 8) and move.bottleneck_now == 0
+    # a small gain within the margin is not worth a move
+    assert plan_move([claim(0, 4, "a", 10), claim(4, 8, "b", 9.5), claim(0, 4, "c", 10)],
+                     claim(0, 4, "a", 10), 8, margin=0.2) is None
+
+
+def test_coverage_map():
+    rows = coverage([claim(0, 4, "a", 5), claim(2, 8, "b", 7)], 8)
+    assert [len(r["peers"]) for r in rows] == [1, 1, 2, 2, 1, 1, 1, 1]
+    assert rows[3]["tput"] == 12
