@@ -54,10 +54,10 @@ def _cbor(obj) -> bytes:
     return cbor2.dumps(obj)
 
 
-_OPEN = activation.encode(activation.open_msg(b"s" * 16, model="m" * 64, layers=(0, 4), max_len=64, chain=[],
-                                              ret={"peer": "x"}))
-_STEP = activation.encode(activation.tensor_msg("step", b"s" * 16, n=1, pos=0, dtype="float32", shape=[1, 1, 2],
-                                                payload=bytes(8)))
+_OPEN = activation.encode(activation.Open(b"s" * 16, model="m" * 64, layers=(0, 4), max_len=64, chain=[],
+                                          ret=activation.PeerRef("x")))
+_STEP = activation.encode(activation.Step(b"s" * 16, n=1, pos=0, dtype="float32", shape=[1, 1, 2],
+                                          payload=bytes(8)))
 
 TARGETS: dict[str, Target] = {
     "activation.frame": Target(activation.decode_frame, (activation.ActivationProtocolError,),

@@ -17,8 +17,8 @@ from shardnet.transport.config import parse_peer_addr
 def step_frame() -> bytes:
     """An activation-protocol ``step`` frame with a [1, 4, 128] float32 tensor (2,134 bytes)."""
     payload = bytes(range(256)) * 8
-    msg = ap.tensor_msg("step", b"\x07" * ap.SESSION_ID_BYTES, n=3, pos=11, dtype="float32", shape=[1, 4, 128],
-                        payload=payload, logits_for=2, epoch=1)
+    msg = ap.Step(b"\x07" * ap.SESSION_ID_BYTES, n=3, pos=11, dtype="float32", shape=[1, 4, 128],
+                  payload=payload, logits_for=2, epoch=1)
     return ap.encode(msg)
 
 

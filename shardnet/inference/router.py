@@ -19,7 +19,7 @@ from shardnet.protocols.receipts import HashChain
 from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream
 
-OpenHandler = Callable[[MessageStream, ap.Message], Awaitable[None]]
+OpenHandler = Callable[[MessageStream, ap.Open], Awaitable[None]]
 
 
 class ActivationRouter:
@@ -62,9 +62,9 @@ class ActivationRouter:
             return
         if first is None:
             return
-        if first.type == "attach":
+        if isinstance(first, ap.Attach):
             await self._accept_return(ms, first)
-        elif first.type == "open":
+        elif isinstance(first, ap.Open):
             if self.on_open is None:
                 await reply_error(ms, first.session, "no_block", "this peer serves no block")
                 return
@@ -72,7 +72,7 @@ class ActivationRouter:
         else:
             await reply_error(ms, first.session, "unexpected", f"a session starts with open, not {first.type}")
 
-    async def _accept_return(self, ms: MessageStream, first: ap.Message) -> None:
+    async def _accept_return(self, ms: MessageStream, first: ap.Attach) -> None:
         entry = self._returns.get(first.session)
         if entry is None or entry[0] != ms.remote_peer:
             await reply_error(ms, first.session, "unknown_session", "no session of ours expects this return stream")

@@ -28,6 +28,12 @@ and ``s`` (16-byte session ID), plus per type:
 Tensors are never pickled: a dtype name, a shape, and the little-endian element bytes, whose
 length must equal prod(shape) * itemsize. Everything is checked before a message is returned;
 a bad frame raises ``ActivationProtocolError`` with a code and a message naming the problem.
+
+Each message type is a frozen dataclass (``Open``, ``Ready``, ``Attach``, ``Step``, ``Result``,
+``Close``, ``Error``); ``encode`` writes the header keys in a fixed order and leaves optional
+fields out at their defaults, so a message encodes to the same bytes every time (receipts hash
+frames). The session rules live in ``activation_session.py``; the trio driver in
+``activation_io.py``.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import cbor2
+
+from shardnet.errors import ShardnetError
 
 from .framing import FrameDecoder, FrameError, encode_frame
 
@@ -57,79 +65,201 @@ RESULT_KINDS = ("hidden", "logits")
 _HDR = struct.Struct(">I")
 
 
-class ActivationProtocolError(ValueError):
+class ActivationProtocolError(ShardnetError, ValueError):
+    """A frame that breaks the protocol; ``code`` names the rule (it goes back in an ``error``)."""
+
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
 
 
-@dataclass
-class Hop:
+# -- messages ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PeerRef:
+    """Where a stream is opened to: a peer ID and the addresses to dial it at."""
+
     peer: str
-    addrs: list[str]
+    addrs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "addrs", tuple(self.addrs))
+
+    def to_wire(self) -> dict:
+        return {"peer": self.peer, "addrs": list(self.addrs)}
+
+
+@dataclass(frozen=True)
+class Hop:
+    """A hop of a chain after the receiver of an ``open``: the peer and the layers it runs."""
+
+    peer: str
+    addrs: tuple[str, ...]
     layers: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "addrs", tuple(self.addrs))
+        object.__setattr__(self, "layers", tuple(self.layers))
 
     def to_wire(self) -> dict:
         return {"peer": self.peer, "addrs": list(self.addrs), "layers": list(self.layers)}
 
 
-@dataclass
-class Message:
-    type: str
+class _Message:
+    """What every message has: ``type`` (its wire name), ``session`` and the ``raw`` frame it was
+    decoded from (without the length prefix; what receipts hash; empty for messages built here)."""
+
+    type: ClassVar[str]
     session: bytes
-    fields: dict[str, Any] = field(default_factory=dict)
-    payload: bytes = b""
-    #: the frame it was decoded from (without the length prefix): what receipts hash
+    payload: ClassVar[bytes] = b""
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The header fields after ``v``, ``t``, ``s``, in wire order (optional ones left out)."""
+        return {}
+
+
+@dataclass(frozen=True)
+class Open(_Message):
+    type: ClassVar[str] = "open"
+    session: bytes
+    model: str
+    layers: tuple[int, int]
+    max_len: int
+    chain: tuple[Hop, ...]
+    ret: PeerRef
+    logits: bool = False
+    wire: str | None = None
     raw: bytes = field(default=b"", compare=False, repr=False)
 
-    def __getitem__(self, key: str) -> Any:
-        return self.fields[key]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "chain", tuple(self.chain))
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.fields.get(key, default)
+    @property
+    def fields(self) -> dict[str, Any]:
+        f = {"model": self.model, "layers": list(self.layers), "max_len": self.max_len,
+             "chain": [h.to_wire() for h in self.chain], "ret": self.ret.to_wire(), "logits": self.logits}
+        if self.wire is not None:
+            f["wire"] = self.wire
+        return f
+
+
+@dataclass(frozen=True)
+class Ready(_Message):
+    """Sent upstream once the rest of the chain is ready."""
+
+    type: ClassVar[str] = "ready"
+    session: bytes
+    raw: bytes = field(default=b"", compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Attach(_Message):
+    """The last hop's first frame on its return stream to the client."""
+
+    type: ClassVar[str] = "attach"
+    session: bytes
+    raw: bytes = field(default=b"", compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Close(_Message):
+    type: ClassVar[str] = "close"
+    session: bytes
+    raw: bytes = field(default=b"", compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Step(_Message):
+    """Hidden states for positions ``pos``..; ``logits_for`` (1 is left off the wire) final
+    positions get logits at a last hop holding the head; ``epoch`` (0 is left off) is the
+    speculation epoch."""
+
+    type: ClassVar[str] = "step"
+    session: bytes
+    n: int
+    pos: int
+    dtype: str
+    shape: tuple[int, ...]
+    payload: bytes = b""
+    logits_for: int = 1
+    epoch: int = 0
+    raw: bytes = field(default=b"", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+    @property
+    def tokens(self) -> int:
+        return self.shape[1]
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        f = {"n": self.n, "pos": self.pos, "dtype": self.dtype, "shape": list(self.shape)}
+        if self.logits_for != 1:
+            f["logits_for"] = self.logits_for
+        if self.epoch:
+            f["e"] = self.epoch
+        return f
+
+
+@dataclass(frozen=True)
+class Result(_Message):
+    """The last hop's output for step ``n``: hidden states or logits."""
+
+    type: ClassVar[str] = "result"
+    session: bytes
+    n: int
+    pos: int
+    dtype: str
+    shape: tuple[int, ...]
+    payload: bytes = b""
+    kind: str = "hidden"
+    raw: bytes = field(default=b"", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return {"n": self.n, "pos": self.pos, "dtype": self.dtype, "shape": list(self.shape), "kind": self.kind}
+
+
+@dataclass(frozen=True)
+class Error(_Message):
+    """A refusal or failure; ``peer`` names the peer that failed, when the hop that saw it knows."""
+
+    type: ClassVar[str] = "error"
+    session: bytes
+    code: str
+    msg: str
+    n: int | None = None
+    peer: str | None = None
+    raw: bytes = field(default=b"", compare=False, repr=False)
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        f: dict[str, Any] = {"code": self.code, "msg": self.msg}
+        if self.n is not None:
+            f["n"] = self.n
+        if self.peer is not None:
+            f["peer"] = self.peer
+        return f
+
+
+Message = Open | Ready | Attach | Step | Result | Close | Error
+TensorMessage = Step | Result
 
 
 def new_session_id() -> bytes:
     return os.urandom(SESSION_ID_BYTES)
 
 
-# -- constructors ------------------------------------------------------------------------------
-def open_msg(session: bytes, *, model: str, layers: tuple[int, int], max_len: int, chain: list[Hop],
-             ret: dict, logits: bool = False, wire: str | None = None) -> Message:
-    f = {"model": model, "layers": list(layers), "max_len": max_len, "chain": [h.to_wire() for h in chain],
-         "ret": ret, "logits": logits}
-    if wire is not None:
-        f["wire"] = wire
-    return Message("open", session, f)
-
-
-def payload_size(dtype: str, shape: list[int]) -> int:
+def payload_size(dtype: str, shape: list[int] | tuple[int, ...]) -> int:
     if dtype == QUANTIZED:
         return math.prod(shape) + 4 * math.prod(shape[:-1])
     return math.prod(shape) * DTYPE_SIZES[dtype]
-
-
-def tensor_msg(kind: str, session: bytes, *, n: int, pos: int, dtype: str, shape: list[int],
-               payload: bytes, result_kind: str = "hidden", logits_for: int | None = None,
-               epoch: int | None = None) -> Message:
-    f = {"n": n, "pos": pos, "dtype": dtype, "shape": list(shape)}
-    if kind == "result":
-        f["kind"] = result_kind
-    if logits_for is not None:
-        f["logits_for"] = logits_for
-    if epoch:
-        f["e"] = epoch
-    return Message(kind, session, f, payload)
-
-
-def error_msg(session: bytes, code: str, msg: str, n: int | None = None, peer: str | None = None) -> Message:
-    f: dict[str, Any] = {"code": code, "msg": msg}
-    if n is not None:
-        f["n"] = n
-    if peer is not None:
-        f["peer"] = peer
-    return Message("error", session, f)
 
 
 # -- codec -------------------------------------------------------------------------------------
@@ -152,12 +282,7 @@ class ActivationDecoder:
             frames = self.frames.feed(data)
         except FrameError as e:
             raise ActivationProtocolError("too_large", str(e)) from None
-        out = []
-        for f in frames:
-            m = decode_frame(f)
-            m.raw = f
-            out.append(m)
-        return out
+        return [decode_frame(f) for f in frames]
 
     @property
     def pending(self) -> int:
@@ -165,6 +290,7 @@ class ActivationDecoder:
 
 
 def decode_frame(frame: bytes) -> Message:
+    """The validated message in ``frame`` (without its length prefix); ``raw`` is the frame."""
     if len(frame) < _HDR.size:
         raise ActivationProtocolError("malformed", "frame shorter than its header length")
     (hlen,) = _HDR.unpack_from(frame)
@@ -186,17 +312,16 @@ def decode_frame(frame: bytes) -> Message:
     session = header.pop("s", None)
     if not isinstance(session, bytes) or len(session) != SESSION_ID_BYTES:
         raise ActivationProtocolError("malformed", f"session ID must be {SESSION_ID_BYTES} bytes")
-    msg = Message(mtype, session, header, payload)
-    _VALIDATORS[mtype](msg)
+    _VALIDATORS[mtype](mtype, header, payload)
     if mtype not in ("step", "result") and payload:
         raise ActivationProtocolError("malformed", f"{mtype} carries {len(payload)} unexpected payload bytes")
-    return msg
+    return _BUILDERS[mtype](session, header, payload, frame)
 
 
-def _need(msg: Message, key: str, typ: type) -> Any:
-    v = msg.fields.get(key)
+def _need(mtype: str, h: dict, key: str, typ: type) -> Any:
+    v = h.get(key)
     if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-        raise ActivationProtocolError("malformed", f"{msg.type}.{key} missing or of the wrong type")
+        raise ActivationProtocolError("malformed", f"{mtype}.{key} missing or of the wrong type")
     return v
 
 
@@ -213,67 +338,96 @@ def _peer_ref(v: Any, where: str) -> None:
         raise ActivationProtocolError("malformed", f"{where} must be {{peer: str, addrs: [str]}}")
 
 
-def _v_open(msg: Message) -> None:
-    model = _need(msg, "model", str)
+def _v_open(mtype: str, h: dict, payload: bytes) -> None:
+    model = _need(mtype, h, "model", str)
     if len(model) != 64 or any(c not in "0123456789abcdef" for c in model):
         raise ActivationProtocolError("malformed", "open.model must be a 64-digit hex model ID")
-    _layers(msg.fields.get("layers"), "open.layers")
-    max_len = _need(msg, "max_len", int)
+    _layers(h.get("layers"), "open.layers")
+    max_len = _need(mtype, h, "max_len", int)
     if max_len <= 0:
         raise ActivationProtocolError("malformed", "open.max_len must be positive")
-    chain = _need(msg, "chain", list)
+    chain = _need(mtype, h, "chain", list)
     if len(chain) > 256:
         raise ActivationProtocolError("malformed", "open.chain is longer than 256 hops")
     for i, hop in enumerate(chain):
         _peer_ref(hop, f"open.chain[{i}]")
         _layers(hop.get("layers"), f"open.chain[{i}].layers")
-    _peer_ref(msg.fields.get("ret"), "open.ret")
-    if not isinstance(msg.fields.get("logits", False), bool):
+    _peer_ref(h.get("ret"), "open.ret")
+    if not isinstance(h.get("logits", False), bool):
         raise ActivationProtocolError("malformed", "open.logits must be a boolean")
-    if msg.fields.get("wire", "float32") not in WIRE_DTYPES:
-        raise ActivationProtocolError("dtype", f"unsupported wire dtype {msg.fields.get('wire')!r}")
+    if h.get("wire", "float32") not in WIRE_DTYPES:
+        raise ActivationProtocolError("dtype", f"unsupported wire dtype {h.get('wire')!r}")
 
 
-def _v_tensor(msg: Message) -> None:
+def _v_tensor(mtype: str, h: dict, payload: bytes) -> None:
     for key in ("n", "pos"):
-        if _need(msg, key, int) < 0:
-            raise ActivationProtocolError("malformed", f"{msg.type}.{key} must be >= 0")
-    dtype = msg.fields.get("dtype")
+        if _need(mtype, h, key, int) < 0:
+            raise ActivationProtocolError("malformed", f"{mtype}.{key} must be >= 0")
+    dtype = h.get("dtype")
     if dtype not in WIRE_DTYPES:
         raise ActivationProtocolError("dtype", f"unsupported dtype {dtype!r} (use {', '.join(WIRE_DTYPES)})")
-    shape = msg.fields.get("shape")
+    shape = h.get("shape")
     if (not isinstance(shape, list) or not 1 <= len(shape) <= 4
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         raise ActivationProtocolError("shape", f"shape must be 1 to 4 non-negative integers, got {shape!r}")
     if dtype == QUANTIZED and not shape[-1]:
         raise ActivationProtocolError("shape", "int8q needs a non-empty last axis")
     expected = payload_size(dtype, shape)
-    if expected != len(msg.payload):
+    if expected != len(payload):
         raise ActivationProtocolError(
-            "shape", f"shape {shape} of {dtype} needs {expected} bytes, the frame carries {len(msg.payload)}")
-    if msg.type == "result" and msg.fields.get("kind") not in RESULT_KINDS:
+            "shape", f"shape {shape} of {dtype} needs {expected} bytes, the frame carries {len(payload)}")
+    if mtype == "result" and h.get("kind") not in RESULT_KINDS:
         raise ActivationProtocolError("malformed", f"result.kind must be one of {RESULT_KINDS}")
-    lf = msg.fields.get("logits_for", 1)
+    lf = h.get("logits_for", 1)
     if not isinstance(lf, int) or isinstance(lf, bool) or lf < 1:
-        raise ActivationProtocolError("malformed", f"{msg.type}.logits_for must be a positive integer")
-    ep = msg.fields.get("e", 0)
+        raise ActivationProtocolError("malformed", f"{mtype}.logits_for must be a positive integer")
+    ep = h.get("e", 0)
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 0:
-        raise ActivationProtocolError("malformed", f"{msg.type}.e must be a non-negative integer")
+        raise ActivationProtocolError("malformed", f"{mtype}.e must be a non-negative integer")
 
 
-def _v_error(msg: Message) -> None:
-    _need(msg, "code", str)
-    _need(msg, "msg", str)
-    if not isinstance(msg.fields.get("peer", ""), str):
+def _v_error(mtype: str, h: dict, payload: bytes) -> None:
+    _need(mtype, h, "code", str)
+    _need(mtype, h, "msg", str)
+    if not isinstance(h.get("peer", ""), str):
         raise ActivationProtocolError("malformed", "error.peer must be a peer ID string")
 
 
-def _v_none(msg: Message) -> None:
+def _v_none(mtype: str, h: dict, payload: bytes) -> None:
     pass
 
 
 _VALIDATORS = {"open": _v_open, "ready": _v_none, "attach": _v_none, "step": _v_tensor,
                "result": _v_tensor, "close": _v_none, "error": _v_error}
+
+
+# Builders run on validated headers only. Header keys the protocol does not define are ignored.
+def _b_open(s: bytes, h: dict, payload: bytes, raw: bytes) -> Open:
+    ret = h["ret"]
+    return Open(s, model=h["model"], layers=tuple(h["layers"]), max_len=h["max_len"],
+                chain=tuple(Hop(c["peer"], c["addrs"], c["layers"]) for c in h["chain"]),
+                ret=PeerRef(ret["peer"], ret["addrs"]), logits=h.get("logits", False), wire=h.get("wire"), raw=raw)
+
+
+def _b_step(s: bytes, h: dict, payload: bytes, raw: bytes) -> Step:
+    return Step(s, n=h["n"], pos=h["pos"], dtype=h["dtype"], shape=h["shape"], payload=payload,
+                logits_for=h.get("logits_for", 1), epoch=h.get("e", 0), raw=raw)
+
+
+def _b_result(s: bytes, h: dict, payload: bytes, raw: bytes) -> Result:
+    return Result(s, n=h["n"], pos=h["pos"], dtype=h["dtype"], shape=h["shape"], payload=payload,
+                  kind=h["kind"], raw=raw)
+
+
+def _b_error(s: bytes, h: dict, payload: bytes, raw: bytes) -> Error:
+    n = h.get("n")  # never checked: an error's step number is informative only
+    return Error(s, code=h["code"], msg=h["msg"], n=n if isinstance(n, int) and not isinstance(n, bool) else None,
+                 peer=h.get("peer"), raw=raw)
+
+
+_BUILDERS = {"open": _b_open, "ready": lambda s, h, p, raw: Ready(s, raw=raw),
+             "attach": lambda s, h, p, raw: Attach(s, raw=raw), "step": _b_step, "result": _b_result,
+             "close": lambda s, h, p, raw: Close(s, raw=raw), "error": _b_error}
 
 
 # -- session state (sans-IO) -------------------------------------------------------------------
@@ -291,30 +445,30 @@ class StepCursor:
     #: positions the session's KV cache holds
     length: int = 0
 
-    def check(self, msg: Message) -> tuple[str, str] | None:
+    def check(self, msg: Step) -> tuple[str, str] | None:
         """(code, message) when the validated step ``msg`` may not be taken now."""
-        shape = msg["shape"]
+        shape = list(msg.shape)
         if len(shape) != 3 or shape[0] != 1 or shape[1] < 1:
             return "shape", f"hidden states must be [1, tokens, {self.hidden_size}], got {shape}"
         if shape[2] != self.hidden_size:
             return "hidden_size", f"hidden size {shape[2]} does not match the model's {self.hidden_size}"
-        if msg["n"] < self.next_step:
-            return "step_order", f"step {msg['n']} arrived after step {self.next_step - 1}"
-        if msg["pos"] > self.length:
-            return "position", f"step starts at position {msg['pos']}, past the {self.length} the KV cache holds"
-        if msg["pos"] + shape[1] > self.max_len:
-            return "too_long", f"{msg['pos'] + shape[1]} tokens exceed the session's max_len {self.max_len}"
+        if msg.n < self.next_step:
+            return "step_order", f"step {msg.n} arrived after step {self.next_step - 1}"
+        if msg.pos > self.length:
+            return "position", f"step starts at position {msg.pos}, past the {self.length} the KV cache holds"
+        if msg.pos + shape[1] > self.max_len:
+            return "too_long", f"{msg.pos + shape[1]} tokens exceed the session's max_len {self.max_len}"
         return None
 
-    def skip(self, msg: Message) -> None:
+    def skip(self, msg: Step) -> None:
         """A checked step that will not be computed (fenced off): only its number is used up."""
-        self.next_step = msg["n"] + 1
+        self.next_step = msg.n + 1
 
-    def advance(self, msg: Message) -> int:
+    def advance(self, msg: Step) -> int:
         """Take a checked step; returns how many cached positions to drop before computing it."""
-        drop = self.length - msg["pos"]
-        self.next_step = msg["n"] + 1
-        self.length = msg["pos"] + msg["shape"][1]
+        drop = self.length - msg.pos
+        self.next_step = msg.n + 1
+        self.length = msg.pos + msg.shape[1]
         return drop
 
 
@@ -333,20 +487,20 @@ class PendingSteps:
     def sent(self, n: int, pos: int, tokens: int, logits_for: int = 1) -> None:
         self._steps[n] = (pos, tokens, logits_for)
 
-    def answer(self, msg: Message, *, kind: str, hidden_size: int, vocab: int) -> str | None:
+    def answer(self, msg: Result, *, kind: str, hidden_size: int, vocab: int) -> str | None:
         """Why the validated result ``msg`` answers no step in flight; None when it does (that
         step, and any earlier one still waiting, are then done)."""
-        n = msg["n"]
+        n = msg.n
         if n not in self._steps:
             return f"result {n} answers no step in flight (a replayed or reordered frame?)"
         for k in [k for k in self._steps if k < n]:
             del self._steps[k]
         pos, tokens, logits_for = self._steps.pop(n)
-        if msg["pos"] != pos:
-            return f"result {n} is for position {msg['pos']}; step {n} started at {pos}"
-        if msg["kind"] != kind:
-            return f"result {n} carries {msg['kind']}, this session expects {kind}"
+        if msg.pos != pos:
+            return f"result {n} is for position {msg.pos}; step {n} started at {pos}"
+        if msg.kind != kind:
+            return f"result {n} carries {msg.kind}, this session expects {kind}"
         rows, width = (min(logits_for, tokens), vocab) if kind == "logits" else (tokens, hidden_size)
-        if msg["shape"] != [1, rows, width]:
-            return f"result {n} has shape {msg['shape']}, expected {[1, rows, width]}"
+        if list(msg.shape) != [1, rows, width]:
+            return f"result {n} has shape {list(msg.shape)}, expected {[1, rows, width]}"
         return None

@@ -11,6 +11,7 @@ import logging
 import trio
 
 from shardnet.protocols import activation as ap
+from shardnet.protocols.activation_session import ReplyError
 from shardnet.protocols.receipts import HashChain
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.limits import Refusals
@@ -78,16 +79,18 @@ class MessageStream:
 
 async def reply_error(ms: MessageStream, session: bytes, code: str, msg: str, n: int | None = None,
                        peer: str | None = None) -> None:
+    """Send an ``error`` on ``ms``, best effort (the stream may already be gone)."""
     _error_replies.note(code, ms.remote_peer, f"error reply to {ms.remote_peer[:16]}: {code}: {msg}")
     with trio.move_on_after(5):
         try:
-            await ms.send(ap.error_msg(session, code, msg, n, peer))
+            await ms.send(ap.Error(session, code, msg, n, peer))
         except ShardnetError:
             pass
 
 
-#: a peer sending garbage gets an error reply per stream, and the log one line per 10 s
-_error_replies = Refusals(log, logging.INFO)
+async def send_reply(ms: MessageStream, reply: ReplyError) -> None:
+    """Carry out a session machine's ``ReplyError``."""
+    await reply_error(ms, reply.session, reply.code, reply.message, reply.n, reply.peer)
 
 
 #: a peer sending garbage gets an error reply per stream, and the log one line per 10 s

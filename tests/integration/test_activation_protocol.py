@@ -23,15 +23,14 @@ SID = b"s" * 16
 
 def test_roundtrip_of_every_message_type():
     msgs = [
-        ap.open_msg(SID, model="ab" * 32, layers=(0, 4), max_len=64,
-                    chain=[ap.Hop("12D3KooWpeer", ["/ip4/127.0.0.1/tcp/1"], (4, 8))],
-                    ret={"peer": "12D3KooWme", "addrs": []}, logits=True),
-        ap.Message("ready", SID), ap.Message("attach", SID), ap.Message("close", SID),
-        ap.tensor_msg("step", SID, n=3, pos=10, dtype="float16", shape=[1, 2, 3], payload=bytes(12)),
-        ap.tensor_msg("result", SID, n=3, pos=10, dtype="float32", shape=[1, 1, 5], payload=bytes(20),
-                      result_kind="logits"),
-        ap.error_msg(SID, "shape", "bad", n=2),
-        ap.error_msg(SID, "next_hop", "next hop closed the stream", peer="12D3KooWpeer"),
+        ap.Open(SID, model="ab" * 32, layers=(0, 4), max_len=64,
+                chain=[ap.Hop("12D3KooWpeer", ["/ip4/127.0.0.1/tcp/1"], (4, 8))],
+                ret=ap.PeerRef("12D3KooWme", []), logits=True),
+        ap.Ready(SID), ap.Attach(SID), ap.Close(SID),
+        ap.Step(SID, n=3, pos=10, dtype="float16", shape=[1, 2, 3], payload=bytes(12)),
+        ap.Result(SID, n=3, pos=10, dtype="float32", shape=[1, 1, 5], payload=bytes(20), kind="logits"),
+        ap.Error(SID, "shape", "bad", n=2),
+        ap.Error(SID, "next_hop", "next hop closed the stream", peer="12D3KooWpeer"),
     ]
     dec = ap.ActivationDecoder()
     wire = b"".join(ap.encode(m) for m in msgs)
@@ -114,17 +113,17 @@ async def test_bad_input_gets_an_error_reply_and_the_peer_keeps_serving(loopback
         async with serve_block(peer, str(model_dir), 0, 2):
             await cli.connect(peer.listen_addrs[0])
             ActivationRouter.of(cli)  # the client side accepts return streams (and refuses strangers')
-            me = {"peer": str(cli.peer_id), "addrs": [str(a) for a in cli.listen_addrs]}
+            me = ap.PeerRef(str(cli.peer_id), [str(a) for a in cli.listen_addrs])
 
             def open_(**kw):
                 args = dict(model=model_id, layers=(0, 2), max_len=16, chain=[], ret=me)
                 args.update(kw)
-                return ap.encode(ap.open_msg(os.urandom(16), **args))
+                return ap.encode(ap.Open(os.urandom(16), **args))
 
             def step(sid, dtype="float32", hidden=32, n=0, pos=0, payload=None):
                 shape = [1, 1, hidden]
                 size = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype] * hidden
-                return ap.encode(ap.tensor_msg("step", sid, n=n, pos=pos, dtype=dtype, shape=shape,
+                return ap.encode(ap.Step(sid, n=n, pos=pos, dtype=dtype, shape=shape,
                                                payload=payload if payload is not None else bytes(size)))
 
             async def exchange(*chunks, half_close=False):
@@ -144,8 +143,8 @@ async def test_bad_input_gets_an_error_reply_and_the_peer_keeps_serving(loopback
             async def expect_error(code, *chunks, **kw):
                 replies = await exchange(*chunks, **kw)
                 assert replies and replies[-1].type == "error", replies
-                assert replies[-1]["code"] == code, replies[-1].fields
-                return replies[-1]["msg"]
+                assert replies[-1].code == code, replies[-1].fields
+                return replies[-1].msg
 
             # wrong model ID, layers out of range, wrong hidden size, wrong dtype, unknown session,
             # a step before open, a frame cut short, an unsupported version
@@ -153,22 +152,22 @@ async def test_bad_input_gets_an_error_reply_and_the_peer_keeps_serving(loopback
             assert "0:2" in await expect_error("layers", open_(layers=(0, 5)))
             sid = os.urandom(16)
             assert "hidden size 48" in await expect_error(
-                "hidden_size", ap.encode(ap.open_msg(sid, model=model_id, layers=(0, 2), max_len=16, chain=[],
+                "hidden_size", ap.encode(ap.Open(sid, model=model_id, layers=(0, 2), max_len=16, chain=[],
                                                      ret=me)), step(sid, hidden=48))
             sid = os.urandom(16)
             assert "int64" in await expect_error(
-                "dtype", ap.encode(ap.open_msg(sid, model=model_id, layers=(0, 2), max_len=16, chain=[],
+                "dtype", ap.encode(ap.Open(sid, model=model_id, layers=(0, 2), max_len=16, chain=[],
                                                ret=me)),
                 frame({"v": 1, "t": "step", "s": sid, "n": 0, "pos": 0, "dtype": "int64", "shape": [1, 1, 32]},
                       bytes(256)))
             sid = os.urandom(16)
             await expect_error("unknown_session",
-                               ap.encode(ap.open_msg(sid, model=model_id, layers=(0, 2), max_len=16, chain=[],
+                               ap.encode(ap.Open(sid, model=model_id, layers=(0, 2), max_len=16, chain=[],
                                                      ret=me)), step(os.urandom(16)))
             await expect_error("unexpected", step(os.urandom(16)))
             sid = os.urandom(16)
             cut = step(sid)
-            await expect_error("malformed", ap.encode(ap.open_msg(sid, model=model_id, layers=(0, 2), max_len=16,
+            await expect_error("malformed", ap.encode(ap.Open(sid, model=model_id, layers=(0, 2), max_len=16,
                                                                   chain=[], ret=me)), cut[:len(cut) // 2],
                                half_close=True)
             await expect_error("version", frame({"v": 9, "t": "open", "s": os.urandom(16)}))

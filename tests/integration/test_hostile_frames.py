@@ -43,10 +43,10 @@ def serve_hostile_last_hop(node, misbehave):
     async def handle(stream):
         up = MessageStream(stream)
         op = await up.recv(10)
-        await node.connect(peer_info(op["ret"]["peer"], op["ret"]["addrs"]))
-        ret = MessageStream(await node.new_stream(op["ret"]["peer"], ap.PROTOCOL_ID))
-        await ret.send(ap.Message("attach", op.session))
-        await up.send(ap.Message("ready", op.session))
+        await node.connect(peer_info(op.ret.peer, list(op.ret.addrs)))
+        ret = MessageStream(await node.new_stream(op.ret.peer, ap.PROTOCOL_ID))
+        await ret.send(ap.Attach(op.session))
+        await up.send(ap.Ready(op.session))
         step = await up.recv(10)
         await misbehave(up, ret, step)
         await trio.sleep(5)  # hold the streams open: the client must notice by itself
@@ -55,9 +55,8 @@ def serve_hostile_last_hop(node, misbehave):
 
 
 def result_for(step, **changes):
-    f = {"n": step["n"], "pos": step["pos"], "dtype": step["dtype"], "shape": step["shape"], **changes}
-    return ap.tensor_msg("result", step.session, n=f["n"], pos=f["pos"], dtype=f["dtype"], shape=f["shape"],
-                         payload=step.payload)
+    f = {"n": step.n, "pos": step.pos, "dtype": step.dtype, "shape": step.shape, **changes}
+    return ap.Result(step.session, n=f["n"], pos=f["pos"], dtype=f["dtype"], shape=f["shape"], payload=step.payload)
 
 
 async def twice(up, ret, step):
@@ -66,7 +65,7 @@ async def twice(up, ret, step):
 
 
 async def skewed(up, ret, step):
-    await ret.send(result_for(step, pos=step["pos"] + 1))
+    await ret.send(result_for(step, pos=step.pos + 1))
 
 
 async def reflect(up, ret, step):
@@ -129,8 +128,7 @@ async def test_a_peer_refuses_replayed_and_out_of_place_steps(loopback_config, m
             async with client.session(16) as sess:
                 await sess.forward(x)
                 dtype, shape, payload = "float32", [1, 1, 32], bytes(4 * 32)
-                await sess.up.send(ap.tensor_msg("step", sess.session, n=n, pos=pos, dtype=dtype, shape=shape,
-                                                 payload=payload))
+                await sess.up.send(ap.Step(sess.session, n=n, pos=pos, dtype=dtype, shape=shape, payload=payload))
                 with pytest.raises(InferenceError, match=pattern):
                     await sess.receive()
         assert served.kv.used == 0  # the refused session gave its KV cache back

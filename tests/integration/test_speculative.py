@@ -228,8 +228,7 @@ async def test_compressed_activations(loopback_config, reference_ids, wire, iden
 def _as_message(dtype, shape, payload):
     from shardnet.protocols import activation as ap
 
-    return ap.decode_frame(ap.encode(ap.tensor_msg("step", b"x" * 16, n=0, pos=0, dtype=dtype, shape=shape,
-                                                   payload=payload))[4:])
+    return ap.decode_frame(ap.encode(ap.Step(b"x" * 16, n=0, pos=0, dtype=dtype, shape=shape, payload=payload))[4:])
 
 
 @pytest.mark.parametrize("drafter_kind,k,depth", [("ngram", 2, 2), ("model", 1, 3), ("model", 3, 2),

@@ -204,12 +204,12 @@ async def test_frame_size_and_first_frame_limits(loopback_config, model_path):
         await ms.stream.write(b"\x00\x00")  # half a length prefix, then nothing
         with trio.fail_after(5):
             reply = await ms.recv(5)
-        assert reply.type == "error" and reply["code"] == "timeout", reply
+        assert reply.type == "error" and reply.code == "timeout", reply
         # a frame declaring more than the limit: refused from its length prefix
         ms = MessageStream(await node.new_stream(str(peer.peer_id), ap.PROTOCOL_ID))
         await ms.stream.write((1 << 20).to_bytes(4, "big") + b"\0" * 64)
         reply = await ms.recv(5)
-        assert reply.type == "error" and reply["code"] == "too_large", reply
+        assert reply.type == "error" and reply.code == "too_large", reply
 
 
 async def test_dht_requests_per_peer(loopback_config):

@@ -23,6 +23,7 @@ from shardnet.protocols.activation_io import (
     STEP_TIMEOUT,
     MessageStream,
 )
+from shardnet.protocols.activation_session import ClientSession, Failure
 from shardnet.protocols.block_claim import Claim
 from shardnet.protocols.receipts import HashChain
 from shardnet.transport.config import peer_info
@@ -44,15 +45,24 @@ class InferenceSession:
     def __init__(self, client: Client, route: list[Claim], max_len: int) -> None:
         self.client, self.route, self.max_len = client, route, max_len
         self.session = new_session_id()
+        config = client.model.ckpt.config
+        #: the protocol's rules for this session: the open handshake, steps in flight, results
+        self.machine = ClientSession(self.session, first_peer=route[0].peer, last_peer=route[-1].peer,
+                                     kind="logits" if client.logits_on_last else "hidden",
+                                     hidden_size=config.hidden_size, vocab=config.vocab_size)
         self.up: MessageStream | None = None
         self.ret: MessageStream | None = None
-        self.length = 0
-        self.step_no = 0
         self.error: InferenceError | None = None
-        #: steps sent and not yet answered: a result must answer one of them, in order, so a
-        #: replayed, reordered or reflected frame is refused
-        self._awaiting = ap.PendingSteps()
         self._receiving: trio.CancelScope | None = None
+
+    @property
+    def length(self) -> int:
+        """Positions every hop's KV cache holds once the steps sent so far are computed."""
+        return self.machine.length
+
+    @property
+    def step_no(self) -> int:
+        return self.machine.step_no
 
     async def _open(self) -> None:
         node, route, s = self.client.node, self.route, self.session
@@ -66,24 +76,20 @@ class InferenceSession:
                 self.up.sent_hash = HashChain()  # the client's side of the first hop's receipt
             except ShardnetError as e:
                 raise InferenceError("next_hop", f"cannot reach {first.peer[:16]}…: {e}", first.peer) from None
-            me = {"peer": str(node.peer_id), "addrs": [str(a) for a in node.listen_addrs]}
-            await self.up.send(ap.open_msg(
+            me = ap.PeerRef(str(node.peer_id), [str(a) for a in node.listen_addrs])
+            await self.up.send(ap.Open(
                 s, model=self.client.model.model_id, layers=(first.start, first.end), max_len=self.max_len,
-                chain=[ap.Hop(c.peer, list(c.addrs), (c.start, c.end)) for c in route[1:]],
+                chain=[ap.Hop(c.peer, c.addrs, (c.start, c.end)) for c in route[1:]],
                 ret=me, logits=self.client.logits_on_last, wire=self.client.wire))
-            reply = await self.up.recv(OPEN_TIMEOUT * len(route))
-            if reply is None:
-                raise InferenceError("next_hop", f"{first.peer[:16]}… closed the stream", first.peer)
-            if reply.type == "error":
-                raise InferenceError(reply["code"], reply["msg"], reply.get("peer"))
-            if reply.type != "ready":
-                raise InferenceError("unexpected", f"first hop answered {reply.type}")
+            failure = self.machine.opened(await self.up.recv(OPEN_TIMEOUT * len(route)))
+            if failure is not None:
+                raise _error(failure)
             with trio.fail_after(OPEN_TIMEOUT):
                 self.ret = await returns.receive()
         except trio.TooSlowError:
             raise InferenceError("timeout", "the chain did not become ready in time") from None
-        except InferenceError:
-            raise
+        except (InferenceError, ap.ActivationProtocolError):
+            raise  # a bad frame from the first hop is not a lost connection
         except ShardnetError as e:  # the first hop went away while opening (a reset, its connection lost)
             raise InferenceError("next_hop", f"{first.peer[:16]}… failed: {e}", first.peer) from None
         finally:
@@ -93,21 +99,14 @@ class InferenceSession:
         """Errors come back on the first hop's stream; stop waiting for results when one does.
         Lives as long as the session (cancelled when it closes)."""
         try:
-            msg = await self.up.recv(FOREVER)
-            if msg is None:
-                self.error = InferenceError("next_hop", "the first hop closed the stream", self.route[0].peer)
-            elif msg.type == "error":
-                self.error = InferenceError(msg["code"], msg["msg"], msg.get("peer"))
-            else:  # only errors travel upstream once a chain is ready
-                self.error = InferenceError("unexpected", f"the first hop sent {msg.type} upstream",
-                                            self.route[0].peer)
-        except (ShardnetError, ap.ActivationProtocolError) as e:
-            self.error = InferenceError("next_hop", str(e), self.route[0].peer)
-        if self.error is not None:
-            log.warning("chain reported %s", self.error)
-            if self._receiving is not None:
-                self._receiving.cancel()
-            await self.ret.close()
+            failure = self.machine.upstream(await self.up.recv(FOREVER))
+        except ShardnetError as e:  # ActivationProtocolError included
+            failure = self.machine.upstream_broken(str(e))
+        self.error = _error(failure)
+        log.warning("chain reported %s", self.error)
+        if self._receiving is not None:
+            self._receiving.cancel()
+        await self.ret.close()
 
     async def forward(self, hidden: torch.Tensor, *, pos: int | None = None, logits_for: int = 1) -> torch.Tensor:
         """Send [1, tokens, hidden] for positions ``pos``.. (default: right after the last step;
@@ -125,22 +124,18 @@ class InferenceSession:
         step number. Results come back in order through ``receive``."""
         if self.error:
             raise self.error
-        pos = self.length if pos is None else pos
-        if not 0 <= pos <= self.length:
-            raise ValueError(f"position {pos} is outside 0..{self.length}")
         dtype, shape, payload = wire.to_payload(hidden, self.client.wire)
-        n = self.step_no
+        step = self.machine.step(dtype=dtype, shape=shape, payload=payload, pos=pos, logits_for=logits_for,
+                                 epoch=epoch)
         try:
-            await self.up.send(ap.tensor_msg("step", self.session, n=n, pos=pos, dtype=dtype, shape=shape,
-                                             payload=payload, logits_for=logits_for if logits_for != 1 else None,
-                                             epoch=epoch))
+            await self.up.send(step)
+        except ap.ActivationProtocolError:
+            raise  # the step cannot be encoded (too large): not the first hop's fault
         except ShardnetError as e:
             raise self.error or InferenceError("next_hop", f"sending to the first hop failed: {e}",
                                                self.route[0].peer) from None
-        self.step_no += 1
-        self.length = pos + hidden.shape[1]
-        self._awaiting.sent(n, pos, hidden.shape[1], logits_for)
-        return n
+        self.machine.sent(step)
+        return step.n
 
     async def receive(self) -> tuple[int, torch.Tensor]:
         """The next result: (its step number, the tensor)."""
@@ -152,30 +147,21 @@ class InferenceSession:
                     msg = await self.ret.recv(STEP_TIMEOUT)
         except trio.TooSlowError:
             raise self.error or InferenceError("timeout", f"no result within {STEP_TIMEOUT:g} s") from None
+        except ap.ActivationProtocolError:
+            raise  # a bad frame on the return stream, as it is
         except ShardnetError:
             pass
         finally:
             self._receiving = None
-        if msg is None:
-            raise self.error or InferenceError("next_hop", "the return stream closed")
-        if msg.type == "error":
-            raise InferenceError(msg["code"], msg["msg"], msg.get("peer"))
-        if msg.type != "result":
-            raise InferenceError("unexpected", f"expected a result, got {msg.type}", self.route[-1].peer)
-        problem = self._answers(msg)
-        if problem:
-            raise InferenceError("unexpected", problem, self.route[-1].peer)
-        return msg["n"], wire.from_message(msg)
-
-    def _answers(self, msg: ap.Message) -> str | None:
-        config = self.client.model.ckpt.config
-        return self._awaiting.answer(msg, kind="logits" if self.client.logits_on_last else "hidden",
-                                     hidden_size=config.hidden_size, vocab=config.vocab_size)
+        answer = self.machine.result(msg)
+        if isinstance(answer, Failure):
+            raise (self.error if msg is None and self.error else _error(answer))
+        return answer.n, wire.from_message(answer)
 
     async def close(self) -> None:
         if self.up is not None:
             with trio.move_on_after(5), _quiet():
-                await self.up.send(ap.Message("close", self.session))
+                await self.up.send(ap.Close(self.session))
                 await self.up.close()
         if self.ret is not None:
             if self.client.receipts and self.error is None:
@@ -185,6 +171,10 @@ class InferenceSession:
                     while await self.ret.recv(FOREVER) is not None:
                         pass
             getattr(self.ret, "done", trio.Event()).set()
+
+
+def _error(failure: Failure) -> InferenceError:
+    return InferenceError(failure.code, failure.message, failure.peer)
 
 
 def _busy(e: InferenceError) -> bool:
@@ -236,5 +226,5 @@ class _quiet:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        return exc_type is not None and issubclass(exc_type, (ShardnetError, ap.ActivationProtocolError))
+        return exc_type is not None and issubclass(exc_type, ShardnetError)  # ActivationProtocolError included
 

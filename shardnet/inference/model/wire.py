@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from shardnet.protocols.activation import QUANTIZED, Message
+from shardnet.protocols.activation import QUANTIZED, TensorMessage
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -32,17 +32,17 @@ def to_payload(t: torch.Tensor, wire: str | None = None) -> tuple[str, list[int]
     return DTYPE_NAMES[t.dtype], list(t.shape), _bytes(t)
 
 
-def from_message(msg: Message) -> torch.Tensor:
+def from_message(msg: TensorMessage) -> torch.Tensor:
     """The tensor a validated step/result message carries (its byte count was checked);
     int8q comes back dequantized, in float32."""
-    shape = msg["shape"]
+    shape = list(msg.shape)
     raw = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8) if msg.payload else torch.empty(0, dtype=torch.uint8)
-    if msg["dtype"] == QUANTIZED:
+    if msg.dtype == QUANTIZED:
         n = math.prod(shape)
         q = raw[:n].view(torch.int8).reshape(shape).float()
         scale = raw[n:].view(torch.float32).reshape(*shape[:-1], 1)
         return q * scale
-    dtype = TORCH_DTYPES[msg["dtype"]]
+    dtype = TORCH_DTYPES[msg.dtype]
     if not msg.payload:
         return torch.empty(shape, dtype=dtype)
     return raw.view(dtype).reshape(shape)

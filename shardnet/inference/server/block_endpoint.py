@@ -27,6 +27,17 @@ from shardnet.protocols.activation_io import (
     OPEN_TIMEOUT,
     MessageStream,
     reply_error,
+    send_reply,
+)
+from shardnet.protocols.activation_session import (
+    BlockSession,
+    Compute,
+    Failure,
+    ForwardClose,
+    Relay,
+    ReplyError,
+    Skip,
+    answer_to_open,
 )
 from shardnet.transport.config import peer_info
 from shardnet.transport.limits import PeerCounts, Refusals, TokenBuckets
@@ -89,48 +100,49 @@ class BlockEndpoint:
         ReceiptService.of(self.node)  # sessions end in signed receipts, served on request
 
     # -- server side ---------------------------------------------------------------------------
-    async def _serve_session(self, up: MessageStream, op: ap.Message) -> None:
+    async def _serve_session(self, up: MessageStream, op: ap.Open) -> None:
         s = op.session
         sb = self.served
         try:
             if sb is None:
                 raise InferenceError("no_block", "this peer serves no block")
-            if op["model"] != sb.model_id:
+            if op.model != sb.model_id:
                 raise InferenceError("wrong_model", f"this peer serves model {sb.model_id[:16]}…, "
-                                     f"not {op['model'][:16]}…")
-            start, end = op["layers"]
+                                     f"not {op.model[:16]}…")
+            start, end = op.layers
             if (start, end) != (sb.block.start, sb.block.end):
                 raise InferenceError("layers", f"layers {start}:{end} requested; this peer serves exactly "
                                      f"{sb.block.start}:{sb.block.end} of {sb.block.ckpt.num_layers}")
-            if op.get("logits") and not op["chain"] and sb.head is None:
+            if op.logits and not op.chain and sb.head is None:
                 raise InferenceError("no_head", "this peer does not hold the LM head")
             self._admit_session(up.remote_peer)
-            sb.kv.reserve(s, op["max_len"] * sb.block.kv_bytes_per_token())
+            sb.kv.reserve(s, op.max_len * sb.block.kv_bytes_per_token())
         except InferenceError as e:
-            await reply_error(up, s, e.code, str(e).split(": ", 1)[1])
+            await reply_error(up, s, e.code, e.message)
             return
         self.sessions_by_peer[up.remote_peer] += 1
         sb.sessions_served += 1
+        session = BlockSession(op, sb.block.config.hidden_size)
         rec = StageRecorder(sb.model_id, s, (sb.block.start, sb.block.end), str(self.node.peer_id),
                             str(sb.block.device))
         rec.received.add(op.raw)
         up.received_hash = rec.received
         rec.observed["upstream"] = up.observed()
-        if op.get("logits") and not op["chain"]:
+        if session.returns_logits:
             rec.tokens = []
         down: MessageStream | None = None
         try:
             try:
-                down = await self._open_next(op, rec)
+                down = await self._open_next(session, rec)
                 rec.observed["downstream"] = down.observed()
             except InferenceError as e:
-                await reply_error(up, s, e.code, str(e).split(": ", 1)[1], peer=e.peer)
+                await reply_error(up, s, e.code, e.message, peer=e.peer)
                 return
-            await up.send(ap.Message("ready", s))
+            await up.send(session.ready())
             async with trio.open_nursery() as nursery:
-                if op["chain"]:
-                    nursery.start_soon(_relay_errors, s, down, up, nursery.cancel_scope)
-                await self._step_loop(sb, op, up, down, rec)
+                if not session.last:
+                    nursery.start_soon(_relay_errors, session, down, up, nursery.cancel_scope)
+                await self._step_loop(sb, session, up, down, rec)
                 nursery.cancel_scope.cancel()
         except (ShardnetError, trio.TooSlowError) as e:
             log.info("session %s ended: %s", s.hex()[:8], e)
@@ -161,127 +173,91 @@ class BlockEndpoint:
             raise InferenceError("rate_limited", f"more than {limits.session_rate_per_peer:g} new sessions per "
                                  f"second (session_rate_per_peer); try again shortly")
 
-    async def _open_next(self, op: ap.Message, rec: StageRecorder | None = None) -> MessageStream:
+    async def _open_next(self, session: BlockSession, rec: StageRecorder | None = None) -> MessageStream:
         """Open the next hop with the rest of the chain, or the return stream to the client."""
-        s, chain = op.session, op["chain"]
-        if chain:
-            nxt = chain[0]
-            target, first = nxt, ap.open_msg(
-                s, model=op["model"], layers=tuple(nxt["layers"]), max_len=op["max_len"],
-                chain=[ap.Hop(h["peer"], h["addrs"], tuple(h["layers"])) for h in chain[1:]],
-                ret=op["ret"], logits=op.get("logits", False), wire=op.get("wire"))
-        else:
-            target, first = op["ret"], ap.Message("attach", s)
+        target, first = session.downstream()
         try:
-            await self.node.connect(peer_info(target["peer"], target["addrs"]))
-            stream = await self.node.new_stream(target["peer"], ap.PROTOCOL_ID)
+            await self.node.connect(peer_info(target.peer, list(target.addrs)))
+            stream = await self.node.new_stream(target.peer, ap.PROTOCOL_ID)
         except ShardnetError as e:
-            raise InferenceError("next_hop", f"cannot reach {target['peer'][:16]}…: {e}", target["peer"]) from None
+            raise InferenceError("next_hop", f"cannot reach {target.peer[:16]}…: {e}", target.peer) from None
         ms = MessageStream(stream)
         if rec is not None:
             ms.sent_hash = rec.sent
         try:
             await ms.send(first)
-            reply = await ms.recv(OPEN_TIMEOUT) if chain else None
+            reply = await ms.recv(OPEN_TIMEOUT) if not session.last else None
         except InferenceError:
             raise
+        except ap.ActivationProtocolError:
+            raise  # a bad frame from the next hop is not a lost connection: the session just ends
         except ShardnetError as e:  # the next hop went away (a reset, its connection lost)
-            raise InferenceError("next_hop", f"{target['peer'][:16]}… failed: {e}", target["peer"]) from None
-        if chain:
-            if reply is None or reply.type == "error":
-                await ms.close()
-                if reply is None:
-                    raise InferenceError("next_hop", "next hop closed the stream", target["peer"])
-                raise InferenceError(reply["code"], reply["msg"], reply.get("peer"))
-            if reply.type != "ready":
-                raise InferenceError("unexpected", f"next hop answered {reply.type}")
+            raise InferenceError("next_hop", f"{target.peer[:16]}… failed: {e}", target.peer) from None
+        if not session.last:
+            failure = answer_to_open(reply, who="next hop",
+                                     closed=Failure("next_hop", "next hop closed the stream", target.peer))
+            if failure is not None:
+                if reply is None or isinstance(reply, ap.Error):
+                    await ms.close()
+                raise InferenceError(failure.code, failure.message, failure.peer)
         return ms
 
-    async def _step_loop(self, sb: ServedBlock, op: ap.Message, up: MessageStream, down: MessageStream,
+    async def _step_loop(self, sb: ServedBlock, session: BlockSession, up: MessageStream, down: MessageStream,
                          rec: StageRecorder | None = None) -> None:
-        s = op.session
-        last = not op["chain"]
-        want_logits = last and op.get("logits", False)
         cache = sb.block.new_cache()
-        cursor = ap.StepCursor(op["max_len"], sb.block.config.hidden_size)
         while True:
             try:
                 msg = await up.recv(sb.idle_timeout)
             except trio.TooSlowError:
-                await reply_error(up, s, "idle", f"no step for {sb.idle_timeout:g} s; session expired")
-                return
+                action = session.idle(sb.idle_timeout)
             except ap.ActivationProtocolError as e:
-                await reply_error(up, s, e.code, e.message)
-                return
-            if msg is None:
-                return
-            if msg.session != s:
-                await reply_error(up, msg.session, "unknown_session", "this stream carries another session")
-                return
-            if msg.type == "close":
-                if not last:
-                    await down.send(ap.Message("close", s))
-                return
-            if msg.type != "step":
-                await reply_error(up, s, "unexpected", f"expected step or close, got {msg.type}")
-                return
-            problem = cursor.check(msg)
-            if problem:
-                await reply_error(up, s, problem[0], problem[1], n=msg["n"])
-                return
-            epoch = msg.get("e", 0)
-            if any(m.type == "step" and m.get("e", 0) > epoch for m in up.pending):
-                # Fencing: a newer speculation epoch is already queued behind this chunk, so the
-                # client has discarded it. Skip it here and downstream (step numbers may skip).
-                cursor.skip(msg)
+                action = session.bad_frame(e)
+            else:
+                action = session.end_of_input() if msg is None else session.receive(msg, up.pending)
+            if isinstance(action, Skip):
                 continue
-            drop = cursor.advance(msg)
-            if drop > 0:
+            if isinstance(action, ReplyError):
+                await send_reply(up, action)
+                return
+            if isinstance(action, ForwardClose):
+                await down.send(action.message)
+                return
+            if not isinstance(action, Compute):
+                return
+            step = action.step
+            if action.drop > 0:
                 # Rollback: the client rejected speculated tokens; forget everything from pos on.
-                cache.crop(-drop)
-            hidden = wire.from_message(msg)
+                cache.crop(-action.drop)
+            hidden = wire.from_message(step)
             async with sb.compute.turn(up.remote_peer):
-                out = await trio.to_thread.run_sync(sb.block.forward, hidden, cache, msg["pos"])
+                out = await trio.to_thread.run_sync(sb.block.forward, hidden, cache, step.pos)
                 kind = "hidden"
-                if want_logits:
-                    n_logits = min(msg.get("logits_for", 1), out.shape[1])
+                if session.returns_logits:
+                    n_logits = min(step.logits_for, out.shape[1])
                     out = await trio.to_thread.run_sync(sb.head.logits, out[:, -n_logits:, :])
                     kind = "logits"
                     if rec is not None and rec.tokens is not None:
                         rec.tokens.extend(out[0].argmax(-1).tolist())
             # hidden states go on in the session's wire dtype (default: as they came); logits in float32
-            dtype, shape, payload = wire.to_payload(out, None if kind == "logits" else op.get("wire", msg["dtype"]))
-            if last:
-                out_msg = ap.tensor_msg("result", s, n=msg["n"], pos=msg["pos"], dtype=dtype, shape=shape,
-                                        payload=payload, result_kind=kind)
-            else:
-                out_msg = ap.tensor_msg("step", s, n=msg["n"], pos=msg["pos"], dtype=dtype, shape=shape,
-                                        payload=payload, logits_for=msg.get("logits_for"), epoch=msg.get("e"))
+            dtype, shape, payload = wire.to_payload(out, None if kind == "logits" else session.open.wire or step.dtype)
             try:
-                await down.send(out_msg)
+                await down.send(session.output(step, dtype=dtype, shape=shape, payload=payload, kind=kind))
             except ShardnetError as e:
-                # name the peer that failed, or the hop before us would blame us when we close
-                await reply_error(up, s, "next_hop", f"sending to the next hop failed: {e}",
-                                   n=msg["n"], peer=down.remote_peer)
+                await send_reply(up, session.send_failed(step, str(e), down.remote_peer))
                 return
 
 
-async def _relay_errors(s: bytes, down: MessageStream, up: MessageStream, scope: trio.CancelScope) -> None:
+async def _relay_errors(session: BlockSession, down: MessageStream, up: MessageStream,
+                        scope: trio.CancelScope) -> None:
     """Errors from further down the chain travel back up, hop by hop (any other message ends the
     session: frames only flow one way on each stream). Runs for the session's
     life (the step loop's idle timeout bounds that), so it waits without a deadline of its own."""
     try:
-        while True:
-            msg = await down.recv(FOREVER)
-            if msg is None:
-                await reply_error(up, s, "next_hop", "next hop closed the stream", peer=down.remote_peer)
-                break
-            if msg.type == "error":
-                await up.send(msg)
-                break
-            # once ready, only errors travel upstream: anything else is reflected or forged
-            await reply_error(up, s, "unexpected", f"the next hop sent {msg.type} upstream", peer=down.remote_peer)
-            break
-    except (ShardnetError, ap.ActivationProtocolError) as e:
-        await reply_error(up, s, "next_hop", f"next hop failed: {e}", peer=down.remote_peer)
+        action = session.from_downstream(await down.recv(FOREVER), down.remote_peer)
+        if isinstance(action, Relay):
+            await up.send(action.message)
+        else:
+            await send_reply(up, action)
+    except ShardnetError as e:
+        await send_reply(up, session.downstream_broken(str(e), down.remote_peer))
     scope.cancel()

@@ -93,7 +93,7 @@ async def garbage(node, target, host, port, _model):
 
 # -- slowloris ---------------------------------------------------------------------------------
 async def slowloris(node, target, host, port, _model):
-    frame = ap.encode(ap.Message("close", b"\0" * ap.SESSION_ID_BYTES))
+    frame = ap.encode(ap.Close(b"\0" * ap.SESSION_ID_BYTES))
 
     async def slow_stream():
         while True:

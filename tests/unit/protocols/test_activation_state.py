@@ -17,8 +17,8 @@ SESSION = b"s" * ap.SESSION_ID_BYTES
 
 
 def step(n, pos, tokens, hidden=HIDDEN):
-    return ap.tensor_msg("step", SESSION, n=n, pos=pos, dtype="float32", shape=[1, tokens, hidden],
-                         payload=bytes(4 * tokens * hidden))
+    return ap.Step(SESSION, n=n, pos=pos, dtype="float32", shape=[1, tokens, hidden],
+                   payload=bytes(4 * tokens * hidden))
 
 
 class BlockServerSession(RuleBasedStateMachine):
@@ -30,7 +30,7 @@ class BlockServerSession(RuleBasedStateMachine):
     def offer(self, msg, *, fenced=False):
         before = (self.cursor.next_step, self.cursor.length)
         problem = self.cursor.check(msg)
-        n, pos, shape = msg["n"], msg["pos"], msg["shape"]
+        n, pos, shape = msg.n, msg.pos, msg.shape
         # the same rules, stated independently, in the order the cursor applies them
         if shape[2] != HIDDEN:
             assert problem and problem[0] == "hidden_size"
@@ -78,7 +78,7 @@ class BlockServerSession(RuleBasedStateMachine):
 
     @invariant()
     def step_numbers_only_increase(self):
-        numbers = [m["n"] for m in self.taken]
+        numbers = [m.n for m in self.taken]
         assert numbers == sorted(set(numbers))
 
 
@@ -93,8 +93,8 @@ class ClientSession(RuleBasedStateMachine):
         self.kind = "hidden"
 
     def result(self, n, pos, rows, width, kind=None):
-        return ap.tensor_msg("result", SESSION, n=n, pos=pos, dtype="float32", shape=[1, rows, width],
-                             payload=bytes(4 * rows * width), result_kind=kind or self.kind)
+        return ap.Result(SESSION, n=n, pos=pos, dtype="float32", shape=[1, rows, width],
+                         payload=bytes(4 * rows * width), kind=kind or self.kind)
 
     def right_answer(self, n):
         pos, tokens, _ = self.sent[n]
@@ -163,12 +163,12 @@ TestClientSession.settings = STATEFUL
 def test_logits_results_have_one_row_per_requested_position():
     pending = ap.PendingSteps()
     pending.sent(0, 0, 5, logits_for=3)
-    ok = ap.tensor_msg("result", SESSION, n=0, pos=0, dtype="float32", shape=[1, 3, VOCAB],
-                       payload=bytes(4 * 3 * VOCAB), result_kind="logits")
+    ok = ap.Result(SESSION, n=0, pos=0, dtype="float32", shape=[1, 3, VOCAB],
+                   payload=bytes(4 * 3 * VOCAB), kind="logits")
     assert pending.answer(ok, kind="logits", hidden_size=HIDDEN, vocab=VOCAB) is None
     pending.sent(1, 5, 1, logits_for=3)  # never more rows than tokens
-    wide = ap.tensor_msg("result", SESSION, n=1, pos=5, dtype="float32", shape=[1, 3, VOCAB],
-                         payload=bytes(4 * 3 * VOCAB), result_kind="logits")
+    wide = ap.Result(SESSION, n=1, pos=5, dtype="float32", shape=[1, 3, VOCAB],
+                     payload=bytes(4 * 3 * VOCAB), kind="logits")
     assert "expected [1, 1, 50]" in pending.answer(wide, kind="logits", hidden_size=HIDDEN, vocab=VOCAB)
 
 
