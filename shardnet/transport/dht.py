@@ -14,6 +14,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 
 from . import records
+from .compat import kad as compat_kad
 from .config import NodeConfig
 from .errors import OverlayTimeout, RecordError
 from .limits import Refusals
@@ -46,7 +47,7 @@ def _meter_requests(kad, host, limits) -> None:
 
     from .limits import PeerCounts, TokenBuckets
 
-    kad._inbound_limiter = trio.CapacityLimiter(max(64, 4 * limits.dht_streams_per_peer))
+    compat_kad.set_inbound_request_streams(kad, max(64, 4 * limits.dht_streams_per_peer))
     requests = TokenBuckets(limits.dht_requests_per_peer, limits.dht_burst_per_peer)
     open_streams = PeerCounts()
     refusals = Refusals()
@@ -184,7 +185,7 @@ class DHT:
             async def ask(peer: ID) -> None:
                 with trio.move_on_after(self.timeout / 2):
                     try:
-                        providers, _closer = await store._get_providers_from_peer_with_closers(peer, key)
+                        providers, _closer = await compat_kad.providers_from_peer(store, peer, key)
                     except Exception as e:
                         log.debug("GET_PROVIDERS to %s failed: %s", peer, e)
                         return

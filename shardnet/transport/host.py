@@ -1,6 +1,6 @@
 """Build the py-libp2p host with shardnet's settings (TCP + Noise + Yamux, QUIC behind a flag).
 
-The settings here are the configuration-level fixes for py-libp2p 0.8.1 (see compat.py for the
+The settings here are the configuration-level fixes for py-libp2p 0.8.1 (see compat/ for the
 patches):
 
 - ``max_connections_per_peer=1``: with the default 3, every dial waits a 250 ms "happy

@@ -253,7 +253,7 @@ class Node:
     async def _connect_direct(self, info: PeerInfo, timeout: float) -> ID:
         # py-libp2p blocks every dial to a peer for 60 s after one failure ("negative cache");
         # a restarted bootstrap must be reachable on our own backoff schedule instead.
-        self.host.get_network()._negative_peer_cache.evict(str(info.peer_id))
+        compat.swarm.forget_failed_dial(self.host.get_network(), info.peer_id)
         with trio.move_on_after(timeout) as scope:
             try:
                 await self.host.connect(info)

@@ -2,7 +2,7 @@
 
 py-libp2p 0.8.1's defaults: a 120 s heartbeat (meshes form and repair two minutes late), a spam
 limit of 10 messages per second per peer and topic (legitimate bursts vanish), and 32-message
-subscriber queues (see compat.py). Here: 1 s heartbeat, a configurable ceiling far above any
+subscriber queues (see compat/pubsub.py). Here: 1 s heartbeat, a configurable ceiling far above any
 honest rate, large queues, and a counter of anything still dropped.
 """
 

@@ -1,4 +1,4 @@
-"""One test (at least) per py-libp2p 0.8.1 behaviour that shardnet fixes (see compat.py, host.py)."""
+"""One test (at least) per py-libp2p 0.8.1 behaviour that shardnet fixes (see shardnet/transport/compat/, host.py)."""
 
 import logging
 import socket

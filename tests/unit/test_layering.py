@@ -4,6 +4,7 @@ and the server never import each other, and model/ imports neither (nor the netw
 only the ``*_io.py`` drivers import trio; the rest is sans-IO."""
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -175,3 +176,78 @@ def test_the_package_root_still_exports_the_overlay():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "0.1.0", r.stdout + r.stderr
 
+
+# py-libp2p's private attributes are read only in shardnet/transport/compat/ -----------------------
+# An attribute whose name starts with "_" (not a dunder), on anything but ``self``/``cls``, that
+# py-libp2p itself defines (``self._x = ``, ``def _x``, a private module name) and shardnet's own
+# code (outside compat/) does not: shardnet's objects may use private names between their own
+# modules, and those never collide with an upstream one unless shardnet defines it too, which is
+# the rule's blind spot (a reach-in to such a name passes). getattr/setattr/hasattr with a literal
+# name count as attribute accesses.
+COMPAT = ROOT / "transport" / "compat"
+_ATTR_CALLS = ("getattr", "setattr", "hasattr", "delattr")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_private_names(files) -> set[str]:
+    names: set[str] = set()
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(), filename=str(path))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return {n for n in names if _private(n)}
+
+
+def _private_accesses(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                out.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _ATTR_CALLS
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and _private(node.args[1].value)):
+            out.append((node.lineno, node.args[1].value))
+    return out
+
+
+@functools.cache
+def _libp2p_private_names() -> frozenset[str]:
+    import libp2p
+
+    return frozenset(_defined_private_names(Path(libp2p.__file__).parent.rglob("*.py")))
+
+
+def upstream_private_reach_ins() -> list[str]:
+    ours = [p for p in sorted(ROOT.rglob("*.py")) if COMPAT not in p.parents]
+    upstream = _libp2p_private_names() - _defined_private_names(ours)
+    return [f"{p.relative_to(ROOT.parent)}:{line} uses py-libp2p's private {name}"
+            for p in ours for line, name in _private_accesses(p) if name in upstream]
+
+
+def test_only_compat_touches_libp2p_private_attributes(tmp_path, monkeypatch):
+    assert upstream_private_reach_ins() == []
+    # the rule must be able to fail: plant reach-ins (one in compat/, which may)
+    fake = tmp_path / "shardnet"
+    (fake / "transport" / "compat").mkdir(parents=True)
+    (fake / "transport" / "bad.py").write_text(
+        "def f(swarm, conn):\n"
+        "    swarm._negative_peer_cache.evict('x')\n"
+        "    return getattr(conn, '_connection_type', None)\n")
+    (fake / "transport" / "compat" / "swarm.py").write_text("def g(swarm):\n    swarm._negative_peer_cache.evict('x')\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", fake)
+    monkeypatch.setattr(sys.modules[__name__], "COMPAT", fake / "transport" / "compat")
+    found = upstream_private_reach_ins()
+    assert len(found) == 2 and all("bad.py" in f for f in found), found

@@ -38,6 +38,7 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
+from ..compat.identify import observed_addr_manager
 from ..limits import Refusals
 from .autonat_messages import (
     AUTONAT_PROTOCOL, AutoNATMessage, AutoNATType, Dial, DialResponse, DialStatus, decode_autonat, encode_autonat)
@@ -215,7 +216,7 @@ class AutoNAT:
         return self.reachability.status
 
     def _watch_observations(self) -> None:
-        manager = getattr(self.node.host, "_observed_addr_manager", None)
+        manager = observed_addr_manager(self.node.host)
         if manager is None:
             return
         record = manager.record_observation

@@ -24,6 +24,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
+from ..compat.swarm import connection_type
 from ..errors import ShardnetError
 from .rawstream import PrefixedStream, close_quietly, read_message
 from .relay_messages import (
@@ -78,7 +79,7 @@ def is_relayed(conn) -> bool:
     to the raw connection, which knows its type."""
     seen = 0
     while conn is not None and seen < 8:
-        kind = getattr(conn, "_connection_type", None)
+        kind = connection_type(conn)
         if kind is not None:
             return kind == ConnectionType.RELAYED
         conn = next((getattr(conn, a) for a in ("muxed_conn", "secured_conn", "conn", "read_writer", "raw_conn")

@@ -1,0 +1,112 @@
+"""Patches to py-libp2p's Kademlia DHT (``libp2p.kad_dht``), and the accessors for its private
+state that dht.py needs.
+
+11. Every peer that sends us a KAD request goes into our routing table, on the assumption that
+   it serves the DHT. DHT clients send requests too: a server then hands clients out in lookup
+   answers, others query them ("protocol not supported") and dial them back (measured: a
+   client's peers opened connections to it, so its round trips went round the emulated WAN
+   link it was meant to measure). Per the Kademlia spec a peer joins the table only when its
+   identify lists the KAD protocol; a server whose identify had not finished when its first
+   request came is added by the node's discovery loop once it has, and a peer that entered the
+   table on another path (upstream adds whoever it queries, before knowing) leaves it once
+   identify shows it a client (node.py). Lookups neither query nor return peers identified as
+   clients (with a small table, upstream starts them from every connected peer).
+14. A DHT request stream is read message after message with no limit on how many or how fast.
+   Each message read from a stream the node meters (dht.py: inbound request streams) first takes
+   a token from its peer's bucket (``dht_requests_per_peer``); without one the stream is reset.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+
+# 11. DHT clients in routing tables -------------------------------------------------------------
+def serves_dht(peerstore: Any, peer_id: Any) -> bool | None:
+    """Whether the peer's identify lists the KAD protocol; None before identify has run."""
+    from libp2p.kad_dht.common import PROTOCOL_ID
+
+    try:
+        protocols = peerstore.get_protocols(peer_id)
+    except Exception:  # PeerStoreError: not in the peerstore (yet, or any more)
+        return None
+    return str(PROTOCOL_ID) in protocols if protocols else None
+
+
+def add_only_servers_that_sent_requests() -> None:
+    from libp2p.kad_dht.kad_dht import KadDHT
+
+    add_peer = KadDHT.add_peer
+
+    async def add_peer_if_server(self, peer_id, *, skip_server_mode_check: bool = False) -> bool:
+        # upstream skips the check exactly where it matters: for whoever sent us a request
+        if skip_server_mode_check and not serves_dht(self.host.get_peerstore(), peer_id):
+            return False
+        return await add_peer(self, peer_id, skip_server_mode_check=skip_server_mode_check)
+
+    KadDHT.add_peer = add_peer_if_server
+
+
+# With under 5 peers in its table a lookup also starts from every connected peer and every
+# peer in the peerstore, clients included, and its result (where records and provider
+# entries are stored) can end up naming them.
+def query_only_servers() -> None:
+    from libp2p.kad_dht.peer_routing import PeerRouting
+
+    query = PeerRouting._query_single_peer_for_closest
+
+    async def query_if_server(self, peer, target_key, new_peers) -> None:
+        if serves_dht(self.host.get_peerstore(), peer) is not False:
+            await query(self, peer, target_key, new_peers)
+
+    PeerRouting._query_single_peer_for_closest = query_if_server
+
+
+def return_only_servers() -> None:
+    from libp2p.kad_dht.peer_routing import PeerRouting
+
+    lookup = PeerRouting.find_closest_peers_network
+
+    async def lookup_servers(self, target_key: bytes, count: int = 20) -> list:
+        store = self.host.get_peerstore()
+        return [p for p in await lookup(self, target_key, count) if serves_dht(store, p) is not False]
+
+    PeerRouting.find_closest_peers_network = lookup_servers
+
+
+# 14. DHT requests per peer ---------------------------------------------------------------------
+class RequestRateExceeded(Exception):
+    """A peer sent DHT requests faster than its limit."""
+
+
+def meter_dht_requests() -> None:
+    from libp2p.kad_dht import kad_dht
+
+    read = kad_dht.read_varint_prefixed_bytes_limited
+
+    async def metered_read(stream: Any, max_length: int) -> bytes:
+        meter = getattr(stream, "kad_request_meter", None)
+        if meter is not None:
+            bucket, peer, refusals = meter
+            if not bucket.take(peer):
+                refusals.note("dht_requests_per_peer", peer, f"limit dht_requests_per_peer: {str(peer)[:16]} "
+                                                             f"sends DHT requests faster than {bucket.rate:g}/s")
+                raise RequestRateExceeded(str(peer))
+        return await read(stream, max_length)
+
+    kad_dht.read_varint_prefixed_bytes_limited = metered_read
+
+
+# accessors: the DHT's private state, read only here --------------------------------------------
+def set_inbound_request_streams(kad: Any, total: int) -> None:
+    """How many inbound request streams the KadDHT serves at once, from all peers together
+    (upstream: 12)."""
+    kad._inbound_limiter = trio.CapacityLimiter(total)
+
+
+async def providers_from_peer(store: Any, peer: Any, key: bytes) -> tuple[Any, Any]:
+    """One GET_PROVIDERS request to ``peer``: (providers, closer peers) as the provider store
+    gets them."""
+    return await store._get_providers_from_peer_with_closers(peer, key)

@@ -1,0 +1,89 @@
+"""Patches to py-libp2p's gossipsub (``libp2p.pubsub``).
+
+4. gossipsub: per-peer outbound RPC queues of 32 and subscription queues of 32, whose overflow
+   is a debug line at most (a burst of 400 publishes delivered 32). Both queues are enlarged and
+   every drop, outbound or inbound, is counted (``dropped_pubsub_messages()``) and logged at
+   WARNING, naming whether a control message was lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+log = logging.getLogger(__name__)
+
+#: Subscription queue length for gossipsub topics (py-libp2p default: 32).
+SUBSCRIPTION_QUEUE_SIZE = 4096
+#: Outbound RPC queue length per gossipsub peer (py-libp2p default: 32).
+OUTBOUND_QUEUE_SIZE = 4096
+
+_pubsub_drops = 0
+
+
+def dropped_pubsub_messages() -> int:
+    """How many gossipsub messages were dropped because a subscriber's queue was full."""
+    return _pubsub_drops
+
+
+def enlarge_subscription_queues() -> None:
+    from libp2p.pubsub import pubsub as pmod
+
+    pmod.SUBSCRIPTION_CHANNEL_SIZE = SUBSCRIPTION_QUEUE_SIZE
+
+
+def enlarge_outbound_queues() -> None:
+    from libp2p.pubsub import rpc_queue as qmod
+
+    # The default is bound at definition time, so the module constant alone changes nothing.
+    defaults = list(qmod.RpcQueue.__init__.__defaults__)
+    defaults[0] = OUTBOUND_QUEUE_SIZE
+    qmod.RpcQueue.__init__.__defaults__ = tuple(defaults)
+
+
+def _drop_rpc(peer_id: Any, rpc: Any) -> None:
+    global _pubsub_drops
+    _pubsub_drops += 1
+    log.warning(
+        "pubsub: outbound queue to %s is full (%d RPCs); dropped an RPC with %d message(s)%s "
+        "(%d dropped so far)",
+        peer_id, OUTBOUND_QUEUE_SIZE, len(rpc.publish),
+        " and CONTROL messages" if rpc.HasField("control") else "", _pubsub_drops,
+    )
+
+
+# ``drop_rpc`` is imported by name into gossipsub too: each binding is its own patch.
+def count_outbound_drops_in_pubsub() -> None:
+    from libp2p.pubsub import pubsub as pmod
+
+    pmod.drop_rpc = _drop_rpc
+
+
+def count_outbound_drops_in_gossipsub() -> None:
+    from libp2p.pubsub import gossipsub as gmod
+
+    gmod.drop_rpc = _drop_rpc
+
+
+def count_subscription_drops() -> None:
+    from libp2p.pubsub import pubsub as pmod
+
+    def notify_subscriptions(self: Any, publish_message: Any) -> None:
+        global _pubsub_drops
+        for topic in publish_message.topicIDs:
+            if topic not in self.topic_ids:
+                continue
+            try:
+                self.subscribed_topics_send[topic].send_nowait(publish_message)
+            except trio.WouldBlock:
+                _pubsub_drops += 1
+                log.warning(
+                    "pubsub: subscriber of %r is %d messages behind; dropped one (%d dropped so far)",
+                    topic,
+                    SUBSCRIPTION_QUEUE_SIZE,
+                    _pubsub_drops,
+                )
+
+    pmod.Pubsub.notify_subscriptions = notify_subscriptions

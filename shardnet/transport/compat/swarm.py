@@ -1,0 +1,231 @@
+"""Patches to py-libp2p's swarm (``libp2p.network``): connections, inbound streams, NetStream.
+
+1. Inbound connections held forever. ``Swarm._do_handle_inbound_connection`` waits for the
+   *swarm* to finish instead of the connection, so every inbound connection ever accepted keeps
+   a task and an inbound-limit slot: after ~250 connections a node refuses everything.
+   Fixed by waiting for that connection's own close event (and, fix 13, by checking a stranger's
+   connection rate, opening bytes and handshake deadline before anything else runs).
+3. Fixed ``trio.sleep(0.1)`` calls on the disconnect path (~200 ms per disconnect). They exist
+   to force a context switch, which a zero-length sleep also does (here for swarm_connection;
+   yamux.py installs the same proxy in Yamux's module).
+6. (data path) NetStream takes a trio.Lock around a synchronous state check on every read and
+   write: a scheduler round trip each time, guarding sections that never await.
+9. A second connection to a peer (a hole-punched one next to the relayed one) makes the swarm
+   trim to ``max_connections_per_peer`` at once, closing whichever has fewer streams, which can
+   be the new direct one or a relayed one with a stream in flight. With a direct connection next
+   to relayed ones the swarm now trims nothing: the hole puncher retires the relayed
+   connection once its last stream ends (new streams already prefer the direct one).
+12. An inbound stream waits on one semaphore shared by every peer (10,000 slots) and is then
+   handled, whoever opened it and however many it already has: one peer opening streams in a
+   loop takes every slot, and everyone's streams queue behind it. Inbound streams now pass the
+   node's stream gate first (limits.py: open streams and new streams per second, per peer); a
+   stream over its peer's limit is reset before any protocol is read, and a peer that keeps at
+   it is banned for a while (disconnected; new connections closed once the handshake names it).
+   The shared semaphore is sized by ``Limits.streams_total`` (host.py). And an exception out of
+   any protocol handler (seen: gossipsub lets protobuf's DecodeError out on a garbage RPC) went
+   up through the connection into the host and ended the whole node: it now resets that one
+   stream and is logged (one line per peer and protocol per 10 s).
+
+The accessors at the end are the only places shardnet reads the swarm's private state.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import trio
+
+from .tcp import _drop, _opening_bytes, _remote_ip
+
+log = logging.getLogger(__name__)
+
+
+# 1. inbound connection lifetime ---------------------------------------------------------------
+def wait_for_each_inbound_connection_only() -> None:
+    from libp2p.abc import IMuxedConn
+    from libp2p.network.connection.raw_connection import RawConnection
+    from libp2p.network.swarm import Swarm
+
+    from ..nat.rawstream import PrefixedStream
+
+    async def _do_handle_inbound_connection(
+        self: Any, read_write_closer: Any, maddr: Any, failure_event: Any
+    ) -> None:
+        gate = getattr(self, "connection_rate", None)
+        tcp = not isinstance(read_write_closer, IMuxedConn)
+        if gate is not None and tcp and not gate.admit(_remote_ip(read_write_closer)):
+            _drop(read_write_closer)  # fix 13: before anything else is built
+            return
+        remote_maddr = self._build_remote_multiaddr(read_write_closer)
+        if remote_maddr is not None and not await self.connection_gate.is_allowed(remote_maddr):
+            log.debug("inbound connection from %s refused by the connection gate", remote_maddr)
+            await _close_quietly(read_write_closer)
+            return
+        raw_conn = None
+        deadline = getattr(self, "handshake_timeout", None) or float("inf")
+        try:
+            if isinstance(read_write_closer, IMuxedConn):
+                muxed = read_write_closer
+                await self.add_conn(muxed, direction="inbound")
+            else:
+                with trio.fail_after(deadline):  # fix 13: the whole upgrade, stranger's pace
+                    opening = await _opening_bytes(read_write_closer)
+                    raw_conn = RawConnection(PrefixedStream(read_write_closer, opening), False)
+                    muxed = await self.upgrade_inbound_raw_conn(raw_conn, maddr)
+        except Exception as e:  # an inbound handshake failing must not hurt the listener
+            log.debug("inbound connection on %s failed: %r", maddr, e)
+            await _close_quietly(raw_conn if raw_conn is not None else read_write_closer)
+            return
+        streams = getattr(self, "stream_gate", None)
+        if streams is not None and streams.is_banned(muxed.peer_id):
+            await _close_peer(self, muxed.peer_id)  # fix 12: a banned peer, now that we know who
+            return
+        # The listener closes the socket when this handler returns, so stay here exactly as long
+        # as this one connection lives (upstream waits for the whole swarm).
+        closed = _swarm_conn_closed_event(self, muxed)
+        if closed is not None:
+            await closed.wait()
+        else:
+            event_closed = getattr(muxed, "event_closed", None)
+            if event_closed is not None:
+                await event_closed.wait()
+
+    Swarm._do_handle_inbound_connection = _do_handle_inbound_connection
+
+
+def _swarm_conn_closed_event(swarm: Any, muxed: Any) -> trio.Event | None:
+    for conn in swarm.connections.get(muxed.peer_id, ()):
+        if conn.muxed_conn is muxed:
+            return conn.event_closed
+    return None
+
+
+async def _close_quietly(closer: Any) -> None:
+    try:
+        await closer.close()
+    except Exception:
+        pass
+
+
+async def _close_peer(swarm: Any, peer: Any) -> None:
+    try:
+        await swarm.close_peer(peer)
+    except Exception as e:
+        log.debug("closing banned peer %s: %s", peer, e)
+
+
+async def _reset_quietly(stream: Any) -> None:
+    try:
+        await stream.reset()
+    except Exception:
+        pass
+
+
+# 3. disconnect sleeps -------------------------------------------------------------------------
+class TrioWithoutCleanupNaps(types.ModuleType):
+    """``trio`` as seen by two py-libp2p modules, minus their fixed 100 ms cleanup naps."""
+
+    def __init__(self) -> None:
+        super().__init__("trio")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(trio, name)
+
+    @staticmethod
+    async def sleep(seconds: float) -> None:
+        # 0.1 s is only ever used on their close paths "to force a context switch".
+        await trio.sleep(0 if seconds == 0.1 else seconds)
+
+
+def skip_swarm_connection_naps() -> None:
+    from libp2p.network.connection import swarm_connection
+
+    swarm_connection.trio = TrioWithoutCleanupNaps()
+
+
+# 9. trimming a direct connection next to relayed ones -----------------------------------------
+def leave_relayed_connections_to_the_hole_puncher() -> None:
+    from libp2p.network.swarm import Swarm
+
+    from ..nat.relay import is_relayed
+
+    trim = Swarm._trim_connections
+
+    def _trim_connections(self, peer_id) -> None:
+        conns = self.connections.get(peer_id, [])
+        kinds = {is_relayed(c) for c in conns}
+        if kinds == {True, False}:
+            return
+        trim(self, peer_id)
+
+    Swarm._trim_connections = _trim_connections
+
+
+# 12. inbound streams per peer -----------------------------------------------------------------
+def gate_inbound_streams() -> None:
+    from libp2p.network.connection.swarm_connection import SwarmConn
+
+    from ..limits import Refusals
+
+    handle = SwarmConn._handle_muxed_stream
+    failures = Refusals()
+
+    async def _handle_muxed_stream(self: Any, muxed_stream: Any) -> None:
+        gate = getattr(self.swarm, "stream_gate", None)
+        peer = self.muxed_conn.peer_id
+        if gate is not None and not gate.admit(peer):
+            await _reset_quietly(muxed_stream)
+            if gate.is_banned(peer):
+                await _close_peer(self.swarm, peer)
+            return
+        try:
+            await handle(self, muxed_stream)
+        except Exception as e:  # a handler's failure is its stream's, never the node's
+            protocol = getattr(muxed_stream, "protocol", None) or "?"
+            failures.note(f"handler {protocol}", peer, f"a {protocol} handler failed on a stream from {str(peer)[:16]} "
+                                                       f"({type(e).__name__}: {str(e)[:200]}); stream reset")
+            await _reset_quietly(muxed_stream)
+        finally:
+            if gate is not None:
+                gate.release(peer)
+
+    SwarmConn._handle_muxed_stream = _handle_muxed_stream
+
+
+# 6. data path: NetStream's state lock ---------------------------------------------------------
+def lock_free_net_stream_state() -> None:
+    """NetStream takes a trio.Lock around a synchronous state check on every read and write: a
+    scheduler round trip each time, guarding sections that never await (except a final,
+    idempotent ``remove()``), which single-threaded trio already makes atomic."""
+    from libp2p.network.stream import net_stream as nmod
+
+    orig_init = nmod.NetStream.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        self._state_lock = _NoCheckpointLock()
+
+    nmod.NetStream.__init__ = __init__
+
+
+class _NoCheckpointLock:
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+# accessors: the swarm's private state, read only here -----------------------------------------
+def forget_failed_dial(swarm: Any, peer_id: Any) -> None:
+    """Drop the peer from the swarm's negative dial cache (py-libp2p blocks every dial to a peer
+    for 60 s after one failure)."""
+    swarm._negative_peer_cache.evict(str(peer_id))
+
+
+def connection_type(conn: Any) -> Any:
+    """The ``ConnectionType`` a raw or swarm connection records for itself; None on any other
+    layer (muxed, secured), whose type is its raw connection's."""
+    return getattr(conn, "_connection_type", None)
