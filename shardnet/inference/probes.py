@@ -52,7 +52,8 @@ class Probe:
 
 
 class Probes:
-    """The node's probes (``Probes.of(node)``)."""
+    """The node's probes (``Probes.of(node)``; a node-wide service in its behaviour registry,
+    with no work of its own)."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -65,10 +66,7 @@ class Probes:
 
     @classmethod
     def of(cls, node: Node) -> Probes:
-        probes = getattr(node, "_shardnet_probes", None)
-        if probes is None:
-            probes = node._shardnet_probes = cls(node)
-        return probes
+        return node.ensure_behaviour(cls)
 
     def forget(self, peer: str) -> None:
         """Drop ``peer``'s verdict (it published a newer claim: it may be back)."""

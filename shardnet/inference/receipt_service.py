@@ -23,6 +23,7 @@ from shardnet.protocols.receipts import (
     decode_stage,
     encode_stage,
 )
+from shardnet.transport.behaviour import Behaviour
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.limits import Refusals
 from shardnet.transport.node import Node
@@ -53,9 +54,10 @@ def device_facts(device: str) -> dict[str, str]:
     return {"kind": "cpu", "name": name, "cores": str(os.cpu_count() or 0)}
 
 
-class ReceiptService:
-    """One per node (``ReceiptService.of(node)``): the store, its stream handler, the digests,
-    and the verified reports heard on gossip (``reports``; ``listeners`` are called with each)."""
+class ReceiptService(Behaviour):
+    """A node behaviour, one per node (``ReceiptService.of(node)``): the store, its stream
+    handler, the digests, and the verified reports heard on gossip (``reports``; ``listeners``
+    are called with each)."""
 
     def __init__(self, node: Node, capacity: int = 1024) -> None:
         self.node = node
@@ -64,15 +66,16 @@ class ReceiptService:
         self._report_blobs: OrderedDict[str, bytes] = OrderedDict()
         self.listeners: list[Callable[[dict], None]] = []
         node.set_stream_handler(rg.PROTOCOL_ID, self._answer)
-        if node.nursery is not None:
-            node.nursery.start_soon(self._hear_reports)
 
     @classmethod
     def of(cls, node: Node) -> ReceiptService:
-        svc = getattr(node, "_receipt_service", None)
-        if svc is None:
-            svc = node._receipt_service = cls(node)
-        return svc
+        """The node's receipt service, started (in the background) on first use."""
+        return node.ensure_behaviour(cls)
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await self._hear_reports()
+        await trio.sleep_forever()  # the store and its handler stay, heard reports or not
 
     async def sign_and_keep(self, r: StageReceipt) -> str:
         blob = encode_stage(self.node.key_pair, r)

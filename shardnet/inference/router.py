@@ -16,13 +16,14 @@ import trio
 from shardnet.protocols import activation as ap
 from shardnet.protocols.activation_io import MessageStream, reply_error
 from shardnet.protocols.receipts import HashChain
+from shardnet.transport.behaviour import Behaviour
 from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream
 
 OpenHandler = Callable[[MessageStream, ap.Open], Awaitable[None]]
 
 
-class ActivationRouter:
+class ActivationRouter(Behaviour):
     def __init__(self, node: Node) -> None:
         self.node = node
         self.limits = node.config.limits
@@ -32,10 +33,8 @@ class ActivationRouter:
 
     @classmethod
     def of(cls, node: Node) -> ActivationRouter:
-        router = getattr(node, "_activation_router", None)
-        if router is None:
-            router = node._activation_router = cls(node)
-        return router
+        """The node's router (a behaviour: its handler is registered on first use)."""
+        return node.ensure_behaviour(cls)
 
     # -- client side: waiting for the chain's direct return ------------------------------------
     def expect_return(self, session: bytes, from_peer: str) -> trio.MemoryReceiveChannel:

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import trio
 from libp2p.crypto.keys import KeyPair
@@ -23,14 +24,14 @@ from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
 from . import allocator, compat, identity, identity_check
+from .behaviour import NodeBehaviour
 from .config import NodeConfig, parse_multiaddr, parse_peer_addr
 from .dht import DHT
 from .errors import DialError, OverlayTimeout, ProtocolNotSupported, ShardnetError
 from .host import build_host, check_listen_ports
-from .nat.autonat import PRIVATE, PUBLIC, AutoNAT
+from .nat.autonat import AutoNAT, Reachability
 from .nat.holepunch import HolePuncher
 from .nat.relay import RelayClient, RelayService, is_relayed, parse_circuit_addr
-from .nat.relay_messages import HOP_PROTOCOL
 from .pubsub import PubSub
 from .security import admission_reason
 from .stream import Stream
@@ -38,6 +39,7 @@ from .stream import Stream
 log = logging.getLogger(__name__)
 
 StreamHandler = Callable[[Stream], Awaitable[None]]
+B = TypeVar("B")
 
 PING_PROTOCOL = TProtocol("/ipfs/ping/1.0.0")
 
@@ -109,15 +111,103 @@ class Node:
         self.streams_served: Counter[tuple[str, str]] = Counter()
         self._bootstrap_errors: dict[ID, str] = {}
         self._offered_to_table: set[ID] = set()  # peers offered to the DHT routing table
-        #: accepts circuits through relays, dials /p2p-circuit addresses, holds reservations
-        self.relay_client = RelayClient(self)
-        self.relay_service = None
-        #: our reachability (AutoNAT client) and dial-backs for others (service)
-        self.autonat = AutoNAT(self, serve=config.autonat)
-        #: upgrades relayed connections to direct ones (DCUtR)
-        self.holepunch = HolePuncher(self)
+        #: set (and replaced) whenever a connection opens or closes or a bootstrap dial fails
+        self._links_changed = trio.Event()
+        #: the behaviours attached to the node, in the order they were added (see behaviour.py)
+        self._behaviours: list[object] = []
+        self._behaviour_scopes: dict[int, trio.CancelScope] = {}
+        self._closing = False
         #: the node's own nursery (set while the node runs): background work it owns
         self.nursery: trio.Nursery | None = None
+
+    # -- behaviours --------------------------------------------------------------------------
+    def behaviour(self, cls: type[B]) -> B | None:
+        """The node's behaviour (or node-wide service) of type ``cls``, or None."""
+        for b in self._behaviours:
+            if isinstance(b, cls):
+                return b
+        return None
+
+    @property
+    def behaviours(self) -> list[object]:
+        return list(self._behaviours)
+
+    async def add_behaviour(self, b: B) -> B:
+        """Start ``b`` in the node's nursery and return it once it says it is ready (its ``run``
+        called ``task_status.started()``); an error it raises before that is raised here."""
+        nursery = self._running_nursery(b)
+        self._behaviours.append(b)
+        try:
+            await nursery.start(self._run_behaviour, b)
+        except BaseException:
+            self._forget_behaviour(b)
+            raise
+        return b
+
+    def ensure_behaviour(self, cls: type[B], factory: Callable[[], B] | None = None) -> B:
+        """The node's ``cls`` behaviour, made with ``factory`` (default ``cls(node)``) and started
+        in the background if there is none yet: for callers that cannot wait (constructors). The
+        factory registers the behaviour's handlers at once; its ``run`` (if it has one) starts with
+        ``nursery.start_soon``, so nothing waits for it to be ready."""
+        found = self.behaviour(cls)
+        if found is not None:
+            return found
+        b = factory() if factory is not None else cls(self)
+        if hasattr(b, "run"):
+            nursery = self._running_nursery(b)
+            self._behaviours.append(b)
+            nursery.start_soon(self._run_behaviour, b)
+        else:  # a node-wide service with no work of its own (probes, session slots): kept only
+            self._behaviours.append(b)
+        return b
+
+    def remove_behaviour(self, b: object) -> None:
+        """Stop ``b`` (its ``run`` is cancelled) and forget it."""
+        scope = self._behaviour_scopes.get(id(b))
+        if scope is not None:
+            scope.cancel()
+        self._forget_behaviour(b)
+
+    def _running_nursery(self, b: object) -> trio.Nursery:
+        if self.nursery is None:
+            raise ShardnetError(f"cannot start {type(b).__name__}: the node is not running")
+        return self.nursery
+
+    async def _run_behaviour(self, b, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with trio.CancelScope() as scope:
+            self._behaviour_scopes[id(b)] = scope
+            try:
+                await b.run(self, task_status=task_status)
+            finally:
+                # A stopped node keeps its behaviours readable (stats); one removed (and maybe
+                # added again since) was forgotten by remove_behaviour.
+                if not self._closing and self._behaviour_scopes.get(id(b)) is scope:
+                    self._forget_behaviour(b)
+
+    def _forget_behaviour(self, b: object) -> None:
+        self._behaviour_scopes.pop(id(b), None)
+        self._behaviours = [x for x in self._behaviours if x is not b]
+
+    # Read-only views of the default behaviours, for the code that reads them by name.
+    @property
+    def relay_client(self) -> RelayClient | None:
+        """Accepts circuits through relays, dials /p2p-circuit addresses, holds reservations."""
+        return self.behaviour(RelayClient)
+
+    @property
+    def relay_service(self) -> RelayService | None:
+        """Relays for others (present when ``config.relay_service`` is set)."""
+        return self.behaviour(RelayService)
+
+    @property
+    def autonat(self) -> AutoNAT | None:
+        """Our reachability (AutoNAT client) and dial-backs for others (service)."""
+        return self.behaviour(AutoNAT)
+
+    @property
+    def holepunch(self) -> HolePuncher | None:
+        """Upgrades relayed connections to direct ones (DCUtR)."""
+        return self.behaviour(HolePuncher)
 
     # -- identity and addresses --------------------------------------------------------------
     @property
@@ -160,17 +250,20 @@ class Node:
 
     def nat_status(self) -> dict:
         """Reachability, relay slots and hole punching, for ``shardnet status`` and embedding apps."""
-        r = self.autonat.reachability
+        autonat, relay_client, holepunch = self.autonat, self.relay_client, self.holepunch
+        r = autonat.reachability if autonat is not None else Reachability()
+        reservations = relay_client.reservations if relay_client is not None else {}
+        outcomes = holepunch.outcomes if holepunch is not None else {}
         return {
             "reachability": r.status,
             "public_addrs": [str(a) for a in r.public_addrs],
             "checked_at": r.checked_at,
             "autonat_answers": dict(r.answers),
-            "observed_ips": sorted(self.autonat.observed),
-            "relay_slots": {str(p): rsvp.expire for p, rsvp in self.relay_client.reservations.items()},
-            "circuit_addrs": [str(a) for a in self.relay_client.circuit_addrs],
-            "hole_punches": {p: vars(o) for p, o in ((str(k), v) for k, v in self.holepunch.outcomes.items())},
-            "hole_punch_stats": dict(self.holepunch.stats),
+            "observed_ips": sorted(autonat.observed) if autonat is not None else [],
+            "relay_slots": {str(p): rsvp.expire for p, rsvp in reservations.items()},
+            "circuit_addrs": [str(a) for a in relay_client.circuit_addrs] if relay_client is not None else [],
+            "hole_punches": {p: vars(o) for p, o in ((str(k), v) for k, v in outcomes.items())},
+            "hole_punch_stats": dict(holepunch.stats) if holepunch is not None else {},
         }
 
     def known_peers(self) -> list[ID]:
@@ -264,12 +357,16 @@ class Node:
         return info.peer_id
 
     async def _connect_via_relay(self, peer_id: ID, circuits: list[Multiaddr], timeout: float) -> ID:
+        relay_client = self.relay_client
+        if relay_client is None:
+            raise DialError(f"could not reach {_short(peer_id)}: it is reachable only through relays, "
+                            "and this node runs no relay client")
         errors = []
         for addr in circuits:
             try:
                 relay, _ = parse_circuit_addr(f"{addr}/p2p/{peer_id}" if not str(addr).endswith(str(peer_id))
                                               else addr)
-                await self.relay_client.dial(relay, peer_id, timeout=timeout)
+                await relay_client.dial(relay, peer_id, timeout=timeout)
                 return peer_id
             except trio.TooSlowError:
                 errors.append(f"{addr}: timed out after {timeout:g} s")
@@ -300,12 +397,13 @@ class Node:
         timeout = self.config.dial_timeout if timeout is None else timeout
         with trio.move_on_after(timeout):
             while True:
+                changed = self._links_changed
                 for info in boots:
                     if info.peer_id in self.host.get_connected_peers():
                         return info.peer_id
                 if fail_fast and all(b.peer_id in self._bootstrap_errors for b in boots):
                     break
-                await trio.sleep(0.05)
+                await changed.wait()
         reasons = "; ".join(self._bootstrap_errors.get(b.peer_id, "no answer") for b in boots)
         raise DialError(f"could not reach any bootstrap peer ({reasons})")
 
@@ -316,17 +414,23 @@ class Node:
         if not ids:
             return
         with trio.move_on_after(wait):
-            while not any(p in self.host.get_connected_peers() for p in ids) and \
-                    not all(p in self._bootstrap_errors for p in ids):
-                await trio.sleep(0.02)
+            while True:
+                changed = self._links_changed
+                if any(p in self.host.get_connected_peers() for p in ids) or \
+                        all(p in self._bootstrap_errors for p in ids):
+                    break
+                await changed.wait()
         connected = [p for p in ids if p in self.host.get_connected_peers()]
         if connected:
             await identity_check.check_unique(self, connected)
             return
 
         async def later() -> None:
-            while not (connected := [p for p in ids if p in self.host.get_connected_peers()]):
-                await trio.sleep(0.2)
+            while True:
+                changed = self._links_changed
+                if connected := [p for p in ids if p in self.host.get_connected_peers()]:
+                    break
+                await changed.wait()
             await identity_check.check_unique(self, connected)
 
         self.nursery.start_soon(later)
@@ -384,7 +488,19 @@ class Node:
             self._peer_watchers.remove(send)
             send.close()
 
+    @property
+    def links_changed(self) -> trio.Event:
+        """Set (and replaced) when a connection opens or closes or a bootstrap dial fails: read
+        it, check what you wait for, then wait on it."""
+        return self._links_changed
+
+    def _note_links_changed(self) -> None:
+        self._links_changed.set()
+        self._links_changed = trio.Event()
+
     def _emit(self, event: PeerEvent) -> None:
+        if event.kind != "discovered":
+            self._note_links_changed()
         for ch in list(self._peer_watchers):
             try:
                 ch.send_nowait(event)
@@ -411,6 +527,7 @@ class Node:
                     await self.connect(info)
                 except ShardnetError as e:
                     self._bootstrap_errors[info.peer_id] = str(e)
+                    self._note_links_changed()
                     if not announced_loss:
                         log.warning("bootstrap %s unreachable (%s); retrying with backoff", _short(info.peer_id), e)
                         announced_loss = True
@@ -470,44 +587,6 @@ class Node:
                 self._offered_to_table.add(pid)
                 await self.dht.add_peer(pid)
 
-    async def _find_relays(self) -> None:
-        """While AutoNAT says we are private, hold slots at up to ``auto_relays`` relays found
-        among our peers (their identify lists the hop protocol); give them up once public."""
-        held: dict[ID, trio.CancelScope] = {}
-
-        async def hold(relay: ID, scope: trio.CancelScope) -> None:
-            with scope:
-                await self.relay_client.keep_reservation(PeerInfo(relay, self.addrs_of(relay)), give_up_after=3)
-            held.pop(relay, None)
-            self.relay_client.drop(relay)
-
-        while True:
-            status = self.autonat.status
-            if status == PRIVATE and len(held) < self.config.auto_relays:
-                for relay in self._relay_candidates():
-                    if relay in held or len(held) >= self.config.auto_relays:
-                        continue
-                    log.info("behind NAT: holding a slot at relay %s", _short(relay))
-                    held[relay] = trio.CancelScope()
-                    self.nursery.start_soon(hold, relay, held[relay])
-            elif status == PUBLIC and held:
-                log.info("publicly reachable: giving up %d relay slot(s)", len(held))
-                for scope in held.values():
-                    scope.cancel()
-            with trio.move_on_after(5.0):
-                await self.autonat.changed.wait()
-
-    def _relay_candidates(self) -> list[ID]:
-        store = self.host.get_peerstore()
-        out = []
-        for peer in self.host.get_connected_peers():
-            try:
-                if HOP_PROTOCOL in store.get_protocols(peer):
-                    out.append(peer)
-            except Exception:
-                continue
-        return out
-
     async def _close_dead_connections(self) -> None:
         """Close connections whose keepalive ping went unanswered for ``keepalive_timeout``: the
         path died silently (NAT mapping gone, relay gone). Closing them is what lets bootstrap
@@ -548,9 +627,34 @@ class Node:
                 log.debug("could not dial discovered peer %s: %s", _short(pid), e)
 
 
+def default_behaviours(config: NodeConfig) -> list[NodeBehaviour]:
+    """The behaviours ``open_node(config)`` runs when given none, as ``config`` asks: the relay
+    service (when ``relay_service`` is set), AutoNAT, hole punching and the relay client.
+
+    Their order is the order they start in: the ones that only register handlers first, so that
+    peers identifying us meanwhile see every protocol; the relay client last, since it is ready
+    only once it holds a slot at a configured relay (or gave up within the dial timeout)."""
+    relays = [parse_peer_addr(a, what="relay address") for a in config.relays]
+    checks = config.autonat and config.autonat_client
+    out: list[NodeBehaviour] = []
+    if config.relay_service is not None:
+        out.append(RelayService(config.relay_service))
+    out.append(AutoNAT(serve=config.autonat, check=checks, interval=config.autonat_interval))
+    out.append(HolePuncher(punch=config.hole_punch))
+    out.append(RelayClient(relays, auto_relays=config.auto_relays if checks and not relays else 0,
+                           wait=config.dial_timeout))
+    return out
+
+
 @asynccontextmanager
-async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
-    """Start a node; yield it; stop everything it started when the block ends."""
+async def open_node(config: NodeConfig | None = None,
+                    behaviours: list[NodeBehaviour] | None = None) -> AsyncIterator[Node]:
+    """Start a node; yield it; stop everything it started when the block ends.
+
+    ``behaviours``: what the node runs besides its core (host, DHT, gossip, bootstrap and
+    discovery), started in order, each ready before the next starts and all before the node is
+    yielded; None runs ``default_behaviours(config)``. An app that adds its own passes
+    ``[*default_behaviours(config), Mine()]`` (or calls ``node.add_behaviour`` later)."""
     compat.apply()
     config = config or NodeConfig()
     if config.tune_allocator:
@@ -559,13 +663,13 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
     listen = [parse_multiaddr(a, what="--listen") for a in config.listen]
     announce = [parse_multiaddr(a, what="--announce") for a in config.announce]
     bootstrap = [parse_peer_addr(a, what="bootstrap address") for a in config.bootstrap]
-    relays = [parse_peer_addr(a, what="relay address") for a in config.relays]
+    behaviours = default_behaviours(config) if behaviours is None else list(behaviours)
     check_listen_ports(listen)
     compat.set_keepalive_interval(config.keepalive_interval)
     host = build_host(config, key_pair, announce)
-    # An exception from the caller's block is held here and re-raised once everything we
-    # started has stopped, so it reaches the caller as itself, not wrapped in the exception
-    # groups of our internal nurseries.
+    # An exception from the caller's block (or from a behaviour that failed to start) is held
+    # here and re-raised once everything we started has stopped, so it reaches the caller as
+    # itself, not wrapped in the exception groups of our internal nurseries.
     body_error: BaseException | None = None
     async with host.run(listen):
         try:
@@ -578,43 +682,40 @@ async def open_node(config: NodeConfig | None = None) -> AsyncIterator[Node]:
                 host.get_network().register_notifee(_ConnectionEvents(node))
                 host.set_stream_handler(TProtocol(identity_check.PROTOCOL_ID),
                                         functools.partial(identity_check.serve, node))
-                if config.relay_service is not None:
-                    node.relay_service = RelayService(node, config.relay_service)
                 async with trio.open_nursery() as nursery:
                     node.nursery = nursery
                     for info in bootstrap:
                         if info.peer_id != node.peer_id:
                             nursery.start_soon(node._keep_bootstrap_connected, info)
-                    for info in relays:
-                        nursery.start_soon(node.relay_client.keep_reservation, info)
-                    if relays:
-                        # reachable through a relay before anything (a claim) advertises our addresses
-                        with trio.move_on_after(config.dial_timeout):
-                            while not node.relay_client.circuit_addrs:
-                                await trio.sleep(0.05)
-                        if not node.relay_client.circuit_addrs:
-                            log.warning("no relay slot yet; peers behind other NATs cannot reach us")
-                    nursery.start_soon(node._discover)
-                    nursery.start_soon(node._close_dead_connections)
-                    if config.autonat and config.autonat_client:
-                        nursery.start_soon(functools.partial(node.autonat.run, interval=config.autonat_interval))
-                        if not relays and config.auto_relays > 0:
-                            nursery.start_soon(node._find_relays)
-                    log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
-                    persistent = config.key_pair is not None or config.identity_path is not None
                     try:
-                        if config.check_identity and persistent and bootstrap:
-                            await node._check_identity(bootstrap, wait=min(IDENTITY_CHECK_WAIT, config.dial_timeout))
-                    except identity_check.DuplicateIdentity as e:
+                        for b in behaviours:
+                            await node.add_behaviour(b)
+                    except Exception as e:
                         body_error = e  # raised before the caller ever sees the node
+                        node._closing = True
                         nursery.cancel_scope.cancel()
                     else:
+                        nursery.start_soon(node._discover)
+                        nursery.start_soon(node._close_dead_connections)
+                        log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
+                        persistent = config.key_pair is not None or config.identity_path is not None
                         try:
-                            yield node
-                        except BaseException as e:
-                            body_error = e
-                        finally:
+                            if config.check_identity and persistent and bootstrap:
+                                await node._check_identity(bootstrap,
+                                                           wait=min(IDENTITY_CHECK_WAIT, config.dial_timeout))
+                        except identity_check.DuplicateIdentity as e:
+                            body_error = e  # raised before the caller ever sees the node
+                            node._closing = True
                             nursery.cancel_scope.cancel()
+                        else:
+                            try:
+                                yield node
+                            except BaseException as e:
+                                body_error = e
+                            finally:
+                                node._closing = True
+                                nursery.cancel_scope.cancel()
+                node.nursery = None
         finally:
             # py-libp2p's own stop path closes connections and listeners from inside a
             # cancelled scope, so the first await aborts it and the listening socket stays

@@ -13,6 +13,7 @@ from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.random_model import init_random
 from shardnet.inference.router import ActivationRouter
+from shardnet.inference.server.block_endpoint import BlockEndpoint
 from shardnet.inference.server.compute_peer import serve_block
 from shardnet.protocols import activation as ap
 from shardnet.protocols.activation_io import MessageStream
@@ -176,4 +177,4 @@ async def test_bad_input_gets_an_error_reply_and_the_peer_keeps_serving(loopback
             client = Client(cli, LocalModel(model_dir))
             toks = [t async for t in client.generate([1, 2, 3], max_new_tokens=5, stop_at_eos=False)]
             assert len(toks) == 5
-            assert peer._block_endpoint.served.kv.used == 0  # every failed session released its KV
+            assert peer.behaviour(BlockEndpoint).served.kv.used == 0  # every failed session released its KV

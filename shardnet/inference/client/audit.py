@@ -38,7 +38,7 @@ import torch
 import trio
 
 from shardnet.errors import InferenceError, NoRouteError
-from shardnet.inference.receipt_service import fetch_session_receipts
+from shardnet.inference.receipt_service import ReceiptService, fetch_session_receipts
 from shardnet.protocols import receipt_gossip as rg
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.errors import ShardnetError
@@ -239,9 +239,8 @@ class RunAuditor:
         self._convicted.append(accused.peer)
         log.warning("peer %s… computed layers %d:%d wrong (off by %.3g; tolerance %.2g): excluded",
                     accused.peer[:16], accused.start, accused.end, evidence["divergence"], tol)
-        node = self.client.node
-        if node.nursery is not None:  # the report outlives this run: it waits for receipts
-            node.nursery.start_soon(publish_report, self.client, accused.peer, evidence)
+        # the report outlives this run (it waits for receipts): it runs in the node's receipt service
+        ReceiptService.of(self.client.node).spawn(publish_report, self.client, accused.peer, evidence)
 
     async def _rerun(self, job: AuditJob, k: int, peer: Claim) -> tuple[torch.Tensor, str]:
         """The step's output through the real chain with span ``k`` served by ``peer``."""

@@ -10,6 +10,7 @@ import trio
 from shardnet.inference.claims import find_claims
 from shardnet.inference.probes import Probes
 from shardnet.protocols import block_claim as bc
+from shardnet.transport.behaviour import Behaviour
 from shardnet.transport.node import Node
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,9 @@ class ClaimsView:
     claim from a peer clears its probe verdict (a peer that restarted and claimed again is
     probed afresh, not taken for dead)."""
 
-    def __init__(self, node: Node, model_id: str) -> None:
+    def __init__(self, node: Node, model_id: str, owner: ClaimsViews | None = None) -> None:
         self.node, self.model_id = node, model_id
+        self._owner = owner  # whose nursery the background work runs in
         self._claims: dict[str, bc.Claim] = {}
         self.lookups = 0  # finished
         self.first_lookup = trio.Event()  # set once a lookup has finished, found or not
@@ -51,19 +53,14 @@ class ClaimsView:
 
     @classmethod
     def of(cls, node: Node, model_id: str) -> ClaimsView:
-        views = getattr(node, "_shardnet_claims_views", None)
-        if views is None:
-            views = node._shardnet_claims_views = {}
-        view = views.get(model_id)
-        if view is None:
-            view = views[model_id] = cls(node, model_id)
-        return view
+        return node.ensure_behaviour(ClaimsViews, lambda: ClaimsViews(node)).view(model_id)
 
     def start(self) -> None:
-        """Start the background work in the node's nursery (no-op if running or no nursery)."""
-        if not self._running and self.node.nursery is not None:
+        """Start the background work, in the node's ``ClaimsViews`` behaviour (no-op if running
+        or if the view belongs to no node behaviour)."""
+        if not self._running and self._owner is not None:
             self._running = True
-            self.node.nursery.start_soon(self._run)
+            self._owner.spawn(self._run)
 
     @property
     def running(self) -> bool:
@@ -154,3 +151,18 @@ class ClaimsView:
                 log.info("following claims on gossip failed (again in %g s): %s: %s", REFRESH_S,
                          type(e).__name__, e)
             await trio.sleep(REFRESH_S)
+
+
+class ClaimsViews(Behaviour):
+    """A node behaviour: the node's claims views, one per model; their background lookups and
+    gossip subscriptions run in its nursery."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.views: dict[str, ClaimsView] = {}
+
+    def view(self, model_id: str) -> ClaimsView:
+        v = self.views.get(model_id)
+        if v is None:
+            v = self.views[model_id] = ClaimsView(self.node, model_id, self)
+        return v

@@ -196,10 +196,7 @@ class SessionSlots:
 
     @classmethod
     def of(cls, node: Node) -> SessionSlots:
-        slots = getattr(node, "_shardnet_session_slots", None)
-        if slots is None:
-            slots = node._shardnet_session_slots = cls(node.config.limits.sessions_out_per_peer)
-        return slots
+        return node.ensure_behaviour(cls, lambda: cls(node.config.limits.sessions_out_per_peer))
 
     @asynccontextmanager
     async def hold(self, peer: str, deadline: float) -> AsyncIterator[None]:

@@ -90,10 +90,7 @@ class BlockEndpoint:
 
     @classmethod
     def of(cls, node: Node) -> BlockEndpoint:
-        ep = getattr(node, "_block_endpoint", None)
-        if ep is None:
-            ep = node._block_endpoint = cls(node)
-        return ep
+        return node.ensure_behaviour(cls)  # kept in the node's registry (no work of its own)
 
     def serve(self, served: ServedBlock) -> None:
         self.served = served

@@ -251,17 +251,19 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
         await trio.sleep(random.uniform(*RECHECK_DELAY))  # and once more before loading
         layers = await peer.recheck_span(layers)
     await peer.load(*layers)
-    publisher = ClaimPublisher(node, peer.claim)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(lambda task_status: publisher.run(ttl=claim_ttl, task_status=task_status))
-        if rebalance_interval > 0:
-            nursery.start_soon(lambda: peer.maintain(publisher, interval=rebalance_interval,
-                                                     rebalance=chosen,
-                                                     on_move=on_move))
-        try:
-            yield peer
-        finally:
-            nursery.cancel_scope.cancel()
+    publisher = await node.add_behaviour(ClaimPublisher(node, peer.claim, ttl=claim_ttl))  # first claim out
+    try:
+        async with trio.open_nursery() as nursery:
+            if rebalance_interval > 0:
+                nursery.start_soon(lambda: peer.maintain(publisher, interval=rebalance_interval,
+                                                         rebalance=chosen,
+                                                         on_move=on_move))
+            try:
+                yield peer
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        node.remove_behaviour(publisher)  # no more claims once we stop serving
 
 
 @asynccontextmanager

@@ -38,6 +38,7 @@ from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
+from ..behaviour import Behaviour
 from ..compat.identify import observed_addr_manager
 from ..limits import Refusals
 from .autonat_messages import (
@@ -191,11 +192,13 @@ def dialable_tcp(addrs: list[Multiaddr]) -> list[Multiaddr]:
     return out
 
 
-class AutoNAT:
-    """Both sides of AutoNAT on one node, and what the node knows about its own reachability."""
+class AutoNAT(Behaviour):
+    """A node behaviour: both sides of AutoNAT, and what the node knows about its own
+    reachability. ``serve``: answer others' dial-back requests; ``check``: ask others about us
+    now and then (every ``interval`` s once known). Ready at once."""
 
-    def __init__(self, node, *, serve: bool = True) -> None:
-        self.node = node
+    def __init__(self, *, serve: bool = True, check: bool = True, interval: float = 300.0) -> None:
+        self.serves, self.checks, self.interval = serve, check, interval
         self.reachability = Reachability()
         self.observed: dict[str, set[ID]] = {}  # IP peers see us at -> who said so
         self.stats = Counter()
@@ -205,10 +208,19 @@ class AutoNAT:
         self._upgrader = None
         self.policy = AskPolicy()
         self._agents: dict[ID, str] = {}  # servers' agent versions (asked of unmarked servers only)
+
+    def attach(self, node) -> None:
+        self.node = node
         self._watch_observations()
-        if serve:
+        if self.serves:
             node.host.set_stream_handler(TProtocol(AUTONAT_PROTOCOL), self._handle)
             node.host.set_stream_handler(TProtocol(DIAL_BACK_MARKER), _refuse)
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        if self.checks:
+            await self.keep_checking(interval=self.interval)
+        await trio.sleep_forever()
 
     # -- what we know about ourselves ------------------------------------------------------------
     @property
@@ -519,7 +531,7 @@ class AutoNAT:
             self.changed.set()
             self.changed = trio.Event()
 
-    async def run(self, *, first_delay: float = 1.0, interval: float = 300.0, retry: float = 15.0) -> None:
+    async def keep_checking(self, *, first_delay: float = 1.0, interval: float = 300.0, retry: float = 15.0) -> None:
         """Check now and then: soon while unknown (backing off), every ``interval`` s once known."""
         self.policy.retry, self.policy.interval = retry, interval
         await trio.sleep(first_delay)

@@ -30,6 +30,7 @@ from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
+from ..behaviour import Behaviour
 from ..limits import Refusals
 from .autonat import _ip_of, _tcp_port, dialable_tcp
 from .holepunch_messages import DCUTR_PROTOCOL, HolePunch, HolePunchType, decode_holepunch, encode_holepunch
@@ -57,15 +58,19 @@ class PunchOutcome:
     at: float  # Unix time
 
 
-class HolePuncher:
-    """Both sides of DCUtR on one node."""
+class HolePuncher(Behaviour):
+    """A node behaviour: both sides of DCUtR. It always answers; with ``punch`` it also starts
+    an upgrade when a peer reaches us through a relay. Ready at once."""
 
-    def __init__(self, node, *, attempts: int = ATTEMPTS, punch_timeout: float = PUNCH_TIMEOUT) -> None:
-        self.node = node
+    def __init__(self, *, punch: bool = True, attempts: int = ATTEMPTS, punch_timeout: float = PUNCH_TIMEOUT) -> None:
+        self.punches = punch
         self.attempts, self.punch_timeout = attempts, punch_timeout
         self.outcomes: dict[ID, PunchOutcome] = {}  # the last outcome per peer
         self.stats = Counter()
         self._running: set[ID] = set()
+
+    def attach(self, node) -> None:
+        self.node = node
         node.host.set_stream_handler(TProtocol(DCUTR_PROTOCOL), self._handle)
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -77,7 +82,8 @@ class HolePuncher:
         return None
 
     def _our_addrs(self) -> list[bytes]:
-        return [a.to_bytes() for a in self.node.autonat.candidate_addrs()]
+        autonat = self.node.autonat
+        return [a.to_bytes() for a in autonat.candidate_addrs()] if autonat is not None else []
 
     def _record(self, peer: ID, ok: bool, attempts: int, t0: float, detail: str) -> PunchOutcome:
         out = PunchOutcome(str(peer), ok, attempts, time.monotonic() - t0, detail, time.time())
@@ -97,7 +103,7 @@ class HolePuncher:
         if peer in self._running or self.direct(peer) is not None:
             return
         self._running.add(peer)
-        self.node.nursery.start_soon(self._punch_in_background, peer)
+        self.spawn(self._punch_in_background, peer)
 
     async def _punch_in_background(self, peer: ID) -> None:
         try:
@@ -110,7 +116,7 @@ class HolePuncher:
     async def punch(self, peer: ID) -> PunchOutcome:
         """Up to ``attempts`` coordinated dials over the relayed connection to ``peer``."""
         t0 = time.monotonic()
-        if not self.node.autonat.candidate_addrs():
+        if not self._our_addrs():
             return self._record(peer, False, 0, t0, "we have no address to offer (loopback listeners only)")
         errors = []
         attempt = 0
@@ -240,7 +246,7 @@ class HolePuncher:
 
     # -- retiring the relayed connection ----------------------------------------------------------
     def _retire_relayed_later(self, peer: ID) -> None:
-        self.node.nursery.start_soon(self._retire_relayed, peer)
+        self.spawn(self._retire_relayed, peer)
 
     async def _retire_relayed(self, peer: ID) -> None:
         """Close relayed connections to ``peer`` once their streams have ended (new streams go

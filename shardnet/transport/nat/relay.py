@@ -24,6 +24,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
+from ..behaviour import Behaviour
 from ..compat.swarm import connection_type
 from ..errors import ShardnetError
 from .rawstream import PrefixedStream, close_quietly, read_message
@@ -130,14 +131,17 @@ def _guarded(handler):
 
 # -- the relay -----------------------------------------------------------------------------------
 
-class RelayService:
-    """Serves the hop protocol on ``node``: reservations and circuits, within ``limits``."""
+class RelayService(Behaviour):
+    """A node behaviour: serves the hop protocol, reservations and circuits, within ``limits``."""
 
-    def __init__(self, node, limits: RelayLimits | None = None) -> None:
-        self.node, self.limits = node, limits or RelayLimits()
+    def __init__(self, limits: RelayLimits | None = None) -> None:
+        self.limits = limits or RelayLimits()
         self.reservations: dict[ID, float] = {}  # peer -> expiry (Unix time)
         self.circuits: Counter[ID] = Counter()
         self.stats = Counter()
+
+    def attach(self, node) -> None:
+        self.node = node
         node.host.set_stream_handler(TProtocol(HOP_PROTOCOL), _guarded(self._handle_hop))
 
     def _limit(self) -> Limit:
@@ -289,14 +293,24 @@ async def _reply(raw, msg: HopMessage, close: bool = False) -> None:
 
 # -- the client side -----------------------------------------------------------------------------
 
-class RelayClient:
-    """Accepts circuits (stop protocol) on ``node``, reserves slots and dials through relays."""
+class RelayClient(Behaviour):
+    """A node behaviour: accepts circuits (stop protocol), reserves slots and dials through relays.
 
-    def __init__(self, node) -> None:
-        self.node = node
+    It holds a slot at each of ``relays`` for as long as it runs, and is ready once it has a first
+    one (or after ``wait`` seconds without: it then keeps trying in the background). With
+    ``auto_relays``, while AutoNAT says we are private it also holds slots at up to that many
+    relays found among our peers."""
+
+    def __init__(self, relays: list[PeerInfo] | tuple = (), *, auto_relays: int = 0, wait: float = 20.0) -> None:
+        self.relays = list(relays)
+        self.auto_relays = auto_relays
+        self.wait = wait
         self.reservations: dict[ID, Reservation] = {}
         self.circuit_addrs: list[Multiaddr] = []  # where others can reach us through relays
         self.changed = trio.Event()  # set (and replaced) whenever circuit_addrs changes
+
+    def attach(self, node) -> None:
+        self.node = node
         node.host.set_stream_handler(TProtocol(STOP_PROTOCOL), _guarded(self._handle_stop))
         host = node.host
         plain = host.get_addrs
@@ -306,6 +320,66 @@ class RelayClient:
             return list(plain()) + [Multiaddr(f"{a}/p2p/{me}") for a in self.circuit_addrs]
 
         host.get_addrs = with_circuits  # identify and the DHT advertise what get_addrs returns
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        for info in self.relays:
+            self.spawn(self.keep_reservation, info)
+        if self.relays:
+            # reachable through a relay before anything (a claim) advertises our addresses
+            with trio.move_on_after(self.wait):
+                while not self.circuit_addrs:
+                    await self.changed.wait()
+            if not self.circuit_addrs:
+                log.warning("no relay slot yet; peers behind other NATs cannot reach us")
+        task_status.started()
+        if self.auto_relays > 0:
+            await self._find_relays()
+        await trio.sleep_forever()
+
+    async def _find_relays(self) -> None:
+        """While AutoNAT says we are private, hold slots at up to ``auto_relays`` relays found
+        among our peers (their identify lists the hop protocol); give them up once public."""
+        from .autonat import PRIVATE, PUBLIC  # here: autonat imports this module
+
+        autonat = self.node.autonat
+        if autonat is None:
+            log.info("no AutoNAT on this node: not looking for relays")
+            return
+        held: dict[ID, trio.CancelScope] = {}
+
+        async def hold(relay: ID, scope: trio.CancelScope) -> None:
+            with scope:
+                await self.keep_reservation(PeerInfo(relay, self.node.addrs_of(relay)), give_up_after=3)
+            held.pop(relay, None)
+            self.drop(relay)
+
+        while True:
+            status = autonat.status
+            if status == PRIVATE and len(held) < self.auto_relays:
+                for relay in self._relay_candidates():
+                    if relay in held or len(held) >= self.auto_relays:
+                        continue
+                    log.info("behind NAT: holding a slot at relay %s", str(relay)[:16])
+                    held[relay] = trio.CancelScope()
+                    self.spawn(hold, relay, held[relay])
+            elif status == PUBLIC and held:
+                log.info("publicly reachable: giving up %d relay slot(s)", len(held))
+                for scope in held.values():
+                    scope.cancel()
+            with trio.move_on_after(5.0):
+                await autonat.changed.wait()
+
+    def _relay_candidates(self) -> list[ID]:
+        host = self.node.host
+        store = host.get_peerstore()
+        out = []
+        for peer in host.get_connected_peers():
+            try:
+                if HOP_PROTOCOL in store.get_protocols(peer):
+                    out.append(peer)
+            except Exception:
+                continue
+        return out
 
     async def reserve(self, relay: PeerInfo) -> Reservation:
         """Ask ``relay`` for a slot; returns the reservation (raises RelayError if refused)."""
@@ -365,8 +439,11 @@ class RelayClient:
                 log.info("relay slot at %s for %.0f s", str(relay.peer_id)[:16], ttl)
                 # refresh at three quarters of the lifetime, or at once if the relay drops us
                 with trio.move_on_after(ttl * 0.75):
-                    while relay.peer_id in self.node.host.get_connected_peers():
-                        await trio.sleep(1.0)
+                    while True:
+                        changed = self.node.links_changed
+                        if relay.peer_id not in self.node.host.get_connected_peers():
+                            break
+                        await changed.wait()
                     log.info("lost the relay %s; reserving again", str(relay.peer_id)[:16])
             except Exception as e:  # whatever broke (refusal, dial, a stream reset), try again later
                 self._forget_circuits(relay.peer_id)
@@ -424,9 +501,10 @@ class RelayClient:
         except Exception as e:
             log.info("circuit from %s failed its handshake: %s", str(src)[:16], e)
             return
-        if self.node.config.hole_punch and self.node.nursery is not None:
+        puncher = self.node.holepunch
+        if puncher is not None and puncher.punches:
             # DCUtR: the side that accepted the relayed connection starts the upgrade
-            self.node.holepunch.start(src)
+            puncher.start(src)
 
 
 def _status_name(status: int | None) -> str:

@@ -1,0 +1,79 @@
+"""Node behaviours: the services a node runs, composed instead of built into it (rust-libp2p's
+NetworkBehaviour idea, in trio's style).
+
+A behaviour is any object with ``async def run(self, node, *, task_status)``: it registers its
+stream handlers and subscriptions, calls ``task_status.started()`` once it is ready (what ready
+means is its own business: the relay client, for instance, once it holds its first slot), then
+serves until cancelled. The node starts each one with ``await nursery.start(...)`` in its own
+nursery, in order, and finds them by type (``node.behaviour(Cls)``). Background work a behaviour
+needs runs in its own ``run``, never in a borrowed nursery.
+
+``Behaviour`` is an optional base: its ``run`` gives the behaviour a nursery of its own
+(``spawn``) and serves forever; a subclass overrides ``attach`` (register handlers) and
+``serve`` (its own readiness and loop).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import trio
+
+log = logging.getLogger(__name__)
+
+B = TypeVar("B")
+
+
+@runtime_checkable
+class NodeBehaviour(Protocol):
+    """What ``open_node(behaviours=[...])`` and ``Node.add_behaviour`` accept."""
+
+    async def run(self, node: Any, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None: ...
+
+
+class Behaviour:
+    """A base for behaviours: ``attach`` (once, before serving), a nursery of its own for
+    background work (``spawn``), and ``serve`` (ready at once and idle, unless overridden)."""
+
+    node: Any = None
+    _tasks: trio.Nursery | None = None
+    _pending: list[tuple[Callable[..., Awaitable[Any]], tuple]] | None = None
+    _stopped = False
+
+    def attach(self, node: Any) -> None:
+        """Register handlers on ``node`` (synchronous: a caller may use the behaviour at once)."""
+        self.node = node
+
+    async def run(self, node: Any, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self.node is None:
+            self.attach(node)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._tasks = nursery
+                for fn, args in self._pending or ():
+                    nursery.start_soon(fn, *args)
+                self._pending = None
+                await self.serve(task_status=task_status)
+                nursery.cancel_scope.cancel()  # serve returned: so does the behaviour's work
+        finally:
+            self._tasks = None
+            self._stopped = True
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Ready at once; then nothing but the spawned work, until cancelled."""
+        task_status.started()
+        await trio.sleep_forever()
+
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``fn(*args)`` in the behaviour's own nursery (queued until ``run`` starts it;
+        dropped once the behaviour has stopped: its work ends with it)."""
+        if self._tasks is not None:
+            self._tasks.start_soon(fn, *args)
+        elif not self._stopped:
+            if self._pending is None:
+                self._pending = []
+            self._pending.append((fn, args))
+        else:
+            log.debug("%s has stopped; not starting %s", type(self).__name__, getattr(fn, "__name__", fn))
