@@ -13,7 +13,7 @@ end. Counted: writes cut, follow-up echoes that failed, Noise decryption errors 
 connections replaced (the endpoints', and for a relayed path each endpoint's connection to the
 relay), and whether the busy streams' bytes came back exact.
 
-tests/test_cancel_safety.py runs this and asserts zero failures. Before the single-writer fix
+tests/integration/test_cancel_safety.py runs this and asserts zero failures. Before the single-writer fix
 (compat fix 15) the same scenario broke most connections it cut (docs/benchmarks.md).
 """
 

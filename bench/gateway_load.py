@@ -11,7 +11,7 @@ request sent alone first. ``--burst N``: instead, N requests sent at once. ``--c
 ``--replicas 2``): replicas die and come back meanwhile (see ``replica_chaos``). ``--before DIR``: run the same scenario first with the shardnet tree
 in DIR (e.g. ``git archive <commit> shardnet | tar -x -C DIR``) and then with this one (or the
 one in ``--after DIR``), and print both.
-tests/test_gateway_load.py drives the helpers here.
+tests/system/test_gateway_load.py drives the helpers here.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ attacker process at a time (tests/system/doubles/hostile_peer.py, see there for 
 of 16 tokens right before it starts and as many during it; the ratio of the medians, whether the
 tokens changed, whether a new process could still connect (``shardnet ping``), and how much the
 victim's memory grew. With two or more CPUs the swarm runs on the first and the attacker on the
-last, as on a machine of its own (its connections come from 127.0.0.2). tests/test_hostile_peers.py
+last, as on a machine of its own (its connections come from 127.0.0.2). tests/system/test_hostile_peers.py
 runs this and asserts the bounds.
 """
 

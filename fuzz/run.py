@@ -2,7 +2,7 @@
 
     python fuzz/run.py                       # every target, until stopped (Ctrl-C)
     python fuzz/run.py nat.relay_hop --seconds 300
-    python fuzz/run.py all --runs 20000      # what tests/test_fuzz_targets.py runs
+    python fuzz/run.py all --runs 20000      # what tests/system/test_fuzz_targets.py runs
 
 A crash is an untyped exception escaping a decoder: libFuzzer prints the input and writes it to
 ``crash-<sha1>`` in the current directory; reproduce with ``python fuzz/run.py TARGET crash-...``

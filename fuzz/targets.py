@@ -2,7 +2,7 @@
 decodes or raises the codec's own typed error; anything else escaping is a bug (a handler would
 crash on it, or a peer would get no clear answer).
 
-Used by ``fuzz/run.py`` (atheris, coverage-guided) and by ``tests/test_fuzz_targets.py``
+Used by ``fuzz/run.py`` (atheris, coverage-guided) and by ``tests/system/test_fuzz_targets.py``
 (hypothesis, in every test run). No torch here: the wire codecs are torch-free by design.
 """
 

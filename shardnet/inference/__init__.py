@@ -1,6 +1,6 @@
 """Model loading, block execution, KV cache, generation: a consumer of the overlay.
 
-The only layer that imports torch (tests/test_layering.py).
+The only layer that imports torch (tests/unit/test_layering.py).
 """
 
 import os
