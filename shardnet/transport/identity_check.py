@@ -44,6 +44,8 @@ MAX_MESSAGE = 8192
 class DuplicateIdentity(ShardnetError):
     """Another live node uses this node's identity."""
 
+    code = "duplicate_identity"
+
 
 def _decode(body: bytes) -> dict:
     try:

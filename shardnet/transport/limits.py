@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 class LimitError(ShardnetError):
     """A --limit setting is unknown or out of range."""
 
+    code = "limit"
+
 
 def _limit(default: int | float, doc: str):
     return field(default=default, metadata={"doc": doc})

@@ -15,6 +15,8 @@ DEFAULT_IO_TIMEOUT = 30.0
 class StreamClosedError(ShardnetError):
     """The remote side closed or reset the stream."""
 
+    code = "stream_closed"
+
 
 class Stream:
     """Wraps a libp2p stream with timeouts and exact reads."""
@@ -35,7 +37,7 @@ class Stream:
     @property
     def relayed(self) -> bool:
         """Whether this stream's connection runs through a relay."""
-        from .nat.relay import is_relayed
+        from .compat.swarm import is_relayed
 
         return is_relayed(self.raw.muxed_conn)
 

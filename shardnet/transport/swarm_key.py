@@ -46,9 +46,13 @@ _LABEL = b"shardnet swarm admission v1"
 class SwarmKeyError(ShardnetError):
     """A swarm key file is missing, malformed or unsafe."""
 
+    code = "swarm_key"
+
 
 class AdmissionError(ShardnetError):
     """A peer was refused (or refused us) at the private-swarm admission step."""
+
+    code = "admission"
 
 
 @dataclass(frozen=True)

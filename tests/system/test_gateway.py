@@ -189,7 +189,7 @@ def test_health_models_swarm_and_unknown_paths(gateway):
 
 
 def test_serve_uses_the_identity_it_is_given(gateway):
-    from test_cli import shardnet
+    from shardnet.testing.helpers import shardnet
 
     r = shardnet("id", "--identity", str(GATEWAY["identity"]))
     assert "(existing)" in r.stdout, r.stdout  # serve created it
@@ -197,7 +197,7 @@ def test_serve_uses_the_identity_it_is_given(gateway):
 
 
 def test_an_http_port_in_use_is_one_error_line(gateway):
-    from test_cli import assert_one_line_failure, shardnet
+    from shardnet.testing.helpers import assert_one_line_failure, shardnet
 
     port = gateway.rsplit(":", 1)[1]  # held by the module's gateway
     r = shardnet("serve", "--bootstrap", GATEWAY["swarm"].bootstrap_addr, "--port", port, timeout=120)

@@ -149,8 +149,6 @@ def skip_swarm_connection_naps() -> None:
 def leave_relayed_connections_to_the_hole_puncher() -> None:
     from libp2p.network.swarm import Swarm
 
-    from ..nat.relay import is_relayed
-
     trim = Swarm._trim_connections
 
     def _trim_connections(self, peer_id) -> None:
@@ -229,3 +227,19 @@ def connection_type(conn: Any) -> Any:
     """The ``ConnectionType`` a raw or swarm connection records for itself; None on any other
     layer (muxed, secured), whose type is its raw connection's."""
     return getattr(conn, "_connection_type", None)
+
+
+def is_relayed(conn: Any) -> bool:
+    """Whether a connection (swarm, muxed or raw) runs through a relay: follows the layers down
+    to the raw connection, which knows its type."""
+    from libp2p.abc import ConnectionType
+
+    seen = 0
+    while conn is not None and seen < 8:
+        kind = connection_type(conn)
+        if kind is not None:
+            return kind == ConnectionType.RELAYED
+        conn = next((getattr(conn, a) for a in ("muxed_conn", "secured_conn", "conn", "read_writer", "raw_conn")
+                     if getattr(conn, a, None) is not None), None)
+        seen += 1
+    return False

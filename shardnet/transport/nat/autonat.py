@@ -45,7 +45,7 @@ from .autonat_messages import (
     AUTONAT_PROTOCOL, AutoNATMessage, AutoNATType, Dial, DialResponse, DialStatus, decode_autonat, encode_autonat)
 from .pbwire import FrameBuffer, MessageError
 from .rawstream import close_quietly, read_message
-from .relay import is_relayed
+from ..compat.swarm import is_relayed
 
 log = logging.getLogger(__name__)
 #: bad requests are logged at most once per peer and kind per 10 s

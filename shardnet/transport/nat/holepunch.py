@@ -36,7 +36,7 @@ from .autonat import _ip_of, _tcp_port, dialable_tcp
 from .holepunch_messages import DCUTR_PROTOCOL, HolePunch, HolePunchType, decode_holepunch, encode_holepunch
 from .pbwire import FrameBuffer, MessageError
 from .rawstream import close_quietly, read_message
-from .relay import is_relayed
+from ..compat.swarm import is_relayed
 
 log = logging.getLogger(__name__)
 #: bad requests are logged at most once per peer and kind per 10 s

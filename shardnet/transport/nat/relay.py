@@ -25,7 +25,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
 from ..behaviour import Behaviour
-from ..compat.swarm import connection_type
+from ..compat.swarm import is_relayed  # noqa: F401  (re-exported for nat/ and node.py)
 from ..errors import ShardnetError
 from .rawstream import PrefixedStream, close_quietly, read_message
 from .relay_messages import (
@@ -40,6 +40,8 @@ COPY_CHUNK = 1 << 16
 
 class RelayError(ShardnetError):
     """A relay refused or failed; ``status`` says why."""
+
+    code = "relay"
 
     def __init__(self, status: int | None, message: str) -> None:
         super().__init__(message)
@@ -73,20 +75,6 @@ def parse_circuit_addr(addr: str | Multiaddr) -> tuple[PeerInfo, ID]:
     relay_id = ID.from_base58(relay_part.rsplit("/p2p/", 1)[1])
     relay_addr = relay_part.rsplit("/p2p/", 1)[0]
     return PeerInfo(relay_id, [Multiaddr(relay_addr)] if relay_addr else []), ID.from_base58(target_part[5:])
-
-
-def is_relayed(conn) -> bool:
-    """Whether a connection (swarm, muxed or raw) runs through a relay: follows the layers down
-    to the raw connection, which knows its type."""
-    seen = 0
-    while conn is not None and seen < 8:
-        kind = connection_type(conn)
-        if kind is not None:
-            return kind == ConnectionType.RELAYED
-        conn = next((getattr(conn, a) for a in ("muxed_conn", "secured_conn", "conn", "read_writer", "raw_conn")
-                     if getattr(conn, a, None) is not None), None)
-        seen += 1
-    return False
 
 
 # -- stream helpers ------------------------------------------------------------------------------
