@@ -119,6 +119,8 @@ class Node:
         self._closing = False
         #: the node's own nursery (set while the node runs): background work it owns
         self.nursery: trio.Nursery | None = None
+        #: set once open_node has started every behaviour it was given (before it yields the node)
+        self.started = trio.Event()
 
     # -- behaviours --------------------------------------------------------------------------
     def behaviour(self, cls: type[B]) -> B | None:
@@ -695,6 +697,7 @@ async def open_node(config: NodeConfig | None = None,
                         node._closing = True
                         nursery.cancel_scope.cancel()
                     else:
+                        node.started.set()
                         nursery.start_soon(node._discover)
                         nursery.start_soon(node._close_dead_connections)
                         log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))

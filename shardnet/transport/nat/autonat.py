@@ -219,6 +219,9 @@ class AutoNAT(Behaviour):
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         if self.checks:
+            # ask once the node is up: with --relay, the relay client holds its first slot by
+            # then, so what we advertise (and are checked at) includes our circuit addresses
+            await self.node.started.wait()
             await self.keep_checking(interval=self.interval)
         await trio.sleep_forever()
 
