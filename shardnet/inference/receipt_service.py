@@ -32,7 +32,7 @@ from shardnet.transport.stream import Stream
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT = 10.0
-MAX_REPORTS_KEPT = 256
+MAX_REPORTS_KEPT = rg.MAX_REPORTS_KEPT
 
 
 def device_facts(device: str) -> dict[str, str]:
@@ -62,10 +62,18 @@ class ReceiptService(Behaviour):
     def __init__(self, node: Node, capacity: int = 1024) -> None:
         self.node = node
         self.store = rg.ReceiptStore(capacity)
-        self.reports: OrderedDict[str, dict] = OrderedDict()  # report ID -> verified body
-        self._report_blobs: OrderedDict[str, bytes] = OrderedDict()
+        self.report_log = rg.ReportLog(MAX_REPORTS_KEPT)  # which reports are kept: the protocol's rules
         self.listeners: list[Callable[[dict], None]] = []
         node.set_stream_handler(rg.PROTOCOL_ID, self._answer)
+
+    @property
+    def reports(self) -> OrderedDict[str, dict]:
+        """Report ID -> verified body, oldest first."""
+        return self.report_log.reports
+
+    @property
+    def _report_blobs(self) -> OrderedDict[str, bytes]:
+        return self.report_log.blobs
 
     @classmethod
     def of(cls, node: Node) -> ReceiptService:
@@ -99,17 +107,13 @@ class ReceiptService(Behaviour):
         # decoded a second time: the gossip validator (_is_report) only answers yes or no, and
         # reports are rare (one per conviction)
         try:
-            report = rg.decode_report(data)
+            kept = self.report_log.add(data)
         except rg.GossipError as e:
             _ignored.note("report", sender, f"ignoring a report from {sender[:16]}: {e}")
             return
-        rid = rg.receipt_id(data)
-        if rid in self.reports:
+        if kept is None:  # heard before
             return
-        self.reports[rid], self._report_blobs[rid] = report, data
-        while len(self.reports) > MAX_REPORTS_KEPT:
-            self.reports.popitem(last=False)
-            self._report_blobs.popitem(last=False)
+        _, report = kept
         log.warning("%s… reports peer %s… computed layers %s wrong", report["reporter"][:16],
                     report["accused"][:16], report["layers"])
         for listener in list(self.listeners):
@@ -126,7 +130,7 @@ class ReceiptService(Behaviour):
             if kind == "get":
                 out = rg.encode_response(receipts=[b for b in (self.store.get(i) for i in arg) if b])
             elif kind == "reports":
-                out = rg.encode_response(reports=list(reversed(self._report_blobs.values()))[:arg])
+                out = rg.encode_response(reports=self.report_log.newest(arg))
             elif kind == "session":
                 out = rg.encode_response(receipts=self.store.for_session(arg)[:rg.MAX_IDS_PER_REQUEST])
             else:

@@ -112,3 +112,39 @@ def decode(blob: bytes, *, now: float | None = None) -> Claim:
     if c.expires < (time.time() if now is None else now):
         raise ClaimError("claim has expired")
     return c
+
+
+class ClaimTable:
+    """The claims one node keeps for one model: at most one per peer, the latest-expiring one
+    heard, never one taken expired (sans-IO: the caller passes ``now``, Unix time).
+
+    Claims are kept by their expiry alone: a claim with a later expiry replaces its peer's
+    older one (a peer re-claims before its claim runs out), and an equal or earlier one is an
+    old copy still travelling (gossip, a DHT replica), so it changes nothing."""
+
+    def __init__(self, model_id: str) -> None:
+        self.model_id = model_id
+        self._by_peer: dict[str, Claim] = {}
+
+    def current(self, now: float) -> list[Claim]:
+        """The unexpired claims, one per peer; expired ones are dropped here."""
+        for peer in [p for p, c in self._by_peer.items() if c.expires <= now]:
+            del self._by_peer[peer]
+        return list(self._by_peer.values())
+
+    def get(self, peer: str) -> Claim | None:
+        """The peer's kept claim (possibly expired since: ``current`` is what drops those)."""
+        return self._by_peer.get(peer)
+
+    def note(self, claim: Claim, now: float) -> bool:
+        """Take a verified claim; True when it is new or newer than what we had for its peer."""
+        if claim.model != self.model_id or claim.expires <= now:
+            return False
+        old = self._by_peer.get(claim.peer)
+        if old is not None and claim.expires <= old.expires:
+            return False
+        self._by_peer[claim.peer] = claim
+        return True
+
+    def __len__(self) -> int:
+        return len(self._by_peer)

@@ -53,6 +53,7 @@ MAX_REPORTS_PER_RESPONSE = 8
 MAX_IDS_PER_REQUEST = 64
 MAX_RESPONSE_BYTES = MAX_IDS_PER_REQUEST * (MAX_STAGE_BYTES + 64)  # (8 reports fit too)
 MAX_REQUEST_BYTES = 16 * 1024
+MAX_REPORTS_KEPT = 256  # reports are rare (one per conviction): this is weeks of them
 
 
 class GossipError(ShardnetError, ValueError):
@@ -200,3 +201,36 @@ def decode_report(blob: bytes) -> dict:
     if not any(r.peer != body["accused"] for r in receipts):
         raise GossipError("a report needs at least one witness's signed receipt")
     return dict(body, receipts=receipts)
+
+
+class ReportLog:
+    """The reports heard on gossip (sans-IO): only verified ones, each once (by report ID, the
+    SHA-256 of its envelope), the newest ``capacity``; the oldest heard is dropped first."""
+
+    def __init__(self, capacity: int = MAX_REPORTS_KEPT) -> None:
+        self.capacity = capacity
+        self.reports: OrderedDict[str, dict] = OrderedDict()  # report ID -> verified body, oldest first
+        self.blobs: OrderedDict[str, bytes] = OrderedDict()  # report ID -> its envelope, same order
+
+    def add(self, blob: bytes) -> tuple[str, dict] | None:
+        """Verify and keep a report; its ID and body when it is new, None when already kept.
+        GossipError when it does not verify (nothing is kept)."""
+        report = decode_report(blob)
+        rid = receipt_id(blob)
+        if rid in self.reports:
+            return None
+        self.reports[rid], self.blobs[rid] = report, blob
+        while len(self.reports) > self.capacity:
+            self.reports.popitem(last=False)
+            self.blobs.popitem(last=False)
+        return rid, report
+
+    def newest(self, limit: int) -> list[bytes]:
+        """The envelopes of the ``limit`` newest reports, newest first."""
+        return list(reversed(self.blobs.values()))[:limit]
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self.reports
+
+    def __len__(self) -> int:
+        return len(self.reports)

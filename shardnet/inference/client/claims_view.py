@@ -41,7 +41,7 @@ class ClaimsView:
     def __init__(self, node: Node, model_id: str, owner: ClaimsViews | None = None) -> None:
         self.node, self.model_id = node, model_id
         self._owner = owner  # whose nursery the background work runs in
-        self._claims: dict[str, bc.Claim] = {}
+        self._table = bc.ClaimTable(model_id)  # which claims are kept: the protocol's rules
         self.lookups = 0  # finished
         self.first_lookup = trio.Event()  # set once a lookup has finished, found or not
         self.last_lookup_error: str | None = None
@@ -68,23 +68,17 @@ class ClaimsView:
 
     def current(self) -> list[bc.Claim]:
         """The unexpired claims, one per peer."""
-        now = time.time()
-        for peer in [p for p, c in self._claims.items() if c.expires <= now]:
-            del self._claims[peer]
-        return list(self._claims.values())
+        return self._table.current(time.time())
 
     def get(self, peer: str) -> bc.Claim | None:
-        return self._claims.get(peer)
+        return self._table.get(peer)
 
     def note(self, claim: bc.Claim) -> bool:
         """Take a verified claim; True when it is new or newer than what we had for its peer."""
-        if claim.model != self.model_id or claim.expires <= time.time():
+        known = self._table.get(claim.peer) is not None
+        if not self._table.note(claim, time.time()):
             return False
-        old = self._claims.get(claim.peer)
-        if old is not None and claim.expires <= old.expires:
-            return False
-        self._claims[claim.peer] = claim
-        if old is not None:
+        if known:
             Probes.of(self.node).forget(claim.peer)
         self._changed.set()
         self._changed = trio.Event()
@@ -108,7 +102,7 @@ class ClaimsView:
         except Exception as e:  # whatever it was, the view (and the node it runs in) carries on
             found = []
             self.last_lookup_error = f"the last lookup failed: {e}"
-            log.info("claims lookup failed (keeping the %d claims known): %s: %s", len(self._claims),
+            log.info("claims lookup failed (keeping the %d claims known): %s: %s", len(self._table),
                      type(e).__name__, e)
         for c in found:
             self.note(c)
