@@ -54,7 +54,7 @@ async def test_an_activation_frame_is_echoed_byte_for_byte_both_ways(go, node_co
         await go.serve_protocol(ap.PROTOCOL_ID, go_echo, nursery, tmp_path / "handler.sock")
         await node.connect(go.addrs[0])
         msg = await echoed_frame(node, go.peer_id, frame)
-        assert (msg.type, msg["n"], msg["shape"]) == ("step", 3, [1, 4, 128])
+        assert (msg.type, msg.n, list(msg.shape)) == ("step", 3, [1, 4, 128])
         # go -> shardnet, on shardnet's echo protocol
         node.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
         conn = await go.stream_open(str(node.peer_id), echo.PROTOCOL_ID)

@@ -64,7 +64,7 @@ async def test_an_activation_frame_is_echoed_byte_for_byte_both_ways(js, node_co
         # shardnet -> js: a stream of shardnet's activation protocol, echoed by js-libp2p
         await node.connect(js.addrs[0])
         msg = await echoed_frame(node, js.peer_id, frame)
-        assert (msg.type, msg["n"], msg["pos"], msg["shape"], msg.get("e")) == ("step", 3, 11, [1, 4, 128], 1)
+        assert (msg.type, msg.n, msg.pos, list(msg.shape), msg.epoch) == ("step", 3, 11, [1, 4, 128], 1)
         # js -> shardnet: the same frame on shardnet's echo protocol (its framing is the same u32 prefix)
         node.set_stream_handler(echo.PROTOCOL_ID, echo.serve)
         r = await call(js, "echo", addr=str(node.listen_addrs[0]), protocol=echo.PROTOCOL_ID,

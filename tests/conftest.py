@@ -28,7 +28,10 @@ LAYERS = ("unit", "integration", "system")
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        parts = Path(item.fspath).resolve().relative_to(TESTS).parts
+        path = Path(item.fspath).resolve()
+        if not path.is_relative_to(TESTS):  # e.g. interop/ run in the same session
+            continue
+        parts = path.relative_to(TESTS).parts
         if parts and parts[0] in LAYERS:
             item.add_marker(getattr(pytest.mark, parts[0]))
 

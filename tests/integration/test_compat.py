@@ -168,6 +168,23 @@ async def test_disconnect_is_fast_relative_to_connect(loopback_config):
         assert t_disc < 5 * t_conn + 0.02, (t_disc, t_conn)
 
 
+async def test_muting_a_peer_that_went_away_meanwhile_is_harmless(loopback_config):
+    # Fix 16: the blacklist's teardown resets the peer's pubsub stream and then forgets the peer;
+    # if its connection died during the reset, the dead-peer handler already forgot it.
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
+        raw = a.pubsub.raw
+
+        class GoneDuringReset:
+            async def reset(self):
+                await trio.sleep(0)
+                raw.peers.pop(b.peer_id, None)  # what the dead-peer handler does meanwhile
+
+        raw.peers[b.peer_id] = GoneDuringReset()
+        await raw._teardown_if_connected(b.peer_id)  # raised KeyError, ending the node, before
+        assert b.peer_id not in raw.peers
+        assert a.nursery is not None  # the node is still up
+
+
 async def test_gossip_burst_is_delivered_whole(loopback_config):
     n = 400  # upstream: 10 msgs/s per peer and topic, and 32-message queues
     async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:

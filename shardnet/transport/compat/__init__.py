@@ -10,7 +10,7 @@ on another (docs/embedding.md).
 
 One module per upstream subsystem holds the patches and their explanation, under the fix
 numbers the docs cite: swarm.py (1, 3, 6, 9, 12), tcp.py (13), yamux.py (2, 3, 6, 10, 15),
-noise.py (6), pubsub.py (4), kad.py (11, 14), identify.py (7, 8), logger.py (5). The same modules
+noise.py (6), pubsub.py (4, 16), kad.py (11, 14), identify.py (7, 8), logger.py (5). The same modules
 hold the small accessors through which the rest of shardnet reads py-libp2p's private state
 (``swarm.forget_failed_dial``, ``kad.providers_from_peer``, ...), so that state is touched only
 here (tests/unit/test_layering.py checks it).
@@ -133,6 +133,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch("libp2p.pubsub.pubsub:Pubsub.notify_subscriptions", "replace",
           "a subscriber's drop was silent: now counted and a warning",
           _T + "test_gossip_burst_is_delivered_whole", 4, pubsub.count_subscription_drops),
+    Patch("libp2p.pubsub.pubsub:Pubsub._teardown_if_connected", "replace",
+          "muting a peer whose connection went away meanwhile raised KeyError and ended the node",
+          _T + "test_muting_a_peer_that_went_away_meanwhile_is_harmless", 16, pubsub.forget_blacklisted_peers_once),
     Patch("libp2p.discovery.mdns.broadcaster:PeerBroadcaster._resolve_host_addrs", "replace",
           "mDNS advertised raw listen addresses (/ip4/0.0.0.0/...) instead of the host's addresses",
           "tests/system/test_lan_discovery.py::test_two_nodes_find_each_other_with_mdns", 7,

@@ -4,6 +4,12 @@
    is a debug line at most (a burst of 400 publishes delivered 32). Both queues are enlarged and
    every drop, outbound or inbound, is counted (``dropped_pubsub_messages()``) and logged at
    WARNING, naming whether a control message was lost.
+16. blacklisting a peer (shardnet mutes peers whose gossip keeps failing validation) tears its
+   stream down in a task that resets the stream and then deletes the peer with ``del``: when the
+   peer's connection went away meanwhile, the dead-peer handler had already removed it, and the
+   KeyError ended pubsub's task manager and the node with it (seen once under the gossip-flood
+   attack of tests/system/test_hostile_peers.py). The teardown forgets the peer if it is still
+   there.
 """
 
 from __future__ import annotations
@@ -87,3 +93,19 @@ def count_subscription_drops() -> None:
                 )
 
     pmod.Pubsub.notify_subscriptions = notify_subscriptions
+
+
+def forget_blacklisted_peers_once() -> None:
+    from libp2p.pubsub import pubsub as pmod
+
+    async def _teardown_if_connected(self: Any, peer_id: Any) -> None:
+        stream = self.peers.get(peer_id)
+        if stream is not None:
+            try:
+                await stream.reset()
+            except Exception:
+                pass
+            self.peers.pop(peer_id, None)  # the dead-peer handler may have forgotten it meanwhile
+        self._forget_all_subscriptions(peer_id)
+
+    pmod.Pubsub._teardown_if_connected = _teardown_if_connected
