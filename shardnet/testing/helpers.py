@@ -9,9 +9,10 @@ import os
 import re
 import socket
 import subprocess
-import sys
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
+
+from shardnet.testing.localswarm import shardnet_argv
 
 #: the repository root (tests, benches, examples and fuzz targets live beside the package)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +72,7 @@ FAKE_ID = "12D3KooWJ6qwgeXYApCdiMkT5Yx3Dse7BVqQ3hSXTGzoi2hA5Ffk"
 
 def shardnet(*args, timeout=60, env=None):
     """Run the ``shardnet`` command (this interpreter's), capturing its output."""
-    return subprocess.run([sys.executable, "-m", "shardnet", *args], capture_output=True, text=True,
+    return subprocess.run(shardnet_argv(*args), capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
