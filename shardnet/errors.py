@@ -62,6 +62,13 @@ class InferenceError(ShardnetError):
         self.peer = peer
 
 
+class CheckpointError(ShardnetError):
+    """The directory is not a usable checkpoint, its family is not supported, or a layer range
+    does not fit it: a user error."""
+
+    code = "checkpoint"
+
+
 class NoRouteError(ShardnetError):
     """No set of live claims covers every layer."""
 

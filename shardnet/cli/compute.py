@@ -31,7 +31,8 @@ from .common import (
 @click.option("--rebalance-interval", default=60.0, show_default=True,
               help="Seconds between looks at the swarm (RTTs to successors; moving, if the span was chosen "
                    "automatically). 0: never.")
-@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True,
+              help="Compute dtype; auto: the one the checkpoint stores.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
 @click.option("--kv-budget-mb", default=512, show_default=True, help="KV cache memory for all sessions.")
 @click.option("--hold-head", is_flag=True, help="Also hold the final norm and LM head (last block only).")

@@ -35,7 +35,8 @@ from .common import (
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--seed", default=None, type=int)
 @click.option("--logits-on-last", is_flag=True, help="Let the last peer apply the LM head (thin client).")
-@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True,
+              help="Compute dtype; auto: the one the checkpoint stores.")
 @click.option("--route-timeout", default=30.0, show_default=True, help="Seconds to wait for peers covering the model.")
 @click.option("--speculate", type=click.Choice(["none", "draft", "ngram"]), default="none", show_default=True,
               help="Speculative decoding with a local draft model or prompt lookup (lossless, any sampling).")

@@ -29,7 +29,8 @@ from .common import (
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="HTTP port (0: any).")
 @click.option("--name", default=None, help="The model name clients ask for (default: the model directory's name).")
 @click.option("--logits-on-last", is_flag=True, help="Let the last peer apply the LM head (thin gateway).")
-@click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
+@click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True,
+              help="Compute dtype; auto: the one the checkpoint stores.")
 @click.option("--route-timeout", default=10.0, show_default=True,
               help="Seconds a request waits for peers covering the model before a 503.")
 @click.option("--audit-rate", type=click.FloatRange(0, 1), default=None,

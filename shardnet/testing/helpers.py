@@ -83,3 +83,32 @@ def assert_one_line_failure(r, pattern):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, r.stderr
     assert re.search(pattern, errors[0]), errors[0]
+
+
+def transformers_reference(path, prompt: list[int], new: int, dtype="float32"):
+    """transformers' greedy continuation of token IDs ``prompt`` and the logits of its last
+    position, in float32 (or, with ``dtype=None``, in the checkpoint's own dtype: transformers'
+    default load)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": getattr(torch, dtype)} if dtype else {})).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                             min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+        logits = model(out[:, :-1]).logits[0, -1].float()
+    return out[0].tolist()[len(prompt):], logits
+
+
+async def chain_token_ids(client, prompt: list[int], new: int, **kw) -> list[int]:
+    return [t.id async for t in client.generate(prompt, max_new_tokens=new, stop_at_eos=False, **kw)]
+
+
+async def chain_last_logits(client, seq: list[int]):
+    """Logits for the last position of ``seq`` through the chain (prefill all but one, then one)."""
+    import torch
+
+    async with client.session(len(seq) + 1) as sess:
+        await sess.forward(client.model.head.embed(torch.tensor([seq[:-2]])))
+        out = await sess.forward(client.model.head.embed(torch.tensor([seq[-2:-1]])))
+    return out[0, -1].float() if client.logits_on_last else client.model.head.logits(out)[0, -1]

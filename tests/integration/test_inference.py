@@ -14,7 +14,12 @@ from shardnet.inference.model.layout import split_layers
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.random_model import init_random
 from shardnet.inference.server.compute_peer import serve_block
-from shardnet.testing.helpers import local_chain
+from shardnet.testing.helpers import chain_last_logits as last_logits
+from shardnet.testing.helpers import (
+    chain_token_ids,
+    local_chain,
+    transformers_reference,
+)
 from shardnet.transport import open_node
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11]
@@ -32,38 +37,18 @@ def checkpoints(tmp_path_factory):
             for fam, seed in (("llama", 11), ("mistral", 12), ("qwen2", 13), ("qwen3", 14))}
 
 
-def reference(path, prompt=PROMPT, new=NEW_TOKENS):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                             min_new_tokens=new, eos_token_id=None, pad_token_id=0)
-        seq = out[0].tolist()
-        logits = model(out[:, :-1]).logits[0, -1]
-    return seq[len(prompt):], logits
-
-
 swarm = local_chain
 
 
 async def generate_ids(client, prompt=PROMPT, new=NEW_TOKENS, **kw):
-    return [t.id async for t in client.generate(prompt, max_new_tokens=new, stop_at_eos=False, **kw)]
-
-
-async def last_logits(client, seq):
-    """Logits for the last position of ``seq`` through the chain (prefill all but one, then one)."""
-    async with client.session(len(seq) + 1) as sess:
-        await sess.forward(client.model.head.embed(torch.tensor([seq[:-2]])))
-        out = await sess.forward(client.model.head.embed(torch.tensor([seq[-2:-1]])))
-    return out[0, -1].float() if client.logits_on_last else client.model.head.logits(out)[0, -1]
+    return await chain_token_ids(client, prompt, new, **kw)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("peers", [1, 2, 3, 4])
 async def test_greedy_output_matches_transformers(loopback_config, checkpoints, family, peers):
     path = checkpoints[family]
-    want_ids, want_logits = reference(path)
+    want_ids, want_logits = transformers_reference(path, PROMPT, NEW_TOKENS)
     async with swarm(loopback_config, path, split_layers(4, peers)) as node:
         client = Client(node, LocalModel(path))
         got = await generate_ids(client)
@@ -75,7 +60,7 @@ async def test_greedy_output_matches_transformers(loopback_config, checkpoints, 
 
 async def test_lm_head_on_the_last_peer(loopback_config, checkpoints):
     path = checkpoints["llama"]
-    want_ids, want_logits = reference(path)
+    want_ids, want_logits = transformers_reference(path, PROMPT, NEW_TOKENS)
     async with swarm(loopback_config, path, [(0, 2), (2, 4)], hold_head=True) as node:
         client = Client(node, LocalModel(path, lm_head=False), logits_on_last=True)
         assert client.model.head.lm_weight is None  # the thin client really has no LM head
@@ -87,7 +72,7 @@ async def test_lm_head_on_the_last_peer(loopback_config, checkpoints):
 async def test_two_clients_at_once_are_isolated(loopback_config, checkpoints):
     path = checkpoints["qwen2"]
     prompts = [PROMPT, [5, 6, 7, 8, 9, 200, 300, 400, 12]]
-    wants = [reference(path, p)[0] for p in prompts]
+    wants = [transformers_reference(path, p, NEW_TOKENS)[0] for p in prompts]
     assert wants[0] != wants[1]
     async with swarm(loopback_config, path, [(0, 1), (1, 3), (3, 4)]) as node:
         model = LocalModel(path)

@@ -1,13 +1,13 @@
-"""Run a contiguous range of decoder layers with transformers' own classes.
+"""Run a contiguous range of decoder layers with transformers' own modules.
 
-Attention, MLP, norms and rotary embeddings are transformers' modules for the family; shardnet
-only decides which layers live here, loads exactly their weights, builds the masks the family's
-model would build, and keeps a block-local KV cache.
+Attention, MLP or experts, norms and rotary tables are the modules transformers builds for the
+family (:mod:`shell`); shardnet only decides which layers live here, loads exactly their weights,
+builds the masks the family's model would build, applies what its adapter declares
+(:mod:`families`), and keeps a block-local KV cache.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from dataclasses import dataclass
@@ -15,25 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from shardnet.inference.model.checkpoint import Checkpoint, CheckpointError
+from shardnet.inference.model.shell import ModelShell
 
 log = logging.getLogger(__name__)
 
-#: model_type -> (module, decoder layer, RMS norm, rotary embedding)
-FAMILIES = {
-    "llama": ("transformers.models.llama.modeling_llama", "LlamaDecoderLayer", "LlamaRMSNorm", "LlamaRotaryEmbedding"),
-    "mistral": ("transformers.models.mistral.modeling_mistral", "MistralDecoderLayer", "MistralRMSNorm",
-                "MistralRotaryEmbedding"),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2DecoderLayer", "Qwen2RMSNorm", "Qwen2RotaryEmbedding"),
-    "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3DecoderLayer", "Qwen3RMSNorm", "Qwen3RotaryEmbedding"),
-}
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def family_classes(model_type: str):
-    mod_name, layer, norm, rotary = FAMILIES[model_type]
-    mod = importlib.import_module(mod_name)
-    return getattr(mod, layer), getattr(mod, norm), getattr(mod, rotary)
+#: what ``--dtype`` accepts: a dtype, or "auto" for the one the checkpoint stores
+DTYPE_CHOICES = ("auto", *DTYPES)
 
 
 def pick_device(requested: str | None = None) -> str:
@@ -42,11 +30,25 @@ def pick_device(requested: str | None = None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, ckpt: Checkpoint | None = None, device: str = "cpu") -> torch.dtype:
+    """``name`` as a torch dtype; "auto" is the checkpoint's stored dtype, unless ``device``
+    cannot compute in it (a GPU without bfloat16), where it is float32 and the log says so."""
+    if name == "auto":
+        if ckpt is None:
+            raise CheckpointError("dtype 'auto' needs the checkpoint it is read from")
+        dtype = DTYPES[ckpt.stored_dtype]
+        if dtype == torch.bfloat16 and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+            log.warning("%s has no bfloat16: computing %s in float32", device, ckpt.path.name)
+            return torch.float32
+        return dtype
     try:
         return DTYPES[name]
     except KeyError:
-        raise CheckpointError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})") from None
+        raise CheckpointError(f"unknown dtype {name!r} (choose from {', '.join(DTYPE_CHOICES)})") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
 def parse_layers(spec: str, num_layers: int) -> tuple[int, int]:
@@ -72,50 +74,54 @@ class Block:
     """Layers [start, end) of a checkpoint."""
 
     def __init__(self, ckpt: Checkpoint, start: int, end: int, *, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", quantize: str | None = None) -> None:
         if not 0 <= start < end <= ckpt.num_layers:
             raise CheckpointError(f"layer range {start}:{end} is outside the model's 0:{ckpt.num_layers}")
         self.ckpt, self.start, self.end = ckpt, start, end
-        self.dtype, self.device = dtype, device
-        self.config = ckpt.config
-        layer_cls, _, rotary_cls = family_classes(ckpt.model_type)
+        self.dtype, self.device, self.quantize = dtype, device, quantize
+        self.family = ckpt.family
         t0 = time.perf_counter()
+        shell = ModelShell(ckpt)
+        self.config = shell.config
         self.layers = torch.nn.ModuleList()
         n_tensors = n_bytes = 0
         for i in range(start, end):
-            with torch.device("meta"):
-                layer = layer_cls(self.config, layer_idx=i)  # global index: per-layer attention type
-            layer.self_attn.layer_idx = i - start  # block-local index: this block's cache
-            prefix = f"model.layers.{i}."
-            tensors = ckpt.load(ckpt.layer_tensors(i), dtype=dtype, device=device)
-            state = {n[len(prefix):]: t for n, t in tensors.items()}
-            layer.load_state_dict(state, strict=True, assign=True)
-            layer.eval()
-            self.layers.append(layer)
-            n_tensors += len(state)
-            n_bytes += sum(t.numel() * t.element_size() for t in state.values())
-            log.info("loaded layer %d (%d tensors)", i, len(state))
-        self.rotary = rotary_cls(config=self.config).to(device)
-        self.layer_types = [self._layer_type(i) for i in range(start, end)]
-        self.load_report = LoadReport(n_tensors, n_bytes, time.perf_counter() - t0)
+            names = ckpt.layer_tensors(i)
+            n_bytes += shell.load(names, dtype=dtype, device=device)
+            layer = shell.take(shell.base.layers[i], f"model.layers.{i}.", device)
+            # built with its global index (which picks its attention type, dense or sparse MLP);
+            # its attention addresses this block's own cache, which starts at 0
+            for sub in layer.modules():
+                if "Attention" in type(sub).__name__ and isinstance(getattr(sub, "layer_idx", None), int):
+                    sub.layer_idx = i - start
+            if quantize:
+                from shardnet.inference.model.quantize import quantize_module
 
-    def _layer_type(self, i: int) -> str:
+                quantize_module(layer, quantize)
+            self.layers.append(layer)
+            n_tensors += len(names)
+            log.info("loaded layer %d (%d tensors)", i, len(names))
+        self.rotary = shell.take(shell.base.rotary_emb, "model.rotary_emb.", device).to(device)
         types = getattr(self.config, "layer_types", None)
-        if types:
-            return types[i]
-        if self.ckpt.model_type == "mistral" and getattr(self.config, "sliding_window", None):
-            return "sliding_attention"
-        return "full_attention"
+        self.layer_types = [types[i] if types else "full_attention" for i in range(start, end)]
+        if "sliding_attention" not in self.layer_types and ckpt.model_type == "mistral" and \
+                getattr(self.config, "sliding_window", None):
+            self.layer_types = ["sliding_attention"] * (end - start)
+        self.load_report = LoadReport(n_tensors, n_bytes, time.perf_counter() - t0)
+        self._kv_bytes: int | None = None
 
     @property
     def num_layers(self) -> int:
         return self.end - self.start
 
     def kv_bytes_per_token(self) -> int:
-        cfg = self.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return 2 * self.num_layers * kv_heads * head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        """Bytes the KV cache of this block grows by per token, measured once on one token (so
+        MLA's wider keys, per-layer head counts and any family's cache layout count as they are)."""
+        if self._kv_bytes is None:
+            cache = self.new_cache()
+            self.forward(torch.zeros(1, 1, self.config.hidden_size, dtype=self.dtype), cache, 0)
+            self._kv_bytes = cache_bytes(cache)
+        return self._kv_bytes
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -135,14 +141,25 @@ class Block:
         position_ids = torch.arange(start_pos, start_pos + t, device=self.device).unsqueeze(0)
         kw = dict(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=cache,
                   position_ids=position_ids)
-        masks = {"full_attention": create_causal_mask(**kw)}
+        masks = {}
+        if "full_attention" in self.layer_types:
+            masks["full_attention"] = create_causal_mask(**kw)
         if "sliding_attention" in self.layer_types:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kw)
-        pos_emb = self.rotary(hidden, position_ids=position_ids)
+        pos_emb = self.family.position_embeddings(self.rotary, hidden, position_ids, self.layer_types)
         for layer, kind in zip(self.layers, self.layer_types):
             hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids, cache=cache,
-                           use_cache=True, position_embeddings=pos_emb)
+                           use_cache=True, position_embeddings=pos_emb[kind])
         return hidden
+
+
+def cache_bytes(cache) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
 
 
 class Head:
@@ -150,34 +167,38 @@ class Head:
 
     def __init__(self, ckpt: Checkpoint, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  embed: bool = True, lm_head: bool = True) -> None:
-        _, norm_cls, _ = family_classes(ckpt.model_type)
+        shell = ModelShell(ckpt)
+        self.config, self.family = shell.config, ckpt.family
         names = ckpt.head_tensors()
+        tied = names["lm_head"] is None
         want = []
-        if embed or names["lm_head"] is None:
+        if embed or (lm_head and tied):
             want.append(names["embed"])
         if lm_head:
-            want.append(names["norm"])
-            if names["lm_head"]:
-                want.append(names["lm_head"])
-        t = ckpt.load(want, dtype=dtype, device=device)
+            want += [names["norm"]] + ([] if tied else [names["lm_head"]])
+        shell.load(want, dtype=dtype, device=device)
         self.dtype, self.device = dtype, device
-        self.embed_weight = t.get(names["embed"])
-        self.norm = None
-        self.lm_weight = None
+        base = shell.base
+        embed_module = shell.take(base.embed_tokens, "model.embed_tokens.", device) if names["embed"] in want else None
+        self.embed_module = embed_module if embed else None
+        self.embed_weight = embed_module.weight if embed_module is not None else None
+        self.norm = self.lm_module = self.lm_weight = None
         if lm_head:
-            cfg = ckpt.config
-            self.norm = norm_cls(cfg.hidden_size, eps=cfg.rms_norm_eps).to(device=device, dtype=dtype)
-            self.norm.weight.data.copy_(t[names["norm"]])
-            self.lm_weight = t[names["lm_head"]] if names["lm_head"] else self.embed_weight
-        if not embed:
-            self.embed_weight = None if names["lm_head"] else self.embed_weight
+            self.norm = shell.take(base.norm, "model.norm.", device)
+            self.lm_module = embed_module if tied else shell.take(shell.model.lm_head, "lm_head.", device)
+            self.lm_weight = self.lm_module.weight
+        if not embed and not tied:
+            self.embed_weight = None
 
     @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(ids.to(self.device), self.embed_weight)
+        h = self.embed_module(ids.to(self.device))
+        return self.family.scale_embeddings(self.config, h)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[batch, tokens, hidden] -> [batch, tokens, vocab] in float32."""
         h = self.norm(hidden.to(device=self.device, dtype=self.dtype))
-        return torch.nn.functional.linear(h, self.lm_weight).float()
+        bias = getattr(self.lm_module, "bias", None) if self.lm_module is not self.embed_module else None
+        logits = torch.nn.functional.linear(h, self.lm_weight, bias)
+        return self.family.finish_logits(self.config, logits).float()

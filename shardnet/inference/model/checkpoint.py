@@ -19,7 +19,8 @@ from typing import Any
 
 import cbor2
 
-from shardnet.errors import ShardnetError
+from shardnet.errors import CheckpointError
+from shardnet.inference.model.families import Family, family_for
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +29,6 @@ MANIFEST_CACHE = ".shardnet-manifest.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt")
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-class CheckpointError(ShardnetError):
-    """The directory is not a usable checkpoint (or a layer range does not fit it): a user error."""
 
 
 @dataclass(frozen=True)
@@ -54,17 +50,29 @@ class Checkpoint:
             self.raw_config = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
-        self.model_type = self.raw_config.get("model_type", "")
-        if self.model_type not in SUPPORTED_FAMILIES:
-            raise CheckpointError(
-                f"model_type {self.model_type!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
+        self.family: Family = family_for(self.raw_config)
+        self.model_type = self.family.model_type
         self.entries = self._index()
+        if not any(LAYER_RE.match(n) for n in self.entries):
+            raise CheckpointError(f"model_type {self.model_type!r} is not supported: its weights have no "
+                                  "model.layers.N decoder stack")
         n = self.raw_config.get("num_hidden_layers")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise CheckpointError(f"{cfg_file}: num_hidden_layers must be a positive integer, not {n!r}")
         self.num_layers = n
+        self.fp8_block_size = _fp8_block_size(self.raw_config)
         self._config = None
         self._manifest: dict | None = None
+
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype the checkpoint stores its weights in, as its config says (transformers'
+        default load uses it); float32 when the config names none."""
+        name = self.raw_config.get("dtype") or self.raw_config.get("torch_dtype") or "float32"
+        if name not in ("float32", "bfloat16", "float16"):
+            raise CheckpointError(f"{self.path.name}/config.json says dtype {name!r}; "
+                                  "choose --dtype float32, bfloat16 or float16")
+        return name
 
     # -- structure ---------------------------------------------------------------------------
     @property
@@ -74,8 +82,6 @@ class Checkpoint:
             from transformers import AutoConfig
 
             self._config = AutoConfig.from_pretrained(str(self.path), local_files_only=True)
-            # what from_pretrained would pick for a whole model; standalone layers get none
-            self._config._attn_implementation = "sdpa"
         return self._config
 
     def _index(self) -> dict[str, TensorEntry]:
@@ -140,11 +146,15 @@ class Checkpoint:
             detail = (f"; missing {len(missing)} (first: {missing[0]})" if missing else "") + \
                      (f"; {len(extra)} beyond it" if extra else "")
             raise CheckpointError(f"{where} but the weights hold {have}{detail}")
-        odd = next((i for i in found if per_layer[i] != per_layer[0]), None)
-        if odd is not None:
-            diff = sorted(per_layer[0] ^ per_layer[odd])
-            raise CheckpointError(f"layer {odd} of {self.path.name} does not have the tensors layer 0 has "
-                                  f"(differs in {', '.join(diff[:3])}{', ...' if len(diff) > 3 else ''})")
+        # dense and mixture-of-experts layers may alternate (dense first layers, sparse steps):
+        # each layer must hold what the first layer of its kind holds
+        first_of_kind: dict[bool, int] = {}
+        for i in found:
+            like = first_of_kind.setdefault(any(".experts." in n for n in per_layer[i]), i)
+            if per_layer[i] != per_layer[like]:
+                diff = sorted(per_layer[like] ^ per_layer[i])
+                raise CheckpointError(f"layer {i} of {self.path.name} does not have the tensors layer {like} has "
+                                      f"(differs in {', '.join(diff[:3])}{', ...' if len(diff) > 3 else ''})")
         head = self.head_tensors()
         for part in ("embed", "norm"):
             if head[part] not in self.entries:
@@ -220,6 +230,21 @@ class Checkpoint:
         except OSError:
             pass  # read-only model directory: recompute next time
         return manifest
+
+
+def _fp8_block_size(raw_config: dict) -> tuple[int, int] | None:
+    """The block size of an FP8 block-scaled checkpoint; None when it is not quantized; a
+    one-line refusal for any other stored quantization."""
+    q = raw_config.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else None
+    block = q.get("weight_block_size") if isinstance(q, dict) else None
+    if method == "fp8" and isinstance(block, list) and len(block) == 2 and all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        return block[0], block[1]
+    raise CheckpointError(f"stored quantization {method!r} is not supported (supported: fp8 with "
+                          "weight_block_size, as DeepSeek-V3 and Qwen3-FP8 ship)")
 
 
 def model_id_of(manifest: dict) -> str:

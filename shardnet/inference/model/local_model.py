@@ -13,14 +13,14 @@ from shardnet.inference.model.checkpoint import Checkpoint
 class LocalModel:
     """What a client holds of a model: tokenizer, embeddings, final norm, LM head, identity."""
 
-    def __init__(self, path: str | Path, *, dtype: str = "float32", device: str | None = None,
+    def __init__(self, path: str | Path, *, dtype: str = "auto", device: str | None = None,
                  lm_head: bool = True) -> None:
         from tokenizers import Tokenizer
 
         self.ckpt = Checkpoint(path)
         self.model_id = self.ckpt.model_id
-        self.dtype = resolve_dtype(dtype)
         self.device = pick_device(device)
+        self.dtype = resolve_dtype(dtype, self.ckpt, self.device)
         self.head = Head(self.ckpt, dtype=self.dtype, device=self.device, lm_head=lm_head)
         tok_file = self.ckpt.path / "tokenizer.json"
         if not tok_file.is_file():

@@ -20,13 +20,55 @@ _TOKENIZER_TEXT = (
 ) * 20
 
 
+def _alternating(layers: int) -> list[str]:
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+def _family_extras(family: str, *, layers: int, hidden: int, heads: int, intermediate: int,
+                   sliding_window: int | None) -> dict:
+    """What a small random checkpoint of ``family`` sets beyond the common shape: every feature
+    its adapter or transformers' layers handle is switched on (a sliding window short enough to
+    matter, non-trivial multipliers, experts with shared experts and dense first layers), so a
+    block that dropped one would not match."""
+    head_dim = hidden // heads
+    window = sliding_window or 5
+    experts = dict(num_experts_per_tok=2, moe_intermediate_size=max(8, intermediate // 4))
+    return {
+        "mistral": dict(sliding_window=sliding_window),
+        "qwen3": dict(head_dim=head_dim),
+        "gemma2": dict(head_dim=head_dim, sliding_window=window, tie_word_embeddings=True,
+                       query_pre_attn_scalar=head_dim),
+        "gemma3_text": dict(head_dim=head_dim, sliding_window=window, tie_word_embeddings=True,
+                            query_pre_attn_scalar=head_dim, layer_types=_alternating(layers)),
+        "phi3": dict(),
+        "olmo2": dict(),
+        "granite": dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5,
+                        attention_multiplier=0.5 / head_dim ** 0.5),
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": dict(num_experts=4, shared_expert_intermediate_size=intermediate, mlp_only_layers=[0],
+                          **experts),
+        "qwen3_moe": dict(num_experts=4, head_dim=head_dim, mlp_only_layers=[0], **experts),
+        # its YaRN rope expects the long context its real config has
+        "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=head_dim, sliding_window=window,
+                        layer_types=_alternating(layers), max_position_embeddings=131072),
+        # MLA expands its latent into one key and value per query head, as DeepSeek-V3 ships
+        "deepseek_v3": dict(num_key_value_heads=heads, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                            topk_group=1, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4,
+                            qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
+                            **experts),
+        "glm4_moe": dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                         topk_group=1, head_dim=head_dim, use_qk_norm=True, **experts),
+    }.get(family, {})
+
+
 def make_config(family: str, *, layers: int, hidden: int, heads: int, kv_heads: int | None,
                 intermediate: int | None, vocab: int, max_positions: int = 2048,
                 sliding_window: int | None = None):
     from transformers import AutoConfig
 
+    intermediate = intermediate or hidden * 2
     kw = dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or hidden * 2,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
         max_position_embeddings=max_positions, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=0, eos_token_id=0, pad_token_id=0,
@@ -34,10 +76,8 @@ def make_config(family: str, *, layers: int, hidden: int, heads: int, kv_heads: 
         # weights make every prompt continue with one repeated token, a weak test)
         initializer_range=0.25,
     )
-    if family == "mistral":
-        kw["sliding_window"] = sliding_window
-    if family == "qwen3":
-        kw["head_dim"] = hidden // heads
+    kw.update(_family_extras(family, layers=layers, hidden=hidden, heads=heads, intermediate=intermediate,
+                             sliding_window=sliding_window))
     return AutoConfig.for_model(family, **kw)
 
 
@@ -68,12 +108,15 @@ def init_random(out: str | Path, family: str = "llama", *, layers: int = 4, hidd
                       intermediate=intermediate, vocab=vocab, sliding_window=sliding_window)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
-    if family == "qwen2":
-        # qkv biases are zero at init; make them matter, so a block that dropped them would fail
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
+    with torch.no_grad():
+        # biases and routers' correction terms are zero at init; make them matter, so a block
+        # that dropped one would fail
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "sinks" in name:
+                p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     model = model.to(getattr(torch, dtype))
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     max_shard = None if shards <= 1 else max(1, size // shards + 1)

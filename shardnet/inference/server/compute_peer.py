@@ -24,7 +24,7 @@ import torch
 import trio
 
 from shardnet.inference.claims import RTT_SAMPLES, find_claims, live_claims
-from shardnet.inference.model.block import Block, Head, pick_device, resolve_dtype
+from shardnet.inference.model.block import Block, Head, dtype_name, pick_device, resolve_dtype
 from shardnet.inference.model.checkpoint import Checkpoint
 from shardnet.inference.server.block_endpoint import (
     BlockEndpoint,
@@ -91,7 +91,7 @@ def free_memory_bytes(device: str) -> int:
 class ComputePeer:
     """One peer's block (replaceable), its claim, and the upkeep that keeps both right."""
 
-    def __init__(self, node: Node, model_path: str | Path, *, dtype: str = "float32", device: str | None = None,
+    def __init__(self, node: Node, model_path: str | Path, *, dtype: str = "auto", device: str | None = None,
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET, idle_timeout: float | None = None,
                  hold_head: bool = False, throughput: float | None = None) -> None:
         self.node = node
@@ -99,8 +99,9 @@ class ComputePeer:
         self.fixed_throughput = throughput
         self.ckpt = Checkpoint(model_path)
         self.model_id = self.ckpt.model_id
-        self.dtype_name = dtype
-        self.dtype, self.device = resolve_dtype(dtype), pick_device(device)
+        self.device = pick_device(device)
+        self.dtype = resolve_dtype(dtype, self.ckpt, self.device)
+        self.dtype_name = dtype_name(self.dtype)
         self.kv_budget_bytes = kv_budget_bytes
         #: seconds a session may idle (default: the node's session_idle_s limit)
         self.idle_timeout = node.config.limits.session_idle_s if idle_timeout is None else idle_timeout
@@ -267,7 +268,7 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
 
 
 @asynccontextmanager
-async def serve_block(node: Node, model_path: str, start: int, end: int, *, dtype: str = "float32",
+async def serve_block(node: Node, model_path: str, start: int, end: int, *, dtype: str = "auto",
                       device: str | None = None, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
                       idle_timeout: float | None = None, hold_head: bool = False,
                       claim_ttl: float = 120.0) -> AsyncIterator[ServedBlock]:

@@ -1,0 +1,115 @@
+"""What differs between model families, one small adapter each, found from the config.
+
+Every family here is a decoder-only stack ``model.layers.N`` whose layers, norms, rotary tables
+and experts are transformers' own modules (built by :mod:`shell`). What transformers does *around*
+that stack in the family's ``*Model.forward`` and ``*ForCausalLM.forward`` is what a block and a
+head must redo, and that is what an adapter declares: a multiplier on the embeddings, how the
+logits are finished, whether each attention type has its own rotary table. Masks follow the
+config's ``layer_types`` (full or sliding-window), which transformers already reads per layer.
+
+A family without an adapter still runs when its stack is the standard one: ``generic(model_type)``
+gives it the default adapter, and the first load of such a checkpoint runs its first layer
+against transformers (:mod:`family_check`), refusing it on any mismatch. What can be told from the
+config alone (not a causal LM, an attention kind with no mask here, bidirectional attention) is
+refused before any weight is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardnet.errors import CheckpointError
+
+#: attention kinds a block knows how to mask (transformers' names, from ``config.layer_types``)
+KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    #: how the family is proven here ("" for a family run generically and checked at first load)
+    tested: str = ""
+    #: config attribute the input embeddings are multiplied by (Granite's embedding_multiplier)
+    embed_multiplier: str | None = None
+    #: config attribute the logits are divided by (Granite's logits_scaling)
+    logit_divisor: str | None = None
+    #: config attribute for tanh soft-capping of the final logits (Gemma 2 and 3)
+    logit_softcap: str | None = None
+    #: the rotary module takes the layer's attention type and keeps a table per type (Gemma 3)
+    rotary_per_layer_type: bool = False
+    #: a mixture-of-experts family (for docs, the benchmark and init-random's shapes)
+    moe: bool = False
+
+    @property
+    def generic(self) -> bool:
+        return not self.tested
+
+    def scale_embeddings(self, config, h: torch.Tensor) -> torch.Tensor:
+        if self.embed_multiplier:
+            h = h * getattr(config, self.embed_multiplier)
+        return h
+
+    def finish_logits(self, config, logits: torch.Tensor) -> torch.Tensor:
+        if self.logit_divisor:
+            logits = logits / getattr(config, self.logit_divisor)
+        cap = getattr(config, self.logit_softcap, None) if self.logit_softcap else None
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def position_embeddings(self, rotary, hidden: torch.Tensor, position_ids: torch.Tensor,
+                            layer_types: list[str]) -> dict[str, tuple]:
+        """The (cos, sin) each attention type of this block uses."""
+        if self.rotary_per_layer_type:
+            return {kind: rotary(hidden, position_ids, kind) for kind in set(layer_types)}
+        shared = rotary(hidden, position_ids)
+        return dict.fromkeys(set(layer_types), shared)
+
+
+_PROVEN = "greedy token-identical and logits within tolerance vs transformers, 1-3 peers (CI)"
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", _PROVEN),
+    Family("mistral", _PROVEN),
+    Family("qwen2", _PROVEN),
+    Family("qwen3", _PROVEN),
+    Family("gemma2", _PROVEN, logit_softcap="final_logit_softcapping"),
+    Family("gemma3_text", _PROVEN, logit_softcap="final_logit_softcapping", rotary_per_layer_type=True),
+    Family("phi3", _PROVEN),
+    Family("olmo2", _PROVEN),
+    Family("granite", _PROVEN, embed_multiplier="embedding_multiplier", logit_divisor="logits_scaling"),
+    Family("mixtral", _PROVEN, moe=True),
+    Family("qwen2_moe", _PROVEN, moe=True),
+    Family("qwen3_moe", _PROVEN, moe=True),
+    Family("gpt_oss", _PROVEN, moe=True),
+    Family("deepseek_v3", _PROVEN, moe=True),
+    Family("glm4_moe", _PROVEN, moe=True),
+)}
+
+
+def family_for(raw_config: dict) -> Family:
+    """The adapter for a checkpoint's config, or CheckpointError with a one-line reason."""
+    model_type = raw_config.get("model_type", "")
+    if not isinstance(model_type, str) or not model_type:
+        raise CheckpointError("config.json has no model_type")
+    if model_type in FAMILIES:
+        family = FAMILIES[model_type]
+    else:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        )
+
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise CheckpointError(f"model_type {model_type!r} is not supported: the installed transformers has "
+                                  f"no causal language model for it (supported: {', '.join(FAMILIES)})")
+        family = Family(model_type)
+    odd = sorted({t for t in raw_config.get("layer_types") or [] if t not in KNOWN_LAYER_TYPES})
+    if odd:
+        raise CheckpointError(f"model_type {model_type!r} is not supported: its layers use "
+                              f"{', '.join(map(repr, odd))}, and a block masks only {', '.join(KNOWN_LAYER_TYPES)}")
+    if raw_config.get("use_bidirectional_attention"):
+        raise CheckpointError(f"model_type {model_type!r} is not supported with use_bidirectional_attention "
+                              "(a block runs causal attention only)")
+    return family

@@ -1,0 +1,83 @@
+"""Every supported family through a chain of real peers, against single-process transformers.
+
+Each family's tiny random checkpoint switches on what makes the family differ (see
+``random_model._family_extras``: sliding windows, soft-capping, multipliers, experts with shared
+experts and dense first layers, MLA, attention sinks), so a block or head that skipped one would
+not match. The four llama-like families are run over 1-4 peers in test_inference.py.
+"""
+
+import pytest
+import torch
+
+from shardnet.inference.client.client import Client
+from shardnet.inference.model.families import FAMILIES
+from shardnet.inference.model.layout import split_layers
+from shardnet.inference.model.local_model import LocalModel
+from shardnet.inference.model.random_model import init_random
+from shardnet.testing.helpers import (
+    chain_last_logits,
+    chain_token_ids,
+    local_chain,
+    transformers_reference,
+)
+
+PROMPT = [3, 17, 42, 99, 7, 250, 11]
+NEW_TOKENS = 12
+#: float32 logits through the chain vs transformers in one process
+LOGIT_TOL = 1e-4
+
+NEW_FAMILIES = [f for f in FAMILIES if f not in ("llama", "mistral", "qwen2", "qwen3")]
+#: bfloat16 logits of the same ops in the same order agree to rounding; allow a few ulps at |x|~10
+BF16_LOGIT_TOL = 0.1
+
+
+@pytest.fixture(scope="module")
+def make_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    made = {}
+
+    def make(family, dtype="float32"):
+        if (family, dtype) not in made:
+            made[family, dtype] = init_random(root / f"{family}-{dtype}", family, layers=4, hidden=64, heads=4,
+                                              kv_heads=2, vocab=512, seed=21, dtype=dtype)
+        return made[family, dtype]
+    return make
+
+
+def test_every_new_family_is_listed():
+    assert set(NEW_FAMILIES) == {"gemma2", "gemma3_text", "phi3", "olmo2", "granite", "mixtral", "qwen2_moe",
+                                 "qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe"}
+
+
+@pytest.mark.parametrize("peers", [2, 3])
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+async def test_family_matches_transformers(loopback_config, make_checkpoint, family, peers):
+    path = make_checkpoint(family)
+    want_ids, want_logits = transformers_reference(path, PROMPT, NEW_TOKENS)
+    async with local_chain(loopback_config, path, split_layers(4, peers)) as node:
+        client = Client(node, LocalModel(path))
+        got = await chain_token_ids(client, PROMPT, NEW_TOKENS)
+        assert [(c.start, c.end) for c in client.last_stats.chain] == split_layers(4, peers)
+        logits = await chain_last_logits(client, PROMPT + got)
+    assert got == want_ids
+    assert torch.allclose(logits, want_logits, atol=LOGIT_TOL, rtol=0), (logits - want_logits).abs().max()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe", "deepseek_v3"])
+async def test_bfloat16_checkpoint_computes_in_bfloat16(loopback_config, make_checkpoint, family):
+    """dtype auto: a bf16 checkpoint runs in bf16 on every peer and the client, as transformers'
+    default load does, and the peers claim bf16."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_checkpoint(family, "bfloat16")
+    assert AutoModelForCausalLM.from_pretrained(path).dtype == torch.bfloat16  # the reference's own default
+    want_ids, want_logits = transformers_reference(path, PROMPT, NEW_TOKENS, dtype=None)
+    async with local_chain(loopback_config, path, split_layers(4, 2)) as node:
+        model = LocalModel(path)
+        assert model.dtype == torch.bfloat16
+        client = Client(node, model)
+        got = await chain_token_ids(client, PROMPT, NEW_TOKENS)
+        assert {c.dtype for c in client.last_stats.chain} == {"bfloat16"}
+        logits = await chain_last_logits(client, PROMPT + got)
+    assert got == want_ids
+    assert torch.allclose(logits, want_logits, atol=BF16_LOGIT_TOL, rtol=0), (logits - want_logits).abs().max()
