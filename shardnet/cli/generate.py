@@ -54,10 +54,12 @@ from .common import (
 @click.option("--audit-rate", type=click.FloatRange(0, 1), default=None,
               help="Share of steps re-run on other peers of the same layers to catch wrong computation "
                    "(default 0.1; 0: off).")
+@click.option("--quantized", default="allow", type=click.Choice(["allow", "require", "refuse"]), show_default=True,
+              help="Route through peers whose weights are quantized (join --quantize): allow, require or refuse.")
 @wrap_errors
 def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, prompt, max_new_tokens, temperature,
              top_p, top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k, depth, wire,
-             receipt, receipt_without_prompt, check_speculation, audit_rate) -> None:
+             receipt, receipt_without_prompt, check_speculation, audit_rate, quantized) -> None:
     """Generate text from PROMPT through the swarm; print tokens as they arrive."""
     from shardnet.inference.client.client import Client
     from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter
@@ -86,7 +88,7 @@ def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_pa
             if bootstrap:
                 await n.wait_bootstrapped()
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout, wire=wire,
-                            **({} if audit_rate is None else {"audit_rate": audit_rate}))
+                            quantized=quantized, **({} if audit_rate is None else {"audit_rate": audit_rate}))
             await _stream_generation(client, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, seed=seed, drafter=drafter, k=draft_k, depth=depth)
             if receipt is not None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from shardnet.inference.model.families import FAMILIES
+
 from .common import fail, say
 
 
@@ -17,7 +19,7 @@ def model() -> None:
 
 @model.command("init-random")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--family", default="llama", type=click.Choice(["llama", "mistral", "qwen2", "qwen3"]), show_default=True)
+@click.option("--family", default="llama", type=click.Choice(list(FAMILIES)), show_default=True)
 @click.option("--layers", default=4, show_default=True)
 @click.option("--hidden", default=64, show_default=True)
 @click.option("--heads", default=4, show_default=True)
@@ -27,14 +29,20 @@ def model() -> None:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--dtype", default="float32", type=click.Choice(["float32", "bfloat16", "float16"]), show_default=True)
 @click.option("--shards", default=1, show_default=True, help="Split the weights into this many files.")
-def model_init_random(out, family, layers, hidden, heads, kv_heads, intermediate, vocab, seed, dtype, shards) -> None:
+@click.option("--experts", default=4, show_default=True, help="Routed experts per MoE layer (MoE families).")
+@click.option("--active-experts", default=2, show_default=True, help="Experts each token is routed to.")
+def model_init_random(out, family, layers, hidden, heads, kv_heads, intermediate, vocab, seed, dtype, shards,
+                      experts, active_experts) -> None:
     """Write a random checkpoint (any size) to OUT."""
     from shardnet.inference.model.random_model import init_random
 
     if hidden % heads or heads % kv_heads:
         fail("--hidden must be a multiple of --heads, and --heads of --kv-heads", 2)
+    if not 1 <= active_experts <= experts:
+        fail("--active-experts must be between 1 and --experts", 2)
     path = init_random(out, family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                       intermediate=intermediate, vocab=vocab, seed=seed, dtype=dtype, shards=shards)
+                       intermediate=intermediate, vocab=vocab, seed=seed, dtype=dtype, shards=shards,
+                       experts=experts, active_experts=active_experts)
     say(f"wrote {family} ({layers} layers, hidden {hidden}) to {path}")
 
 

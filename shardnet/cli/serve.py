@@ -35,9 +35,11 @@ from .common import (
               help="Seconds a request waits for peers covering the model before a 503.")
 @click.option("--audit-rate", type=click.FloatRange(0, 1), default=None,
               help="Share of steps re-run on other peers to catch wrong computation (default 0.1; 0: off).")
+@click.option("--quantized", default="allow", type=click.Choice(["allow", "require", "refuse"]), show_default=True,
+              help="Route through peers whose weights are quantized (join --quantize): allow, require or refuse.")
 @wrap_errors
 def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, host, port, name, logits_on_last,
-          dtype, route_timeout, audit_rate) -> None:
+          dtype, route_timeout, audit_rate, quantized) -> None:
     """Serve an OpenAI-compatible HTTP API (completions, chat, streaming) backed by the swarm."""
     from shardnet.gateway.server import serve_gateway
     from shardnet.inference.client.client import Client
@@ -58,7 +60,7 @@ def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path,
                 log.info("joining the swarm…")
                 await n.wait_bootstrapped()
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout,
-                            **({} if audit_rate is None else {"audit_rate": audit_rate}))
+                            quantized=quantized, **({} if audit_rate is None else {"audit_rate": audit_rate}))
             async with trio.open_nursery() as nursery:
                 # a port in use: PortInUseError, one line like the libp2p port's
                 urls = await nursery.start(functools.partial(

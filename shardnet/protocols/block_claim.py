@@ -5,8 +5,10 @@ of KV cache, estimates ``tput`` tokens/s, is reachable at ``addrs``, until ``exp
 time). Optional fields (absent in older claims): ``reach`` (the peer's AutoNAT verdict:
 public, private or unknown), ``load`` (the share of its KV budget in use) and ``rtts``
 ([peer, seconds] pairs: its measured round trips to peers serving the layers after its own,
-which clients use as edge weights when routing) and ``dtype`` (what it computes in: honest-compute
-checks allow for it when comparing peers' outputs). It is signed with the peer's Ed25519 identity key, so anyone can check it came from P
+which clients use as edge weights when routing), ``dtype`` (what it computes in: clients route
+through peers computing in their own dtype, and honest-compute checks allow for it when comparing
+peers' outputs) and ``quant`` (how its weights are quantized, "none" when they are not: clients
+may require or refuse quantized spans). It is signed with the peer's Ed25519 identity key, so anyone can check it came from P
 and was not altered; it travels through the DHT (a signed value plus a provider record), the
 gossipsub topic ``/shardnet/block-claim/1.0.0/<model>``, and this protocol's stream (a peer
 answers a request with its current claims).
@@ -50,6 +52,7 @@ class Claim:
     load: float = 0.0
     rtts: tuple[tuple[str, float], ...] = ()
     dtype: str = "unknown"
+    quant: str = "none"
 
     def covers(self, layer: int) -> bool:
         return self.start <= layer < self.end
@@ -61,6 +64,7 @@ def topic(model_id: str) -> str:
 
 REACH_VALUES = ("public", "private", "unknown")
 DTYPE_VALUES = ("float32", "bfloat16", "float16", "int8", "unknown")
+QUANT_VALUES = ("none", "int8", "int4")
 MAX_RTTS = 16
 
 
@@ -98,13 +102,14 @@ def decode(blob: bytes, *, now: float | None = None) -> Claim:
         c = Claim(model=body["model"], start=body["start"], end=body["end"], kv_tokens=body["kv_tokens"],
                   tput=float(body["tput"]), addrs=tuple(body["addrs"]), expires=float(body["expires"]),
                   peer=body["peer"], reach=body.get("reach", "unknown"), load=float(body.get("load", 0.0)),
-                  rtts=_rtts(body.get("rtts", [])), dtype=body.get("dtype", "unknown"))
+                  rtts=_rtts(body.get("rtts", [])), dtype=body.get("dtype", "unknown"),
+                  quant=body.get("quant", "none"))
     except (KeyError, TypeError, ValueError) as e:
         raise ClaimError(f"claim body incomplete ({e})") from None
     if not (isinstance(c.model, str) and isinstance(c.peer, str) and all(isinstance(a, str) for a in c.addrs)
             and isinstance(c.start, int) and isinstance(c.end, int) and 0 <= c.start < c.end
             and isinstance(c.kv_tokens, int) and c.kv_tokens >= 0 and c.reach in REACH_VALUES
-            and c.dtype in DTYPE_VALUES
+            and c.dtype in DTYPE_VALUES and c.quant in QUANT_VALUES
             and math.isfinite(c.tput) and c.tput >= 0 and 0.0 <= c.load <= 1.0):
         raise ClaimError("claim body has the wrong types or an empty layer range")
     if str(ID.from_pubkey(pk)) != c.peer:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardnet.inference.client.client import Client
-from shardnet.inference.model.families import FAMILIES
+from shardnet.inference.model.families import FAMILIES, Family
 from shardnet.inference.model.layout import split_layers
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.random_model import init_random
@@ -26,7 +26,7 @@ NEW_TOKENS = 12
 #: float32 logits through the chain vs transformers in one process
 LOGIT_TOL = 1e-4
 
-NEW_FAMILIES = [f for f in FAMILIES if f not in ("llama", "mistral", "qwen2", "qwen3")]
+NEW_FAMILIES = [f for f, fam in FAMILIES.items() if fam.tested and f not in ("llama", "mistral", "qwen2", "qwen3")]
 #: bfloat16 logits of the same ops in the same order agree to rounding; allow a few ulps at |x|~10
 BF16_LOGIT_TOL = 0.1
 
@@ -81,3 +81,37 @@ async def test_bfloat16_checkpoint_computes_in_bfloat16(loopback_config, make_ch
         logits = await chain_last_logits(client, PROMPT + got)
     assert got == want_ids
     assert torch.allclose(logits, want_logits, atol=BF16_LOGIT_TOL, rtol=0), (logits - want_logits).abs().max()
+
+
+@pytest.mark.parametrize("family", ["olmoe", "phimoe", "starcoder2", "cohere"])
+async def test_a_family_without_its_own_test_runs_generically(loopback_config, make_checkpoint, family):
+    """Families not listed as proven: the standard stack with the default (or a declared)
+    adapter, checked against transformers at first load, and then exact through the chain."""
+    assert not FAMILIES.get(family, Family(family)).tested
+    path = make_checkpoint(family)
+    want_ids, _ = transformers_reference(path, PROMPT, NEW_TOKENS)
+    async with local_chain(loopback_config, path, split_layers(4, 2)) as node:
+        got = await chain_token_ids(Client(node, LocalModel(path)), PROMPT, NEW_TOKENS)
+    assert got == want_ids
+
+
+async def test_a_bfloat16_checkpoint_runs_in_float32_when_asked(loopback_config, make_checkpoint):
+    path = make_checkpoint("qwen3_moe", "bfloat16")
+    want_ids, _ = transformers_reference(path, PROMPT, NEW_TOKENS)  # transformers in float32
+    async with local_chain(loopback_config, path, split_layers(4, 2), dtype="float32") as node:
+        client = Client(node, LocalModel(path, dtype="float32"))
+        got = await chain_token_ids(client, PROMPT, NEW_TOKENS)
+        assert {c.dtype for c in client.last_stats.chain} == {"float32"}
+    assert got == want_ids
+
+
+async def test_a_client_routes_only_through_peers_of_its_dtype(loopback_config, make_checkpoint):
+    """Peers claim the dtype they compute in; a client computing in another one finds no route
+    and says why."""
+    from shardnet.errors import NoRouteError
+
+    path = make_checkpoint("llama", "bfloat16")
+    async with local_chain(loopback_config, path, split_layers(4, 2), dtype="float32") as node:
+        client = Client(node, LocalModel(path), route_timeout=1.0)  # auto: bfloat16
+        with pytest.raises(NoRouteError, match="computes in float32, not bfloat16"):
+            await chain_token_ids(client, PROMPT, 2)

@@ -29,11 +29,12 @@ from shardnet.inference.client.claims_view import ClaimsView
 from shardnet.inference.client.decode import GenerationStats, Token, generate_on
 from shardnet.inference.client.healing import HealingSession
 from shardnet.inference.client.reputation import Reputation
-from shardnet.inference.client.route_planner import RoutePlanner
+from shardnet.inference.client.route_planner import RoutePlanner, SpanPolicy
 from shardnet.inference.client.run_receipt import last_run, seal_run_receipt
 from shardnet.inference.client.sampling import Randomness, SamplingParams
 from shardnet.inference.client.session import InferenceSession, SessionSlots, _busy
 from shardnet.inference.client.speculative import Drafter
+from shardnet.inference.model.block import dtype_name
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.probes import Probes
 from shardnet.inference.receipt_service import ReceiptService
@@ -45,6 +46,8 @@ from shardnet.transport.node import Node
 log = logging.getLogger(__name__)
 
 
+#: whether a client routes through peers whose weights are quantized
+QUANTIZED_CHOICES = ("allow", "require", "refuse")
 #: how long a request waits in line for a session before it fails with code "busy" (seconds)
 QUEUE_TIMEOUT = 60.0
 
@@ -53,8 +56,10 @@ class Client:
     def __init__(self, node: Node, model: LocalModel, *, logits_on_last: bool = False,
                  route: list[Claim] | None = None, route_timeout: float = 30.0, wire: str | None = None,
                  max_heals: int = 5, receipts: bool = True, audit_rate: float = DEFAULT_AUDIT_RATE,
-                 queue_timeout: float = QUEUE_TIMEOUT) -> None:
+                 queue_timeout: float = QUEUE_TIMEOUT, quantized: str = "allow") -> None:
         self.node, self.model = node, model
+        if quantized not in QUANTIZED_CHOICES:
+            raise ShardnetError(f"unknown quantized policy {quantized!r} (choose from {', '.join(QUANTIZED_CHOICES)})")
         if wire is not None and wire not in ap.WIRE_DTYPES:
             raise ShardnetError(f"unknown wire dtype {wire!r} (choose from {', '.join(ap.WIRE_DTYPES)})")
         #: how hidden states travel between hops (None: the model's dtype, uncompressed)
@@ -81,7 +86,8 @@ class Client:
         #: which peers to route through (owns the claims view and the round-trip probes, shared
         #: likewise: one probe per peer at a time, results reused)
         self.planner = RoutePlanner(node, model.ckpt.num_layers, view=view, probes=Probes.of(node),
-                                    reputation=self.reputation, fixed_route=route, route_timeout=route_timeout)
+                                    reputation=self.reputation, fixed_route=route, route_timeout=route_timeout,
+                                    policy=SpanPolicy(dtype=dtype_name(model.dtype), quantized=quantized))
         #: sessions per first hop, shared likewise: more wait in line (see ``session``)
         self.slots = SessionSlots.of(node)
         self.queue_timeout = queue_timeout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
@@ -38,14 +39,37 @@ RTT_CACHE_S = 30.0
 SLOW_RTT = 2.0
 
 
+@dataclass(frozen=True)
+class SpanPolicy:
+    """Which peers' spans a client routes through: those computing in its dtype (peers whose
+    claim does not say are taken), quantized or not as the user asked."""
+
+    dtype: str | None = None
+    #: "allow" quantized spans, "require" them, or "refuse" them
+    quantized: str = "allow"
+
+    def accepts(self, c: Claim) -> bool:
+        if self.dtype and c.dtype not in (self.dtype, "unknown"):
+            return False
+        if self.quantized == "allow":
+            return True
+        return (c.quant != "none") == (self.quantized == "require")
+
+    def why_not(self, c: Claim) -> str:
+        if self.dtype and c.dtype not in (self.dtype, "unknown"):
+            return f"computes in {c.dtype}, not {self.dtype}"
+        return f"is {'not ' if c.quant == 'none' else ''}quantized ({c.quant}; --quantized {self.quantized})"
+
+
 class RoutePlanner:
     """Chains over ``num_layers`` layers through the peers in ``view``. ``fixed_route``: always
     this chain (no lookups), unless one of its peers is to be avoided."""
 
     def __init__(self, node: Node, num_layers: int, *, view: ClaimsView, probes: Probes,
                  reputation: Reputation, fixed_route: list[Claim] | None = None,
-                 route_timeout: float = 30.0) -> None:
+                 route_timeout: float = 30.0, policy: SpanPolicy = SpanPolicy()) -> None:
         self.node, self.num_layers = node, num_layers
+        self.policy = policy
         #: the swarm's claims for the model (shared by every client of the node)
         self.view = view
         #: round-trip probes (shared likewise)
@@ -107,7 +131,14 @@ class RoutePlanner:
         """The cheapest chain through ``claims`` now, after probing their peers; NoRouteError if
         the usable ones do not cover every layer."""
         usable = self.usable(claims, avoid)
-        plan_route(usable, self.num_layers)  # fail fast, before measuring anything
+        try:
+            plan_route(usable, self.num_layers)  # fail fast, before measuring anything
+        except NoRouteError as e:
+            left_out = [c for c in claims if not self.policy.accepts(c)]
+            if left_out:
+                raise NoRouteError(f"{e} ({len(left_out)} peer(s) left out: {left_out[0].peer[:12]}… "
+                                   f"{self.policy.why_not(left_out[0])})") from None
+            raise
         await self.measure_rtts([c.peer for c in usable])
         usable = self.usable(claims, avoid)  # without the peers found gone
 
@@ -137,6 +168,8 @@ class RoutePlanner:
         out = []
         for c in claims:
             if c.peer in avoid or c.peer in excluded or self.probes.verdict(c.peer) == "gone":
+                continue
+            if not self.policy.accepts(c):
                 continue
             until, expiry_then = self._avoid.get(c.peer, (0.0, 0.0))
             if until > now and c.expires <= expiry_then:

@@ -81,13 +81,13 @@ class Block:
         self.dtype, self.device, self.quantize = dtype, device, quantize
         self.family = ckpt.family
         t0 = time.perf_counter()
-        shell = ModelShell(ckpt)
+        shell = ModelShell(ckpt, dtype)
         self.config = shell.config
         self.layers = torch.nn.ModuleList()
         n_tensors = n_bytes = 0
         for i in range(start, end):
             names = ckpt.layer_tensors(i)
-            n_bytes += shell.load(names, dtype=dtype, device=device)
+            n_bytes += shell.load(names, device=device)
             layer = shell.take(shell.base.layers[i], f"model.layers.{i}.", device)
             # built with its global index (which picks its attention type, dense or sparse MLP);
             # its attention addresses this block's own cache, which starts at 0
@@ -167,19 +167,18 @@ class Head:
 
     def __init__(self, ckpt: Checkpoint, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                  embed: bool = True, lm_head: bool = True) -> None:
-        shell = ModelShell(ckpt)
+        shell = ModelShell(ckpt, dtype)
         self.config, self.family = shell.config, ckpt.family
-        names = ckpt.head_tensors()
-        tied = names["lm_head"] is None
-        want = []
-        if embed or (lm_head and tied):
-            want.append(names["embed"])
+        parts = ckpt.head_parts()
+        tied = not parts["lm_head"]
+        load_embed = embed or (lm_head and tied)
+        want = parts["embed"] if load_embed else []
         if lm_head:
-            want += [names["norm"]] + ([] if tied else [names["lm_head"]])
-        shell.load(want, dtype=dtype, device=device)
+            want = want + parts["norm"] + parts["lm_head"]
+        shell.load(want, device=device)
         self.dtype, self.device = dtype, device
         base = shell.base
-        embed_module = shell.take(base.embed_tokens, "model.embed_tokens.", device) if names["embed"] in want else None
+        embed_module = shell.take(base.embed_tokens, "model.embed_tokens.", device) if load_embed else None
         self.embed_module = embed_module if embed else None
         self.embed_weight = embed_module.weight if embed_module is not None else None
         self.norm = self.lm_module = self.lm_weight = None

@@ -106,9 +106,15 @@ class Checkpoint:
         return sorted(n for n in self.entries if n.startswith(prefix))
 
     def head_tensors(self) -> dict[str, str | None]:
-        """Names of the embedding, final norm and LM head (None when tied to the embedding)."""
+        """Names of the embedding, final norm and LM head weights (None when tied to the embedding)."""
         lm = "lm_head.weight" if "lm_head.weight" in self.entries else None
         return {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": lm}
+
+    def head_parts(self) -> dict[str, list[str]]:
+        """Every tensor of the embedding, the final norm and the LM head (biases included; an
+        empty LM head when it is tied to the embedding)."""
+        prefixes = {"embed": "model.embed_tokens.", "norm": "model.norm.", "lm_head": "lm_head."}
+        return {part: sorted(n for n in self.entries if n.startswith(p)) for part, p in prefixes.items()}
 
     def load(self, names: list[str], dtype: Any = None, device: str = "cpu") -> dict:
         """Load exactly ``names`` (torch tensors), nothing else."""
@@ -211,7 +217,7 @@ class Checkpoint:
                 h.update(n.encode() + b"\0" + bytes.fromhex(tensors_hash[n]))
             return h.hexdigest()
 
-        head = self.head_tensors()
+        head = self.head_parts()
         manifest = {
             "version": MANIFEST_VERSION,
             "model_type": self.model_type,
@@ -220,9 +226,9 @@ class Checkpoint:
             "tokenizer": {t: hashlib.sha256((self.path / t).read_bytes()).hexdigest()
                           for t in TOKENIZER_FILES if (self.path / t).exists()},
             "layers": [group(self.layer_tensors(i)) for i in range(self.num_layers)],
-            "embed": group([head["embed"]]),
-            "norm": group([head["norm"]]),
-            "lm_head": group([head["lm_head"]]) if head["lm_head"] else "tied",
+            "embed": group(head["embed"]),
+            "norm": group(head["norm"]),
+            "lm_head": group(head["lm_head"]) if head["lm_head"] else "tied",
         }
         try:
             (self.path / MANIFEST_CACHE).write_text(

@@ -16,11 +16,14 @@ refused before any weight is read.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from shardnet.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 #: attention kinds a block knows how to mask (transformers' names, from ``config.layer_types``)
 KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -35,10 +38,13 @@ class Family:
     embed_multiplier: str | None = None
     #: config attribute the logits are divided by (Granite's logits_scaling)
     logit_divisor: str | None = None
+    #: config attribute the logits are multiplied by (Cohere's logit_scale)
+    logit_multiplier: str | None = None
     #: config attribute for tanh soft-capping of the final logits (Gemma 2 and 3)
     logit_softcap: str | None = None
-    #: the rotary module takes the layer's attention type and keeps a table per type (Gemma 3)
-    rotary_per_layer_type: bool = False
+    #: the rotary module keeps a table per attention type and takes the type as an argument
+    #: (Gemma 3, OLMo 3); None: told by the rotary module's signature
+    rotary_per_layer_type: bool | None = None
     #: a mixture-of-experts family (for docs, the benchmark and init-random's shapes)
     moe: bool = False
 
@@ -52,17 +58,22 @@ class Family:
         return h
 
     def finish_logits(self, config, logits: torch.Tensor) -> torch.Tensor:
+        if self.logit_multiplier:
+            logits = logits * getattr(config, self.logit_multiplier)
         if self.logit_divisor:
             logits = logits / getattr(config, self.logit_divisor)
         cap = getattr(config, self.logit_softcap, None) if self.logit_softcap else None
         if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+            logits = (logits / cap).tanh() * cap
         return logits
 
     def position_embeddings(self, rotary, hidden: torch.Tensor, position_ids: torch.Tensor,
                             layer_types: list[str]) -> dict[str, tuple]:
         """The (cos, sin) each attention type of this block uses."""
-        if self.rotary_per_layer_type:
+        per_type = self.rotary_per_layer_type
+        if per_type is None:
+            per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        if per_type:
             return {kind: rotary(hidden, position_ids, kind) for kind in set(layer_types)}
         shared = rotary(hidden, position_ids)
         return dict.fromkeys(set(layer_types), shared)
@@ -86,6 +97,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gpt_oss", _PROVEN, moe=True),
     Family("deepseek_v3", _PROVEN, moe=True),
     Family("glm4_moe", _PROVEN, moe=True),
+    # declared, run generically and checked at first load (no CI test of their own)
+    Family("cohere", logit_multiplier="logit_scale"),
+    Family("cohere2", logit_multiplier="logit_scale"),
 )}
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from shardnet.errors import ShardnetError
 from shardnet.inference.model.block import Head, pick_device, resolve_dtype
 from shardnet.inference.model.checkpoint import Checkpoint
+from shardnet.inference.model.family_check import ensure_family_matches
 
 
 class LocalModel:
@@ -19,6 +20,7 @@ class LocalModel:
 
         self.ckpt = Checkpoint(path)
         self.model_id = self.ckpt.model_id
+        ensure_family_matches(self.ckpt)
         self.device = pick_device(device)
         self.dtype = resolve_dtype(dtype, self.ckpt, self.device)
         self.head = Head(self.ckpt, dtype=self.dtype, device=self.device, lm_head=lm_head)

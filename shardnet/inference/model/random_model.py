@@ -25,14 +25,15 @@ def _alternating(layers: int) -> list[str]:
 
 
 def _family_extras(family: str, *, layers: int, hidden: int, heads: int, intermediate: int,
-                   sliding_window: int | None) -> dict:
+                   sliding_window: int | None, experts: int, active_experts: int) -> dict:
     """What a small random checkpoint of ``family`` sets beyond the common shape: every feature
     its adapter or transformers' layers handle is switched on (a sliding window short enough to
     matter, non-trivial multipliers, experts with shared experts and dense first layers), so a
     block that dropped one would not match."""
     head_dim = hidden // heads
     window = sliding_window or 5
-    experts = dict(num_experts_per_tok=2, moe_intermediate_size=max(8, intermediate // 4))
+    n, k = experts, active_experts
+    moe = dict(num_experts_per_tok=k, moe_intermediate_size=max(8, intermediate // 4))
     return {
         "mistral": dict(sliding_window=sliding_window),
         "qwen3": dict(head_dim=head_dim),
@@ -44,26 +45,26 @@ def _family_extras(family: str, *, layers: int, hidden: int, heads: int, interme
         "olmo2": dict(),
         "granite": dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5,
                         attention_multiplier=0.5 / head_dim ** 0.5),
-        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-        "qwen2_moe": dict(num_experts=4, shared_expert_intermediate_size=intermediate, mlp_only_layers=[0],
-                          **experts),
-        "qwen3_moe": dict(num_experts=4, head_dim=head_dim, mlp_only_layers=[0], **experts),
+        "mixtral": dict(num_local_experts=n, num_experts_per_tok=k),
+        "qwen2_moe": dict(num_experts=n, shared_expert_intermediate_size=intermediate, mlp_only_layers=[0],
+                          **moe),
+        "qwen3_moe": dict(num_experts=n, head_dim=head_dim, mlp_only_layers=[0], **moe),
         # its YaRN rope expects the long context its real config has
-        "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=head_dim, sliding_window=window,
+        "gpt_oss": dict(num_local_experts=n, num_experts_per_tok=k, head_dim=head_dim, sliding_window=window,
                         layer_types=_alternating(layers), max_position_embeddings=131072),
         # MLA expands its latent into one key and value per query head, as DeepSeek-V3 ships
-        "deepseek_v3": dict(num_key_value_heads=heads, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
-                            topk_group=1, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4,
+        "deepseek_v3": dict(num_key_value_heads=heads, n_routed_experts=n, n_shared_experts=1,
+                            first_k_dense_replace=1, n_group=2 if n % 2 == 0 else 1, topk_group=1, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4,
                             qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
-                            **experts),
-        "glm4_moe": dict(n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
-                         topk_group=1, head_dim=head_dim, use_qk_norm=True, **experts),
+                            **moe),
+        "glm4_moe": dict(n_routed_experts=n, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                         topk_group=1, head_dim=head_dim, use_qk_norm=True, **moe),
     }.get(family, {})
 
 
 def make_config(family: str, *, layers: int, hidden: int, heads: int, kv_heads: int | None,
                 intermediate: int | None, vocab: int, max_positions: int = 2048,
-                sliding_window: int | None = None):
+                sliding_window: int | None = None, experts: int = 4, active_experts: int = 2):
     from transformers import AutoConfig
 
     intermediate = intermediate or hidden * 2
@@ -77,7 +78,7 @@ def make_config(family: str, *, layers: int, hidden: int, heads: int, kv_heads: 
         initializer_range=0.25,
     )
     kw.update(_family_extras(family, layers=layers, hidden=hidden, heads=heads, intermediate=intermediate,
-                             sliding_window=sliding_window))
+                             sliding_window=sliding_window, experts=experts, active_experts=active_experts))
     return AutoConfig.for_model(family, **kw)
 
 
@@ -98,14 +99,15 @@ def write_tokenizer(out: Path, vocab: int) -> None:
 def init_random(out: str | Path, family: str = "llama", *, layers: int = 4, hidden: int = 64,
                 heads: int = 4, kv_heads: int | None = 2, intermediate: int | None = None,
                 vocab: int = 512, seed: int = 0, dtype: str = "float32", shards: int = 1,
-                sliding_window: int | None = None) -> Path:
+                sliding_window: int | None = None, experts: int = 4, active_experts: int = 2) -> Path:
     """Create a random ``family`` checkpoint in ``out``; returns the directory."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = make_config(family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                      intermediate=intermediate, vocab=vocab, sliding_window=sliding_window)
+                      intermediate=intermediate, vocab=vocab, sliding_window=sliding_window,
+                      experts=experts, active_experts=active_experts)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():

@@ -39,22 +39,25 @@ def _quiet_transformers():
 
 
 class ModelShell:
-    def __init__(self, ckpt: Checkpoint) -> None:
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, config=None) -> None:
+        """A shell whose parameters are ``dtype`` (those transformers keeps in float32 aside);
+        ``config``: the checkpoint's own unless given (the family check builds a one-layer model)."""
         from transformers import AutoModelForCausalLM
 
         self.ckpt = ckpt
-        config = ckpt.config
+        config = config or ckpt.config
         if ckpt.fp8_block_size is not None:
             # dequantized at load (fp8.py), so the model is built as the unquantized one
             config = copy.deepcopy(config)
             del config.quantization_config
         try:
             with torch.device("meta"), _quiet_transformers():
-                self.model = AutoModelForCausalLM.from_config(config)
+                self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         except (ValueError, TypeError, KeyError, AttributeError, NotImplementedError) as e:
             raise CheckpointError(f"model_type {ckpt.model_type!r}: transformers cannot build it from "
                                   f"{ckpt.path.name}/config.json: {_one_line(e)}") from None
         self.config = self.model.config
+        self.dtype = dtype
         self.base = getattr(self.model, self.model.base_model_prefix, None)
         missing = [part for part in ("layers", "embed_tokens", "norm", "rotary_emb")
                    if not hasattr(self.base, part)]
@@ -62,7 +65,7 @@ class ModelShell:
             raise CheckpointError(f"model_type {ckpt.model_type!r} is not supported: its transformers model has no "
                                   f"{', '.join(missing)} (a block needs the standard model.layers stack)")
 
-    def load(self, names: list[str], *, dtype: torch.dtype, device: str) -> int:
+    def load(self, names: list[str], *, device: str) -> int:
         """Load the checkpoint tensors ``names`` into the shell (converted as transformers
         would); returns the bytes they take on the device."""
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -73,8 +76,8 @@ class ModelShell:
         if self.ckpt.fp8_block_size is not None:
             from shardnet.inference.model.fp8 import dequantize_fp8_blocks
 
-            tensors = dequantize_fp8_blocks(tensors, self.ckpt.fp8_block_size, dtype)
-        config = LoadStateDictConfig(dtype=dtype, dtype_plan=self.model._get_dtype_plan(dtype),
+            tensors = dequantize_fp8_blocks(tensors, self.ckpt.fp8_block_size, self.dtype)
+        config = LoadStateDictConfig(dtype=self.dtype, dtype_plan=self.model._get_dtype_plan(self.dtype),
                                      weight_mapping=get_model_conversion_mapping(self.model),
                                      device_map={"": device})
         with _quiet_transformers():

@@ -24,8 +24,15 @@ import torch
 import trio
 
 from shardnet.inference.claims import RTT_SAMPLES, find_claims, live_claims
-from shardnet.inference.model.block import Block, Head, dtype_name, pick_device, resolve_dtype
+from shardnet.inference.model.block import (
+    Block,
+    Head,
+    dtype_name,
+    pick_device,
+    resolve_dtype,
+)
 from shardnet.inference.model.checkpoint import Checkpoint
+from shardnet.inference.model.family_check import ensure_family_matches
 from shardnet.inference.server.block_endpoint import (
     BlockEndpoint,
     KvBudget,
@@ -93,12 +100,15 @@ class ComputePeer:
 
     def __init__(self, node: Node, model_path: str | Path, *, dtype: str = "auto", device: str | None = None,
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET, idle_timeout: float | None = None,
-                 hold_head: bool = False, throughput: float | None = None) -> None:
+                 hold_head: bool = False, throughput: float | None = None, quantize: str | None = None) -> None:
         self.node = node
+        #: how the block's weights are quantized at load (None: as the checkpoint computes)
+        self.quantize = quantize
         #: tokens/s to advertise instead of a measurement (None: measure each block loaded)
         self.fixed_throughput = throughput
         self.ckpt = Checkpoint(model_path)
         self.model_id = self.ckpt.model_id
+        ensure_family_matches(self.ckpt)
         self.device = pick_device(device)
         self.dtype = resolve_dtype(dtype, self.ckpt, self.device)
         self.dtype_name = dtype_name(self.dtype)
@@ -119,8 +129,10 @@ class ComputePeer:
     async def load(self, start: int, end: int) -> ServedBlock:
         """Load layers start..end and serve them to new sessions (open ones keep their block)."""
         ckpt = self.ckpt
-        log.info("loading layers %d:%d of %s (%s, %s)", start, end, ckpt.path.name, self.dtype_name, self.device)
-        block = await trio.to_thread.run_sync(lambda: Block(ckpt, start, end, dtype=self.dtype, device=self.device))
+        log.info("loading layers %d:%d of %s (%s%s, %s)", start, end, ckpt.path.name, self.dtype_name,
+                 f", weights {self.quantize}" if self.quantize else "", self.device)
+        block = await trio.to_thread.run_sync(
+            lambda: Block(ckpt, start, end, dtype=self.dtype, device=self.device, quantize=self.quantize))
         r = block.load_report
         log.info("loaded %d tensors (%.1f MB) in %.2f s", r.tensors, r.bytes / 1e6, r.seconds)
         head = None
@@ -145,13 +157,14 @@ class ComputePeer:
                      kv_tokens=(kv.limit - kv.used) // sb.block.kv_bytes_per_token(), tput=self.tput,
                      addrs=tuple(str(a) for a in self.node.listen_addrs), expires=expires, peer=str(self.node.peer_id),
                      reach=self.node.autonat.status if self.node.autonat else "unknown",
-                     load=min(1.0, kv.used / kv.limit) if kv.limit else 0.0, rtts=rtts, dtype=self.dtype_name)
+                     load=min(1.0, kv.used / kv.limit) if kv.limit else 0.0, rtts=rtts, dtype=self.dtype_name,
+                     quant=self.quantize or "none")
 
     # -- choosing and revising the span ----------------------------------------------------------
     async def choose_span(self, *, max_layers: int | None = None, wait: float = 5.0,
                           rng: random.Random | None = None) -> tuple[int, int]:
         """How many layers fit here, and the window of that size the swarm needs most."""
-        n = affordable_layers(self.ckpt, self.dtype_name, free_memory_bytes(self.device),
+        n = affordable_layers(self.ckpt, self.dtype_name, free_memory_bytes(self.device), quantize=self.quantize,
                               reserve_bytes=self.kv_budget_bytes, max_layers=max_layers)
         claims = await self.live_claims(wait)
         served = served_throughput(claims, self.ckpt.num_layers)
@@ -271,9 +284,9 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
 async def serve_block(node: Node, model_path: str, start: int, end: int, *, dtype: str = "auto",
                       device: str | None = None, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
                       idle_timeout: float | None = None, hold_head: bool = False,
-                      claim_ttl: float = 120.0) -> AsyncIterator[ServedBlock]:
+                      claim_ttl: float = 120.0, quantize: str | None = None) -> AsyncIterator[ServedBlock]:
     """Serve exactly layers start..end (no rebalancing)."""
     async with join_swarm(node, model_path, layers=(start, end), rebalance_interval=0, claim_ttl=claim_ttl,
                           dtype=dtype, device=device, kv_budget_bytes=kv_budget_bytes, idle_timeout=idle_timeout,
-                          hold_head=hold_head) as peer:
+                          hold_head=hold_head, quantize=quantize) as peer:
         yield peer.served

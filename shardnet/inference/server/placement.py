@@ -23,30 +23,45 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MEMORY_USE = 0.8
 
 
-def layer_bytes(ckpt, layer: int, dtype: str) -> int:
-    """Bytes the weights of one layer take in ``dtype``."""
+def layer_bytes(ckpt, layer: int, dtype: str, quantize: str | None = None) -> int:
+    """Bytes the weights of one layer take once loaded in ``dtype``: every tensor the checkpoint
+    stores for it (all of a mixture-of-experts layer's experts, shared experts and router
+    included), FP8 weights at the compute dtype and their block scales not at all (they are
+    dequantized at load); with ``quantize``, its matrices at what that mode costs a parameter."""
+    from shardnet.inference.model.fp8 import SCALE_SUFFIX
+
     size = DTYPE_BYTES[dtype]
-    total = 0
+    if quantize:
+        from shardnet.inference.model.quantize import bytes_per_param, quantizable
+
+        per_quantized = bytes_per_param(quantize, size)
+    total = 0.0
     for name in ckpt.layer_tensors(layer):
+        if ckpt.fp8_block_size is not None and name.endswith(SCALE_SUFFIX):
+            continue
+        shape = ckpt.entries[name].shape
         n = 1
-        for d in ckpt.entries[name].shape:
+        for d in shape:
             n *= d
-        total += n * size
-    return total
+        total += n * (per_quantized if quantize and quantizable(name, shape) else size)
+    return int(total)
 
 
 def affordable_layers(ckpt, dtype: str, free_bytes: int, *, reserve_bytes: int = 0,
-                      max_layers: int | None = None) -> int:
-    """How many consecutive layers fit in ``free_bytes`` (after ``reserve_bytes`` for the KV cache)."""
-    per_layer = max(layer_bytes(ckpt, i, dtype) for i in range(ckpt.num_layers))
+                      max_layers: int | None = None, quantize: str | None = None) -> int:
+    """How many consecutive layers fit in ``free_bytes`` (after ``reserve_bytes`` for the KV
+    cache) wherever the window falls: layers differ in size (dense first layers, then experts),
+    so it is the largest n whose heaviest n-layer window fits."""
+    sizes = [layer_bytes(ckpt, i, dtype, quantize) for i in range(ckpt.num_layers)]
     budget = int(free_bytes * MEMORY_USE) - reserve_bytes
-    n = min(ckpt.num_layers, budget // max(per_layer, 1))
-    if max_layers is not None:
-        n = min(n, max_layers)
+    limit = ckpt.num_layers if max_layers is None else min(ckpt.num_layers, max_layers)
+    n = 0
+    while n < limit and max(sum(sizes[s:s + n + 1]) for s in range(len(sizes) - n)) <= budget:
+        n += 1
     if n < 1:
-        raise ShardnetError(f"not enough memory for one layer: {per_layer / 2**20:.0f} MiB each in {dtype}, "
+        raise ShardnetError(f"not enough memory for one layer: up to {max(sizes) / 2**20:.0f} MiB each in {dtype}, "
                             f"{max(budget, 0) / 2**20:.0f} MiB to spend of {free_bytes / 2**20:.0f} MiB free")
-    return int(n)
+    return n
 
 
 def served_throughput(claims: Iterable[Claim], num_layers: int) -> list[float]:

@@ -69,3 +69,24 @@ def test_coverage_map():
     rows = coverage([claim(0, 4, "a", 5), claim(2, 8, "b", 7)], 8)
     assert [len(r["peers"]) for r in rows] == [1, 1, 2, 2, 1, 1, 1, 1]
     assert rows[3]["tput"] == 12
+
+
+def test_memory_for_mixture_of_experts_layers_counts_every_expert(tmp_path):
+    """DeepSeek-style: a dense first layer, then layers of 8 experts plus a shared one. The
+    estimate is what loading really takes, and a peer takes as many MoE layers as fit."""
+    from shardnet.inference.model.block import Block
+    from shardnet.inference.model.random_model import init_random
+
+    ckpt = Checkpoint(init_random(tmp_path / "moe", "deepseek_v3", layers=5, hidden=64, heads=4, vocab=128,
+                                  experts=8, active_experts=2))
+    dense, moe = layer_bytes(ckpt, 0, "float32"), layer_bytes(ckpt, 1, "float32")
+    assert moe > dense
+    for i in (0, 1):
+        assert Block(ckpt, i, i + 1).load_report.bytes == layer_bytes(ckpt, i, "float32")
+
+    def free_for(weights):  # what a peer must have free to spend ``weights`` on them
+        return int(weights / 0.8) + 1
+
+    assert affordable_layers(ckpt, "float32", free_for(3 * moe + dense // 2)) == 3
+    assert affordable_layers(ckpt, "float32", free_for(2 * moe + dense // 2)) == 2
+    assert affordable_layers(ckpt, "float32", free_for(moe + dense // 2)) == 1  # 2 layers fit at the dense end only

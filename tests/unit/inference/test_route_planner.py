@@ -143,3 +143,21 @@ async def test_a_fixed_route_is_used_as_is_until_one_of_its_peers_fails():
     assert p.view.lookups == 0
     with pytest.raises(NoRouteError, match="a peer of the fixed route failed"):
         await p.find_route(avoid={"a"})
+
+
+def test_span_policy_matches_dtype_and_quantization():
+    from shardnet.inference.client.route_planner import SpanPolicy
+    from shardnet.protocols.block_claim import Claim
+
+    def c(dtype="bfloat16", quant="none"):
+        return Claim(model="m", start=0, end=1, kv_tokens=1, tput=1.0, addrs=(), expires=4e9, peer="p",
+                     dtype=dtype, quant=quant)
+
+    bf16 = SpanPolicy(dtype="bfloat16")
+    assert bf16.accepts(c()) and bf16.accepts(c(dtype="unknown")) and not bf16.accepts(c(dtype="float32"))
+    assert "computes in float32, not bfloat16" in bf16.why_not(c(dtype="float32"))
+    assert bf16.accepts(c(quant="int8"))  # allowed unless asked otherwise
+    assert not SpanPolicy(quantized="refuse").accepts(c(quant="int4"))
+    assert SpanPolicy(quantized="refuse").accepts(c())
+    assert SpanPolicy(quantized="require").accepts(c(quant="int8"))
+    assert not SpanPolicy(quantized="require").accepts(c())

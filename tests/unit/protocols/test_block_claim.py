@@ -24,13 +24,15 @@ def claim(start=0, end=4, peer=ME, expires=4e9, **kw):
 def test_roundtrip_and_signature():
     c = claim()
     assert bc.decode(bc.encode(KP, c)) == c
-    full = dataclasses.replace(c, reach="private", load=0.25, rtts=(("12D3KooWpeer", 0.012),))
+    full = dataclasses.replace(c, reach="private", load=0.25, rtts=(("12D3KooWpeer", 0.012),), dtype="bfloat16",
+                               quant="int8")
     assert bc.decode(bc.encode(KP, full)) == full
 
 
 def test_optional_fields_are_checked():
     for bad in ({"reach": "sometimes"}, {"load": 1.5}, {"tput": float("nan")},
-                {"rtts": (("p", -1.0),)}, {"rtts": (("p", "soon"),)}, {"rtts": ((7, 0.1),)}):
+                {"rtts": (("p", -1.0),)}, {"rtts": (("p", "soon"),)}, {"rtts": ((7, 0.1),)},
+                {"quant": "int3"}, {"dtype": "float64"}):
         blob = bc.encode(KP, dataclasses.replace(claim(), **bad))
         with pytest.raises(bc.ClaimError):
             bc.decode(blob)
