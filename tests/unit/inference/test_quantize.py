@@ -1,0 +1,126 @@
+"""Weight quantization of one real transformers decoder layer (shardnet.inference.model.quantize).
+
+Tolerances: a layer's update (output minus input, what the layer adds to the residual stream) may
+differ from the unquantized layer's, computed in the same dtype on the same input, by at most
+MAX_REL_ERROR[mode, dtype] times the update's largest magnitude. Measured on these layers: int8
+0.011 (float32) and 0.057 (bfloat16, mostly bfloat16's own rounding of the output), int4 0.17
+and 0.20 (random weights are the worst case for 4 bits: no outliers to spare)."""
+
+import copy
+
+import pytest
+import torch
+
+from shardnet.errors import ShardnetError
+from shardnet.inference.model.quantize import (
+    QUANT_MODES,
+    QuantizationError,
+    bytes_per_param,
+    quantize_module,
+    weight_bytes,
+)
+
+pytestmark = pytest.mark.unit
+
+MAX_REL_ERROR = {
+    ("int8", torch.float32): 0.03, ("int8", torch.bfloat16): 0.1, ("int8", torch.float16): 0.03,
+    ("int4", torch.float32): 0.3, ("int4", torch.bfloat16): 0.35, ("int4", torch.float16): 0.3,
+}
+HIDDEN, TOKENS = 256, 6
+
+
+@pytest.fixture(scope="module")
+def layers():
+    """First decoder layer, rotary module and config of a tiny random llama and mixtral, built by
+    transformers (its own initialisation; mixtral's experts run grouped_mm, the default)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    built = {}
+    for family, extra in (("llama", {}), ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2})):
+        config = AutoConfig.for_model(family, vocab_size=64, hidden_size=HIDDEN, intermediate_size=512,
+                                      num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                                      **extra)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        built[family] = (model.model.layers[0], model.model.rotary_emb, model.config)
+    return built
+
+
+def layer_update(layer, rotary, x: torch.Tensor) -> torch.Tensor:
+    """What the layer adds to ``x``, run as Block runs it (under inference_mode)."""
+    position_ids = torch.arange(x.shape[1]).unsqueeze(0)
+    with torch.inference_mode():
+        out = layer(x, attention_mask=None, position_ids=position_ids,
+                    position_embeddings=rotary(x, position_ids))
+        out = out[0] if isinstance(out, tuple) else out
+        return (out - x).float()
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", QUANT_MODES)
+def test_quantized_layer_matches_unquantized(layers, family, dtype, mode):
+    layer, rotary, config = layers[family]
+    layer = copy.deepcopy(layer).to(dtype)
+    x = torch.randn(1, TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype)
+    reference = layer_update(layer, rotary, x)
+    unquantized_bytes = weight_bytes(layer)
+
+    quantize_module(layer, mode)
+
+    quantized = {n: type(p).__name__ for n, p in layer.named_parameters() if p.dim() >= 2}
+    assert quantized["self_attn.q_proj.weight"] == ("Int8Tensor" if mode == "int8" else "Int4OpaqueTensor")
+    if family == "mixtral":
+        # expert banks are int8 in both modes; the router stays in the compute dtype
+        assert quantized["mlp.experts.gate_up_proj"] == quantized["mlp.experts.down_proj"] == "Int8Tensor"
+        assert quantized["mlp.gate.weight"] == "Parameter"
+        # only this layer's experts switched to the per-expert loop, not the model's config
+        assert layer.mlp.experts.config._experts_implementation == "eager"
+        assert config._experts_implementation == "grouped_mm"
+    error = (layer_update(layer, rotary, x) - reference).abs().max().item()
+    assert error <= MAX_REL_ERROR[mode, dtype] * reference.abs().max().item()
+
+    ratio = weight_bytes(layer) / unquantized_bytes
+    if dtype == torch.bfloat16 and mode == "int8":
+        assert 0.45 < ratio < 0.55, ratio  # int8 is about half of bf16
+    elif dtype == torch.float32:
+        assert ratio < (0.3 if mode == "int8" else 0.27), ratio
+    if mode == "int4" and family == "llama":
+        assert ratio < 0.3 if dtype != torch.float32 else ratio < 0.16, ratio
+
+
+def test_bytes_per_param_is_what_a_linear_takes():
+    for mode in QUANT_MODES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for in_features in (1024, 224):
+                linear = torch.nn.Linear(in_features, 512, bias=False).to(dtype)
+                quantize_module(linear, mode)
+                per_param = weight_bytes(linear) / (512 * in_features)
+                assert per_param == pytest.approx(bytes_per_param(mode, dtype.itemsize, in_features=in_features))
+                # without the width it plans for the worst case, never less
+                assert bytes_per_param(mode, dtype.itemsize) >= per_param - 0.02
+    assert bytes_per_param(None, 2) == 2.0
+    assert bytes_per_param("int4", 2, expert=True) == bytes_per_param("int8", 2)
+
+
+def test_weight_bytes_unquantized_is_parameter_bytes():
+    linear = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    assert weight_bytes(linear) == (64 * 32 + 32) * 2
+
+
+def test_quantizing_twice_leaves_weights_as_they_are():
+    linear = torch.nn.Linear(256, 64)
+    quantize_module(linear, "int8")
+    weight = linear.weight
+    quantize_module(linear, "int4")
+    assert linear.weight is weight
+
+
+def test_refusals_are_one_line_shardnet_errors():
+    with pytest.raises(QuantizationError, match=r"^unknown quantization 'int3' \(choose from int8, int4\)$"):
+        quantize_module(torch.nn.Linear(64, 64), "int3")
+    with pytest.raises(ShardnetError, match=r"^int8 quantization runs on cpu and cuda, not meta$"):
+        quantize_module(torch.nn.Linear(64, 64, device="meta"), "int8")
+    with pytest.raises(QuantizationError) as refused:
+        bytes_per_param("fp3", 2)
+    assert "\n" not in str(refused.value) and refused.value.code == "quantization"
