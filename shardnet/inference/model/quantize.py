@@ -130,7 +130,9 @@ def _quantize(module: torch.nn.Module, mode: str) -> None:
 
     def int4(group_size: int):
         if device.type == "cpu":
-            from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+            from torchao.prototype.quantization.int4.inference_workflow import (
+                PrototypeInt4WeightOnlyConfig,
+            )
 
             return PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False)
         return ao.Int4WeightOnlyConfig(group_size=group_size, int4_packing_format="tile_packed_to_4d",
