@@ -25,6 +25,8 @@ What each mode does to one decoder layer:
   ``shared_expert_gate``) stay in the compute dtype: they are tiny and decide discrete routing.
 - A quantized expert module runs transformers' "eager" experts implementation (a loop over the hit
   experts): ``grouped_mm`` and ``batched_mm`` need ops torchao's int8 tensor does not implement.
+- Transposed expert banks (gpt-oss: ``x @ bank[e]``) stay unquantized: torchao's int8 tensor has
+  no matmul with the weight on the right, only ``F.linear``.
 """
 
 from __future__ import annotations
