@@ -82,7 +82,7 @@ def main() -> None:
 
     ckpt = Checkpoint(args.model)
     ranges = split_layers(ckpt.num_layers, args.peers)
-    ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(args.model).eval()  # its own dtype, as the peers (--dtype auto)
     model = LocalModel(args.model)
     ids = model.encode(PROMPT)
 

@@ -148,7 +148,7 @@ def measure_compute(ckpt: Checkpoint, ranges, model: LocalModel, positions: int,
     """Seconds of computation per chunk of ``positions`` tokens at ``context`` tokens of history,
     measured here one block at a time: (summed over the chain's blocks, at the client: embedding
     and head)."""
-    from shardnet.inference.model.block import Block
+    from shardnet.inference.model.block import Block, resolve_dtype
 
     def timed(fn) -> float:
         times = []
@@ -163,7 +163,7 @@ def measure_compute(ckpt: Checkpoint, ranges, model: LocalModel, positions: int,
     chain = 0.0
     with torch.inference_mode():
         for a, b in ranges:
-            block = Block(ckpt, a, b)
+            block = Block(ckpt, a, b, dtype=resolve_dtype("auto", ckpt))  # as the peers compute
             cache = block.new_cache()
             block.forward(torch.randn(1, context, hidden), cache, 0)
 

@@ -78,7 +78,7 @@ def _recompute_check(doc: dict, path: Path, prompt: str | None):
             return rc.Check("recompute", False, "a sampled run with a draft model cannot be recomputed here")
         drafter, k, depth = NGramDrafter(), spec["k"], spec["depth"]
     want = body["output_ids"]
-    block = Block(model.ckpt, 0, model.ckpt.num_layers)
+    block = Block(model.ckpt, 0, model.ckpt.num_layers, dtype=model.dtype)  # as the peers computed (auto)
 
     async def _run() -> list[int]:
         out: list[int] = []

@@ -19,14 +19,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def transformers_greedy(path, prompt: str, new: int) -> list[int]:
-    """The ``new`` tokens plain single-process transformers generates greedily after ``prompt``:
-    what every distributed run must reproduce."""
+    """The ``new`` tokens plain single-process transformers generates greedily after ``prompt``,
+    loaded as transformers loads it by default (in the checkpoint's dtype, as shardnet's
+    ``--dtype auto``): what every distributed run must reproduce."""
     import torch
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
     ids = Tokenizer.from_file(str(Path(path) / "tokenizer.json")).encode(prompt).ids
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.inference_mode():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                           eos_token_id=None, pad_token_id=0)

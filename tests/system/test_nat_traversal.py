@@ -49,7 +49,7 @@ def test_inference_across_three_nats(tmp_path):
 
     prompt, n = "def main(", 12
     model = LocalModel(default_model_path())
-    ref = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(default_model_path()).eval()  # its dtype, as the peers
     ids = model.encode(prompt)
     with torch.inference_mode():
         out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)

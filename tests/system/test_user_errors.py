@@ -79,7 +79,7 @@ def test_checkpoint_errors_are_user_errors(model, tmp_path):
     for cmd in (["generate", "--model", str(other), "--bootstrap", boot, "hi"],
                 ["serve", "--model", str(other), "--bootstrap", boot, "--port", "0"]):
         r = shardnet(*cmd)
-        assert_one_line_failure(r, r"model_type 'gpt2' is not supported \(supported: llama")
+        assert_one_line_failure(r, r"model_type 'gpt2' is not supported: its transformers model has no layers")
         assert "unexpected" not in r.stderr
     set_config(other, model_type="llama", num_hidden_layers="four")
     r = shardnet("model", "manifest", str(other))

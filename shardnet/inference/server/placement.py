@@ -30,11 +30,9 @@ def layer_bytes(ckpt, layer: int, dtype: str, quantize: str | None = None) -> in
     dequantized at load); with ``quantize``, its matrices at what that mode costs a parameter."""
     from shardnet.inference.model.fp8 import SCALE_SUFFIX
 
-    size = DTYPE_BYTES[dtype]
-    if quantize:
-        from shardnet.inference.model.quantize import bytes_per_param, quantizable
+    from shardnet.inference.model.quantize import MIN_QUANTIZED_OUT, bytes_per_param
 
-        per_quantized = bytes_per_param(quantize, size)
+    size = DTYPE_BYTES[dtype]
     total = 0.0
     for name in ckpt.layer_tensors(layer):
         if ckpt.fp8_block_size is not None and name.endswith(SCALE_SUFFIX):
@@ -43,7 +41,12 @@ def layer_bytes(ckpt, layer: int, dtype: str, quantize: str | None = None) -> in
         n = 1
         for d in shape:
             n *= d
-        total += n * (per_quantized if quantize and quantizable(name, shape) else size)
+        # what quantize_module quantizes: matrices of linear layers and experts, not norms,
+        # biases or narrow routers
+        if quantize and len(shape) == 2 and name.endswith(".weight") and shape[0] >= MIN_QUANTIZED_OUT:
+            total += n * bytes_per_param(quantize, size, in_features=shape[1], expert=".experts." in name)
+        else:
+            total += n * size
     return int(total)
 
 

@@ -4,6 +4,7 @@ are tests/system/test_placement.py)."""
 import random
 
 import pytest
+import torch
 
 from shardnet.inference.model.checkpoint import Checkpoint
 from shardnet.inference.server.placement import (
@@ -90,3 +91,19 @@ def test_memory_for_mixture_of_experts_layers_counts_every_expert(tmp_path):
     assert affordable_layers(ckpt, "float32", free_for(3 * moe + dense // 2)) == 3
     assert affordable_layers(ckpt, "float32", free_for(2 * moe + dense // 2)) == 2
     assert affordable_layers(ckpt, "float32", free_for(moe + dense // 2)) == 1  # 2 layers fit at the dense end only
+
+
+@pytest.mark.parametrize("mode, share", [("int8", 0.5), ("int4", 0.3)])
+def test_quantized_layers_are_planned_at_their_quantized_size(tmp_path, mode, share):
+    """The estimate for a quantized layer is close to what quantizing it really leaves."""
+    from shardnet.inference.model.block import Block
+    from shardnet.inference.model.quantize import weight_bytes
+    from shardnet.inference.model.random_model import init_random
+
+    ckpt = Checkpoint(init_random(tmp_path / "m", "llama", layers=2, hidden=256, heads=4, vocab=128,
+                                  dtype="bfloat16"))
+    plain = layer_bytes(ckpt, 0, "bfloat16")
+    planned = layer_bytes(ckpt, 0, "bfloat16", quantize=mode)
+    real = weight_bytes(Block(ckpt, 0, 1, dtype=torch.bfloat16, quantize=mode).layers[0])
+    assert planned < share * plain * 1.25
+    assert abs(planned - real) < 0.1 * real, (planned, real)
