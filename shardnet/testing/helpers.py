@@ -86,6 +86,13 @@ def assert_one_line_failure(r, pattern):
     assert re.search(pattern, errors[0]), errors[0]
 
 
+#: the prompt (token IDs) and length of the exactness tests: chain vs transformers in one process
+EXACT_PROMPT = [3, 17, 42, 99, 7, 250, 11]
+EXACT_NEW_TOKENS = 12
+#: max |logit difference| in float32 between a chain and transformers in one process
+LOGIT_TOL = 1e-4
+
+
 def transformers_reference(path, prompt: list[int], new: int, dtype="float32"):
     """transformers' greedy continuation of token IDs ``prompt`` and the logits of its last
     position, in float32 (or, with ``dtype=None``, in the checkpoint's own dtype: transformers'

@@ -15,16 +15,16 @@ from shardnet.inference.model.layout import split_layers
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.random_model import init_random
 from shardnet.testing.helpers import (
+    EXACT_NEW_TOKENS,
+    EXACT_PROMPT,
+    LOGIT_TOL,
     chain_last_logits,
     chain_token_ids,
     local_chain,
     transformers_reference,
 )
 
-PROMPT = [3, 17, 42, 99, 7, 250, 11]
-NEW_TOKENS = 12
-#: float32 logits through the chain vs transformers in one process
-LOGIT_TOL = 1e-4
+PROMPT, NEW_TOKENS = EXACT_PROMPT, EXACT_NEW_TOKENS
 
 NEW_FAMILIES = [f for f, fam in FAMILIES.items() if fam.tested and f not in ("llama", "mistral", "qwen2", "qwen3")]
 #: bfloat16 logits of the same ops in the same order agree to rounding; allow a few ulps at |x|~10

@@ -14,17 +14,18 @@ from shardnet.inference.model.layout import split_layers
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.random_model import init_random
 from shardnet.inference.server.compute_peer import serve_block
-from shardnet.testing.helpers import chain_last_logits as last_logits
 from shardnet.testing.helpers import (
+    EXACT_NEW_TOKENS,
+    EXACT_PROMPT,
+    LOGIT_TOL,
     chain_token_ids,
     local_chain,
     transformers_reference,
 )
+from shardnet.testing.helpers import chain_last_logits as last_logits
 from shardnet.transport import open_node
 
-PROMPT = [3, 17, 42, 99, 7, 250, 11]
-NEW_TOKENS = 12
-LOGIT_TOL = 1e-4
+PROMPT, NEW_TOKENS = EXACT_PROMPT, EXACT_NEW_TOKENS
 
 
 @pytest.fixture(scope="module")
