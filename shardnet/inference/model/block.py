@@ -102,11 +102,7 @@ class Block:
             n_tensors += len(names)
             log.info("loaded layer %d (%d tensors)", i, len(names))
         self.rotary = shell.take(shell.base.rotary_emb, "model.rotary_emb.", device).to(device)
-        types = getattr(self.config, "layer_types", None)
-        self.layer_types = [types[i] if types else "full_attention" for i in range(start, end)]
-        if "sliding_attention" not in self.layer_types and ckpt.model_type == "mistral" and \
-                getattr(self.config, "sliding_window", None):
-            self.layer_types = ["sliding_attention"] * (end - start)
+        self.layer_types = self.family.layer_types(self.config)[start:end]
         self.load_report = LoadReport(n_tensors, n_bytes, time.perf_counter() - t0)
         self._kv_bytes: int | None = None
 

@@ -52,6 +52,16 @@ class Family:
     def generic(self) -> bool:
         return not self.tested
 
+    def layer_types(self, config) -> list[str]:
+        """The attention kind of every layer: the config's ``layer_types`` where it has them; else
+        (Mistral, Mixtral, Starcoder2) every layer slides when a window is set, as their models'
+        masks do."""
+        types = getattr(config, "layer_types", None)
+        if types:
+            return list(types)
+        kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+        return [kind] * config.num_hidden_layers
+
     def scale_embeddings(self, config, h: torch.Tensor) -> torch.Tensor:
         if self.embed_multiplier:
             h = h * getattr(config, self.embed_multiplier)

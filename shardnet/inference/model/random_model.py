@@ -45,7 +45,7 @@ def _family_extras(family: str, *, layers: int, hidden: int, heads: int, interme
         "olmo2": dict(),
         "granite": dict(embedding_multiplier=3.0, logits_scaling=4.0, residual_multiplier=0.5,
                         attention_multiplier=0.5 / head_dim ** 0.5),
-        "mixtral": dict(num_local_experts=n, num_experts_per_tok=k),
+        "mixtral": dict(num_local_experts=n, num_experts_per_tok=k, sliding_window=window),
         "qwen2_moe": dict(num_experts=n, shared_expert_intermediate_size=intermediate, mlp_only_layers=[0],
                           **moe),
         "qwen3_moe": dict(num_experts=n, head_dim=head_dim, mlp_only_layers=[0], **moe),
