@@ -4,7 +4,8 @@ Each quantized linear weight ``W`` is stored as float8_e4m3fn with a companion
 ``W_scale_inv`` holding one float32 factor per (rows x cols) block of the weight, the block size
 given by ``quantization_config.weight_block_size``. Hardware without FP8 matmuls (every CPU, GPUs
 before Hopper) computes with the dequantized weight: ``W.float() * scale`` per block, cast to the
-compute dtype, at load. Tensors without a scale pass through unchanged.
+compute dtype, at load. Tensors without a scale (norms, embeddings, routers) pass through
+unchanged; an FP8 one without its scale is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def dequantize_fp8_blocks(tensors: dict[str, torch.Tensor], block: tuple[int, in
             continue
         scale = tensors.get(name + SCALE_SUFFIX)
         if scale is None:
+            if t.dtype.is_floating_point and t.element_size() == 1:
+                # read as it is, the weight would be off by its scales, silently
+                raise CheckpointError(f"{name} is stored in {str(t.dtype).removeprefix('torch.')} but has no "
+                                      f"{name}{SCALE_SUFFIX} (its block scales)")
             out[name] = t
             continue
         out[name] = dequantize(t, scale, block, name).to(dtype)
