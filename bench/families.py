@@ -16,7 +16,6 @@ import logging
 import sys
 import tempfile
 import time
-from contextlib import AsyncExitStack
 from pathlib import Path
 
 import torch
@@ -28,9 +27,7 @@ from shardnet.inference.client.client import Client  # noqa: E402
 from shardnet.inference.model.families import FAMILIES  # noqa: E402
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.inference.model.random_model import init_random  # noqa: E402
-from shardnet.inference.server.compute_peer import serve_block  # noqa: E402
-from shardnet.testing.helpers import loopback_config  # noqa: E402
-from shardnet.transport import open_node  # noqa: E402
+from shardnet.testing.helpers import local_chain, loopback_config  # noqa: E402
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64, 5, 301]
 
@@ -57,14 +54,7 @@ def transformers_decode(path: Path, new: int) -> tuple[list[int], float]:
 
 async def chain_decode(path: Path, new: int) -> tuple[list[int], float]:
     """Greedy tokens and decode tokens/s through two peers (from the client's own stats)."""
-    async with AsyncExitStack() as st:
-        boot = await st.enter_async_context(open_node(loopback_config()))
-        cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
-        for a, b in ((0, 2), (2, 4)):
-            peer = await st.enter_async_context(open_node(cfg))
-            await st.enter_async_context(serve_block(peer, str(path), a, b))
-        node = await st.enter_async_context(open_node(cfg))
-        await node.wait_bootstrapped()
+    async with local_chain(loopback_config, path, [(0, 2), (2, 4)]) as node:
         client = Client(node, LocalModel(path), audit_rate=0)  # the chain alone
         [t async for t in client.generate(PROMPT, max_new_tokens=2, stop_at_eos=False)]  # warm-up
         tokens = [t.id async for t in client.generate(PROMPT, max_new_tokens=new, stop_at_eos=False)]
@@ -97,6 +87,7 @@ def main() -> None:
             got, chain = trio.run(chain_decode, path, args.tokens)
             print(f"{family:14}{'yes' if FAMILIES[family].moe else '':>5}{hf:>20.1f}{chain:>20.1f}"
                   f"{chain / hf:>10.2f}{'yes' if got == want else 'NO':>14}", flush=True)
+
 
 if __name__ == "__main__":
     main()
