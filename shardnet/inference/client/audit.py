@@ -186,7 +186,10 @@ class RunAuditor:
             return
         claims = await self.client.usable_claims()
         in_chain = {c.peer for c in job.route}
-        witnesses = {i: [w for w in claims if (w.start, w.end) == (c.start, c.end) and w.peer not in in_chain]
+        # a witness computes as the target claims to (same dtype, same quantization): an int4 peer
+        # differs from a plain one by more than any honest tolerance
+        witnesses = {i: [w for w in claims if (w.start, w.end) == (c.start, c.end) and w.peer not in in_chain
+                         and (w.quant, w.dtype) == (c.quant, c.dtype)]
                      for i, c in enumerate(job.route)}
         spans = [i for i, ws in witnesses.items() if ws]
         if not spans:

@@ -37,7 +37,7 @@ def resolve_dtype(name: str, ckpt: Checkpoint | None = None, device: str = "cpu"
         if ckpt is None:
             raise CheckpointError("dtype 'auto' needs the checkpoint it is read from")
         dtype = DTYPES[ckpt.stored_dtype]
-        if dtype == torch.bfloat16 and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        if dtype == torch.bfloat16 and device.startswith("cuda") and not torch.cuda.is_bf16_supported(including_emulation=False):
             log.warning("%s has no bfloat16: computing %s in float32", device, ckpt.path.name)
             return torch.float32
         return dtype

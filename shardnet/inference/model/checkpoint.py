@@ -79,9 +79,14 @@ class Checkpoint:
     def config(self):
         """The transformers config object (read from the local directory only)."""
         if self._config is None:
+            from huggingface_hub.errors import StrictDataclassError
             from transformers import AutoConfig
 
-            self._config = AutoConfig.from_pretrained(str(self.path), local_files_only=True)
+            try:
+                self._config = AutoConfig.from_pretrained(str(self.path), local_files_only=True)
+            except (ValueError, TypeError, KeyError, OSError, StrictDataclassError) as e:
+                text = " ".join(str(e).split())[:300]
+                raise CheckpointError(f"{self.path.name}/config.json: transformers refuses it: {text}") from None
         return self._config
 
     def _index(self) -> dict[str, TensorEntry]:
@@ -143,6 +148,12 @@ class Checkpoint:
             m = LAYER_RE.match(name)
             if m:
                 per_layer.setdefault(int(m[1]), set()).add(name[m.end():])
+        # DeepSeek-V3/R1 and GLM-4.5 store their multi-token-prediction layers after the stack
+        # (model.layers.61 in DeepSeek-V3); transformers does not load them, and neither does a block
+        mtp = self.raw_config.get("num_nextn_predict_layers") or 0
+        mtp = mtp if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > 0 else 0
+        for i in range(self.num_layers, self.num_layers + mtp):
+            per_layer.pop(i, None)
         found = sorted(per_layer)
         where = f"{self.path.name}/config.json says num_hidden_layers = {self.num_layers}"
         if found != list(range(self.num_layers)):

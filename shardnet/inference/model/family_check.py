@@ -36,7 +36,7 @@ def ensure_family_matches(ckpt: Checkpoint) -> None:
     stored locally."""
     import transformers
 
-    key = {"model_id": ckpt.model_id, "transformers": transformers.__version__, "family": ckpt.family.model_type}
+    key = {"model_id": ckpt.model_id, "transformers": transformers.__version__, "family": repr(ckpt.family)}
     cache = ckpt.path / VERDICT_CACHE
     try:
         cached = json.loads(cache.read_text())
@@ -46,10 +46,7 @@ def ensure_family_matches(ckpt: Checkpoint) -> None:
         if cached.get("refused"):
             raise CheckpointError(cached["refused"])
         return
-    try:
-        verdict = _compare_first_layer(ckpt)
-    except CheckpointError as e:
-        verdict = str(e)
+    verdict = _compare_first_layer(ckpt)
     try:
         cache.write_text(json.dumps({"key": key, "refused": verdict}))
     except OSError:
@@ -82,8 +79,8 @@ def _compare_first_layer(ckpt: Checkpoint) -> str | None:
         model = shell.take(shell.model, "", "cpu")
         with torch.inference_mode():
             theirs = model(input_ids=ids).logits[0].float()
-    except CheckpointError:
-        raise
+    except (CheckpointError, MemoryError, OSError):
+        raise  # not a verdict on the family: nothing is kept, the next load checks again
     except Exception as e:  # noqa: BLE001 - any failure to run the family is a refusal, said in one line
         text = " ".join(str(e).split())[:200] or type(e).__name__
         return (f"model_type {ckpt.model_type!r} is not supported: its first layer does not run as a shardnet block "

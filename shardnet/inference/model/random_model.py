@@ -54,7 +54,7 @@ def _family_extras(family: str, *, layers: int, hidden: int, heads: int, interme
                         layer_types=_alternating(layers), max_position_embeddings=131072),
         # MLA expands its latent into one key and value per query head, as DeepSeek-V3 ships
         "deepseek_v3": dict(num_key_value_heads=heads, n_routed_experts=n, n_shared_experts=1,
-                            first_k_dense_replace=1, n_group=2 if n % 2 == 0 else 1, topk_group=1, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4,
+                            first_k_dense_replace=1, n_group=2 if n % 2 == 0 and n >= 4 else 1, topk_group=1, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4,
                             qk_rope_head_dim=head_dim // 2, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
                             **moe),
         "glm4_moe": dict(n_routed_experts=n, n_shared_experts=1, first_k_dense_replace=1, n_group=1,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import threading
 
 import torch
 
@@ -22,6 +23,8 @@ from shardnet.errors import CheckpointError
 from shardnet.inference.model.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
+
+_BUILD_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -45,13 +48,15 @@ class ModelShell:
         from transformers import AutoModelForCausalLM
 
         self.ckpt = ckpt
-        config = config or ckpt.config
+        # from_config writes its dtype into the config: build from a copy
+        config = copy.deepcopy(config or ckpt.config)
         if ckpt.fp8_block_size is not None:
             # dequantized at load (fp8.py), so the model is built as the unquantized one
-            config = copy.deepcopy(config)
             del config.quantization_config
         try:
-            with torch.device("meta"), _quiet_transformers():
+            # from_config sets torch's process-wide default dtype while it builds, and blocks
+            # load in worker threads: one build at a time
+            with _BUILD_LOCK, torch.device("meta"), _quiet_transformers():
                 self.model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         except (ValueError, TypeError, KeyError, AttributeError, NotImplementedError) as e:
             raise CheckpointError(f"model_type {ckpt.model_type!r}: transformers cannot build it from "

@@ -53,7 +53,7 @@ def granite(tmp_path):
 def test_the_first_layer_check_passes_and_is_kept(granite, monkeypatch):
     family_check.ensure_family_matches(Checkpoint(granite))
     kept = json.loads((granite / family_check.VERDICT_CACHE).read_text())
-    assert kept["refused"] is None and kept["key"]["family"] == "granite"
+    assert kept["refused"] is None and kept["key"]["family"].startswith("Family(model_type='granite'")
 
     def must_not_run(ckpt):
         raise AssertionError("the kept verdict was not used")
@@ -79,3 +79,33 @@ def test_stored_quantization_other_than_fp8_blocks_is_refused(granite):
     with pytest.raises(CheckpointError, match="stored quantization 'awq' is not supported") as e:
         Checkpoint(granite)
     one_line(e.value)
+
+
+def test_a_config_transformers_rejects_is_one_line(tmp_path):
+    path = init_random(tmp_path / "llama", "llama", layers=1, hidden=32, heads=2, kv_heads=1, vocab=128)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_attention_heads"] = 5  # hidden 32 is not a multiple of it
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="transformers refuses it") as e:
+        Checkpoint(path).config
+    one_line(e.value)
+
+
+def test_multi_token_prediction_layers_after_the_stack_are_allowed(tmp_path):
+    """DeepSeek-V3 ships model.layers.61 (MTP) after 61 layers; transformers skips it, so do we."""
+    from safetensors.torch import load_file, save_file
+
+    path = init_random(tmp_path / "ds", "deepseek_v3", layers=2, hidden=32, heads=2, vocab=128)
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({n.replace("model.layers.1.", "model.layers.2."): t.clone()
+                    for n, t in tensors.items() if n.startswith("model.layers.1.")})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    for mtp in (0, 1):
+        cfg["num_nextn_predict_layers"] = mtp
+        (path / "config.json").write_text(json.dumps(cfg))
+        if mtp:
+            assert Checkpoint(path).manifest()["num_layers"] == 2
+        else:
+            with pytest.raises(CheckpointError, match="1 beyond it"):
+                Checkpoint(path).manifest()
