@@ -145,30 +145,25 @@ def load_first_layer(path):
     Block(Checkpoint(path), 0, 1, dtype=torch.bfloat16)
 
 
-def test_a_scale_of_the_wrong_shape_is_refused(fp8_copy):
-    name = "model.layers.0.self_attn.q_proj.weight_scale_inv"  # 64x64 in 16x16 blocks: 4x4
-
-    def shrink(t):
-        t[name] = t[name][:3].contiguous()
-    rewrite(fp8_copy, shrink)
-    with pytest.raises(CheckpointError, match=r"q_proj.weight: its scale has shape \[3, 4\], but \[64, 64\] in "
-                                              r"blocks of 16x16 needs \[4, 4\]") as e:
-        load_first_layer(fp8_copy)
-    one_line(e.value)
+SCALE = "model.layers.0.self_attn.q_proj.weight_scale_inv"  # 64x64 in 16x16 blocks: 4x4
 
 
-def test_a_scale_without_its_weight_is_refused(fp8_copy):
-    rewrite(fp8_copy, lambda t: t.pop("model.layers.0.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"up_proj.weight_scale_inv scales a tensor that is not in the "
-                                              r"checkpoint") as e:
-        load_first_layer(fp8_copy)
-    one_line(e.value)
+def shrink_scale(t):
+    t[SCALE] = t[SCALE][:3].contiguous()
 
 
-def test_an_fp8_weight_without_its_scale_is_refused(fp8_copy):
-    """Read as it is, the weight would be off by its scales, silently."""
-    rewrite(fp8_copy, lambda t: t.pop("model.layers.0.mlp.up_proj.weight_scale_inv"))
-    with pytest.raises(CheckpointError, match=r"up_proj.weight is stored in float8_e4m3fn but has no "
-                                              r"model.layers.0.mlp.up_proj.weight_scale_inv") as e:
+@pytest.mark.parametrize("damage, error", [
+    (shrink_scale,
+     r"q_proj.weight: its scale has shape \[3, 4\], but \[64, 64\] in blocks of 16x16 needs \[4, 4\]"),
+    # a scale without its weight
+    (lambda t: t.pop("model.layers.0.mlp.up_proj.weight"),
+     r"up_proj.weight_scale_inv scales a tensor that is not in the checkpoint"),
+    # an FP8 weight without its scale: read as it is, it would be off by its scales, silently
+    (lambda t: t.pop("model.layers.0.mlp.up_proj.weight_scale_inv"),
+     r"up_proj.weight is stored in float8_e4m3fn but has no model.layers.0.mlp.up_proj.weight_scale_inv"),
+], ids=["scale of the wrong shape", "scale without its weight", "fp8 weight without its scale"])
+def test_damaged_fp8_tensors_are_refused_in_one_line(fp8_copy, damage, error):
+    rewrite(fp8_copy, damage)
+    with pytest.raises(CheckpointError, match=error) as e:
         load_first_layer(fp8_copy)
     one_line(e.value)
