@@ -133,6 +133,8 @@ class ComputePeer:
                  f", weights {self.quantize}" if self.quantize else "", self.device)
         block = await trio.to_thread.run_sync(
             lambda: Block(ckpt, start, end, dtype=self.dtype, device=self.device, quantize=self.quantize))
+        # measured by a forward on one token: here, not on the event loop at the first claim
+        await trio.to_thread.run_sync(block.kv_bytes_per_token)
         r = block.load_report
         log.info("loaded %d tensors (%.1f MB) in %.2f s", r.tensors, r.bytes / 1e6, r.seconds)
         head = None
