@@ -206,14 +206,112 @@ def wrap_errors(f):
 
 
 def model_path_option(f):
-    return click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False, path_type=Path),
-                        default=None, help="Checkpoint directory (default: the shipped tiny-llama).")(f)
+    return click.option("--model", "model_path", default=None, metavar="DIR|ORG/NAME|NAME|ID",
+                        help="A checkpoint directory, a Hugging Face repo in the local hub cache, or a model the "
+                             "swarm serves by name or model ID (fetched into --cache-dir as needed). Default: "
+                             "the shipped tiny-llama.")(f)
 
 
-def model_dir(path: Path | None) -> Path:
+def cache_dir_option(f):
+    return click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+                        envvar="SHARDNET_CACHE",
+                        help="Where models fetched from the swarm are kept (default $SHARDNET_CACHE or "
+                             "~/.cache/shardnet/models).")(f)
+
+
+def local_model(spec: str | None) -> Path | None:
+    """The directory ``--model`` names without asking the swarm: a directory, or a Hugging Face
+    repo found in the local hub cache (downloaded where a hub is reachable); None: ask the swarm."""
     from shardnet.models import default_model_path
 
-    return path or default_model_path()
+    if spec is None:
+        return default_model_path()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        fail(f"--model {spec}: not a directory")
+    from shardnet.inference.model.hub import looks_like_repo_id, resolve_hub_checkpoint
+
+    if looks_like_repo_id(spec):
+        found = resolve_hub_checkpoint(spec)
+        if found is not None:
+            log.info("model %s from the Hugging Face cache: %s", spec, found)
+            return Path(found)
+    return None
+
+
+def model_dir(spec: str | None) -> Path:
+    """``--model`` for commands that need the files here: a directory or a cached hub repo."""
+    path = local_model(spec)
+    if path is None:
+        fail(f"--model {spec}: no such directory, and no Hugging Face repo of that name in the local cache")
+    return path
+
+
+async def client_model(node, spec: str | None, path: Path | None, *, dtype: str, logits_on_last: bool,
+                       cache_dir: Path | None):
+    """What a client holds of the model (LocalModel): read from ``path``, or with no files here
+    fetched from the swarm: the config, tokenizer, embedding and (unless the last peer applies
+    them) the final norm and LM head; never a layer."""
+    from shardnet.inference.model.local_model import LocalModel
+
+    if path is None:
+        from shardnet.inference.model.checkpoint import Checkpoint
+        from shardnet.inference.weights.swarm_model import fetch_tensors, head_tensor_names, open_from_swarm
+
+        path, _card = await open_from_swarm(node, spec, cache_root=cache_dir, progress=FetchProgressBar("model files"))
+        ckpt = Checkpoint(path)
+        await fetch_tensors(node, ckpt, head_tensor_names(ckpt, lm_head=not logits_on_last),
+                            progress=FetchProgressBar("the model's head"))
+    log.info("loading the model's head from %s…", path)
+    return await trio.to_thread.run_sync(lambda: LocalModel(path, dtype=dtype, lm_head=not logits_on_last))
+
+
+def needs_network_for(spec: str | None, path: Path | None, bootstrap, mdns, command: str) -> None:
+    if path is None and not bootstrap and not mdns:
+        fail(f"--model {spec}: no such directory or cached Hugging Face repo; to fetch it from the swarm, "
+             "give --bootstrap MADDR", 2)
+    if not bootstrap and not mdns:
+        fail(f"{command} needs --bootstrap MADDR (or --mdns)", 2)
+
+
+class FetchProgressBar:
+    """How a fetch from the swarm shows on stderr: a progress bar on a terminal (bytes, rate,
+    ETA, sources), else a log line every few seconds; with ``events``, JSON lines on stdout."""
+
+    def __init__(self, what: str, *, events: bool = False) -> None:
+        self.what, self.events = what, events
+        self.bar = None
+        self._last_line = 0.0
+
+    def __call__(self, p) -> None:
+        import time
+
+        if self.events:
+            emit({"event": "fetch", "what": self.what, "done": p.done, "reused": p.reused, "total": p.total,
+                  "rate": round(p.rate), "sources": p.sources, "bad": p.bad})
+            return
+        if sys.stderr.isatty():
+            if self.bar is None:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=p.total, initial=p.reused, unit="B", unit_scale=True, unit_divisor=1024,
+                                desc=f"fetching {self.what}", file=sys.stderr, leave=True)
+            self.bar.n = p.done + p.reused
+            self.bar.set_postfix_str(f"{p.sources} sources" + (f", {len(p.bad)} bad" if p.bad else ""),
+                                     refresh=False)
+            self.bar.refresh()
+            if self.bar.n >= p.total:
+                self.bar.close()
+                self.bar = None
+            return
+        now = time.monotonic()
+        if now - self._last_line >= 3.0 or p.done + p.reused >= p.total:
+            self._last_line = now
+            eta = f", ETA {p.eta:.0f} s" if p.eta is not None and p.done + p.reused < p.total else ""
+            log.info("fetching %s: %.1f of %.1f MB (%.1f MB/s%s, %d sources%s)", self.what, (p.done + p.reused) / 1e6,
+                     p.total / 1e6, p.rate / 1e6, eta, p.sources, f", {len(p.bad)} dropped for bad bytes" if p.bad else "")
 
 
 @asynccontextmanager

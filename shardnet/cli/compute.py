@@ -7,11 +7,13 @@ import click
 from shardnet.transport.config import DEFAULT_SERVER_LISTEN
 
 from .common import (
+    FetchProgressBar,
+    cache_dir_option,
     emit,
     fail,
     identity_option,
+    local_model,
     make_config,
-    model_dir,
     model_path_option,
     network_options,
     run,
@@ -24,6 +26,7 @@ from .common import (
 @identity_option
 @network_options(DEFAULT_SERVER_LISTEN)
 @model_path_option
+@cache_dir_option
 @click.option("--layers", default=None, metavar="START:END",
               help="Layers to serve (default: as many as memory allows, where the swarm needs them most).")
 @click.option("--max-layers", type=click.IntRange(min=1), default=None,
@@ -47,9 +50,12 @@ from .common import (
                    "where a measurement would wobble, e.g. several peers on one busy machine.")
 @click.option("--events", is_flag=True, help="JSON events on stdout, JSON commands on stdin.")
 @wrap_errors
-def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, layers, max_layers, rebalance_interval,
-         dtype, quantize, device, kv_budget_mb, hold_head, threads, throughput, events) -> None:
-    """Serve a block of a model's layers to the swarm (chosen for you unless --layers)."""
+def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, layers, max_layers,
+         rebalance_interval, dtype, quantize, device, kv_budget_mb, hold_head, threads, throughput, events) -> None:
+    """Serve a block of a model's layers to the swarm (chosen for you unless --layers).
+
+    With --model naming a model the swarm serves (no files here), only the layers this peer
+    serves are fetched from the peers that hold them, then served."""
     from shardnet.inference.model.block import parse_layers
     from shardnet.inference.model.checkpoint import Checkpoint, CheckpointError
     from shardnet.inference.model.family_check import ensure_family_matches
@@ -62,14 +68,20 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
         import torch
 
         torch.set_num_threads(threads)
-    path = model_dir(model_path)
+    path = local_model(model_path)
     _check_device(device)
-    try:
-        ckpt = Checkpoint(path)
-        span = parse_layers(layers, ckpt.num_layers) if layers else None
-        ensure_family_matches(ckpt)  # before the network: an unsupported model fails at once
-    except CheckpointError as e:
-        fail(str(e))
+    span = None
+    if path is None:
+        if not bootstrap and not mdns:
+            fail(f"--model {model_path}: no such directory or cached Hugging Face repo; to fetch it from the "
+                 "swarm, give --bootstrap MADDR", 2)
+    else:
+        try:
+            ckpt = Checkpoint(path)
+            span = parse_layers(layers, ckpt.num_layers) if layers else None
+            ensure_family_matches(ckpt)  # before the network: an unsupported model fails at once
+        except CheckpointError as e:
+            fail(str(e))
     cfg = make_config(relays=relays, identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,
                       quic=quic, mdns=mdns, default_listen=DEFAULT_SERVER_LISTEN)
 
@@ -82,18 +94,27 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
                  f"{move.bottleneck_now:.1f} -> {move.bottleneck_after:.1f} tok/s)")
 
     async def _main() -> None:
+        from shardnet.inference.weights.swarm_model import open_from_swarm
+
+        nonlocal span
         async with open_node(cfg) as n:
-            if bootstrap and span is None:
-                await n.wait_bootstrapped()  # to see what the swarm serves before choosing
-            async with join_swarm(n, str(path), layers=span, max_layers=max_layers,
+            if bootstrap and (span is None or path is None):
+                await n.wait_bootstrapped()  # to see what the swarm serves before choosing or fetching
+            ckpt_path, shown = path, path.name if path else model_path
+            if ckpt_path is None:
+                ckpt_path, card = await open_from_swarm(n, model_path, cache_root=cache_dir,
+                                                        progress=FetchProgressBar("model files", events=events))
+                span = parse_layers(layers, card.num_layers) if layers else None
+            async with join_swarm(n, str(ckpt_path), layers=span, max_layers=max_layers,
                                   rebalance_interval=rebalance_interval, on_move=moved, dtype=dtype, device=device,
                                   kv_budget_bytes=kv_budget_mb << 20, hold_head=hold_head,
-                                  throughput=throughput, quantize=quantize) as peer:
+                                  throughput=throughput, quantize=quantize,
+                                  fetch_progress=FetchProgressBar("layers", events=events)) as peer:
                 start, end = peer.span
                 if events:
                     emit({"event": "serving", "model": peer.model_id, "layers": [start, end], "tput": peer.tput})
                 else:
-                    say(f"serving layers {start}:{end} of {path.name} (model {peer.model_id[:16]}…, "
+                    say(f"serving layers {start}:{end} of {shown} (model {peer.model_id[:16]}…, "
                          f"{peer.tput:.0f} tok/s)")
                 control = NodeControl(n, emit=emit if events else None, say=say)
                 await control.run(topics=[], read_commands=events)

@@ -12,12 +12,14 @@ import click
 import trio
 
 from .common import (
+    cache_dir_option,
     client_identity_option,
-    fail,
+    client_model,
     generation_config,
+    local_model,
     log,
-    model_dir,
     model_path_option,
+    needs_network_for,
     network_options,
     run,
     wrap_errors,
@@ -28,6 +30,7 @@ from .common import (
 @client_identity_option
 @network_options("/ip4/0.0.0.0/tcp/0")
 @model_path_option
+@cache_dir_option
 @click.argument("prompt")
 @click.option("--max-new-tokens", "-n", default=48, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
@@ -57,18 +60,16 @@ from .common import (
 @click.option("--quantized", default="allow", type=click.Choice(["allow", "require", "refuse"]), show_default=True,
               help="Route through peers whose weights are quantized (join --quantize): allow, require or refuse.")
 @wrap_errors
-def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, prompt, max_new_tokens, temperature,
+def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, prompt, max_new_tokens, temperature,
              top_p, top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k, depth, wire,
              receipt, receipt_without_prompt, check_speculation, audit_rate, quantized) -> None:
     """Generate text from PROMPT through the swarm; print tokens as they arrive."""
     from shardnet.inference.client.client import Client
     from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter
-    from shardnet.inference.model.local_model import LocalModel
     from shardnet.transport import open_node
 
-    if not bootstrap and not mdns:
-        fail("generate needs --bootstrap MADDR (or --mdns)", 2)
-    path = model_dir(model_path)
+    path = local_model(model_path)
+    needs_network_for(model_path, path, bootstrap, mdns, "generate")
     cfg = generation_config(identity, relays=relays, listen=listen, announce=announce, bootstrap=bootstrap,
                              quic=quic, mdns=mdns)
 
@@ -76,17 +77,18 @@ def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_pa
 
     async def _main() -> None:
         nonlocal drafter
-        model = await trio.to_thread.run_sync(lambda: LocalModel(path, dtype=dtype, lm_head=not logits_on_last))
-        if speculate == "ngram":
-            drafter = NGramDrafter()
-        elif speculate == "draft":
-            from shardnet.models import default_draft_path
-
-            drafter = await trio.to_thread.run_sync(lambda: ModelDrafter(
-                draft_path or default_draft_path(), vocab_size=model.ckpt.config.vocab_size))
         async with open_node(cfg) as n:
             if bootstrap:
                 await n.wait_bootstrapped()
+            model = await client_model(n, model_path, path, dtype=dtype, logits_on_last=logits_on_last,
+                                       cache_dir=cache_dir)
+            if speculate == "ngram":
+                drafter = NGramDrafter()
+            elif speculate == "draft":
+                from shardnet.models import default_draft_path
+
+                drafter = await trio.to_thread.run_sync(lambda: ModelDrafter(
+                    draft_path or default_draft_path(), vocab_size=model.ckpt.config.vocab_size))
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout, wire=wire,
                             quantized=quantized, **({} if audit_rate is None else {"audit_rate": audit_rate}))
             await _stream_generation(client, prompt, max_new_tokens=max_new_tokens, temperature=temperature,

@@ -8,12 +8,14 @@ import click
 import trio
 
 from .common import (
+    cache_dir_option,
     client_identity_option,
-    fail,
+    client_model,
     generation_config,
+    local_model,
     log,
-    model_dir,
     model_path_option,
+    needs_network_for,
     network_options,
     run,
     say,
@@ -25,6 +27,7 @@ from .common import (
 @client_identity_option
 @network_options("/ip4/0.0.0.0/tcp/0")
 @model_path_option
+@cache_dir_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the HTTP server binds.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="HTTP port (0: any).")
 @click.option("--name", default=None, help="The model name clients ask for (default: the model directory's name).")
@@ -38,34 +41,33 @@ from .common import (
 @click.option("--quantized", default="allow", type=click.Choice(["allow", "require", "refuse"]), show_default=True,
               help="Route through peers whose weights are quantized (join --quantize): allow, require or refuse.")
 @wrap_errors
-def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, host, port, name, logits_on_last,
+def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, host, port, name, logits_on_last,
           dtype, route_timeout, audit_rate, quantized) -> None:
     """Serve an OpenAI-compatible HTTP API (completions, chat, streaming) backed by the swarm."""
     from shardnet.gateway.server import serve_gateway
     from shardnet.inference.client.client import Client
-    from shardnet.inference.model.local_model import LocalModel
     from shardnet.transport import open_node
 
-    if not bootstrap and not mdns:
-        fail("serve needs --bootstrap MADDR (or --mdns)", 2)
-    path = model_dir(model_path)
+    path = local_model(model_path)
+    needs_network_for(model_path, path, bootstrap, mdns, "serve")
     cfg = generation_config(identity, relays=relays, listen=listen, announce=announce, bootstrap=bootstrap,
                              quic=quic, mdns=mdns)
 
     async def _main() -> None:
-        log.info("loading the model's head from %s…", path)
-        model = await trio.to_thread.run_sync(lambda: LocalModel(path, dtype=dtype, lm_head=not logits_on_last))
         async with open_node(cfg) as n:
             if bootstrap:
                 log.info("joining the swarm…")
                 await n.wait_bootstrapped()
+            model = await client_model(n, model_path, path, dtype=dtype, logits_on_last=logits_on_last,
+                                       cache_dir=cache_dir)
+            shown = name or (path.name if path else model_path)
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout,
                             quantized=quantized, **({} if audit_rate is None else {"audit_rate": audit_rate}))
             async with trio.open_nursery() as nursery:
                 # a port in use: PortInUseError, one line like the libp2p port's
                 urls = await nursery.start(functools.partial(
-                    serve_gateway, client, name or path.name, host=host, port=port, route_timeout=route_timeout))
-                say(f"serving the OpenAI API for model {name or path.name!r} on {', '.join(urls)} "
+                    serve_gateway, client, shown, host=host, port=port, route_timeout=route_timeout))
+                say(f"serving the OpenAI API for model {shown!r} on {', '.join(urls)} "
                      f"(model {model.model_id[:16]}…)")
 
     run(_main)

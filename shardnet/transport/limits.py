@@ -74,6 +74,11 @@ class Limits:
                                           "and frees its KV cache")
     first_frame_s: float = _limit(30.0, "seconds a peer may take to send the first frame of an activation "
                                         "stream (slowloris)")
+    # -- weights (peers holding a model's files serve them to peers fetching them) -------------
+    weights_streams_per_peer: int = _limit(4, "weight-fetch streams one peer may have open to us at once; more "
+                                              "are answered busy")
+    weights_mb_per_s: float = _limit(200.0, "megabytes per second this node sends of model weights, to all peers "
+                                            "together (so serving weights does not starve inference)")
     # -- what this node asks of others (as a client) ------------------------------------------
     sessions_out_per_peer: int = _limit(16, "sessions this node opens to one peer at once (keep it at or below "
                                             "that peer's sessions_per_peer); more requests wait in line")

@@ -1,8 +1,16 @@
 """A Hugging Face checkpoint in a local directory, read selectively.
 
 A compute peer never materializes the whole model: it asks for the tensors of its layers and
-``safe_open`` reads just those. The manifest (the model's identity) hashes each tensor's raw
-bytes straight from the file, streaming, so computing it costs I/O, not memory.
+``safe_open`` reads just those. The manifest (the model's identity) names every file and tensor
+the model is made of with its size and a root over its 1 MiB chunks' hashes (protocols/weights.py),
+hashing each tensor's raw bytes straight from the file, streaming: computing it costs I/O, not
+memory. The model ID is the hash of the manifest.
+
+Two kinds of directory are checkpoints: a complete one (as Hugging Face ships it), and one the
+swarm filled (weights/store.py): it holds the manifest it was fetched by (``shardnet-manifest.cbor``,
+whose hash is the model ID) and only the tensors fetched so far. Both answer the same questions
+about the whole model (``catalog``: every tensor's dtype and shape; layers; the head's parts);
+only ``load`` needs the tensors to be here.
 """
 
 from __future__ import annotations
@@ -21,14 +29,24 @@ import cbor2
 
 from shardnet.errors import CheckpointError
 from shardnet.inference.model.families import Family, family_for
+from shardnet.protocols.weights import CHUNK_SIZE, blob_root, chunk_hash
 
 log = logging.getLogger(__name__)
 
-MANIFEST_VERSION = 1
-MANIFEST_CACHE = ".shardnet-manifest.json"
+MANIFEST_VERSION = 2
+#: where a complete checkpoint's manifest and its blobs' chunk hashes are cached (keyed on the files)
+MANIFEST_CACHE = ".shardnet-manifest.cbor"
+#: the manifest a swarm-filled directory was fetched by (its hash is the model ID)
+FETCHED_MANIFEST = "shardnet-manifest.cbor"
+#: chunk hashes of the blobs a swarm-filled directory holds (to serve them on)
+FETCHED_HASHES = "shardnet-hashes"
+FETCHED_INFO = "shardnet-fetched.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt")
+#: the files besides tensors that a model is made of (those present are in its manifest)
+MODEL_FILES = ("config.json", "generation_config.json", "chat_template.jinja", *TOKENIZER_FILES)
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+HF_SNAPSHOT_RE = re.compile(r"^models--(.+)$")
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,19 @@ class TensorEntry:
     shape: tuple[int, ...]
     start: int  # absolute byte offset in the file
     end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the manifest says of a tensor, whether or not it is stored here."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    size: int
 
 
 class Checkpoint:
@@ -52,8 +83,20 @@ class Checkpoint:
             raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
         self.family: Family = family_for(self.raw_config)
         self.model_type = self.family.model_type
-        self.entries = self._index()
-        if not any(LAYER_RE.match(n) for n in self.entries):
+        self._manifest: dict | None = None
+        self._manifest_bytes: bytes | None = None
+        self._hashes: dict[str, bytes] = {}
+        #: filled by the swarm (holds a fetched manifest and what was fetched so far)
+        self.fetched = (self.path / FETCHED_MANIFEST).is_file()
+        if self.fetched:
+            self._open_fetched_manifest()
+            self.entries = self._index(allow_none=True)
+            self.catalog = {n: TensorInfo(d, tuple(shape), size)
+                            for n, (d, shape, size, _root) in self._manifest["tensors"].items()}
+        else:
+            self.entries = self._index()
+            self.catalog = {n: TensorInfo(e.dtype, e.shape, e.size) for n, e in self.entries.items()}
+        if not any(LAYER_RE.match(n) for n in self.catalog):
             raise CheckpointError(f"model_type {self.model_type!r} is not supported: its weights have no "
                                   "model.layers.N decoder stack")
         n = self.raw_config.get("num_hidden_layers")
@@ -62,7 +105,39 @@ class Checkpoint:
         self.num_layers = n
         self.fp8_block_size = _fp8_block_size(self.raw_config)
         self._config = None
-        self._manifest: dict | None = None
+
+    def _open_fetched_manifest(self) -> None:
+        raw = (self.path / FETCHED_MANIFEST).read_bytes()
+        try:
+            manifest = cbor2.loads(raw)
+        except Exception:
+            raise CheckpointError(f"{self.path / FETCHED_MANIFEST} is not a manifest") from None
+        check_manifest(manifest)
+        self._manifest, self._manifest_bytes = manifest, raw
+
+    @property
+    def names(self) -> list[str]:
+        """What people call this model: the Hugging Face repo of a hub-cache snapshot, the
+        config's ``_name_or_path`` when it is a repo name, the directory's name; for a directory the
+        swarm filled, the names it was fetched by."""
+        if self.fetched:
+            try:
+                info = json.loads((self.path / FETCHED_INFO).read_text())
+                return [n for n in info.get("names", []) if isinstance(n, str)]
+            except (OSError, json.JSONDecodeError, AttributeError):
+                return []
+        out = []
+        if self.path.parent.name == "snapshots" and (m := HF_SNAPSHOT_RE.match(self.path.parent.parent.name)):
+            out.append(m[1].replace("--", "/"))
+        given = self.raw_config.get("_name_or_path")
+        if isinstance(given, str) and given and not given.startswith(("/", ".", "~")) and given.count("/") <= 1:
+            out.append(given)
+        out.append(self.path.name)
+        return list(dict.fromkeys(out))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.size for t in self.catalog.values())
 
     @property
     def stored_dtype(self) -> str:
@@ -89,14 +164,14 @@ class Checkpoint:
                 raise CheckpointError(f"{self.path.name}/config.json: transformers refuses it: {text}") from None
         return self._config
 
-    def _index(self) -> dict[str, TensorEntry]:
+    def _index(self, allow_none: bool = False) -> dict[str, TensorEntry]:
         index_file = self.path / "model.safetensors.index.json"
         if index_file.is_file():
             weight_map = json.loads(index_file.read_text())["weight_map"]
             files = sorted({self.path / f for f in weight_map.values()})
         else:
             files = sorted(self.path.glob("*.safetensors"))
-        if not files:
+        if not files and not allow_none:
             raise CheckpointError(f"{self.path} has no *.safetensors files")
         entries: dict[str, TensorEntry] = {}
         for f in files:
@@ -108,18 +183,31 @@ class Checkpoint:
 
     def layer_tensors(self, layer: int) -> list[str]:
         prefix = f"model.layers.{layer}."
-        return sorted(n for n in self.entries if n.startswith(prefix))
+        return sorted(n for n in self.catalog if n.startswith(prefix))
 
     def head_tensors(self) -> dict[str, str | None]:
         """Names of the embedding, final norm and LM head weights (None when tied to the embedding)."""
-        lm = "lm_head.weight" if "lm_head.weight" in self.entries else None
+        lm = "lm_head.weight" if "lm_head.weight" in self.catalog else None
         return {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": lm}
 
     def head_parts(self) -> dict[str, list[str]]:
         """Every tensor of the embedding, the final norm and the LM head (biases included; an
         empty LM head when it is tied to the embedding)."""
         prefixes = {"embed": "model.embed_tokens.", "norm": "model.norm.", "lm_head": "lm_head."}
-        return {part: sorted(n for n in self.entries if n.startswith(p)) for part, p in prefixes.items()}
+        return {part: sorted(n for n in self.catalog if n.startswith(p)) for part, p in prefixes.items()}
+
+    def other_tensors(self) -> list[str]:
+        """Tensors of neither a layer nor the head (a few checkpoints store e.g. rotary tables)."""
+        head = {n for part in self.head_parts().values() for n in part}
+        return sorted(n for n in self.catalog if not LAYER_RE.match(n) and n not in head)
+
+    def refresh(self) -> None:
+        """Look at the tensors stored here again (a swarm-filled directory gained some)."""
+        self.entries = self._index(allow_none=self.fetched)
+
+    def holds(self, names: list[str]) -> bool:
+        """Whether every one of ``names`` is stored here (a swarm-filled directory may lack some)."""
+        return all(n in self.entries for n in names)
 
     def load(self, names: list[str], dtype: Any = None, device: str = "cpu") -> dict:
         """Load exactly ``names`` (torch tensors), nothing else."""
@@ -128,6 +216,8 @@ class Checkpoint:
         by_file: dict[Path, list[str]] = {}
         for n in names:
             if n not in self.entries:
+                if n in self.catalog:
+                    raise CheckpointError(f"tensor {n} has not been fetched to {self.path}")
                 raise CheckpointError(f"tensor {n} is not in {self.path}")
             by_file.setdefault(self.entries[n].file, []).append(n)
         out = {}
@@ -144,7 +234,7 @@ class Checkpoint:
         same tensor names, none beyond, the embedding and final norm there, hidden_size matching
         the embedding. Reads only the headers; raises CheckpointError with a one-line reason."""
         per_layer: dict[int, set[str]] = {}
-        for name in self.entries:
+        for name in self.catalog:
             m = LAYER_RE.match(name)
             if m:
                 per_layer.setdefault(int(m[1]), set()).add(name[m.end():])
@@ -174,79 +264,159 @@ class Checkpoint:
                                       f"(differs in {', '.join(diff[:3])}{', ...' if len(diff) > 3 else ''})")
         head = self.head_tensors()
         for part in ("embed", "norm"):
-            if head[part] not in self.entries:
+            if head[part] not in self.catalog:
                 raise CheckpointError(f"{self.path.name} has no {head[part]} tensor")
         hidden = self.raw_config.get("hidden_size")
-        shape = self.entries[head["embed"]].shape
+        shape = self.catalog[head["embed"]].shape
         if hidden is not None and (len(shape) != 2 or shape[1] != hidden):
             raise CheckpointError(f"{self.path.name}/config.json says hidden_size = {hidden} but "
                                   f"{head['embed']} has shape {list(shape)}")
 
     def manifest(self) -> dict:
-        """Content hashes of config, tokenizer files and every layer's tensors (cached on disk).
+        """Every file and tensor of the model with its size and chunk root (cached on disk).
         Checks first that the config agrees with the tensors (``check_structure``)."""
         if self._manifest is None:
             self.check_structure()
-            self._manifest = self._load_cached_manifest() or self._compute_manifest()
+            if not self._load_cached_manifest():
+                self._compute_manifest()
         return self._manifest
+
+    def manifest_bytes(self) -> bytes:
+        """The manifest as the model ID hashes it (canonical CBOR): what peers serve and fetch."""
+        self.manifest()
+        return self._manifest_bytes
 
     @property
     def model_id(self) -> str:
         return model_id_of(self.manifest())
+
+    # -- blobs, as the weights protocol serves them ----------------------------------------------
+    def blob_location(self, blob: str) -> tuple[Path, int, int] | None:
+        """(file, start, end) of a blob (``file:NAME`` or ``tensor:NAME``) stored here, or None."""
+        kind, _, name = blob.partition(":")
+        if kind == "tensor" and name in self.entries:
+            e = self.entries[name]
+            return e.file, e.start, e.end
+        if kind == "file" and name in self.manifest()["files"]:
+            f = self.path / name
+            if f.is_file():
+                return f, 0, f.stat().st_size
+        return None
+
+    def blob_hashes(self, blob: str) -> bytes | None:
+        """The chunk hashes of a blob stored here (what its manifest root is computed from)."""
+        self.manifest()
+        if blob in self._hashes:
+            return self._hashes[blob]
+        if self.fetched:
+            f = self.path / FETCHED_HASHES / hashes_file_name(blob)
+            if f.is_file():
+                return f.read_bytes()
+        return None
+
+    def held_prefixes(self) -> list[str]:
+        """The blobs this directory can serve, as blob-name prefixes (``""``: all of them)."""
+        if not self.fetched:
+            return [""]
+        out = ["file:"]
+        for name in self.entries:
+            m = LAYER_RE.match(name)
+            out.append(f"tensor:{m[0]}" if m else f"tensor:{name}")
+        return list(dict.fromkeys(out))
 
     def _fingerprint(self) -> list:
         """What the manifest cache is keyed on, per file: besides name, size and mtime (which an
         in-place edit can keep: ``os.utime``, ``cp -p``, ``rsync -t``), the inode and the ctime,
         which every write and every utime moves and no user call can set back. A copied or
         restored directory hashes again, once."""
-        files = sorted({e.file for e in self.entries.values()} | {self.path / "config.json"}
-                       | {self.path / t for t in TOKENIZER_FILES if (self.path / t).exists()})
+        files = sorted({e.file for e in self.entries.values()}
+                       | {self.path / t for t in MODEL_FILES if (self.path / t).exists()})
         out = []
         for f in files:
             st = f.stat()
             out.append([f.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev])
         return out
 
-    def _load_cached_manifest(self) -> dict | None:
+    def _load_cached_manifest(self) -> bool:
         try:
-            cached = json.loads((self.path / MANIFEST_CACHE).read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
-        if cached.get("fingerprint") != self._fingerprint():
-            return None
-        return cached.get("manifest")
+            cached = cbor2.loads((self.path / MANIFEST_CACHE).read_bytes())
+            raw, hashes = cached["manifest"], cached["hashes"]
+            if cached.get("fingerprint") != self._fingerprint() or not isinstance(hashes, dict):
+                return False
+            manifest = cbor2.loads(raw)
+            check_manifest(manifest)
+        except (OSError, KeyError, TypeError, ValueError, CheckpointError, cbor2.CBORDecodeError):
+            return False
+        self._manifest, self._manifest_bytes, self._hashes = manifest, raw, hashes
+        return True
 
-    def _compute_manifest(self) -> dict:
+    def _compute_manifest(self) -> None:
         log.info("hashing %s for its manifest (once; cached in %s)", self.path, MANIFEST_CACHE)
-        tensors_hash = {}
+        files, tensors, hashes = {}, {}, {}
+        for name in MODEL_FILES:
+            f = self.path / name
+            if f.is_file():
+                size = f.stat().st_size
+                hashes[f"file:{name}"] = _chunk_hashes(f, 0, size)
+                files[name] = [size, blob_root(size, hashes[f"file:{name}"])]
         for name in sorted(self.entries):
-            tensors_hash[name] = _hash_tensor(self.entries[name])
-
-        def group(names: list[str]) -> str:
-            h = hashlib.sha256()
-            for n in sorted(names):
-                h.update(n.encode() + b"\0" + bytes.fromhex(tensors_hash[n]))
-            return h.hexdigest()
-
-        head = self.head_parts()
-        manifest = {
-            "version": MANIFEST_VERSION,
-            "model_type": self.model_type,
-            "num_layers": self.num_layers,
-            "config": hashlib.sha256(_canonical_json(self.raw_config)).hexdigest(),
-            "tokenizer": {t: hashlib.sha256((self.path / t).read_bytes()).hexdigest()
-                          for t in TOKENIZER_FILES if (self.path / t).exists()},
-            "layers": [group(self.layer_tensors(i)) for i in range(self.num_layers)],
-            "embed": group(head["embed"]),
-            "norm": group(head["norm"]),
-            "lm_head": group(head["lm_head"]) if head["lm_head"] else "tied",
-        }
+            e = self.entries[name]
+            h = _chunk_hashes(e.file, e.start, e.end)
+            hashes[f"tensor:{name}"] = h
+            tensors[name] = [e.dtype, list(e.shape), e.size, blob_root(e.size, h)]
+        manifest = {"version": MANIFEST_VERSION, "model_type": self.model_type, "num_layers": self.num_layers,
+                    "chunk_size": CHUNK_SIZE, "files": files, "tensors": tensors}
+        raw = cbor2.dumps(manifest, canonical=True)
+        self._manifest, self._manifest_bytes, self._hashes = manifest, raw, hashes
         try:
-            (self.path / MANIFEST_CACHE).write_text(
-                json.dumps({"fingerprint": self._fingerprint(), "manifest": manifest}, indent=1))
+            (self.path / MANIFEST_CACHE).write_bytes(cbor2.dumps(
+                {"fingerprint": self._fingerprint(), "manifest": raw, "hashes": hashes}))
         except OSError:
             pass  # read-only model directory: recompute next time
-        return manifest
+
+
+def check_manifest(manifest: Any) -> None:
+    """A manifest has the shape this version writes (raise CheckpointError saying what is wrong)."""
+    if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
+        raise CheckpointError(f"manifest version {manifest.get('version') if isinstance(manifest, dict) else None!r} "
+                              f"is not supported (this shardnet reads version {MANIFEST_VERSION})")
+    files, tensors = manifest.get("files"), manifest.get("tensors")
+    if manifest.get("chunk_size") != CHUNK_SIZE or not isinstance(files, dict) or not isinstance(tensors, dict) \
+            or "config.json" not in files:
+        raise CheckpointError("manifest is malformed (chunk size, files or tensors)")
+    for name, v in files.items():
+        if not (isinstance(name, str) and name in MODEL_FILES and isinstance(v, list) and len(v) == 2
+                and _nonneg_int(v[0]) and isinstance(v[1], str) and len(v[1]) == 64):
+            raise CheckpointError(f"manifest entry for file {name!r} is malformed")
+    for name, v in tensors.items():
+        if not (isinstance(name, str) and isinstance(v, list) and len(v) == 4 and isinstance(v[0], str)
+                and isinstance(v[1], list) and all(_nonneg_int(d) for d in v[1]) and _nonneg_int(v[2])
+                and isinstance(v[3], str) and len(v[3]) == 64):
+            raise CheckpointError(f"manifest entry for tensor {name!r} is malformed")
+
+
+def _nonneg_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def hashes_file_name(blob: str) -> str:
+    """A file name for a blob's chunk hashes (blob names may hold any character)."""
+    return hashlib.sha256(blob.encode()).hexdigest()[:32] + ".sha256s"
+
+
+def _chunk_hashes(f: Path, start: int, end: int) -> bytes:
+    out = bytearray()
+    with open(f, "rb") as fh:
+        fh.seek(start)
+        left = end - start
+        while True:
+            data = fh.read(min(left, CHUNK_SIZE))
+            if len(data) != min(left, CHUNK_SIZE):
+                raise CheckpointError(f"{f} ends inside a tensor")
+            out += chunk_hash(data)
+            left -= len(data)
+            if not left:
+                return bytes(out)
 
 
 def _fp8_block_size(raw_config: dict) -> tuple[int, int] | None:
@@ -267,10 +437,6 @@ def _fp8_block_size(raw_config: dict) -> tuple[int, int] | None:
 def model_id_of(manifest: dict) -> str:
     """The model ID every protocol message carries: a hash of the whole manifest."""
     return hashlib.sha256(cbor2.dumps(manifest, canonical=True)).hexdigest()
-
-
-def _canonical_json(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _read_safetensors_header(f: Path) -> dict[str, TensorEntry]:
@@ -296,17 +462,3 @@ def _read_safetensors_header(f: Path) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{f}: tensor {name} lies outside the file")
         out[name] = TensorEntry(f, meta["dtype"], tuple(meta["shape"]), base + a, base + b)
     return out
-
-
-def _hash_tensor(e: TensorEntry) -> str:
-    h = hashlib.sha256(f"{e.dtype}:{list(e.shape)}:".encode())
-    with open(e.file, "rb") as fh:
-        fh.seek(e.start)
-        left = e.end - e.start
-        while left:
-            chunk = fh.read(min(left, 1 << 22))
-            if not chunk:
-                raise CheckpointError(f"{e.file} ends inside a tensor")
-            h.update(chunk)
-            left -= len(chunk)
-    return h.hexdigest()

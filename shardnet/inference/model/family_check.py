@@ -36,6 +36,10 @@ def ensure_family_matches(ckpt: Checkpoint) -> None:
     stored locally."""
     import transformers
 
+    parts = ckpt.head_parts()
+    if not ckpt.holds(ckpt.layer_tensors(0) + parts["embed"] + parts["norm"] + parts["lm_head"]):
+        log.info("%s holds not all of layer 0 and the head: its family is not checked here", ckpt.path.name)
+        return
     key = {"model_id": ckpt.model_id, "transformers": transformers.__version__, "family": repr(ckpt.family)}
     cache = ckpt.path / VERDICT_CACHE
     try:

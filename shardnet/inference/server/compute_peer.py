@@ -46,6 +46,9 @@ from shardnet.inference.server.placement import (
     plan_move,
     served_throughput,
 )
+from shardnet.inference.weights.fetcher import ProgressFn
+from shardnet.inference.weights.server import WeightServer
+from shardnet.inference.weights.swarm_model import fetch_tensors, span_tensor_names
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
@@ -100,8 +103,13 @@ class ComputePeer:
 
     def __init__(self, node: Node, model_path: str | Path, *, dtype: str = "auto", device: str | None = None,
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET, idle_timeout: float | None = None,
-                 hold_head: bool = False, throughput: float | None = None, quantize: str | None = None) -> None:
+                 hold_head: bool = False, throughput: float | None = None, quantize: str | None = None,
+                 fetch_progress: ProgressFn | None = None, names: list[str] = ()) -> None:
         self.node = node
+        #: called as the tensors of a span are fetched (a checkpoint the swarm fills)
+        self.fetch_progress = fetch_progress
+        #: names the model is published by besides the checkpoint's own (e.g. a hub repo)
+        self.names = list(names)
         #: how the block's weights are quantized at load (None: as the checkpoint computes)
         self.quantize = quantize
         #: tokens/s to advertise instead of a measurement (None: measure each block loaded)
@@ -129,6 +137,10 @@ class ComputePeer:
     async def load(self, start: int, end: int) -> ServedBlock:
         """Load layers start..end and serve them to new sessions (open ones keep their block)."""
         ckpt = self.ckpt
+        if ckpt.fetched:
+            await fetch_tensors(self.node, ckpt, span_tensor_names(ckpt, start, end, hold_head=self.hold_head),
+                                progress=self.fetch_progress)
+            await trio.to_thread.run_sync(ensure_family_matches, ckpt)  # where it now holds layer 0 and the head
         log.info("loading layers %d:%d of %s (%s%s, %s)", start, end, ckpt.path.name, self.dtype_name,
                  f", weights {self.quantize}" if self.quantize else "", self.device)
         block = await trio.to_thread.run_sync(
@@ -245,6 +257,9 @@ class ComputePeer:
                         log.warning("moving from layers %d:%d to %d:%d (swarm bottleneck %.1f -> %.1f tok/s)",
                                     *old, move.start, move.end, move.bottleneck_now, move.bottleneck_after)
                         await self.load(move.start, move.end)
+                        weights = self.node.behaviour(WeightServer)
+                        if weights is not None:
+                            weights.add(self.ckpt, self.names)  # it may hold more now
                         self.moves.append(move)
                         settle_until = trio.current_time() + SETTLE_S
                         if on_move is not None:
@@ -267,6 +282,8 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
         await trio.sleep(random.uniform(*RECHECK_DELAY))  # and once more before loading
         layers = await peer.recheck_span(layers)
     await peer.load(*layers)
+    weights = node.behaviour(WeightServer) or await node.add_behaviour(WeightServer(node))
+    weights.add(peer.ckpt, peer.names)
     publisher = await node.add_behaviour(ClaimPublisher(node, peer.claim, ttl=claim_ttl))  # first claim out
     try:
         async with trio.open_nursery() as nursery:
@@ -280,6 +297,7 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
                 nursery.cancel_scope.cancel()
     finally:
         node.remove_behaviour(publisher)  # no more claims once we stop serving
+        weights.remove(peer.model_id)
 
 
 @asynccontextmanager

@@ -37,7 +37,7 @@ def layer_bytes(ckpt, layer: int, dtype: str, quantize: str | None = None) -> in
     for name in ckpt.layer_tensors(layer):
         if ckpt.fp8_block_size is not None and name.endswith(SCALE_SUFFIX):
             continue
-        shape = ckpt.entries[name].shape
+        shape = ckpt.catalog[name].shape
         n = 1
         for d in shape:
             n *= d

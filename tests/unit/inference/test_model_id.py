@@ -10,4 +10,10 @@ def test_model_id_depends_on_every_layer(tmp_path):
     c = init_random(tmp_path / "c", "llama", layers=2, hidden=32, heads=2, kv_heads=1, vocab=300, seed=2)
     ma, mb, mc = Checkpoint(a).manifest(), Checkpoint(b).manifest(), Checkpoint(c).manifest()
     assert Checkpoint(a).model_id == Checkpoint(b).model_id != Checkpoint(c).model_id
-    assert ma["layers"] == mb["layers"] and ma["layers"][0] != mc["layers"][0]
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert ma["tensors"] == mb["tensors"] and ma["tensors"][name] != mc["tensors"][name]
+    # each tensor's root commits to its dtype, shape, size and every 1 MiB chunk
+    dtype, shape, size, root = ma["tensors"][name]
+    assert (dtype, shape, size) == ("F32", [32, 32], 32 * 32 * 4) and len(root) == 64
+    assert set(ma["files"]) >= {"config.json"}
+

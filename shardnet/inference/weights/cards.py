@@ -1,0 +1,224 @@
+"""What the swarm serves: each peer that holds a model publishes a signed *model card* in the DHT
+(its ID, the names people call it by, family, layers, size), provides the names, and serves the
+model's manifest and bytes on ``/shardnet/weights/1.0.0``.
+
+The card is a signed DHT value of its publisher (records.py: nobody else can write it) and
+points at the manifest by its hash, the model ID; the manifest itself, which for a model of
+tens of thousands of tensors is megabytes (a DHT value holds at most 64 KiB), comes from the
+serving peers over the weights protocol and is checked against that ID. So a card can be
+wrong only about the names and figures its own publisher chose to sign.
+
+DHT keys (provider records): ``models`` (every peer publishing a card), ``model-name/<name>``
+(peers serving a model by that name), ``weights/<model ID>`` (peers serving its bytes). The
+card is the value ``model-card/<model ID>`` of each publisher.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import cbor2
+import trio
+
+from shardnet.errors import ShardnetError
+from shardnet.inference.claims import find_claims
+from shardnet.transport.node import Node
+
+log = logging.getLogger(__name__)
+
+MODELS_KEY = "models"
+MODEL_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+MAX_NAMES = 8
+MAX_NAME_CHARS = 200
+
+
+class ModelNotFound(ShardnetError):
+    """No peer of the swarm serves a model by that name or ID."""
+
+    code = "no_model"
+
+
+def card_record_name(model_id: str) -> str:
+    return f"model-card/{model_id}"
+
+
+def name_key(name: str) -> str:
+    return f"model-name/{name}"
+
+
+def weights_key(model_id: str) -> str:
+    return f"weights/{model_id}"
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    model_id: str
+    names: tuple[str, ...]
+    family: str
+    num_layers: int
+    total_bytes: int
+    dtype: str
+
+    def encode(self) -> bytes:
+        return cbor2.dumps({"v": 1, "model_id": self.model_id, "names": list(self.names[:MAX_NAMES]),
+                            "family": self.family, "num_layers": self.num_layers, "bytes": self.total_bytes,
+                            "dtype": self.dtype}, canonical=True)
+
+    @classmethod
+    def decode(cls, blob: bytes) -> ModelCard:
+        try:
+            m = cbor2.loads(blob)
+            names = m["names"]
+            card = cls(m["model_id"], tuple(names), m["family"], m["num_layers"], m["bytes"], m["dtype"])
+        except Exception:
+            raise ShardnetError("malformed model card") from None
+        if not (isinstance(card.model_id, str) and MODEL_ID_RE.match(card.model_id) and isinstance(names, list)
+                and len(names) <= MAX_NAMES
+                and all(isinstance(n, str) and 0 < len(n) <= MAX_NAME_CHARS for n in names)
+                and isinstance(card.family, str) and isinstance(card.num_layers, int)
+                and isinstance(card.total_bytes, int) and isinstance(card.dtype, str)):
+            raise ShardnetError("malformed model card")
+        return card
+
+
+def card_of(ckpt, extra_names: list[str] = ()) -> ModelCard:
+    return ModelCard(ckpt.model_id, tuple(dict.fromkeys([*extra_names, *ckpt.names]))[:MAX_NAMES], ckpt.model_type,
+                     ckpt.num_layers, ckpt.total_bytes, ckpt.stored_dtype)
+
+
+async def publish_card(node: Node, card: ModelCard, *, serves_weights: bool) -> None:
+    """Put the card and its provider records in the DHT (best effort: the next round retries)."""
+    jobs = [("card", lambda: node.dht.put(card_record_name(card.model_id), card.encode())),
+            ("models", lambda: node.dht.provide(MODELS_KEY))]
+    jobs += [(f"name {n}", lambda n=n: node.dht.provide(name_key(n))) for n in card.names]
+    if serves_weights:
+        jobs.append(("weights", lambda: node.dht.provide(weights_key(card.model_id))))
+    for what, job in jobs:
+        try:
+            await job()
+        except Exception as e:
+            log.info("publishing model card (%s) failed: %s", what, e)
+
+
+@dataclass
+class SwarmModel:
+    """One model as the swarm serves it: what its cards say and who claims which layers."""
+
+    card: ModelCard
+    publishers: set[str] = field(default_factory=set)
+    spans: list[tuple[int, int, str, str]] = field(default_factory=list)  # start, end, peer, quant
+
+    @property
+    def covered(self) -> list[tuple[int, int]]:
+        """The layer ranges some peer claims, merged."""
+        out: list[list[int]] = []
+        for start, end, _, _ in sorted(self.spans):
+            if out and start <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], end)
+            else:
+                out.append([start, end])
+        return [(a, b) for a, b in out]
+
+    @property
+    def peers(self) -> int:
+        return len({p for *_, p, _ in self.spans} | self.publishers)
+
+    @property
+    def quant(self) -> list[str]:
+        return sorted({q for *_, q in self.spans}) or ["none"]
+
+    def to_json(self) -> dict:
+        c = self.card
+        return {"model_id": c.model_id, "names": list(c.names), "family": c.family, "num_layers": c.num_layers,
+                "bytes": c.total_bytes, "dtype": c.dtype, "covered": [list(r) for r in self.covered],
+                "peers": self.peers, "quantization": self.quant}
+
+
+async def _cards_from(node: Node, key: str, model_id: str | None, *, timeout: float) -> list[tuple[str, ModelCard]]:
+    """(publisher, card) from each provider of ``key``: its card for ``model_id``, or (None) the
+    cards of every model its ``models`` record lists."""
+    out: list[tuple[str, ModelCard]] = []
+    with trio.move_on_after(timeout):
+        providers = await node.dht.find_providers(key, count=64)
+
+        async def one(info) -> None:
+            pid = str(info.peer_id)
+            if info.addrs:
+                node.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 600)
+            for mid in [model_id] if model_id else await _models_of(node, pid):
+                try:
+                    blob = await node.dht.get(pid, card_record_name(mid))
+                    if blob:
+                        card = ModelCard.decode(blob)
+                        if card.model_id == mid:
+                            out.append((pid, card))
+                except ShardnetError as e:
+                    log.debug("model card of %s: %s", pid[:16], e)
+
+        async with trio.open_nursery() as nursery:
+            for info in providers:
+                nursery.start_soon(one, info)
+    return out
+
+
+async def _models_of(node: Node, peer: str) -> list[str]:
+    try:
+        blob = await node.dht.get(peer, MODELS_KEY)
+        ids = cbor2.loads(blob) if blob else []
+    except Exception:
+        return []
+    return [i for i in ids if isinstance(i, str) and MODEL_ID_RE.match(i)][:16] if isinstance(ids, list) else []
+
+
+async def publish_model_list(node: Node, model_ids: list[str]) -> None:
+    """The models this peer publishes cards for (what ``list_models`` reads first)."""
+    try:
+        await node.dht.put(MODELS_KEY, cbor2.dumps(sorted(model_ids)))
+    except Exception as e:
+        log.info("publishing the model list failed: %s", e)
+
+
+async def list_models(node: Node, *, timeout: float = 15.0) -> list[SwarmModel]:
+    """Every model the swarm serves, with its cards' facts and its claims' coverage."""
+    found: dict[str, SwarmModel] = {}
+    for pid, card in await _cards_from(node, MODELS_KEY, None, timeout=timeout):
+        found.setdefault(card.model_id, SwarmModel(card)).publishers.add(pid)
+    await _add_claims(node, list(found.values()), timeout=timeout)
+    return sorted(found.values(), key=lambda m: (m.card.names[:1], m.card.model_id))
+
+
+async def _add_claims(node: Node, models: list[SwarmModel], *, timeout: float) -> None:
+    async def one(m: SwarmModel) -> None:
+        for c in await find_claims(node, m.card.model_id, timeout=timeout):
+            m.spans.append((c.start, c.end, c.peer, c.quant))
+
+    async with trio.open_nursery() as nursery:
+        for m in models:
+            nursery.start_soon(one, m)
+
+
+async def resolve_model(node: Node, name_or_id: str, *, timeout: float = 15.0) -> ModelCard:
+    """The card of the model the swarm serves under ``name_or_id`` (a name or a model ID); when
+    a name maps to several models, the one most peers publish. ModelNotFound names what the
+    swarm does serve."""
+    if MODEL_ID_RE.match(name_or_id):
+        cards = await _cards_from(node, weights_key(name_or_id), name_or_id, timeout=timeout)
+    else:
+        cards = []
+        for pid, card in await _cards_from(node, name_key(name_or_id), None, timeout=timeout):
+            if name_or_id in card.names:
+                cards.append((pid, card))
+    if not cards:
+        served = await list_models(node, timeout=timeout)
+        listing = "; ".join(f"{(m.card.names or ('?',))[0]} ({m.card.model_id[:16]}…)" for m in served[:8])
+        raise ModelNotFound(f"the swarm serves no model {name_or_id!r}"
+                            + (f" (it serves: {listing})" if listing else " (it serves no model at all)"))
+    counts = Counter(card.model_id for _, card in cards)
+    best, _ = counts.most_common(1)[0]
+    if len(counts) > 1:
+        log.warning("%d models are called %s; taking %s… (%d peers): pass a model ID to choose", len(counts),
+                    name_or_id, best[:16], counts[best])
+    return next(card for _, card in cards if card.model_id == best)

@@ -1,0 +1,146 @@
+"""``WeightServer``: a node behaviour that serves the models this node holds (whole, or the
+parts it fetched) on ``/shardnet/weights/1.0.0`` and keeps their cards in the DHT.
+
+Serving weights must not starve inference: at most ``weights_streams_per_peer`` streams per
+peer (more are answered ``busy``), and every chunk sent waits its turn under one pacer of
+``weights_mb_per_s`` for the whole node. Files are read with ``pread`` in a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import trio
+
+from shardnet.inference.model.checkpoint import Checkpoint
+from shardnet.inference.weights.cards import card_of, publish_card, publish_model_list
+from shardnet.protocols import weights as wp
+from shardnet.transport.behaviour import Behaviour
+from shardnet.transport.limits import PeerCounts, Refusals
+from shardnet.transport.node import Node
+from shardnet.transport.stream import Stream, StreamClosedError
+
+log = logging.getLogger(__name__)
+
+#: seconds between republishing cards and provider records (DHT provider records live 24 h,
+#: values as long as their holders keep them: a third of a claim's TTL keeps them found)
+REPUBLISH_S = 40.0
+READ_TIMEOUT = 60.0
+
+
+class Pacer:
+    """Spaces out what is sent so that it averages ``rate`` bytes per second (no burst)."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self._next = 0.0
+
+    async def take(self, n: int) -> None:
+        now = trio.current_time()
+        start = max(now, self._next)
+        self._next = start + n / self.rate
+        await trio.sleep_until(start)
+
+
+class WeightServer(Behaviour):
+    """Serves the blobs of the checkpoints it is given (``add``), and publishes their cards."""
+
+    def __init__(self, node: Node, *, serves_weights: bool = True) -> None:
+        self.node = node
+        self.models: dict[str, tuple[Checkpoint, list[str]]] = {}  # model ID -> (checkpoint, extra names)
+        self.serves_weights = serves_weights
+        self.open = PeerCounts()
+        self.refusals = Refusals(log)
+        self.pacer = Pacer(node.config.limits.weights_mb_per_s * 1e6)
+        #: chunks and bytes sent (for metrics and tests)
+        self.chunks_sent = 0
+        self.bytes_sent = 0
+        self._wake = trio.Event()
+        node.set_stream_handler(wp.PROTOCOL_ID, self._serve_stream)
+
+    def add(self, ckpt: Checkpoint, names: list[str] = ()) -> None:
+        """Serve ``ckpt`` (again, after it holds more) under its ID; publish its card soon."""
+        self.models[ckpt.model_id] = (ckpt, list(names))
+        self._wake.set()
+
+    def remove(self, model_id: str) -> None:
+        """Stop serving a model (its cards expire from the DHT by themselves)."""
+        self.models.pop(model_id, None)
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await publish_model_list(self.node, list(self.models))
+            for ckpt, names in list(self.models.values()):
+                await publish_card(self.node, card_of(ckpt, names), serves_weights=self.serves_weights)
+            with trio.move_on_after(REPUBLISH_S):
+                await self._wake.wait()
+            self._wake = trio.Event()
+
+    # -- the protocol ----------------------------------------------------------------------------
+    async def _serve_stream(self, stream: Stream) -> None:
+        peer = str(stream.remote_peer)
+        conn = wp.WeightsServer()
+        busy = self.open[peer] >= self.node.config.limits.weights_streams_per_peer
+        self.open[peer] += 1
+        try:
+            while True:
+                data = await stream.read_some(65536, timeout=READ_TIMEOUT)
+                if not data:
+                    return
+                for request in conn.receive_data(data):
+                    if busy:
+                        self.refusals.note("weights_streams_per_peer", peer,
+                                           f"limit weights_streams_per_peer: {peer[:16]} has "
+                                           f"{self.open[peer] - 1} weight streams open; answering busy")
+                        reply = wp.Reply.failure("busy", f"this peer serves at most "
+                                                         f"{self.node.config.limits.weights_streams_per_peer} "
+                                                         "weight streams per peer at once")
+                    else:
+                        reply = await self._answer(request)
+                    out = conn.send(reply)
+                    if reply.ok and reply.data:
+                        await self.pacer.take(len(out))
+                    await stream.write(out)
+                    if reply.ok and request.op == "chunk":
+                        self.chunks_sent += 1
+                        self.bytes_sent += len(reply.data)
+        except wp.WeightsError as e:
+            log.info("weights request from %s refused: %s", peer[:16], e)
+            await stream.reset()
+        except StreamClosedError as e:  # the fetcher went away or gave up on this stream
+            log.debug("weights stream from %s ended: %s", peer[:16], e)
+        finally:
+            self.open.release(peer)
+
+    async def _answer(self, request: wp.Request) -> wp.Reply:
+        held = self.models.get(request.model)
+        if held is None:
+            return wp.Reply.failure("unknown_model", f"this peer serves no model {request.model[:16]}…")
+        ckpt = held[0]
+        if request.op == "have":
+            return wp.Reply(True, prefixes=tuple(ckpt.held_prefixes()))
+        if request.op == "manifest":
+            raw = ckpt.manifest_bytes()
+            return wp.Reply(True, data=raw[request.index: request.index + request.length], total=len(raw))
+        where = ckpt.blob_location(request.blob)
+        hashes = ckpt.blob_hashes(request.blob) if where else None
+        if where is None or hashes is None:
+            return wp.Reply.failure("not_held", f"this peer does not hold {request.blob[:200]}")
+        if request.op == "hashes":
+            return wp.Reply(True, data=hashes)
+        path, start, end = where
+        if request.index >= wp.chunk_count(end - start):
+            return wp.Reply.failure("bad_request", f"{request.blob[:200]} has no chunk {request.index}")
+        a, b = wp.chunk_span(end - start, request.index)
+        data = await trio.to_thread.run_sync(_pread, path, start + a, b - a)
+        return wp.Reply(True, data=data)
+
+
+def _pread(path, offset: int, length: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)

@@ -1,0 +1,190 @@
+"""Weights over the swarm, in one process with real hosts: model cards, name resolution, a span
+fetched from several peers, chunks checked on arrival (a peer sending bad bytes is dropped and the
+fetch completes from others), resuming from verified chunks, and the limits of serving."""
+
+import json
+import struct
+from contextlib import AsyncExitStack
+
+import pytest
+import trio
+from safetensors import safe_open
+
+from shardnet.inference.model.checkpoint import Checkpoint
+from shardnet.inference.model.random_model import init_random
+from shardnet.inference.weights import fetcher as fetcher_mod
+from shardnet.inference.weights.cards import ModelNotFound, list_models, resolve_model
+from shardnet.inference.weights.server import WeightServer
+from shardnet.inference.weights.store import WeightStore
+from shardnet.inference.weights.swarm_model import fetch_tensors, open_from_swarm, span_tensor_names
+from shardnet.protocols import weights as wp
+from shardnet.transport import open_node
+from shardnet.transport.limits import Limits
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    # layers of ~1.3 MB: several 1 MiB chunks per big tensor, so chunks spread over sources
+    return init_random(tmp_path_factory.mktemp("w") / "wmodel", "llama", layers=4, hidden=256, heads=4, kv_heads=2,
+                       intermediate=1024, vocab=1024, seed=5)
+
+
+class CorruptingServer(WeightServer):
+    """Serves chunks with one byte flipped (a disk gone bad, or a peer lying)."""
+
+    async def _answer(self, request):
+        reply = await super()._answer(request)
+        if request.op == "chunk" and reply.ok and reply.data:
+            data = bytearray(reply.data)
+            data[len(data) // 2] ^= 0xFF
+            reply = wp.Reply(True, data=bytes(data))
+        return reply
+
+
+async def _swarm(stack, loopback_config, model, servers, **server_limits):
+    """A bootstrap node, one node per server class serving the whole checkpoint, and a fetcher."""
+    boot = await stack.enter_async_context(open_node(loopback_config()))
+    cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
+    ckpt = Checkpoint(model)
+    held = []
+    for cls in servers:
+        n = await stack.enter_async_context(open_node(loopback_config(bootstrap=cfg.bootstrap,
+                                                                      limits=Limits(**server_limits))))
+        await n.wait_bootstrapped()
+        server = await n.add_behaviour(cls(n))
+        server.add(ckpt)
+        held.append((n, server))
+    fetching = await stack.enter_async_context(open_node(cfg))
+    await fetching.wait_bootstrapped()
+    await trio.sleep(0.5)  # cards and provider records out
+    return fetching, held
+
+
+def _same_tensors(fetched_dir, original, names):
+    a, b = Checkpoint(fetched_dir), Checkpoint(original)
+    for n in names:
+        ea, eb = a.entries[n], b.entries[n]
+        with open(ea.file, "rb") as fa, open(eb.file, "rb") as fb:
+            fa.seek(ea.start)
+            fb.seek(eb.start)
+            assert fa.read(ea.size) == fb.read(eb.size), n
+
+
+async def test_a_span_is_fetched_from_several_peers_and_verified(loopback_config, model, tmp_path):
+    async with AsyncExitStack() as stack:
+        fetching, held = await _swarm(stack, loopback_config, model, [WeightServer, WeightServer, WeightServer])
+        card = await resolve_model(fetching, "wmodel")
+        assert card.model_id == Checkpoint(model).model_id and card.num_layers == 4 and card.family == "llama"
+        listed = await list_models(fetching)
+        assert [m.card.model_id for m in listed] == [card.model_id] and listed[0].peers == 3
+
+        path, _ = await open_from_swarm(fetching, "wmodel", cache_root=tmp_path)
+        assert path == tmp_path / card.model_id
+        ckpt = Checkpoint(path)
+        assert ckpt.fetched and ckpt.model_id == card.model_id and ckpt.entries == {}
+        assert (path / "config.json").read_bytes() == (model / "config.json").read_bytes()
+        assert (path / "tokenizer.json").is_file()
+
+        names = span_tensor_names(ckpt, 1, 3)
+        report = await fetch_tensors(fetching, ckpt, names)
+        assert not report.bad and report.done == sum(ckpt.catalog[n].size for n in names)
+        assert len(report.per_source) >= 2, report.per_source  # the chunks came from several peers
+        assert sorted(ckpt.entries) == sorted(names)
+        _same_tensors(path, model, names)
+        # a layout others can read: one safetensors file per layer, named in the index
+        weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+        assert set(weight_map.values()) == {"model-layer-00001.safetensors", "model-layer-00002.safetensors"}
+        with safe_open(str(path / "model-layer-00001.safetensors"), "pt") as f:
+            assert len(list(f.keys())) == len(ckpt.layer_tensors(1))
+        assert not list((path / ".partial").iterdir())
+        # nothing more to fetch the second time
+        assert await fetch_tensors(fetching, ckpt, names) is None
+        # and what this node now holds it serves on, under the same ID
+        assert set(ckpt.held_prefixes()) == {"file:", "tensor:model.layers.1.", "tensor:model.layers.2."}
+
+
+async def test_a_peer_sending_bad_chunks_is_dropped_and_the_fetch_completes(loopback_config, model, tmp_path):
+    async with AsyncExitStack() as stack:
+        fetching, held = await _swarm(stack, loopback_config, model, [CorruptingServer, WeightServer])
+        path, _ = await open_from_swarm(fetching, "wmodel", cache_root=tmp_path)
+        ckpt = Checkpoint(path)
+        names = span_tensor_names(ckpt, 0, 4)
+        report = await fetch_tensors(fetching, ckpt, names)
+        liar = str(held[0][0].peer_id)
+        assert report.bad == [liar]
+        assert liar not in report.per_source  # none of its bytes were kept
+        _same_tensors(path, model, names)
+
+
+async def test_only_liars_left_is_a_one_line_failure_and_nothing_unverified_is_loadable(loopback_config, model,
+                                                                                        tmp_path, monkeypatch):
+    monkeypatch.setattr(fetcher_mod, "ROUNDS", 1)
+    async with AsyncExitStack() as stack:
+        fetching, held = await _swarm(stack, loopback_config, model, [CorruptingServer])
+        # files come from the liar too: the manifest (checked against the ID) is fine, the files are not
+        with pytest.raises(fetcher_mod.FetchError, match=r"could not be fetched.*bad bytes from"):
+            await open_from_swarm(fetching, "wmodel", cache_root=tmp_path)
+        store = WeightStore(Checkpoint(model).model_id, tmp_path)
+        assert not (store.path / "config.json").exists()  # nothing written that was not verified
+
+
+async def test_a_fetch_resumes_from_the_chunks_it_verified(loopback_config, model, tmp_path):
+    async with AsyncExitStack() as stack:
+        # served at 8 MB/s, so that the fetch is still going when it is killed
+        fetching, held = await _swarm(stack, loopback_config, model, [WeightServer], weights_mb_per_s=8.0)
+        path, _ = await open_from_swarm(fetching, "wmodel", cache_root=tmp_path)
+        ckpt = Checkpoint(path)
+        names = span_tensor_names(ckpt, 0, 4)
+        total = sum(ckpt.catalog[n].size for n in names)
+        halfway = trio.Event()
+
+        def progress(p):
+            if p.done > total // 2:
+                halfway.set()
+
+        with trio.CancelScope() as scope:  # the fetch is killed halfway
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: fetch_tensors(fetching, ckpt, names, progress=progress))
+                await halfway.wait()
+                scope.cancel()
+        bitmaps = sorted((path / ".partial").glob("*.chunks"))
+        assert bitmaps, "the interrupted fetch left its verified chunks to resume from"
+        # a torn write: a chunk marked in whose bytes on disk are not what was verified is fetched again
+        torn = next(b for b in bitmaps if b.read_bytes()[:1] == b"\1")
+        data_file = torn.with_suffix(".safetensors")
+        with open(data_file, "r+b") as f:
+            (header,) = struct.unpack("<Q", f.read(8))
+            f.seek(8 + header)
+            f.write(b"\xff" * 64)
+        report = await fetch_tensors(fetching, ckpt, names)
+        # the groups finished before the kill are not fetched again; in the rest, the verified chunks
+        # are kept (all but the torn one)
+        assert report.reused > 0 and report.done + report.reused == report.total
+        assert report.done < total - report.reused
+        _same_tensors(path, model, names)
+
+
+async def test_unknown_model_names_what_the_swarm_serves(loopback_config, model):
+    async with AsyncExitStack() as stack:
+        fetching, _ = await _swarm(stack, loopback_config, model, [WeightServer])
+        with pytest.raises(ModelNotFound, match=r"serves no model 'nope'.*it serves: wmodel"):
+            await resolve_model(fetching, "nope", timeout=5)
+
+
+async def test_weight_streams_per_peer_are_limited(loopback_config, model):
+    async with AsyncExitStack() as stack:
+        fetching, held = await _swarm(stack, loopback_config, model, [WeightServer])
+        node, server = held[0]
+        limit = node.config.limits.weights_streams_per_peer
+        model_id = Checkpoint(model).model_id
+        streams = [await fetching.new_stream(node.peer_id, wp.PROTOCOL_ID) for _ in range(limit + 1)]
+        replies = []
+        for s in streams:
+            conn = wp.WeightsClient()
+            await s.write(conn.send(wp.Request("have", model_id)))
+            data = await s.read_some(65536)
+            replies += [r for _, r in conn.receive_data(data)]
+        assert [r.ok for r in replies] == [True] * limit + [False]
+        assert replies[-1].code == "busy"
+        for s in streams:
+            await s.close()
