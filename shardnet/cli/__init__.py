@@ -33,7 +33,7 @@ for command in (
     generate.generate,
     serve.serve,
     receipts.verify, receipts.receipts,
-    model.model,
+    model.model, model.models,
     demo.demo,
 ):
     main.add_command(command)

@@ -1,4 +1,4 @@
-"""``shardnet model``: model files (random checkpoints, manifests)."""
+"""``shardnet model``: model files (random checkpoints, manifests); ``shardnet models``: what the swarm serves."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import click
 
 from shardnet.inference.model.families import FAMILIES
 
-from .common import fail, say
+from .common import fail, network_options, run, say, visitor_config, wrap_errors
 
 
 @click.group()
@@ -63,3 +63,48 @@ def model_manifest(path, as_json) -> None:
     else:
         say(f"model id: {ck.model_id}")
         say(f"family:   {m['model_type']}, {m['num_layers']} layers")
+
+
+@click.command("models")
+@network_options("/ip4/0.0.0.0/tcp/0")
+@click.option("--wait", default=15.0, show_default=True, help="Seconds to look for models and their peers.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@wrap_errors
+def models(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> None:
+    """The models the swarm serves: name, model ID, family, size, layers covered, peers, quantization."""
+    from shardnet.inference.weights.cards import list_models
+    from shardnet.transport import open_node
+
+    if not bootstrap and not mdns:
+        fail("models needs --bootstrap MADDR (or --mdns)", 2)
+    cfg = visitor_config(relays, listen, announce, bootstrap, quic, mdns)
+
+    async def _main() -> list:
+        async with open_node(cfg) as n:
+            if bootstrap:
+                await n.wait_bootstrapped()
+            click.echo("asking the swarm which models it serves…", err=True)
+            return [m.to_json() for m in await list_models(n, timeout=wait)]
+
+    found = run(_main)
+    if as_json:
+        say(json.dumps(found, indent=2))
+        return
+    if not found:
+        say("the swarm serves no model (no peer publishes a model card)")
+        return
+    say(f"{'NAME':24} {'MODEL ID':18} {'FAMILY':12} {'SIZE':>9} {'LAYERS':14} {'PEERS':>5}  QUANT")
+    for m in found:
+        covered = ",".join(f"{a}-{b - 1}" for a, b in m["covered"]) or "none"
+        full = m["covered"] == [[0, m["num_layers"]]]
+        layers = f"{covered}/{m['num_layers']}" + ("" if full else " gaps")
+        say(f"{(m['names'] or ['?'])[0][:24]:24} {m['model_id'][:16] + '…':18} {m['family'][:12]:12} "
+            f"{_size(m['bytes']):>9} {layers:14} {m['peers']:>5}  {','.join(m['quantization'])}")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)

@@ -40,6 +40,8 @@ from . import openai_api as oa
 log = logging.getLogger(__name__)
 
 BODY_TIMEOUT = 30.0
+#: seconds a listing of the swarm's models is reused by /v1/models
+MODELS_TTL = 30.0
 SWARM_WAIT = 3.0
 HEALTH_WAIT = 5.0  # the longest /health waits for the client's view of the claims
 
@@ -65,6 +67,7 @@ class Gateway:
         self.context = int(getattr(self.model.ckpt.config, "max_position_embeddings", 0) or 1 << 30)
         self.template = chat_template_of(self.model.ckpt.path)
         self.requests = 0  # completion requests (not probes)
+        self._swarm_models: tuple[float, list[dict]] | None = None
 
     # -- ASGI ----------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
@@ -117,7 +120,23 @@ class Gateway:
         return (503 if missing else 200), body
 
     async def models(self) -> tuple[int, dict]:
-        return 200, oa.models_body(self.name, self.created)
+        """The model this gateway serves, and (key ``swarm``) every model the swarm serves, as
+        ``shardnet models --json`` lists them (looked up at most every MODELS_TTL seconds)."""
+        from shardnet.inference.weights.cards import list_models
+
+        now = trio.current_time()
+        if self._swarm_models is None or now - self._swarm_models[0] > MODELS_TTL or not self._swarm_models[1]:
+            try:
+                found = [m.to_json() for m in await list_models(self.client.node, timeout=SWARM_WAIT)]
+            except ShardnetError as e:
+                log.info("listing the swarm's models failed: %s", e)
+                found = self._swarm_models[1] if self._swarm_models else []
+            self._swarm_models = (now, found)
+        body = oa.models_body(self.name, self.created)
+        body["data"][0]["shardnet"] = {"model_id": self.model.model_id, "family": self.model.ckpt.model_type,
+                                       "num_layers": self.model.ckpt.num_layers}
+        body["swarm"] = self._swarm_models[1]
+        return 200, body
 
     async def swarm(self) -> tuple[int, dict]:
         return 200, await swarm_report(self.client.node, self.model.model_id, self.model.ckpt.num_layers,

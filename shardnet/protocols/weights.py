@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import cbor2
 
 from shardnet.errors import ShardnetError
-from shardnet.protocols.framing import FrameDecoder, encode_frame
+from shardnet.protocols.framing import FrameDecoder, FrameError, encode_frame
 
 PROTOCOL_ID = "/shardnet/weights/1.0.0"
 VERSION = 1
@@ -103,8 +103,10 @@ class ChunkChecker:
 
     def check(self, index: int, data: bytes) -> None:
         """Raise BadChunk unless ``data`` is chunk ``index`` as the manifest commits to it."""
+        if not 0 <= index < self.count:
+            raise BadChunk(f"{self.name} has chunks 0..{self.count - 1}, not {index}")
         start, end = chunk_span(self.size, index)
-        if not 0 <= index < self.count or len(data) != end - start:
+        if len(data) != end - start:
             raise BadChunk(f"{self.name}: chunk {index} has {len(data)} bytes, not {end - start}")
         h = chunk_hash(data)
         if self.count == 1:
@@ -209,12 +211,13 @@ class WeightsClient:
     def send(self, request: Request) -> bytes:
         if len(self._outstanding) >= MAX_IN_FLIGHT:
             raise WeightsError(f"at most {MAX_IN_FLIGHT} weights requests may be in flight on a stream")
-        self._outstanding.append(request)
-        return encode_frame(cbor2.dumps(request.to_wire(), canonical=True), MAX_REQUEST_BYTES)
+        frame = _frame(cbor2.dumps(request.to_wire(), canonical=True), MAX_REQUEST_BYTES)
+        self._outstanding.append(request)  # only once it can be sent
+        return frame
 
     def receive_data(self, data: bytes) -> list[tuple[Request, Reply]]:
         out = []
-        for payload in self._decoder.feed(data):
+        for payload in _frames(self._decoder, data):
             if not self._outstanding:
                 raise WeightsError("weights reply without a request")
             request = self._outstanding.popleft()
@@ -246,7 +249,7 @@ class WeightsServer:
     def receive_data(self, data: bytes) -> list[Request]:
         """The requests that ``data`` completes, in order; each must be answered with ``send``."""
         new = []
-        for payload in self._decoder.feed(data):
+        for payload in _frames(self._decoder, data):
             if len(self._pending) >= MAX_IN_FLIGHT:
                 raise WeightsError(f"more than {MAX_IN_FLIGHT} weights requests in flight on one stream")
             request = parse_request(payload)
@@ -257,5 +260,20 @@ class WeightsServer:
     def send(self, reply: Reply) -> bytes:
         if not self._pending:
             raise WeightsError("a weights reply needs a request to answer")
+        frame = _frame(cbor2.dumps(reply.to_wire(), canonical=True), MAX_REPLY_BYTES)
         self._pending.popleft()
-        return encode_frame(cbor2.dumps(reply.to_wire(), canonical=True), MAX_REPLY_BYTES)
+        return frame
+
+
+def _frame(payload: bytes, limit: int) -> bytes:
+    try:
+        return encode_frame(payload, limit)
+    except FrameError as e:
+        raise WeightsError(f"weights message too large: {e}") from None
+
+
+def _frames(decoder: FrameDecoder, data: bytes) -> list[bytes]:
+    try:
+        return decoder.feed(data)
+    except FrameError as e:
+        raise WeightsError(f"weights stream: {e}") from None

@@ -76,7 +76,9 @@ async def test_a_span_is_fetched_from_several_peers_and_verified(loopback_config
         card = await resolve_model(fetching, "wmodel")
         assert card.model_id == Checkpoint(model).model_id and card.num_layers == 4 and card.family == "llama"
         listed = await list_models(fetching)
-        assert [m.card.model_id for m in listed] == [card.model_id] and listed[0].peers == 3
+        # three peers publish its card; none claims layers (they serve bytes, not compute)
+        assert [m.card.model_id for m in listed] == [card.model_id] and len(listed[0].publishers) == 3
+        assert listed[0].peers == 0 and listed[0].covered == []
 
         path, _ = await open_from_swarm(fetching, "wmodel", cache_root=tmp_path)
         assert path == tmp_path / card.model_id

@@ -172,6 +172,15 @@ def test_health_models_swarm_and_unknown_paths(gateway):
     assert [m["id"] for m in json.loads(data)["data"]] == ["tiny-llama"]
     assert [m.id for m in api(gateway).models.list()] == ["tiny-llama"]
     deadline = time.monotonic() + 60
+    while True:  # and what the swarm serves, from the peers' model cards (published once they serve)
+        swarm_models = json.loads(http_request(gateway, "GET", "/v1/models")[1])["swarm"]
+        if swarm_models and swarm_models[0]["covered"] == [[0, 8]]:
+            break
+        assert time.monotonic() < deadline, swarm_models
+        time.sleep(1)
+    assert swarm_models[0]["names"][0] == "tiny-llama" and swarm_models[0]["family"] == "llama"
+    assert swarm_models[0]["model_id"] == json.loads(data)["data"][0]["shardnet"]["model_id"]
+    deadline = time.monotonic() + 60
     while True:  # /v1/swarm looks the claims up afresh (and pings every peer): wait for both answers
         status, data = http_request(gateway, "GET", "/v1/swarm")
         swarm = json.loads(data)

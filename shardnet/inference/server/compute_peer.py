@@ -138,7 +138,7 @@ class ComputePeer:
         """Load layers start..end and serve them to new sessions (open ones keep their block)."""
         ckpt = self.ckpt
         if ckpt.fetched:
-            await fetch_tensors(self.node, ckpt, span_tensor_names(ckpt, start, end, hold_head=self.hold_head),
+            await fetch_tensors(self.node, ckpt, span_tensor_names(ckpt, start, end),
                                 progress=self.fetch_progress)
             await trio.to_thread.run_sync(ensure_family_matches, ckpt)  # where it now holds layer 0 and the head
         log.info("loading layers %d:%d of %s (%s%s, %s)", start, end, ckpt.path.name, self.dtype_name,

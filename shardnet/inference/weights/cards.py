@@ -24,7 +24,7 @@ import cbor2
 import trio
 
 from shardnet.errors import ShardnetError
-from shardnet.inference.claims import find_claims
+from shardnet.inference.claims import find_claims, live_claims
 from shardnet.transport.node import Node
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,9 @@ class SwarmModel:
 
     @property
     def peers(self) -> int:
-        return len({p for *_, p, _ in self.spans} | self.publishers)
+        """Peers serving layers of it now (a card outlives its publisher for a while; a claim is
+        counted only when its peer answers a ping)."""
+        return len({p for *_, p, _ in self.spans})
 
     @property
     def quant(self) -> list[str]:
@@ -192,7 +194,8 @@ async def list_models(node: Node, *, timeout: float = 15.0) -> list[SwarmModel]:
 
 async def _add_claims(node: Node, models: list[SwarmModel], *, timeout: float) -> None:
     async def one(m: SwarmModel) -> None:
-        for c in await find_claims(node, m.card.model_id, timeout=timeout):
+        claims = await find_claims(node, m.card.model_id, timeout=timeout)
+        for c in await live_claims(node, claims):
             m.spans.append((c.start, c.end, c.peer, c.quant))
 
     async with trio.open_nursery() as nursery:

@@ -88,9 +88,15 @@ def head_tensor_names(ckpt: Checkpoint, *, embed: bool = True, lm_head: bool = T
     return names + ckpt.other_tensors()
 
 
-def span_tensor_names(ckpt: Checkpoint, start: int, end: int, *, hold_head: bool = False) -> list[str]:
+def span_tensor_names(ckpt: Checkpoint, start: int, end: int) -> list[str]:
+    """What a peer serving layers start..end fetches: those layers and, at the model's edges, the
+    parts of the head next to them (the first span the embedding, the last the final norm and LM
+    head, and the embedding too when the LM head is tied to it): so that a swarm whose peers all
+    joined by name still holds, and serves, what thin clients and ``--hold-head`` need."""
     names = [n for i in range(start, end) for n in ckpt.layer_tensors(i)]
-    if hold_head and end == ckpt.num_layers:
-        parts = ckpt.head_parts()
+    parts = ckpt.head_parts()
+    if start == 0:
+        names += parts["embed"] + ckpt.other_tensors()
+    if end == ckpt.num_layers:
         names += parts["norm"] + parts["lm_head"] + (parts["embed"] if not parts["lm_head"] else [])
-    return names
+    return list(dict.fromkeys(names))

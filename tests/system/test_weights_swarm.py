@@ -1,0 +1,95 @@
+"""Joining by model name or ID with no model files, as separate processes: only the first peer
+starts with the checkpoint; two more fetch just their spans from the swarm and serve them; a thin
+client fetches just the head and generates what transformers generates; `shardnet models` lists
+the swarm; a fetch killed halfway resumes from the chunks it had verified."""
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from shardnet.inference.model.checkpoint import Checkpoint
+from shardnet.models import default_model_path
+from shardnet.testing.helpers import shardnet, transformers_greedy
+from shardnet.testing.localswarm import LocalSwarm
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "def fibonacci(n):"
+NEW = 12
+#: what each peer sends of weights, MB/s: slow enough that a fetch can be killed halfway
+RATE = "1.5"
+
+
+def _until_ready(p):
+    """A join's events up to "ready": its fetch progress and its "serving" event."""
+    events = []
+    p.wait_event(lambda e: e.get("event") == "ready", 180, keep=events)
+    serving = [e for e in events if e.get("event") == "serving"]
+    assert len(serving) == 1, events
+    return [e for e in events if e.get("event") == "fetch"], serving[0]
+
+
+def test_peers_join_by_name_and_id_and_a_thin_client_generates(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # names are not looked up on a hub (none is reachable here)
+    model = default_model_path()
+    model_id = Checkpoint(model).model_id
+    limit = ["--limit", f"weights_mb_per_s={RATE}", "--threads", "1"]
+    with LocalSwarm(tmp_path / "swarm") as swarm:
+        boot = swarm.start_bootstrap()
+        swarm.join_spans([(0, 4)], "--model", str(model), *limit)  # the only peer with files
+        by_name = swarm.spawn_node("by-name", "--model", "tiny-llama", "--layers", "4:8",
+                                   "--cache-dir", str(tmp_path / "c-name"), *limit, command="join")
+        by_id = swarm.spawn_node("by-id", "--model", model_id, "--layers", "0:4",
+                                 "--cache-dir", str(tmp_path / "c-id"), *limit, command="join")
+        fetches, serving = _until_ready(by_name)
+        assert _until_ready(by_id)[1]["layers"] == [0, 4]
+        assert serving["model"] == model_id and serving["layers"] == [4, 8]
+        assert fetches and fetches[-1]["done"] + fetches[-1]["reused"] == fetches[-1]["total"]
+        # it holds its span, the config and tokenizer, and nothing else of the model
+        held = tmp_path / "c-name" / model_id
+        # (the last span keeps the final norm and LM head too: tiny-llama ties its LM head to the embedding)
+        assert sorted(p.name for p in held.glob("model-*.safetensors")) == sorted(
+            [f"model-layer-{i:05d}.safetensors" for i in range(4, 8)] + ["model-embed.safetensors",
+                                                                          "model-norm.safetensors"])
+
+        # the first peer leaves: the two that fetched serve the whole model on their own
+        swarm.procs[1].stop()
+        r = shardnet("generate", "--model", "tiny-llama", "--bootstrap", boot, "--cache-dir", str(tmp_path / "thin"),
+                     "-n", str(NEW), PROMPT, timeout=180, env={"HF_HUB_OFFLINE": "1"})
+        assert r.returncode == 0, r.stderr
+        tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+        assert r.stdout.partition("\n-- ")[0] == tok.decode(tok.encode(PROMPT).ids + transformers_greedy(model, PROMPT, NEW))
+        thin = tmp_path / "thin" / model_id
+        assert not list(thin.glob("model-layer-*")), "a thin client never fetches a layer"
+        assert (thin / "model-embed.safetensors").is_file() and (thin / "tokenizer.json").is_file()
+
+        # what the swarm serves
+        r = shardnet("models", "--bootstrap", boot, "--json", timeout=120)
+        assert r.returncode == 0, r.stderr
+        listed = json.loads(r.stdout)
+        assert [(m["model_id"], m["covered"], m["family"]) for m in listed] == [(model_id, [[0, 8]], "llama")]
+        assert "tiny-llama" in listed[0]["names"] and listed[0]["peers"] == 2
+        r = shardnet("models", "--bootstrap", boot, timeout=120)
+        assert r.returncode == 0 and "tiny-llama" in r.stdout and "0-7/8" in r.stdout, r.stdout
+
+        # a fetch killed halfway resumes without fetching its verified chunks again
+        cache = tmp_path / "c-resume"
+        first = swarm.spawn_node("resume", "--model", "tiny-llama", "--layers", "0:8", "--cache-dir", str(cache),
+                                 *limit, command="join")
+        while True:
+            e = first.next_event(120)
+            if e.get("event") == "fetch" and e["what"] == "layers" and e["done"] > e["total"] // 3:
+                total, verified = e["total"], e["done"]  # bytes written, each checked, before this event
+                break
+        first.stop(signal.SIGKILL)
+        again = swarm.spawn_node("resumed", "--model", "tiny-llama", "--layers", "0:8", "--cache-dir", str(cache),
+                                 *limit, command="join")
+        fetches, serving = _until_ready(again)
+        layer_fetches = [e for e in fetches if e["what"] == "layers"]
+        last = layer_fetches[-1]
+        assert last["done"] <= total - verified and last["done"] + last["reused"] == last["total"], layer_fetches
+        assert serving["layers"] == [0, 8]
+        assert not any(Path(cache, model_id, ".partial").glob("*.chunks"))
