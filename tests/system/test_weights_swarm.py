@@ -12,7 +12,8 @@ from tokenizers import Tokenizer
 
 from shardnet.inference.model.checkpoint import Checkpoint
 from shardnet.models import default_model_path
-from shardnet.testing.helpers import shardnet, transformers_greedy
+from shardnet.inference.model.random_model import init_random
+from shardnet.testing.helpers import assert_one_line_failure, shardnet, transformers_greedy
 from shardnet.testing.localswarm import LocalSwarm
 
 pytestmark = pytest.mark.slow
@@ -40,7 +41,7 @@ def test_peers_join_by_name_and_id_and_a_thin_client_generates(tmp_path, monkeyp
     with LocalSwarm(tmp_path / "swarm") as swarm:
         boot = swarm.start_bootstrap()
         swarm.join_spans([(0, 4)], "--model", str(model), *limit)  # the only peer with files
-        by_name = swarm.spawn_node("by-name", "--model", "tiny-llama", "--layers", "4:8",
+        by_name = swarm.spawn_node("by-name", "--model", "tiny-llama", "--layers", "4:8", "--hold-head",
                                    "--cache-dir", str(tmp_path / "c-name"), *limit, command="join")
         by_id = swarm.spawn_node("by-id", "--model", model_id, "--layers", "0:4",
                                  "--cache-dir", str(tmp_path / "c-id"), *limit, command="join")
@@ -65,6 +66,18 @@ def test_peers_join_by_name_and_id_and_a_thin_client_generates(tmp_path, monkeyp
         thin = tmp_path / "thin" / model_id
         assert not list(thin.glob("model-layer-*")), "a thin client never fetches a layer"
         assert (thin / "model-embed.safetensors").is_file() and (thin / "tokenizer.json").is_file()
+
+        # with the LM head applied by the last peer, the client fetches the embedding alone
+        r = shardnet("generate", "--model", model_id, "--bootstrap", boot, "--cache-dir", str(tmp_path / "thinner"),
+                     "--logits-on-last", "-n", "4", PROMPT, timeout=180, env={"HF_HUB_OFFLINE": "1"})
+        assert r.returncode == 0, r.stderr
+        assert sorted(p.name for p in (tmp_path / "thinner" / model_id).glob("model-*")) == ["model-embed.safetensors"]
+
+        # a client of a model nobody serves is told what the swarm does serve
+        other = init_random(tmp_path / "other", "llama", layers=2, hidden=32, heads=2, kv_heads=1, vocab=300)
+        r = shardnet("generate", "--model", str(other), "--bootstrap", boot, "--route-timeout", "2", "hi", timeout=120)
+        assert_one_line_failure(r, rf"no live peer serves layers 0-1 .*the swarm serves: tiny-llama "
+                                   rf"\({model_id[:16]}…, 2 peers\)")
 
         # what the swarm serves
         r = shardnet("models", "--bootstrap", boot, "--json", timeout=120)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from shardnet.errors import NoRouteError
+from shardnet.errors import NoRouteError, ShardnetError
 from shardnet.inference.claims import CLAIM_TTL, RTT_SAMPLES
 from shardnet.inference.client.reputation import Reputation
 from shardnet.inference.client.routing import plan_route
@@ -118,6 +118,8 @@ class RoutePlanner:
             left = deadline - trio.current_time()
             if left <= 0:
                 why = f"; {view.last_lookup_error}" if view.last_lookup_error and not claims else ""
+                if not claims:
+                    why += await self._what_the_swarm_serves()
                 raise NoRouteError(f"after {timeout:g} s: {last_error}{why}")
             # a fresh lookup (one for every request waiting, at most one per LOOKUP_GAP_S), and
             # whatever gossip brings meanwhile
@@ -126,6 +128,20 @@ class RoutePlanner:
                 await view.wait_changed(min(1.0, left))
             else:
                 await trio.sleep(min(1.0, left))
+
+    async def _what_the_swarm_serves(self) -> str:
+        """For a client whose model nobody serves: the models the swarm does serve (their cards)."""
+        from shardnet.inference.weights.cards import list_models
+
+        try:
+            served = [m for m in await list_models(self.node, timeout=5.0) if m.card.model_id != self.view.model_id]
+        except ShardnetError:
+            return ""
+        if not served:
+            return ""
+        listing = "; ".join(f"{(m.card.names or ('?',))[0]} ({m.card.model_id[:16]}…, {m.peers} peers)"
+                            for m in served[:5])
+        return f"; no peer serves model {self.view.model_id[:16]}…, the swarm serves: {listing}"
 
     async def _cheapest(self, claims: list[Claim], avoid, kept: set[str]) -> list[Claim]:
         """The cheapest chain through ``claims`` now, after probing their peers; NoRouteError if

@@ -339,6 +339,8 @@ class Transfer:
                     if self._settle(src, job, reply):
                         sent.pop(0)
                         self.in_flight -= 1
+                        if not self.pending and not self.in_flight:
+                            self._wake()  # the others, idle, may stop now
                     else:
                         self._give_back([sent.pop(0)])
                         if reply.code in ("busy", "unknown_model"):
