@@ -2,7 +2,8 @@
 trio, in the same event loop as the node it generates through.
 
     POST /v1/completions, POST /v1/chat/completions (``stream: true``: server-sent events)
-    GET /v1/models, GET /health, GET /v1/swarm (``shardnet status --json``'s data)
+    GET /v1/models (with ``swarm``: every model the swarm serves), GET /health, GET /v1/swarm
+    (``shardnet status --json``'s data)
 
 ``/health`` answers 200 ``{"status": "ok"}`` only while every layer of the model is served by a
 peer this gateway would route through, else 503 ``{"status": "unavailable", "missing_layers":

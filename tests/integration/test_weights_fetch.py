@@ -190,3 +190,18 @@ async def test_weight_streams_per_peer_are_limited(loopback_config, model):
         assert replies[-1].code == "busy"
         for s in streams:
             await s.close()
+
+
+async def test_a_peer_that_moves_fetches_the_layers_it_lacks(loopback_config, model, tmp_path):
+    from shardnet.inference.server.compute_peer import ComputePeer
+
+    async with AsyncExitStack() as stack:
+        fetching, _ = await _swarm(stack, loopback_config, model, [WeightServer])
+        path, _ = await open_from_swarm(fetching, "wmodel", cache_root=tmp_path)
+        seen = []
+        peer = ComputePeer(fetching, path, throughput=1.0, fetch_progress=seen.append)
+        await peer.load(0, 2)
+        assert sorted({n.split(".")[2] for n in peer.ckpt.entries if n.startswith("model.layers.")}) == ["0", "1"]
+        await peer.load(2, 4)  # a move: layers 2-3 and the head's last parts are fetched first
+        assert peer.span == (2, 4) and peer.ckpt.holds(span_tensor_names(peer.ckpt, 0, 4))
+        assert seen and seen[-1].done + seen[-1].reused == seen[-1].total
