@@ -19,7 +19,7 @@ from .common import (
     load_swarm_key,
     log,
     make_config,
-    model_dir,
+    local_model,
     model_path_option,
     network_options,
     run,
@@ -220,13 +220,21 @@ def status(listen, announce, bootstrap, quic, mdns, relays, model_path, wait, as
     if not bootstrap:
         fail("status needs --bootstrap MADDR", 2)
     cfg = visitor_config(relays, listen, announce, bootstrap, quic, mdns)
-    ckpt = Checkpoint(model_dir(model_path))
+    path = local_model(model_path)
+    ckpt = Checkpoint(path) if path is not None else None  # else a model the swarm serves, by name or ID
 
     async def _main() -> dict:
+        from shardnet.inference.weights.cards import resolve_model
+
         async with open_node(cfg) as n:
             await n.wait_bootstrapped()
+            if ckpt is not None:
+                model_id, num_layers, shown = ckpt.model_id, ckpt.num_layers, ckpt.path.name
+            else:
+                card = await resolve_model(n, model_path, timeout=min(wait, 15.0))
+                model_id, num_layers, shown = card.model_id, card.num_layers, model_path
             click.echo(f"joined as {n.peer_id}; asking peers whether they can reach us (up to {wait:g} s) "
-                       f"and which layers of {ckpt.path.name} they serve", err=True)
+                       f"and which layers of {shown} they serve", err=True)
             out: dict = {}
 
             async def nat() -> None:
@@ -239,7 +247,7 @@ def status(listen, announce, bootstrap, quic, mdns, relays, model_path, wait, as
                               **n.nat_status()}
 
             async def swarm() -> None:
-                out["swarm"] = await swarm_report(n, ckpt.model_id, ckpt.num_layers, wait=min(wait, 10.0))
+                out["swarm"] = await swarm_report(n, model_id, num_layers, wait=min(wait, 10.0))
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(nat)

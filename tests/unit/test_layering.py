@@ -1,6 +1,7 @@
 """The dependency rule: inference -> protocols -> transport, never upwards, and transport and
 protocols never import torch (or anything else from the model stack). Inside inference/, the client
-and the server never import each other, and model/ imports neither (nor the network). In protocols/
+and the server never import each other, and model/ imports neither (nor the network); weights/
+(moving a model's bytes) imports neither role nor torch. In protocols/
 only the ``*_io.py`` drivers import trio; the rest is sans-IO."""
 
 import ast
@@ -21,7 +22,10 @@ FORBIDDEN = {
     "inference/client": ("shardnet.inference.server",),
     "inference/server": ("shardnet.inference.client",),
     # what a model is does not depend on who runs it, nor on the network
-    "inference/model": ("shardnet.inference.client", "shardnet.inference.server", "shardnet.transport"),
+    "inference/model": ("shardnet.inference.client", "shardnet.inference.server", "shardnet.transport",
+                        "shardnet.inference.weights"),
+    # moving a model's bytes is used by both roles and needs no model stack
+    "inference/weights": ("shardnet.inference.client", "shardnet.inference.server", "torch", "transformers"),
 }
 
 
