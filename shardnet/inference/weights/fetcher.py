@@ -189,6 +189,9 @@ class Transfer:
         self.blobs: dict[str, _Blob] = {}
         self.groups: dict[str, GroupWriter] = {}
         self.pending: list[tuple[str, int]] = []  # (blob, chunk index), or (blob, -1) for its hashes
+        self._marked: list[tuple[str, int]] = []  # chunks an earlier fetch wrote, to check before trusting
+        self._finishing: list[GroupWriter] = []  # complete groups, to move into place
+        self._finish_lock = trio.Lock()
         self.in_flight = 0
         self._changed = trio.Event()
         self._last_report = 0.0
@@ -229,13 +232,20 @@ class Transfer:
         if c.needs_hashes:
             self.pending.append((blob.name, -1))
         for i in range(c.count):
-            if blob.sink.has(blob.tensor, i):
-                if self._intact(blob, i):
-                    a, b = wp.chunk_span(c.size, i)
-                    self.progress.reused += b - a
-                    continue
+            (self._marked if blob.sink.has(blob.tensor, i) else self.pending).append((blob.name, i))
+
+    def _check_marked(self) -> None:
+        """The chunks an interrupted fetch wrote are read back and checked (a crash can tear a
+        write): kept if intact, else fetched again. In a worker thread: it reads them all."""
+        for name, i in self._marked:
+            blob = self.blobs[name]
+            if self._intact(blob, i):
+                a, b = wp.chunk_span(blob.checker.size, i)
+                self.progress.reused += b - a
+            else:
                 blob.sink.forget(blob.tensor, i)
-            self.pending.append((blob.name, i))
+                self.pending.append((name, i))
+        self._marked = []
 
     def _intact(self, blob: _Blob, index: int) -> bool:
         """A chunk an earlier fetch wrote: still what the manifest says (a crash can tear a write)?"""
@@ -250,7 +260,9 @@ class Transfer:
     # -- running -------------------------------------------------------------------------------
     async def run(self, sources: list[Source]) -> FetchProgress:
         """Fetch everything added; look the sources up again while chunks are left."""
-        self._finish_complete_groups()
+        await trio.to_thread.run_sync(self._check_marked)
+        self._finishing += [w for w in self.groups.values() if w.complete()]
+        await self._finish_groups()
         bad_or_gone: set[str] = set()
         for attempt in range(ROUNDS + 1):
             if not self.pending:
@@ -266,6 +278,7 @@ class Transfer:
             async with trio.open_nursery() as nursery:
                 for src in live:
                     nursery.start_soon(self._worker, src)
+            await self._finish_groups()
             bad_or_gone |= {s.peer for s in live}
             sources = []
         self._report(force=True)
@@ -277,12 +290,14 @@ class Transfer:
                                 if self.progress.bad else ""))
         return self.progress
 
-    def _finish_complete_groups(self) -> None:
-        """Groups an interrupted fetch completed but did not get to move into place."""
-        for group, writer in list(self.groups.items()):
-            if writer.complete():
-                self.store.finish_group(writer)
-                del self.groups[group]
+    async def _finish_groups(self) -> None:
+        """Move complete groups into place (fsync and rename: in a thread, one at a time, as each
+        updates the index)."""
+        async with self._finish_lock:
+            while self._finishing:
+                writer = self._finishing.pop()
+                self.groups.pop(writer.group, None)
+                await trio.to_thread.run_sync(self.store.finish_group, writer)
 
     def close(self) -> None:
         for writer in self.groups.values():
@@ -345,6 +360,8 @@ class Transfer:
                         self._give_back([sent.pop(0)])
                         if reply.code in ("busy", "unknown_model"):
                             raise FetchError(f"{reply.code}: {reply.error}")
+                if self._finishing:
+                    await self._finish_groups()
         except wp.BadChunk as e:
             log.warning("dropping weights source %s: it sent bad bytes (%s)", src.peer[:16], e)
             self.progress.bad.append(src.peer)
@@ -383,9 +400,9 @@ class Transfer:
             if blob.sink.complete():
                 self.store.put_file(blob.sink.name, bytes(blob.sink.data), blob.checker.hashes)
         else:
-            group = group_of(blob.tensor)
-            if group in self.groups and self.groups[group].complete():
-                self.store.finish_group(self.groups.pop(group))
+            writer = self.groups.get(group_of(blob.tensor))
+            if writer is not None and writer.complete() and writer not in self._finishing:
+                self._finishing.append(writer)
         self._report()
         return True
 
