@@ -77,11 +77,15 @@ def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_pa
 
     async def _main() -> None:
         nonlocal drafter
+        # local files: loaded (and a bad checkpoint refused) before joining the network
+        model = None if path is None else await client_model(None, model_path, path, dtype=dtype,
+                                                             logits_on_last=logits_on_last, cache_dir=cache_dir)
         async with open_node(cfg) as n:
             if bootstrap:
                 await n.wait_bootstrapped()
-            model = await client_model(n, model_path, path, dtype=dtype, logits_on_last=logits_on_last,
-                                       cache_dir=cache_dir)
+            if model is None:  # no files here: what a client needs, from the swarm
+                model = await client_model(n, model_path, None, dtype=dtype, logits_on_last=logits_on_last,
+                                           cache_dir=cache_dir)
             if speculate == "ngram":
                 drafter = NGramDrafter()
             elif speculate == "draft":

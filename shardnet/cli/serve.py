@@ -54,12 +54,16 @@ def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path,
                              quic=quic, mdns=mdns)
 
     async def _main() -> None:
+        # local files: loaded (and a bad checkpoint refused) before joining the network
+        model = None if path is None else await client_model(None, model_path, path, dtype=dtype,
+                                                             logits_on_last=logits_on_last, cache_dir=cache_dir)
         async with open_node(cfg) as n:
             if bootstrap:
                 log.info("joining the swarm…")
                 await n.wait_bootstrapped()
-            model = await client_model(n, model_path, path, dtype=dtype, logits_on_last=logits_on_last,
-                                       cache_dir=cache_dir)
+            if model is None:  # no files here: what a client needs, from the swarm
+                model = await client_model(n, model_path, None, dtype=dtype, logits_on_last=logits_on_last,
+                                           cache_dir=cache_dir)
             shown = name or (path.name if path else model_path)
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout,
                             quantized=quantized, **({} if audit_rate is None else {"audit_rate": audit_rate}))
