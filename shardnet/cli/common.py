@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -219,9 +220,14 @@ def cache_dir_option(f):
                              "~/.cache/shardnet/models).")(f)
 
 
-def local_model(spec: str | None) -> Path | None:
+MODEL_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def local_model(spec: str | None, *, download: bool = True) -> Path | None:
     """The directory ``--model`` names without asking the swarm: a directory, or a Hugging Face
-    repo found in the local hub cache (downloaded where a hub is reachable); None: ask the swarm."""
+    repo found in the local hub cache (with ``download``, fetched from the hub where one is
+    reachable: for commands with no swarm to ask); None: ask the swarm. A model ID never goes
+    to the hub."""
     from shardnet.models import default_model_path
 
     if spec is None:
@@ -231,14 +237,38 @@ def local_model(spec: str | None) -> Path | None:
         return path
     if path.exists():
         fail(f"--model {spec}: not a directory")
+    if MODEL_ID_RE.match(spec):
+        return None
     from shardnet.inference.model.hub import looks_like_repo_id, resolve_hub_checkpoint
 
     if looks_like_repo_id(spec):
-        found = resolve_hub_checkpoint(spec)
+        found = resolve_hub_checkpoint(spec, download=download)
         if found is not None:
             log.info("model %s from the Hugging Face cache: %s", spec, found)
             return Path(found)
     return None
+
+
+async def model_from_swarm(node, spec: str, *, cache_dir: Path | None, events: bool = False) -> Path:
+    """The directory of ``spec`` when no files are here: the model the swarm serves by that
+    name or ID (manifest and files fetched into the cache; tensors come later, as needed); if
+    the swarm serves none, a Hugging Face repo of that name downloaded where a hub is reachable
+    (the swarm first: joining by name should fetch one span, not the whole model)."""
+    from shardnet.inference.model.hub import looks_like_repo_id, resolve_hub_checkpoint
+    from shardnet.inference.weights.cards import ModelNotFound
+    from shardnet.inference.weights.swarm_model import open_from_swarm
+
+    try:
+        path, _card = await open_from_swarm(node, spec, cache_root=cache_dir,
+                                            progress=FetchProgressBar("model files", events=events))
+        return path
+    except ModelNotFound:
+        if MODEL_ID_RE.match(spec) or not looks_like_repo_id(spec):
+            raise
+        found = await trio.to_thread.run_sync(lambda: resolve_hub_checkpoint(spec, download=True))
+        if found is None:
+            raise
+        return Path(found)
 
 
 def model_dir(spec: str | None) -> Path:
@@ -258,9 +288,9 @@ async def client_model(node, spec: str | None, path: Path | None, *, dtype: str,
 
     if path is None:
         from shardnet.inference.model.checkpoint import Checkpoint
-        from shardnet.inference.weights.swarm_model import fetch_tensors, head_tensor_names, open_from_swarm
+        from shardnet.inference.weights.swarm_model import fetch_tensors, head_tensor_names
 
-        path, _card = await open_from_swarm(node, spec, cache_root=cache_dir, progress=FetchProgressBar("model files"))
+        path = await model_from_swarm(node, spec, cache_dir=cache_dir)
         ckpt = Checkpoint(path)
         await fetch_tensors(node, ckpt, head_tensor_names(ckpt, lm_head=not logits_on_last),
                             progress=FetchProgressBar("the model's head"))
@@ -283,6 +313,7 @@ class FetchProgressBar:
     def __init__(self, what: str, *, events: bool = False) -> None:
         self.what, self.events = what, events
         self.bar = None
+        self._done = False
         self._last_line = 0.0
 
     def __call__(self, p) -> None:
@@ -293,6 +324,8 @@ class FetchProgressBar:
                   "rate": round(p.rate), "sources": p.sources, "bad": p.bad})
             return
         if sys.stderr.isatty():
+            if self._done:
+                return
             if self.bar is None:
                 from tqdm import tqdm
 
@@ -304,7 +337,7 @@ class FetchProgressBar:
             self.bar.refresh()
             if self.bar.n >= p.total:
                 self.bar.close()
-                self.bar = None
+                self.bar, self._done = None, True
             return
         now = time.monotonic()
         if now - self._last_line >= 3.0 or p.done + p.reused >= p.total:

@@ -14,6 +14,7 @@ from .common import (
     identity_option,
     local_model,
     make_config,
+    model_from_swarm,
     model_path_option,
     network_options,
     run,
@@ -68,7 +69,7 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
         import torch
 
         torch.set_num_threads(threads)
-    path = local_model(model_path)
+    path = local_model(model_path, download=not bootstrap and not mdns)
     _check_device(device)
     span = None
     if path is None:
@@ -94,17 +95,15 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
                  f"{move.bottleneck_now:.1f} -> {move.bottleneck_after:.1f} tok/s)")
 
     async def _main() -> None:
-        from shardnet.inference.weights.swarm_model import open_from_swarm
-
         nonlocal span
         async with open_node(cfg) as n:
             if bootstrap and (span is None or path is None):
                 await n.wait_bootstrapped()  # to see what the swarm serves before choosing or fetching
             ckpt_path, shown = path, path.name if path else model_path
             if ckpt_path is None:
-                ckpt_path, card = await open_from_swarm(n, model_path, cache_root=cache_dir,
-                                                        progress=FetchProgressBar("model files", events=events))
-                span = parse_layers(layers, card.num_layers) if layers else None
+                ckpt_path = await model_from_swarm(n, model_path, cache_dir=cache_dir, events=events)
+                fetched = Checkpoint(ckpt_path)  # its manifest checked against the model ID
+                span = parse_layers(layers, fetched.num_layers) if layers else None
             async with join_swarm(n, str(ckpt_path), layers=span, max_layers=max_layers,
                                   rebalance_interval=rebalance_interval, on_move=moved, dtype=dtype, device=device,
                                   kv_budget_bytes=kv_budget_mb << 20, hold_head=hold_head,

@@ -68,7 +68,7 @@ def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_pa
     from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter
     from shardnet.transport import open_node
 
-    path = local_model(model_path)
+    path = local_model(model_path, download=not bootstrap and not mdns)
     needs_network_for(model_path, path, bootstrap, mdns, "generate")
     cfg = generation_config(identity, relays=relays, listen=listen, announce=announce, bootstrap=bootstrap,
                              quic=quic, mdns=mdns)

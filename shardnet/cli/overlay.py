@@ -220,7 +220,7 @@ def status(listen, announce, bootstrap, quic, mdns, relays, model_path, wait, as
     if not bootstrap:
         fail("status needs --bootstrap MADDR", 2)
     cfg = visitor_config(relays, listen, announce, bootstrap, quic, mdns)
-    path = local_model(model_path)
+    path = local_model(model_path, download=False)
     ckpt = Checkpoint(path) if path is not None else None  # else a model the swarm serves, by name or ID
 
     async def _main() -> dict:

@@ -48,7 +48,7 @@ def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path,
     from shardnet.inference.client.client import Client
     from shardnet.transport import open_node
 
-    path = local_model(model_path)
+    path = local_model(model_path, download=not bootstrap and not mdns)
     needs_network_for(model_path, path, bootstrap, mdns, "serve")
     cfg = generation_config(identity, relays=relays, listen=listen, announce=announce, bootstrap=bootstrap,
                              quic=quic, mdns=mdns)

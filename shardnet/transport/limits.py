@@ -77,8 +77,9 @@ class Limits:
     # -- weights (peers holding a model's files serve them to peers fetching them) -------------
     weights_streams_per_peer: int = _limit(4, "weight-fetch streams one peer may have open to us at once; more "
                                               "are answered busy")
-    weights_mb_per_s: float = _limit(200.0, "megabytes per second this node sends of model weights, to all peers "
-                                            "together (so serving weights does not starve inference)")
+    weights_mb_per_s: float = _limit(50.0, "megabytes per second this node sends of model weights, to all peers "
+                                           "together (so serving weights does not starve inference; set it "
+                                           "below your uplink)")
     # -- what this node asks of others (as a client) ------------------------------------------
     sessions_out_per_peer: int = _limit(16, "sessions this node opens to one peer at once (keep it at or below "
                                             "that peer's sessions_per_peer); more requests wait in line")

@@ -41,6 +41,24 @@ class CorruptingServer(WeightServer):
         return reply
 
 
+class FailingServer(WeightServer):
+    """Answers every chunk request with an error (a broken disk, a bug)."""
+
+    async def _answer(self, request):
+        if request.op == "chunk":
+            return wp.Reply.failure("internal", "disk on fire")
+        return await super()._answer(request)
+
+
+class StallingServer(WeightServer):
+    """Takes every chunk request and never answers it."""
+
+    async def _answer(self, request):
+        if request.op == "chunk":
+            await trio.sleep_forever()
+        return await super()._answer(request)
+
+
 async def _swarm(stack, loopback_config, model, servers, **server_limits):
     """A bootstrap node, one node per server class serving the whole checkpoint, and a fetcher."""
     boot = await stack.enter_async_context(open_node(loopback_config()))
@@ -205,3 +223,19 @@ async def test_a_peer_that_moves_fetches_the_layers_it_lacks(loopback_config, mo
         await peer.load(2, 4)  # a move: layers 2-3 and the head's last parts are fetched first
         assert peer.span == (2, 4) and peer.ckpt.holds(span_tensor_names(peer.ckpt, 0, 4))
         assert seen and seen[-1].done + seen[-1].reused == seen[-1].total
+
+
+@pytest.mark.parametrize("broken", [FailingServer, StallingServer])
+async def test_a_failing_or_stalling_source_is_dropped_and_others_finish(loopback_config, model, tmp_path,
+                                                                         monkeypatch, broken):
+    monkeypatch.setattr(fetcher_mod, "STREAM_TIMEOUT", 3.0)
+    async with AsyncExitStack() as stack:
+        fetching, held = await _swarm(stack, loopback_config, model, [broken, WeightServer])
+        with trio.fail_after(60):
+            path, _ = await open_from_swarm(fetching, "wmodel", cache_root=tmp_path)
+            ckpt = Checkpoint(path)
+            names = span_tensor_names(ckpt, 0, 4)
+            report = await fetch_tensors(fetching, ckpt, names)
+        assert str(held[0][0].peer_id) in report.failed and not report.bad
+        assert list(report.per_source) == [str(held[1][0].peer_id)]
+        _same_tensors(path, model, names)

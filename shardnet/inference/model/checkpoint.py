@@ -105,6 +105,8 @@ class Checkpoint:
         self.num_layers = n
         self.fp8_block_size = _fp8_block_size(self.raw_config)
         self._config = None
+        if self.fetched:
+            self.check_structure()  # its manifest was checked against the model ID, not against its config
 
     def _open_fetched_manifest(self) -> None:
         raw = (self.path / FETCHED_MANIFEST).read_bytes()
@@ -127,12 +129,14 @@ class Checkpoint:
             except (OSError, json.JSONDecodeError, AttributeError):
                 return []
         out = []
-        if self.path.parent.name == "snapshots" and (m := HF_SNAPSHOT_RE.match(self.path.parent.parent.name)):
-            out.append(m[1].replace("--", "/"))
+        snapshot = self.path.parent.name == "snapshots" and HF_SNAPSHOT_RE.match(self.path.parent.parent.name)
+        if snapshot:
+            out.append(snapshot[1].replace("--", "/"))  # the directory itself is named by a commit
         given = self.raw_config.get("_name_or_path")
         if isinstance(given, str) and given and not given.startswith(("/", ".", "~")) and given.count("/") <= 1:
             out.append(given)
-        out.append(self.path.name)
+        if not snapshot:
+            out.append(self.path.name)
         return list(dict.fromkeys(out))
 
     @property

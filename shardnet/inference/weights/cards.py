@@ -33,6 +33,8 @@ MODELS_KEY = "models"
 MODEL_ID_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_NAMES = 8
 MAX_NAME_CHARS = 200
+#: models one peer lists as served (its ``models`` record)
+MAX_MODELS_LISTED = 16
 
 
 class ModelNotFound(ShardnetError):
@@ -85,8 +87,9 @@ class ModelCard:
 
 
 def card_of(ckpt, extra_names: list[str] = ()) -> ModelCard:
-    return ModelCard(ckpt.model_id, tuple(dict.fromkeys([*extra_names, *ckpt.names]))[:MAX_NAMES], ckpt.model_type,
-                     ckpt.num_layers, ckpt.total_bytes, ckpt.stored_dtype)
+    names = [n for n in dict.fromkeys([*extra_names, *ckpt.names]) if 0 < len(n) <= MAX_NAME_CHARS]
+    return ModelCard(ckpt.model_id, tuple(names[:MAX_NAMES]), ckpt.model_type, ckpt.num_layers, ckpt.total_bytes,
+                     ckpt.stored_dtype)
 
 
 async def publish_card(node: Node, card: ModelCard, *, serves_weights: bool) -> None:
@@ -172,13 +175,14 @@ async def _models_of(node: Node, peer: str) -> list[str]:
         ids = cbor2.loads(blob) if blob else []
     except Exception:
         return []
-    return [i for i in ids if isinstance(i, str) and MODEL_ID_RE.match(i)][:16] if isinstance(ids, list) else []
+    return [i for i in ids if isinstance(i, str) and MODEL_ID_RE.match(i)][:MAX_MODELS_LISTED] \
+        if isinstance(ids, list) else []
 
 
 async def publish_model_list(node: Node, model_ids: list[str]) -> None:
     """The models this peer publishes cards for (what ``list_models`` reads first)."""
     try:
-        await node.dht.put(MODELS_KEY, cbor2.dumps(sorted(model_ids)))
+        await node.dht.put(MODELS_KEY, cbor2.dumps(sorted(model_ids)[:MAX_MODELS_LISTED]))
     except Exception as e:
         log.info("publishing the model list failed: %s", e)
 

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass, field
 
 import trio
@@ -25,6 +26,7 @@ from shardnet.errors import ShardnetError
 from shardnet.inference.weights.cards import weights_key
 from shardnet.inference.weights.store import GroupWriter, WeightStore, group_of
 from shardnet.protocols import weights as wp
+from shardnet.transport.errors import OverlayTimeout
 from shardnet.transport.node import Node
 
 log = logging.getLogger(__name__)
@@ -133,9 +135,12 @@ async def fetch_manifest(node: Node, model_id: str, sources: list[Source]) -> by
                                            timeout=STREAM_TIMEOUT)
                 if not reply.ok:
                     raise wp.WeightsError(f"{reply.code}: {reply.error}")
-                total = reply.total
-                if total > MAX_MANIFEST_BYTES or not reply.data and len(raw) < total:
-                    raise wp.WeightsError(f"manifest of {total} bytes is not plausible")
+                if total is None:
+                    total = reply.total
+                    if not 0 < total <= MAX_MANIFEST_BYTES:
+                        raise wp.WeightsError(f"a manifest of {total} bytes is not plausible")
+                if reply.total != total or len(reply.data) != min(wp.MAX_MANIFEST_RANGE, total - len(raw)):
+                    raise wp.WeightsError("its manifest ranges do not add up")
                 raw += reply.data
             if hashlib.sha256(raw).hexdigest() != model_id:
                 raise wp.BadChunk("its manifest does not hash to the model ID")
@@ -176,19 +181,54 @@ class _FileSink:
         return all(self.bitmap)
 
 
+class _Queue:
+    """The jobs left: per blob, its chunk indices in order (-1 first: its chunk hashes). A take
+    looks at each blob once, not at each chunk (a span of a large model is tens of thousands)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, deque[int]] = {}
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def blobs(self) -> list[str]:
+        return [b for b, q in self._jobs.items() if q]
+
+    def push(self, blob: str, index: int) -> None:
+        self._jobs.setdefault(blob, deque()).append(index)
+        self._count += 1
+
+    def push_front(self, blob: str, index: int) -> None:
+        q = self._jobs.pop(blob, deque())
+        q.appendleft(index)
+        self._jobs = {blob: q, **self._jobs}  # given back: first in line again
+        self._count += 1
+
+    def take(self, can: Callable[[str, int], bool]) -> tuple[str, int] | None:
+        for blob, q in list(self._jobs.items()):
+            if not q:
+                del self._jobs[blob]
+            elif can(blob, q[0]):
+                self._count -= 1
+                return blob, q.popleft()
+        return None
+
+
 class Transfer:
     """One fetch of a set of blobs into a store, from several sources at once."""
 
     def __init__(self, node: Node, store: WeightStore, manifest: dict, *, progress: ProgressFn | None = None,
-                 timeout: float = STREAM_TIMEOUT) -> None:
+                 timeout: float | None = None) -> None:
         self.node, self.store, self.manifest = node, store, manifest
         self.model_id = store.model_id
-        self.timeout = timeout
+        #: seconds a source may take to answer a request (whole: a reply trickling in counts from its request)
+        self.timeout = STREAM_TIMEOUT if timeout is None else timeout
         self.progress_fn = progress
         self.progress = FetchProgress()
         self.blobs: dict[str, _Blob] = {}
         self.groups: dict[str, GroupWriter] = {}
-        self.pending: list[tuple[str, int]] = []  # (blob, chunk index), or (blob, -1) for its hashes
+        self.pending = _Queue()  # (blob, chunk index), or (blob, -1) for its hashes
         self._marked: list[tuple[str, int]] = []  # chunks an earlier fetch wrote, to check before trusting
         self._finishing: list[GroupWriter] = []  # complete groups, to move into place
         self._finish_lock = trio.Lock()
@@ -204,14 +244,13 @@ class Transfer:
                             _FileSink(self.store, name, size)), size)
 
     def add_tensors(self, names: list[str]) -> None:
+        # a group is written whole: a group some of whose tensors are missing gets all of them
+        wanted = {group_of(n) for n in names}
         by_group: dict[str, dict[str, list]] = {}
-        for n in names:
-            by_group.setdefault(group_of(n), {})[n] = self.manifest["tensors"][n]
+        for n, entry in self.manifest["tensors"].items():
+            if (group := group_of(n)) in wanted:
+                by_group.setdefault(group, {})[n] = entry
         for group, tensors in by_group.items():
-            # a group is written whole: a group some of whose tensors are missing gets all of them
-            for n, entry in self.manifest["tensors"].items():
-                if group_of(n) == group:
-                    tensors.setdefault(n, entry)
             writer = self.groups[group] = self.store.group_writer(group, tensors)
             for n in sorted(tensors):
                 _dtype, _shape, size, root = tensors[n]
@@ -230,9 +269,12 @@ class Transfer:
         self.progress.total += size
         c = blob.checker
         if c.needs_hashes:
-            self.pending.append((blob.name, -1))
+            self.pending.push(blob.name, -1)
         for i in range(c.count):
-            (self._marked if blob.sink.has(blob.tensor, i) else self.pending).append((blob.name, i))
+            if blob.sink.has(blob.tensor, i):
+                self._marked.append((blob.name, i))
+            else:
+                self.pending.push(blob.name, i)
 
     def _check_marked(self) -> None:
         """The chunks an interrupted fetch wrote are read back and checked (a crash can tear a
@@ -244,7 +286,7 @@ class Transfer:
                 self.progress.reused += b - a
             else:
                 blob.sink.forget(blob.tensor, i)
-                self.pending.append((name, i))
+                self.pending.push(name, i)
         self._marked = []
 
     def _intact(self, blob: _Blob, index: int) -> bool:
@@ -283,7 +325,7 @@ class Transfer:
             sources = []
         self._report(force=True)
         if self.pending:
-            missing = sorted({b for b, _ in self.pending})
+            missing = sorted(self.pending.blobs())
             raise FetchError(f"{len(self.pending)} chunks of {len(missing)} blobs (first: {missing[0]}) could "
                              "not be fetched: no peer that holds them sent them"
                              + (f"; bad bytes from {', '.join(p[:16] for p in self.progress.bad)}"
@@ -304,18 +346,16 @@ class Transfer:
             writer.close()
 
     def _take(self, src: Source) -> tuple[str, int] | None:
-        for k, (name, index) in enumerate(self.pending):
-            blob = self.blobs[name]
-            if src.holds(name) and (index < 0 or not blob.checker.needs_hashes):
-                del self.pending[k]
-                self.in_flight += 1
-                return name, index
-        return None
+        job = self.pending.take(lambda name, index: src.holds(name) and (
+            index < 0 or not self.blobs[name].checker.needs_hashes))
+        if job is not None:
+            self.in_flight += 1
+        return job
 
     def _give_back(self, jobs: list[tuple[str, int]]) -> None:
         """Jobs taken but not done: to the front of the queue, for any source."""
-        for job in reversed(jobs):
-            self.pending.insert(0, job)
+        for blob, index in reversed(jobs):
+            self.pending.push_front(blob, index)
             self.in_flight -= 1
         if jobs:
             self._wake()
@@ -328,6 +368,7 @@ class Transfer:
         sent: list[tuple[str, int]] = []
         conn = wp.WeightsClient()
         stream = None
+        reply_due: float | None = None
         self.progress.sources += 1
         try:
             stream = await self.node.new_stream(src.peer, wp.PROTOCOL_ID, timeout=self.timeout)
@@ -341,15 +382,22 @@ class Transfer:
                 if not sent:
                     if not self.pending and not self.in_flight:
                         return
-                    if not any(src.holds(name) for name, _ in self.pending) and not self.in_flight:
+                    if not any(src.holds(name) for name in self.pending.blobs()) and not self.in_flight:
                         return  # what is left is not ours to serve
                     with trio.move_on_after(1.0):
                         await self._changed.wait()
                     continue
-                data = await stream.read_some(1 << 20, timeout=self.timeout)
+                # the oldest request must be answered in time: a reply trickling in resets no clock
+                if reply_due is None:
+                    reply_due = trio.current_time() + self.timeout
+                left = reply_due - trio.current_time()
+                if left <= 0:
+                    raise OverlayTimeout(f"no complete reply within {self.timeout:g} s")
+                data = await stream.read_some(1 << 20, timeout=left)
                 if not data:
                     conn.end_of_stream()
                 for _request, reply in conn.receive_data(data):
+                    reply_due = None
                     job = sent[0]
                     if self._settle(src, job, reply):
                         sent.pop(0)
@@ -358,7 +406,7 @@ class Transfer:
                             self._wake()  # the others, idle, may stop now
                     else:
                         self._give_back([sent.pop(0)])
-                        if reply.code in ("busy", "unknown_model"):
+                        if reply.code != "not_held":  # busy, gone, or failing: this source is done
                             raise FetchError(f"{reply.code}: {reply.error}")
                 if self._finishing:
                     await self._finish_groups()

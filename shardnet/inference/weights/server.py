@@ -13,11 +13,14 @@ import os
 
 import trio
 
+from shardnet.errors import ShardnetError
+
 from shardnet.inference.model.checkpoint import Checkpoint
 from shardnet.inference.weights.cards import card_of, publish_card, publish_model_list
 from shardnet.protocols import weights as wp
 from shardnet.transport.behaviour import Behaviour
 from shardnet.transport.limits import PeerCounts, Refusals
+from shardnet.transport.errors import OverlayTimeout
 from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream, StreamClosedError
 
@@ -27,6 +30,8 @@ log = logging.getLogger(__name__)
 #: values as long as their holders keep them: a third of a claim's TTL keeps them found)
 REPUBLISH_S = 40.0
 READ_TIMEOUT = 60.0
+#: threads reading chunks from disk at once (all streams together)
+READER_THREADS = 2
 
 
 class Pacer:
@@ -53,6 +58,7 @@ class WeightServer(Behaviour):
         self.open = PeerCounts()
         self.refusals = Refusals(log)
         self.pacer = Pacer(node.config.limits.weights_mb_per_s * 1e6)
+        self.readers = trio.CapacityLimiter(READER_THREADS)
         #: chunks and bytes sent (for metrics and tests)
         self.chunks_sent = 0
         self.bytes_sent = 0
@@ -73,7 +79,12 @@ class WeightServer(Behaviour):
         while True:
             await publish_model_list(self.node, list(self.models))
             for ckpt, names in list(self.models.values()):
-                await publish_card(self.node, card_of(ckpt, names), serves_weights=self.serves_weights)
+                try:
+                    card = card_of(ckpt, names)
+                except ShardnetError as e:  # a config that names no dtype we know, say
+                    log.warning("no model card for %s: %s", ckpt.path.name, e)
+                    continue
+                await publish_card(self.node, card, serves_weights=self.serves_weights)
             with trio.move_on_after(REPUBLISH_S):
                 await self._wake.wait()
             self._wake = trio.Event()
@@ -82,7 +93,10 @@ class WeightServer(Behaviour):
     async def _serve_stream(self, stream: Stream) -> None:
         peer = str(stream.remote_peer)
         conn = wp.WeightsServer()
-        busy = self.open[peer] >= self.node.config.limits.weights_streams_per_peer
+        limit = self.node.config.limits.weights_streams_per_peer
+        if self.open[peer] >= limit:
+            await self._refuse_busy(stream, conn, peer, limit)
+            return
         self.open[peer] += 1
         try:
             while True:
@@ -90,18 +104,8 @@ class WeightServer(Behaviour):
                 if not data:
                     return
                 for request in conn.receive_data(data):
-                    if busy:
-                        self.refusals.note("weights_streams_per_peer", peer,
-                                           f"limit weights_streams_per_peer: {peer[:16]} has "
-                                           f"{self.open[peer] - 1} weight streams open; answering busy")
-                        reply = wp.Reply.failure("busy", f"this peer serves at most "
-                                                         f"{self.node.config.limits.weights_streams_per_peer} "
-                                                         "weight streams per peer at once")
-                    else:
-                        reply = await self._answer(request)
+                    reply = await self._answer(request)
                     out = conn.send(reply)
-                    if reply.ok and reply.data:
-                        await self.pacer.take(len(out))
                     await stream.write(out)
                     if reply.ok and request.op == "chunk":
                         self.chunks_sent += 1
@@ -109,10 +113,27 @@ class WeightServer(Behaviour):
         except wp.WeightsError as e:
             log.info("weights request from %s refused: %s", peer[:16], e)
             await stream.reset()
-        except StreamClosedError as e:  # the fetcher went away or gave up on this stream
+        except (StreamClosedError, OverlayTimeout) as e:  # the fetcher went away, gave up, or idles
             log.debug("weights stream from %s ended: %s", peer[:16], e)
         finally:
             self.open.release(peer)
+
+    async def _refuse_busy(self, stream: Stream, conn: wp.WeightsServer, peer: str, limit: int) -> None:
+        """Answer the first request ``busy`` and close: the stream never counts against the limit."""
+        self.refusals.note("weights_streams_per_peer", peer, f"limit weights_streams_per_peer: {peer[:16]} has "
+                                                             f"{self.open[peer]} weight streams open; answering busy")
+        try:
+            with trio.fail_after(10):
+                while True:
+                    data = await stream.read_some(65536, timeout=10)
+                    if not data:
+                        return
+                    if conn.receive_data(data):
+                        break
+            await stream.write(conn.send(wp.Reply.failure(
+                "busy", f"this peer serves at most {limit} weight streams per peer at once")))
+        except (wp.WeightsError, StreamClosedError, OverlayTimeout, trio.TooSlowError) as e:
+            log.debug("busy weights stream from %s: %s", peer[:16], e)
 
     async def _answer(self, request: wp.Request) -> wp.Reply:
         held = self.models.get(request.model)
@@ -123,7 +144,9 @@ class WeightServer(Behaviour):
             return wp.Reply(True, prefixes=tuple(ckpt.held_prefixes()))
         if request.op == "manifest":
             raw = ckpt.manifest_bytes()
-            return wp.Reply(True, data=raw[request.index: request.index + request.length], total=len(raw))
+            data = raw[request.index: request.index + request.length]
+            await self.pacer.take(len(data))
+            return wp.Reply(True, data=data, total=len(raw))
         where = ckpt.blob_location(request.blob)
         hashes = ckpt.blob_hashes(request.blob) if where else None
         if where is None or hashes is None:
@@ -134,7 +157,10 @@ class WeightServer(Behaviour):
         if request.index >= wp.chunk_count(end - start):
             return wp.Reply.failure("bad_request", f"{request.blob[:200]} has no chunk {request.index}")
         a, b = wp.chunk_span(end - start, request.index)
-        data = await trio.to_thread.run_sync(_pread, path, start + a, b - a)
+        # paced before it is read (a waiting stream holds no chunk in memory), and read on a few
+        # threads of its own: inference's forward passes use trio's default thread limiter
+        await self.pacer.take(b - a)
+        data = await trio.to_thread.run_sync(_pread, path, start + a, b - a, limiter=self.readers)
         return wp.Reply(True, data=data)
 
 

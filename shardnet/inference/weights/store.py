@@ -78,9 +78,11 @@ def _write_atomically(path: Path, data: bytes) -> None:
 class WeightStore:
     """One model's directory in the cache."""
 
-    def __init__(self, model_id: str, root: Path | None = None) -> None:
+    def __init__(self, model_id: str, root: Path | None = None, *, path: Path | None = None) -> None:
+        """The store of ``model_id`` under ``root`` (the cache), or at ``path`` (a directory the
+        swarm filled, wherever the user has moved it)."""
         self.model_id = model_id
-        self.path = (root or default_cache_root()) / model_id
+        self.path = path or (root or default_cache_root()) / model_id
         self.path.mkdir(parents=True, exist_ok=True)
 
     @contextlib.asynccontextmanager

@@ -56,7 +56,7 @@ async def fetch_tensors(node: Node, ckpt: Checkpoint, names: list[str], *,
     """Make ``names`` local in a swarm-filled checkpoint (None when they already are)."""
     if not ckpt.fetched:
         return None
-    store = WeightStore(ckpt.model_id, ckpt.path.parent)
+    store = WeightStore(ckpt.model_id, path=ckpt.path)
     async with store.locked():
         missing = store.missing(names)
         if not missing:
