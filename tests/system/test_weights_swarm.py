@@ -5,6 +5,7 @@ the swarm; a fetch killed halfway resumes from the chunks it had verified."""
 
 import json
 import signal
+import struct
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,11 @@ def _until_ready(p):
     return [e for e in events if e.get("event") == "fetch"], serving[0]
 
 
+def serving_peer(p) -> str:
+    """The peer ID of a join process (from its "ready" event, seen by now)."""
+    return next(json.loads(line)["peer_id"] for line in p.seen if '"ready"' in line)
+
+
 def test_peers_join_by_name_and_id_and_a_thin_client_generates(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # names are not looked up on a hub (none is reachable here)
     model = default_model_path()
@@ -55,6 +61,23 @@ def test_peers_join_by_name_and_id_and_a_thin_client_generates(tmp_path, monkeyp
         assert sorted(p.name for p in held.glob("model-*.safetensors")) == sorted(
             [f"model-layer-{i:05d}.safetensors" for i in range(4, 8)] + ["model-embed.safetensors",
                                                                           "model-norm.safetensors"])
+
+        # a peer whose files went bad on disk serves bad chunks: a joiner catches it at the first
+        # chunk, drops it, names it, and completes from the first peer
+        good = {f: f.read_bytes() for f in held.glob("model-layer-*.safetensors")}
+        for f, data in good.items():  # every tensor of its layers: whichever chunks it is asked for
+            start = 8 + struct.unpack("<Q", data[:8])[0]
+            f.write_bytes(data[:start] + bytes(b ^ 0x5A for b in data[start:]))
+        checker = swarm.spawn_node("checker", "--model", "tiny-llama", "--layers", "4:8",
+                                   "--cache-dir", str(tmp_path / "c-check"), "--threads", "1", command="join")
+        fetches, serving = _until_ready(checker)
+        liar = serving_peer(by_name)
+        assert liar in fetches[-1]["bad"] and serving["layers"] == [4, 8], fetches[-1]
+        log_line = "dropping weights source " + liar[:16]
+        assert log_line in checker.log_path.read_text()
+        checker.stop()
+        for f, data in good.items():
+            f.write_bytes(data)
 
         # the first peer leaves: the two that fetched serve the whole model on their own
         swarm.procs[1].stop()
