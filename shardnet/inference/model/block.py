@@ -149,6 +149,81 @@ class Block:
         return hidden
 
 
+    @torch.inference_mode()
+    def forward_batch(self, steps: list[tuple[torch.Tensor, object]]) -> list[torch.Tensor]:
+        """Several sessions' steps as one forward pass: ``steps`` is (hidden [1, T_i, hidden_size],
+        the session's own cache) each, every session at the position its cache has reached, with
+        any T_i (prefill chunks next to single decode positions and verify chunks). Returns each
+        session's output and extends each cache as ``forward`` would: results equal running the
+        steps one at a time, within the dtype's tolerance.
+
+        The sessions' caches are gathered into one, each row's past left-padded to the longest and
+        its new tokens right-padded to the most; one mask per attention type says, per row, which
+        keys are real, causal and (sliding layers) within the window, in the row's own positions."""
+        from transformers import DynamicCache
+
+        lengths = [cache.get_seq_length() for _, cache in steps]
+        news = [h.shape[1] for h, _ in steps]
+        b, past, new = len(steps), max(lengths), max(news)
+        hidden = torch.zeros(b, new, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for row, (h, _) in enumerate(steps):
+            hidden[row, :news[row]] = h[0].to(device=self.device, dtype=self.dtype)
+        batch_cache = DynamicCache()
+        if past:
+            for idx in range(self.num_layers):
+                ks, vs = [], []
+                for (_, cache), length in zip(steps, lengths):
+                    layer = cache.layers[idx] if length else None
+                    ks.append(self._left_pad(layer.keys if layer else None, past, steps, idx, "keys"))
+                    vs.append(self._left_pad(layer.values if layer else None, past, steps, idx, "values"))
+                batch_cache.update(torch.cat(ks), torch.cat(vs), idx)
+        lengths_t = torch.tensor(lengths, device=self.device)
+        news_t = torch.tensor(news, device=self.device)
+        position_ids = lengths_t[:, None] + torch.arange(new, device=self.device)[None, :]
+        masks = {kind: self._batch_mask(lengths_t, news_t, past, new, kind) for kind in set(self.layer_types)}
+        pos_emb = self.family.position_embeddings(self.rotary, hidden, position_ids, self.layer_types)
+        for layer, kind in zip(self.layers, self.layer_types):
+            hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids, cache=batch_cache,
+                           use_cache=True, position_embeddings=pos_emb[kind])
+        for row, (_, cache) in enumerate(steps):
+            for idx in range(self.num_layers):
+                layer = batch_cache.layers[idx]
+                cache.update(layer.keys[row:row + 1, :, past:past + news[row]],
+                             layer.values[row:row + 1, :, past:past + news[row]], idx)
+        return [hidden[row:row + 1, :news[row]] for row in range(b)]
+
+    def _left_pad(self, t: torch.Tensor | None, past: int, steps, idx: int, which: str) -> torch.Tensor:
+        """One row's cached keys or values, zeros in front up to ``past`` positions."""
+        if t is None:  # a session with nothing cached yet: shape from one that has
+            like = next(getattr(c.layers[idx], which) for _, c in steps if c.get_seq_length())
+            return like.new_zeros(1, *like.shape[1:-2], past, like.shape[-1])
+        if t.shape[-2] == past:
+            return t
+        pad = t.new_zeros(*t.shape[:-2], past - t.shape[-2], t.shape[-1])
+        return torch.cat([pad, t], dim=-2)
+
+    def _batch_mask(self, lengths: torch.Tensor, news: torch.Tensor, past: int, new: int, kind: str):
+        """[rows, 1, new, past + new]: which keys each row's query may see, in its own positions."""
+        j = torch.arange(past + new, device=self.device)[None, :]
+        in_past = j < past
+        key_pos = torch.where(in_past, j - (past - lengths[:, None]), lengths[:, None] + (j - past))
+        key_real = torch.where(in_past, j >= past - lengths[:, None], (j - past) < news[:, None])
+        t = torch.arange(new, device=self.device)[None, :]
+        q_pos = lengths[:, None] + t
+        allowed = key_real[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
+        window = getattr(self.config, "sliding_window", None)
+        if kind == "sliding_attention" and window:
+            allowed &= (q_pos[:, :, None] - key_pos[:, None, :]) < window
+        # a padding query sees only itself (an all-masked row would give NaNs)
+        padding_q = t >= news[:, None]
+        allowed |= padding_q[:, :, None] & (j[:, None, :] == past + t[:, :, None])
+        allowed = allowed[:, None]
+        if getattr(self.config, "_attn_implementation", "sdpa") == "sdpa":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(
+            ~allowed, torch.finfo(self.dtype).min)
+
+
 def cache_bytes(cache) -> int:
     total = 0
     for layer in getattr(cache, "layers", []):
