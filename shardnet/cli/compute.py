@@ -49,10 +49,14 @@ from .common import (
               help="Advertise this many tokens/s for the block instead of measuring it (default: measured "
                    "when loaded). Placement and routing weigh peers by it; a fixed figure keeps them steady "
                    "where a measurement would wobble, e.g. several peers on one busy machine.")
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Continuous batching (experimental): run the steps of concurrent sessions that are ready "
+                   "together, up to N tokens a forward pass (default: one step at a time).")
 @click.option("--events", is_flag=True, help="JSON events on stdout, JSON commands on stdin.")
 @wrap_errors
 def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, layers, max_layers,
-         rebalance_interval, dtype, quantize, device, kv_budget_mb, hold_head, threads, throughput, events) -> None:
+         rebalance_interval, dtype, quantize, device, kv_budget_mb, hold_head, threads, throughput, batch_tokens,
+         events) -> None:
     """Serve a block of a model's layers to the swarm (chosen for you unless --layers).
 
     With --model naming a model the swarm serves (no files here), only the layers this peer
@@ -107,7 +111,7 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
             async with join_swarm(n, str(ckpt_path), layers=span, max_layers=max_layers,
                                   rebalance_interval=rebalance_interval, on_move=moved, dtype=dtype, device=device,
                                   kv_budget_bytes=kv_budget_mb << 20, hold_head=hold_head,
-                                  throughput=throughput, quantize=quantize,
+                                  throughput=throughput, quantize=quantize, batch_tokens=batch_tokens,
                                   fetch_progress=FetchProgressBar("layers", events=events)) as peer:
                 start, end = peer.span
                 if events:

@@ -20,6 +20,7 @@ from shardnet.inference.model import wire
 from shardnet.inference.model.block import Block, Head
 from shardnet.inference.receipt_service import ReceiptService, StageRecorder
 from shardnet.inference.router import ActivationRouter
+from shardnet.inference.server.step_batcher import StepBatcher
 from shardnet.inference.server.turns import FairTurns
 from shardnet.protocols import activation as ap
 from shardnet.protocols.activation_io import (
@@ -73,6 +74,8 @@ class ServedBlock:
     idle_timeout: float = 300.0
     compute: FairTurns = field(default_factory=FairTurns)
     sessions_served: int = 0
+    #: continuous batching of the sessions' steps (None: one forward pass at a time, in fair turns)
+    batcher: StepBatcher | None = None
 
 
 class BlockEndpoint:
@@ -226,15 +229,12 @@ class BlockEndpoint:
                 # Rollback: the client rejected speculated tokens; forget everything from pos on.
                 cache.crop(-action.drop)
             hidden = wire.from_message(step)
-            async with sb.compute.turn(up.remote_peer):
-                out = await trio.to_thread.run_sync(sb.block.forward, hidden, cache, step.pos)
-                kind = "hidden"
-                if session.returns_logits:
-                    n_logits = min(step.logits_for, out.shape[1])
-                    out = await trio.to_thread.run_sync(sb.head.logits, out[:, -n_logits:, :])
-                    kind = "logits"
-                    if rec is not None and rec.tokens is not None:
-                        rec.tokens.extend(out[0].argmax(-1).tolist())
+            if sb.batcher is not None and cache.get_seq_length() == step.pos:
+                out, kind = await _head(sb, session, step, rec, await sb.batcher.forward(up.remote_peer, hidden, cache))
+            else:  # one forward pass at a time, in turns shared fairly between upstream peers
+                async with sb.compute.turn(up.remote_peer):
+                    out = await trio.to_thread.run_sync(sb.block.forward, hidden, cache, step.pos)
+                    out, kind = await _head(sb, session, step, rec, out)
             # hidden states go on in the session's wire dtype (default: as they came); logits in float32
             dtype, shape, payload = wire.to_payload(out, None if kind == "logits" else session.open.wire or step.dtype)
             try:
@@ -242,6 +242,18 @@ class BlockEndpoint:
             except ShardnetError as e:
                 await send_reply(up, session.send_failed(step, str(e), down.remote_peer))
                 return
+
+
+async def _head(sb: ServedBlock, session: BlockSession, step, rec: StageRecorder | None, out):
+    """The block's output as the session wants it: hidden states, or (last block with the head)
+    the logits of the positions asked for."""
+    if not session.returns_logits:
+        return out, "hidden"
+    n_logits = min(step.logits_for, out.shape[1])
+    out = await trio.to_thread.run_sync(sb.head.logits, out[:, -n_logits:, :])
+    if rec is not None and rec.tokens is not None:
+        rec.tokens.extend(out[0].argmax(-1).tolist())
+    return out, "logits"
 
 
 async def _relay_errors(session: BlockSession, down: MessageStream, up: MessageStream,

@@ -39,6 +39,7 @@ from shardnet.inference.server.block_endpoint import (
     ServedBlock,
 )
 from shardnet.inference.server.claim_publisher import ClaimPublisher
+from shardnet.inference.server.step_batcher import StepBatcher
 from shardnet.inference.server.placement import (
     Move,
     affordable_layers,
@@ -104,8 +105,12 @@ class ComputePeer:
     def __init__(self, node: Node, model_path: str | Path, *, dtype: str = "auto", device: str | None = None,
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET, idle_timeout: float | None = None,
                  hold_head: bool = False, throughput: float | None = None, quantize: str | None = None,
-                 fetch_progress: ProgressFn | None = None, names: list[str] = ()) -> None:
+                 fetch_progress: ProgressFn | None = None, names: list[str] = (),
+                 batch_tokens: int | None = None) -> None:
         self.node = node
+        #: continuous batching: the most tokens of concurrent sessions' steps one forward pass
+        #: takes (None: one step at a time, in fair turns)
+        self.batch_tokens = batch_tokens
         #: called as the tensors of a span are fetched (a checkpoint the swarm fills)
         self.fetch_progress = fetch_progress
         #: names the model is published by besides the checkpoint's own (e.g. a hub repo)
@@ -157,7 +162,8 @@ class ComputePeer:
         else:
             self.tput = await trio.to_thread.run_sync(measure_throughput, block)
         served = ServedBlock(block, self.model_id, KvBudget(self.kv_budget_bytes), head=head,
-                             idle_timeout=self.idle_timeout)
+                             idle_timeout=self.idle_timeout,
+                             batcher=StepBatcher(block, max_tokens=self.batch_tokens) if self.batch_tokens else None)
         BlockEndpoint.of(self.node).serve(served)
         self.served = served
         self.successor_rtts = {}
@@ -304,9 +310,10 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
 async def serve_block(node: Node, model_path: str, start: int, end: int, *, dtype: str = "auto",
                       device: str | None = None, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
                       idle_timeout: float | None = None, hold_head: bool = False,
-                      claim_ttl: float = 120.0, quantize: str | None = None) -> AsyncIterator[ServedBlock]:
+                      claim_ttl: float = 120.0, quantize: str | None = None,
+                      batch_tokens: int | None = None) -> AsyncIterator[ServedBlock]:
     """Serve exactly layers start..end (no rebalancing)."""
     async with join_swarm(node, model_path, layers=(start, end), rebalance_interval=0, claim_ttl=claim_ttl,
                           dtype=dtype, device=device, kv_budget_bytes=kv_budget_bytes, idle_timeout=idle_timeout,
-                          hold_head=hold_head, quantize=quantize) as peer:
+                          hold_head=hold_head, quantize=quantize, batch_tokens=batch_tokens) as peer:
         yield peer.served

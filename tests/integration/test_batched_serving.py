@@ -1,0 +1,65 @@
+"""Continuous batching on compute peers (``join --batch-tokens``): concurrent sessions of
+different prompts and lengths, plain and speculative, through a 2- and a 3-peer chain; each
+session's greedy output equals its output alone, and the peers did run several sessions' steps
+in one forward pass."""
+
+import random
+
+import pytest
+import trio
+
+from shardnet.inference.client.client import Client
+from shardnet.inference.client.speculative import NGramDrafter
+from shardnet.inference.model.local_model import LocalModel
+from shardnet.inference.server.block_endpoint import BlockEndpoint
+from shardnet.inference.server.compute_peer import serve_block
+from shardnet.models import default_model_path
+from shardnet.testing.helpers import chain_token_ids, transformers_reference
+from shardnet.transport import open_node
+
+NEW = 10
+
+
+def prompts(n: int) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(2, 40))] for _ in range(n)]
+
+
+async def _chain(stack, loopback_config, ranges, batch_tokens):
+    boot = await stack.enter_async_context(open_node(loopback_config()))
+    cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
+    peers = []
+    for a, b in ranges:
+        node = await stack.enter_async_context(open_node(cfg))
+        await stack.enter_async_context(serve_block(node, str(default_model_path()), a, b, batch_tokens=batch_tokens))
+        peers.append(node)
+    client_node = await stack.enter_async_context(open_node(cfg))
+    await client_node.wait_bootstrapped()
+    return client_node, peers
+
+
+@pytest.mark.parametrize("ranges", [[(0, 4), (4, 8)], [(0, 3), (3, 5), (5, 8)]])
+async def test_concurrent_sessions_batched_equal_each_alone(loopback_config, ranges):
+    from contextlib import AsyncExitStack
+
+    model = LocalModel(default_model_path())
+    ps = prompts(16)
+    async with AsyncExitStack() as stack:
+        client_node, peers = await _chain(stack, loopback_config, ranges, batch_tokens=64)
+        client = Client(client_node, model, audit_rate=0.0)
+        got: dict[int, list[int]] = {}
+
+        async def one(i: int) -> None:
+            kw = {"drafter": NGramDrafter(), "k": 3, "depth": 2} if i % 3 == 0 else {}
+            got[i] = await chain_token_ids(client, ps[i], NEW, **kw)
+
+        with trio.fail_after(240):
+            async with trio.open_nursery() as nursery:
+                for i in range(len(ps)):
+                    nursery.start_soon(one, i)
+        # each equals the model run alone on its prompt, in one process (the checkpoint's own dtype)
+        for i, p in enumerate(ps):
+            assert got[i] == transformers_reference(default_model_path(), p, NEW, dtype=None)[0], i
+        stats = [BlockEndpoint.of(n).served.batcher.stats for n in peers]
+        assert all(s.largest > 1 for s in stats), stats  # steps of several sessions ran together
+        assert all(s.tokens <= s.batches * 64 for s in stats)  # within the token budget
