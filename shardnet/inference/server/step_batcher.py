@@ -91,6 +91,7 @@ class StepBatcher:
 
     async def _lead(self, mine: _Step) -> None:
         while not mine.finished:
+            await trio.lowlevel.checkpoint()  # a cancelled leader stops between batches, not in one
             batch = self._take_batch()
             if not batch:
                 return
