@@ -162,6 +162,9 @@ class Block:
         keys are real, causal and (sliding layers) within the window, in the row's own positions."""
         from transformers import DynamicCache
 
+        if len(steps) == 1:  # nothing to gather: the plain path, without the padding's overhead
+            h, cache = steps[0]
+            return [self.forward(h, cache, cache.get_seq_length())]
         lengths = [cache.get_seq_length() for _, cache in steps]
         news = [h.shape[1] for h, _ in steps]
         b, past, new = len(steps), max(lengths), max(news)

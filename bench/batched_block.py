@@ -1,0 +1,75 @@
+"""One block's cost per decode step, batched vs one session at a time, side by side in one run.
+
+    python bench/batched_block.py [--sessions 1,4,16,64] [--context 32] [--rounds 10] [--threads 2]
+
+N sessions, each with ``--context`` tokens cached, take one decode step each: once as N forward
+passes (the old one-at-a-time path), once as one ``Block.forward_batch``. Prints ms per round of
+steps, the speedup, and the fit c(b) = c0 + b * c_tok that docs/performance.md uses for batched
+serving. The block: all 8 layers of the shipped tiny-llama, in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from shardnet.inference.model.block import Block  # noqa: E402
+from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
+from shardnet.models import default_model_path  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sessions", default="1,4,16,64")
+    ap.add_argument("--context", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ckpt = Checkpoint(default_model_path())
+    block = Block(ckpt, 0, ckpt.num_layers, dtype=torch.float32)
+    width = block.config.hidden_size
+
+    def primed(n):
+        caches = [block.new_cache() for _ in range(n)]
+        for c in caches:
+            block.forward(torch.randn(1, args.context, width), c, 0)
+        return caches
+
+    def best(fn, caches) -> float:
+        times = []
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            fn(caches)
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1000
+
+    def one_at_a_time(caches):
+        for c in caches:
+            block.forward(torch.randn(1, 1, width), c, c.get_seq_length())
+
+    def batched(caches):
+        block.forward_batch([(torch.randn(1, 1, width), c) for c in caches])
+
+    print(f"one decode step of each of N sessions ({args.context} tokens cached), all {ckpt.num_layers} layers of "
+          f"tiny-llama, float32, {args.threads} threads; best of {args.rounds} rounds")
+    print(f"{'N':>4} {'one at a time ms':>17} {'batched ms':>11} {'speedup':>8} {'batched tok/s':>14}")
+    rows = []
+    for n in [int(x) for x in args.sessions.split(",")]:
+        alone, together = best(one_at_a_time, primed(n)), best(batched, primed(n))
+        rows.append((n, together))
+        print(f"{n:>4} {alone:>17.2f} {together:>11.2f} {alone / together:>7.2f}x {n / together * 1000:>14.0f}")
+    if len(rows) >= 2:
+        (n0, c0), (n1, c1) = rows[0], rows[-1]
+        tok = (c1 - c0) / (n1 - n0)
+        print(f"fit: c(b) = {c0 - n0 * tok:.2f} ms + b * {tok:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
