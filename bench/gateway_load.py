@@ -180,9 +180,10 @@ def start_peers(swarm: LocalSwarm, replicas: int, *extra: str) -> list[tuple[str
 
 
 @contextmanager
-def swarm_with_gateway(replicas: int = 1, source: Path | None = None):
+def swarm_with_gateway(replicas: int = 1, source: Path | None = None, join_args: tuple[str, ...] = ()):
     """A swarm and its gateway; with ``source``, every process runs the shardnet tree there (the
-    children start there too: ``python -m`` puts the working directory first on the path)."""
+    children start there too: ``python -m`` puts the working directory first on the path);
+    ``join_args``: more arguments for every compute peer (e.g. ``--batch-tokens 256``)."""
     old, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
     if source is not None:
         os.environ["PYTHONPATH"] = str(source)
@@ -194,7 +195,7 @@ def swarm_with_gateway(replicas: int = 1, source: Path | None = None):
     try:
         with LocalSwarm() as swarm:
             swarm.start_bootstrap()
-            peers = start_peers(swarm, replicas)
+            peers = start_peers(swarm, replicas, *join_args)
             yield swarm, peers, start_gateway(swarm)
     finally:
         if source is not None:

@@ -28,10 +28,12 @@ PROMPTS = ["def main(args):\n    ", "import os\n", "class Parser:\n    def ", "f
            "    return ", "# Copyright", "with open(path) as f:\n", "if __name__ == "]
 
 
-def test_64_concurrent_requests_get_the_texts_they_get_alone():
+@pytest.mark.parametrize("join_args", [(), ("--batch-tokens", "256")], ids=["one-at-a-time", "batched"])
+def test_64_concurrent_requests_get_the_texts_they_get_alone(join_args):
     """More requests at once than a compute peer allows one upstream peer sessions (16): the
-    rest wait in line instead of failing, and every text is the one-by-one text."""
-    with swarm_with_gateway(replicas=1) as (_, _, url):
+    rest wait in line instead of failing, and every text is the one-by-one text; with the peers
+    batching concurrent sessions' steps (continuous batching) as without."""
+    with swarm_with_gateway(replicas=1, join_args=join_args) as (_, _, url):
         client = api(url)
         alone = {p: complete(client, p) for p in PROMPTS}  # one by one
         load = Load()
