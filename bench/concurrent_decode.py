@@ -1,0 +1,338 @@
+"""Concurrent sessions through one chain: continuous batching on vs off, loopback and WAN, one run.
+
+    python bench/concurrent_decode.py [--sessions 1,4,16,64] [--wan-sessions 1,4,16] [--tokens 32]
+                                      [--batch-tokens 256] [--delay-ms 20] [--jitter-ms 1] [--mbit 100]
+                                      [--repeats 1] [--quick]
+
+Two chains of the shipped tiny-llama, each of 2 compute peers (layers 0:4 and 4:8): one batching
+(``--batch-tokens``: StepBatcher, ready steps of concurrent sessions run as one forward pass), one
+not (the old path: one forward pass at a time, in fair turns). Every peer is a process of its own
+with one torch thread, serving its block exactly as ``shardnet join --layers a:b --threads 1
+[--batch-tokens N]`` does (``serve_block``, the library call under ``join``), started by this
+script so that it can read the batcher's counters (``--peer-worker``); nothing else differs.
+
+ONE client process (this one) runs N concurrent ``client.generate`` tasks on one Client, as a
+gateway does: greedy, a different prompt each, ``--tokens`` new tokens each. Per row: aggregate
+tok/s (all sessions' new tokens / wall time from the first start to the last finish), its ratio
+to 1 session of the same mode, mean ms per generated token of a session (its generate call from
+start to last token, over its tokens), its ratio to 1 session, p50/p95 of the time between a
+session's successive tokens, and the mean steps per forward pass at each batching peer. Both
+modes run alternately at each session count, so they share the machine's state.
+
+First on loopback; then every node (bootstrap, peers, client) behind a WAN emulator edge
+(bench/wan_emulator.py, like bench/wan_decode.py): a traversal client -> peer 1 -> peer 2 ->
+client crosses 3 edges. The emulators run in this (the client's) process.
+
+Session limits are raised on every node (``sessions_per_peer``, ``sessions_out_per_peer``, the
+session open rate): by default a client keeps at most 16 sessions open to one peer and the rest
+wait in line, which would measure the queue rather than the batching at 64 sessions.
+
+The issue's target (issue 23): 16 sessions give >= 6x the aggregate tok/s of one session, with a
+session's ms per token within 3x of one session alone; the last column says whether a row does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.wan_emulator import Link, WanProxy
+from shardnet.inference.client.client import Client
+from shardnet.inference.model.local_model import LocalModel
+from shardnet.models import default_model_path
+from shardnet.testing.localswarm import ShardnetProcess
+from shardnet.transport import NodeConfig, open_node
+from shardnet.transport.limits import Limits
+
+SPANS = [(0, 4), (4, 8)]
+TARGET_SESSIONS, TARGET_SPEEDUP, TARGET_LATENCY = 16, 6.0, 3.0
+
+
+def bench_limits() -> Limits:
+    """Room for every session of the largest row at once, on the peers and the client."""
+    limits = Limits()
+    for name, value in (("sessions_per_peer", 1024), ("sessions_out_per_peer", 1024),
+                        ("session_rate_per_peer", 10000), ("session_burst_per_peer", 10000)):
+        limits.set(f"{name}={value}")
+    return limits
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- a compute peer (a child process) ----------------------------------------------------------
+async def peer_worker(args: argparse.Namespace) -> None:
+    """``shardnet join --layers a:b --threads 1 [--batch-tokens N]``'s serving, answering JSON
+    ``stats`` commands on stdin with the batcher's counters."""
+    from shardnet.inference.server.compute_peer import serve_block
+
+    torch.set_num_threads(1)
+    a, b = (int(x) for x in args.layers.split(":"))
+    cfg = NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{args.listen_port}"],
+                     announce=[f"/ip4/127.0.0.1/tcp/{args.announce_port}"] if args.announce_port else [],
+                     bootstrap=[args.bootstrap], limits=bench_limits())
+    async with open_node(cfg) as node:
+        await node.wait_bootstrapped(60)
+        async with serve_block(node, str(default_model_path()), a, b,
+                               batch_tokens=args.batch_tokens or None) as served:
+            print(json.dumps({"event": "ready", "peer": str(node.peer_id)}), flush=True)
+            while line := await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
+                cmd = json.loads(line)
+                stats = asdict(served.batcher.stats) if served.batcher is not None else {}
+                print(json.dumps({"event": "result", "id": cmd["id"], **stats}), flush=True)
+
+
+# -- the client side -----------------------------------------------------------------------------
+@dataclass
+class Chain:
+    mode: str
+    procs: list[ShardnetProcess]
+    peers: list[str] = field(default_factory=list)
+    route: list = field(default_factory=list)
+
+    async def batch_stats(self) -> list[dict]:
+        return [await trio.to_thread.run_sync(p.command, {"op": "stats"}) for p in self.procs]
+
+
+@dataclass
+class Row:
+    network: str
+    mode: str
+    sessions: int
+    aggregate: float  # tok/s, all sessions together
+    per_token_ms: float  # mean over sessions of (generate time / new tokens)
+    step_p50_ms: float
+    step_p95_ms: float
+    mean_batch: list[float]  # steps per forward pass at each peer (batching chain only)
+    cpu_ms: float  # CPU seconds of the client process and the chain's peers, per new token
+    cores: float  # their CPU seconds per second of wall time
+    outputs: list[list[int]]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 2000) for _ in range(rng.randint(8, 24))] for _ in range(n)]
+
+
+async def run_sessions(client: Client, chain: Chain, ps: list[list[int]], tokens: int, network: str) -> Row:
+    before = await chain.batch_stats()
+    cpu_before = time.process_time() + sum(cpu_seconds(p.pid) for p in chain.procs)
+    spans: list[float] = [0.0] * len(ps)
+    gaps: list[float] = []
+    outputs: list[list[int]] = [[] for _ in ps]
+
+    async def one(i: int) -> None:
+        t0 = last = time.perf_counter()
+        async for tok in client.generate(ps[i], max_new_tokens=tokens, stop_at_eos=False, route=chain.route):
+            now = time.perf_counter()
+            if outputs[i]:
+                gaps.append(now - last)
+            last = now
+            outputs[i].append(tok.id)
+        spans[i] = (last - t0) / len(outputs[i])
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(len(ps)):
+            nursery.start_soon(one, i)
+    wall = time.perf_counter() - start
+    cpu = time.process_time() + sum(cpu_seconds(p.pid) for p in chain.procs) - cpu_before
+    after = await chain.batch_stats()
+    mean_batch = [(a["steps"] - b["steps"]) / max(1, a["batches"] - b["batches"])
+                  for a, b in zip(after, before) if "steps" in a]
+    q = statistics.quantiles(gaps, n=20) if len(gaps) >= 2 else [gaps[0] if gaps else 0.0] * 19
+    tokens_out = sum(map(len, outputs))
+    return Row(network, chain.mode, len(ps), tokens_out / wall, statistics.mean(spans) * 1e3,
+               statistics.median(gaps) * 1e3 if gaps else 0.0, q[18] * 1e3, mean_batch,
+               cpu / tokens_out * 1e3, cpu / wall, outputs)
+
+
+async def run_network(args: argparse.Namespace, network: str, counts: list[int], workdir: Path,
+                      model: LocalModel) -> list[Row]:
+    """Both chains on one bootstrap, each node behind a WAN edge when ``network`` is "wan"."""
+    wan = network == "wan"
+    link = Link(delay=args.delay_ms / 1e3, jitter=args.jitter_ms / 1e3, rate=args.mbit * 1e6 / 8)
+    procs: list[ShardnetProcess] = []
+    rows: list[Row] = []
+    async with trio.open_nursery() as nursery:
+        async def ports(seed: int) -> tuple[int, int | None]:
+            """(listen, announce): behind a WAN proxy of its own, or on loopback as is."""
+            real = free_port()
+            if not wan:
+                return real, None
+            pub = free_port()
+            await nursery.start(WanProxy(("127.0.0.1", real), link, seed=seed, port=pub).serve)
+            return real, pub
+
+        def announce(port: int | None) -> list[str]:
+            return [f"/ip4/127.0.0.1/tcp/{port}"] if port else []
+
+        try:
+            real, pub = await ports(0)
+            boot = ShardnetProcess(f"{network}-boot", [
+                "bootstrap", "--identity", str(workdir / f"{network}-boot.key"), "--listen",
+                f"/ip4/127.0.0.1/tcp/{real}", *(["--announce", f"/ip4/127.0.0.1/tcp/{pub}"] if pub else [])],
+                workdir=workdir)
+            procs.append(boot)
+            boot_addr = boot.wait_for_line(lambda s: "/p2p/" in s, 60).strip()
+            chains = []
+            for c, (mode, batch) in enumerate((("batched", args.batch_tokens), ("one-at-a-time", 0))):
+                chain = Chain(mode, [])
+                for i, (a, b) in enumerate(SPANS):
+                    real, pub = await ports(10 * c + i + 1)
+                    chain.procs.append(ShardnetProcess(
+                        f"{network}-{mode}-{a}-{b}",
+                        ["--peer-worker", "--layers", f"{a}:{b}", "--batch-tokens", str(batch),
+                         "--listen-port", str(real), "--announce-port", str(pub or 0), "--bootstrap", boot_addr],
+                        workdir=workdir, program=[sys.executable, str(Path(__file__).resolve())]))
+                procs.extend(chain.procs)
+                chains.append(chain)
+            for chain in chains:
+                for p in chain.procs:
+                    ev = await trio.to_thread.run_sync(p.wait_event, lambda e: e.get("event") == "ready", 120)
+                    chain.peers.append(ev["peer"])
+            real, pub = await ports(99)
+            cfg = NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{real}"], announce=announce(pub), bootstrap=[boot_addr],
+                             dht_mode="client", low_watermark=0, limits=bench_limits())
+            async with open_node(cfg) as node:
+                await node.wait_bootstrapped(60)
+                client = Client(node, model, route_timeout=60, audit_rate=0)  # decode alone
+                with trio.fail_after(60):  # every peer's claim seen
+                    while True:
+                        claims = {c.peer: c for c in await client.usable_claims()}
+                        if all(p in claims for chain in chains for p in chain.peers):
+                            break
+                        await trio.sleep(0.5)
+                for chain in chains:
+                    chain.route = [claims[p] for p in chain.peers]
+                    # warm-up: connections along the chain, lazy initialisation, a batch or two
+                    await run_sessions(client, chain, prompts(4, seed=1), 4, network)
+                for n in counts:
+                    ps = prompts(n, seed=n)
+                    for _ in range(args.repeats):
+                        for chain in chains:
+                            rows.append(await run_sessions(client, chain, ps, args.tokens, network))
+        finally:
+            for p in procs:
+                p.stop()
+            nursery.cancel_scope.cancel()
+    return rows
+
+
+def report(args: argparse.Namespace, rows: list[Row]) -> None:
+    print(f"tiny-llama over 2 peers {SPANS}, each a process with 1 torch thread; one client process, one Client, "
+          f"N concurrent greedy generate tasks, different prompts, {args.tokens} new tokens each")
+    print(f"batched: --batch-tokens {args.batch_tokens}; one-at-a-time: the old path (fair turns); "
+          f"wan: {args.delay_ms:g} ms one way (+ up to {args.jitter_ms:g} ms jitter), {args.mbit:g} Mbit/s per edge, "
+          f"3 edges a traversal; {os.cpu_count()} cores")
+    print(f"target: {TARGET_SESSIONS} sessions >= {TARGET_SPEEDUP:g}x the aggregate tok/s of 1, "
+          f"ms/token <= {TARGET_LATENCY:g}x of 1; medians of {args.repeats} run(s) per row")
+    print(f"{'network':<9} {'mode':<14} {'sessions':>8} {'agg tok/s':>9} {'x 1':>6} {'ms/tok':>7} {'x 1':>6} "
+          f"{'p50 ms':>7} {'p95 ms':>7} {'batch':>9} {'cpu ms/tok':>10} {'cores':>5}  target")
+    groups: dict[tuple[str, str, int], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.network, r.mode, r.sessions), []).append(r)
+
+    def med(rs: list[Row], attr: str) -> float:
+        return statistics.median(getattr(r, attr) for r in rs)
+
+    for network in dict.fromkeys(r.network for r in rows):
+        for mode in dict.fromkeys(r.mode for r in rows):
+            base = groups.get((network, mode, 1))
+            for (net, m, n), rs in groups.items():
+                if (net, m) != (network, mode):
+                    continue
+                agg, lat = med(rs, "aggregate"), med(rs, "per_token_ms")
+                speedup = agg / med(base, "aggregate") if base else float("nan")
+                slowdown = lat / med(base, "per_token_ms") if base else float("nan")
+                batch = "/".join(f"{statistics.median(r.mean_batch[i] for r in rs):.1f}"
+                                 for i in range(len(rs[0].mean_batch))) or "-"
+                target = "-"
+                if n >= TARGET_SESSIONS and base:
+                    ok_agg, ok_lat = speedup >= TARGET_SPEEDUP, slowdown <= TARGET_LATENCY
+                    target = ("meets" if ok_agg and ok_lat else "misses") + \
+                        f" (agg {'yes' if ok_agg else 'no'}, latency {'yes' if ok_lat else 'no'})"
+                print(f"{network:<9} {mode:<14} {n:>8} {agg:9.1f} {speedup:5.2f}x {lat:7.1f} {slowdown:5.2f}x "
+                      f"{med(rs, 'step_p50_ms'):7.1f} {med(rs, 'step_p95_ms'):7.1f} {batch:>9} {med(rs, 'cpu_ms'):10.2f} "
+                      f"{med(rs, 'cores'):5.2f}  {target}")
+    differ = sessions = 0
+    for r in rows:  # each session's output against the first run of the same prompt (the batched chain's)
+        first = next(o for o in rows if (o.network, o.sessions) == (r.network, r.sessions))
+        if r is not first:
+            sessions += r.sessions
+            differ += sum(a != b for a, b in zip(r.outputs, first.outputs))
+    print(f"greedy output differs batched vs one-at-a-time in {differ} of {sessions} sessions "
+          "(float16 peers: a near-tie of two logits may go either way in a batch of another shape)")
+    print("batch: mean steps per forward pass at peer 0:4 / 4:8 (a step: one session's prompt or decode position)")
+    print("cpu ms/tok: CPU time of the client process (the WAN emulators included) and the chain's 2 peers per new "
+          "token; cores: that CPU time per second of wall time")
+
+
+def parse_counts(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sessions", type=parse_counts, default=[1, 4, 16, 64], help="session counts on loopback")
+    p.add_argument("--wan-sessions", type=parse_counts, default=[1, 4, 16, 64],
+                   help="session counts through the emulated WAN (empty: skip it)")
+    p.add_argument("--tokens", type=int, default=32, help="new tokens per session")
+    p.add_argument("--batch-tokens", type=int, default=256, help="the batching chain's token budget per batch")
+    p.add_argument("--delay-ms", type=float, default=20.0)
+    p.add_argument("--jitter-ms", type=float, default=1.0)
+    p.add_argument("--mbit", type=float, default=100.0)
+    p.add_argument("--repeats", type=int, default=1, help="runs per row (medians)")
+    p.add_argument("--quick", action="store_true", help="a short run for the tests: 1 and 4 sessions, 8 tokens")
+    # the compute peers this script starts (internal)
+    p.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--layers", help=argparse.SUPPRESS)
+    p.add_argument("--listen-port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--announce-port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--bootstrap", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    logging.disable(logging.CRITICAL)
+    if args.peer_worker:
+        trio.run(peer_worker, args)
+        return
+    if args.quick:
+        args.sessions, args.wan_sessions, args.tokens = [1, 4], [1, 4], 8
+        args.delay_ms = min(args.delay_ms, 5.0)
+    torch.set_num_threads(1)  # the client's embedding and head; the peers have a thread each
+    model = LocalModel(default_model_path())
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="shardnet-concurrent-") as d:
+        for network, counts in (("loopback", args.sessions), ("wan", args.wan_sessions)):
+            if counts:
+                rows += trio.run(run_network, args, network, counts, Path(d), model)
+    report(args, rows)
+
+
+if __name__ == "__main__":
+    main()
