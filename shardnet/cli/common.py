@@ -6,9 +6,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -220,9 +220,6 @@ def cache_dir_option(f):
                              "~/.cache/shardnet/models).")(f)
 
 
-MODEL_ID_RE = re.compile(r"^[0-9a-f]{64}$")
-
-
 def local_model(spec: str | None, *, download: bool = True) -> Path | None:
     """The directory ``--model`` names without asking the swarm: a directory, or a Hugging Face
     repo found in the local hub cache (with ``download``, fetched from the hub where one is
@@ -237,6 +234,8 @@ def local_model(spec: str | None, *, download: bool = True) -> Path | None:
         return path
     if path.exists():
         fail(f"--model {spec}: not a directory")
+    from shardnet.inference.weights.cards import MODEL_ID_RE
+
     if MODEL_ID_RE.match(spec):
         return None
     from shardnet.inference.model.hub import looks_like_repo_id, resolve_hub_checkpoint
@@ -255,7 +254,7 @@ async def model_from_swarm(node, spec: str, *, cache_dir: Path | None, events: b
     the swarm serves none, a Hugging Face repo of that name downloaded where a hub is reachable
     (the swarm first: joining by name should fetch one span, not the whole model)."""
     from shardnet.inference.model.hub import looks_like_repo_id, resolve_hub_checkpoint
-    from shardnet.inference.weights.cards import ModelNotFound
+    from shardnet.inference.weights.cards import MODEL_ID_RE, ModelNotFound
     from shardnet.inference.weights.swarm_model import open_from_swarm
 
     try:
@@ -298,10 +297,15 @@ async def client_model(node, spec: str | None, path: Path | None, *, dtype: str,
     return await trio.to_thread.run_sync(lambda: LocalModel(path, dtype=dtype, lm_head=not logits_on_last))
 
 
-def needs_network_for(spec: str | None, path: Path | None, bootstrap, mdns, command: str) -> None:
+def require_swarm_for(spec: str | None, path: Path | None, bootstrap, mdns) -> None:
+    """A ``--model`` with no files here comes from the swarm: there must be a way to reach it."""
     if path is None and not bootstrap and not mdns:
         fail(f"--model {spec}: no such directory or cached Hugging Face repo; to fetch it from the swarm, "
              "give --bootstrap MADDR", 2)
+
+
+def needs_network_for(spec: str | None, path: Path | None, bootstrap, mdns, command: str) -> None:
+    require_swarm_for(spec, path, bootstrap, mdns)
     if not bootstrap and not mdns:
         fail(f"{command} needs --bootstrap MADDR (or --mdns)", 2)
 
@@ -317,8 +321,6 @@ class FetchProgressBar:
         self._last_line = 0.0
 
     def __call__(self, p) -> None:
-        import time
-
         if self.events:
             emit({"event": "fetch", "what": self.what, "done": p.done, "reused": p.reused, "total": p.total,
                   "rate": round(p.rate), "sources": p.sources, "bad": p.bad})

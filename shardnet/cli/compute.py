@@ -17,6 +17,7 @@ from .common import (
     model_from_swarm,
     model_path_option,
     network_options,
+    require_swarm_for,
     run,
     say,
     wrap_errors,
@@ -76,11 +77,8 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
     path = local_model(model_path, download=not bootstrap and not mdns)
     _check_device(device)
     span = None
-    if path is None:
-        if not bootstrap and not mdns:
-            fail(f"--model {model_path}: no such directory or cached Hugging Face repo; to fetch it from the "
-                 "swarm, give --bootstrap MADDR", 2)
-    else:
+    require_swarm_for(model_path, path, bootstrap, mdns)
+    if path is not None:
         try:
             ckpt = Checkpoint(path)
             span = parse_layers(layers, ckpt.num_layers) if layers else None

@@ -312,11 +312,7 @@ class Checkpoint:
         self.manifest()
         if blob in self._hashes:
             return self._hashes[blob]
-        if self.fetched:
-            f = self.path / FETCHED_HASHES / hashes_file_name(blob)
-            if f.is_file():
-                return f.read_bytes()
-        return None
+        return read_fetched_hashes(self.path, blob) if self.fetched else None
 
     def held_prefixes(self) -> list[str]:
         """The blobs this directory can serve, as blob-name prefixes (``""``: all of them)."""
@@ -401,6 +397,12 @@ def check_manifest(manifest: Any) -> None:
 
 def _nonneg_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def read_fetched_hashes(directory: Path, blob: str) -> bytes | None:
+    """The chunk hashes a swarm-filled directory keeps for ``blob``, or None."""
+    f = directory / FETCHED_HASHES / hashes_file_name(blob)
+    return f.read_bytes() if f.is_file() else None
 
 
 def hashes_file_name(blob: str) -> str:

@@ -164,8 +164,8 @@ class _Blob:
 class _FileSink:
     """A model file, kept in memory until complete (they are small), then written verified."""
 
-    def __init__(self, store: WeightStore, name: str, size: int) -> None:
-        self.store, self.name = store, name
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
         self.data = bytearray(size)
         self.bitmap = bytearray(wp.chunk_count(size))
 
@@ -241,7 +241,7 @@ class Transfer:
         for name in names:
             size, root = self.manifest["files"][name]
             self._add(_Blob(f"file:{name}", wp.ChunkChecker(f"file:{name}", size, root),
-                            _FileSink(self.store, name, size)), size)
+                            _FileSink(name, size)), size)
 
     def add_tensors(self, names: list[str]) -> None:
         # a group is written whole: a group some of whose tensors are missing gets all of them
@@ -447,10 +447,8 @@ class Transfer:
         if isinstance(blob.sink, _FileSink):
             if blob.sink.complete():
                 self.store.put_file(blob.sink.name, bytes(blob.sink.data), blob.checker.hashes)
-        else:
-            writer = self.groups.get(group_of(blob.tensor))
-            if writer is not None and writer.complete() and writer not in self._finishing:
-                self._finishing.append(writer)
+        elif blob.sink.complete() and blob.sink.group in self.groups and blob.sink not in self._finishing:
+            self._finishing.append(blob.sink)
         self._report()
         return True
 

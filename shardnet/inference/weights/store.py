@@ -41,6 +41,7 @@ from shardnet.inference.model.checkpoint import (
     hashes_file_name,
     check_manifest,
     model_id_of,
+    read_fetched_hashes,
 )
 from shardnet.protocols.weights import chunk_count, chunk_span
 
@@ -150,8 +151,7 @@ class WeightStore:
         _write_atomically(d / hashes_file_name(blob), hashes)
 
     def hashes(self, blob: str) -> bytes | None:
-        f = self.path / FETCHED_HASHES / hashes_file_name(blob)
-        return f.read_bytes() if f.is_file() else None
+        return read_fetched_hashes(self.path, blob)
 
     # -- tensors ---------------------------------------------------------------------------------
     def weight_map(self) -> dict[str, str]:
