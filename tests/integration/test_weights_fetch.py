@@ -74,7 +74,9 @@ async def _swarm(stack, loopback_config, model, servers, **server_limits):
         held.append((n, server))
     fetching = await stack.enter_async_context(open_node(cfg))
     await fetching.wait_bootstrapped()
-    await trio.sleep(0.5)  # cards and provider records out
+    with trio.fail_after(30):  # every server's card and provider records out (a server waits a moment first)
+        while len({p for m in await list_models(fetching, timeout=5) for p in m.publishers}) < len(servers):
+            await trio.sleep(0.2)
     return fetching, held
 
 

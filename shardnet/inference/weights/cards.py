@@ -208,16 +208,20 @@ async def _add_claims(node: Node, models: list[SwarmModel], *, timeout: float) -
 
 
 async def resolve_model(node: Node, name_or_id: str, *, timeout: float = 15.0) -> ModelCard:
-    """The card of the model the swarm serves under ``name_or_id`` (a name or a model ID); when
-    a name maps to several models, the one most peers publish. ModelNotFound names what the
-    swarm does serve."""
-    if MODEL_ID_RE.match(name_or_id):
-        cards = await _cards_from(node, weights_key(name_or_id), name_or_id, timeout=timeout)
-    else:
-        cards = []
-        for pid, card in await _cards_from(node, name_key(name_or_id), None, timeout=timeout):
-            if name_or_id in card.names:
-                cards.append((pid, card))
+    """The card of the model the swarm serves under ``name_or_id`` (a name or a model ID), looked
+    for until ``timeout``; when a name maps to several models, the one most peers publish.
+    ModelNotFound names what the swarm does serve."""
+    deadline = trio.current_time() + timeout
+    while True:  # until found, or timeout: a peer that just started publishes its card within seconds
+        left = max(1.0, deadline - trio.current_time())
+        if MODEL_ID_RE.match(name_or_id):
+            cards = await _cards_from(node, weights_key(name_or_id), name_or_id, timeout=left)
+        else:
+            cards = [(pid, card) for pid, card in await _cards_from(node, name_key(name_or_id), None, timeout=left)
+                     if name_or_id in card.names]
+        if cards or trio.current_time() + 1.0 >= deadline:
+            break
+        await trio.sleep(1.0)
     if not cards:
         served = await list_models(node, timeout=timeout)
         listing = "; ".join(f"{(m.card.names or ('?',))[0]} ({m.card.model_id[:16]}…)" for m in served[:8])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 
 import trio
 
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 #: values as long as their holders keep them: a third of a claim's TTL keeps them found)
 REPUBLISH_S = 40.0
 READ_TIMEOUT = 60.0
+#: seconds (uniformly at random) before the first cards go out
+FIRST_PUBLISH_DELAY = (0.5, 2.0)
 #: threads reading chunks from disk at once (all streams together)
 READER_THREADS = 2
 
@@ -76,6 +79,9 @@ class WeightServer(Behaviour):
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        # a peer's first moment belongs to its claim, relay reservation and hole punches: its
+        # cards follow a little later, and peers started together do not publish all at once
+        await trio.sleep(random.uniform(*FIRST_PUBLISH_DELAY))
         while True:
             await publish_model_list(self.node, list(self.models))
             for ckpt, names in list(self.models.values()):
