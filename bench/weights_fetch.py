@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from shardnet.inference.model.checkpoint import MANIFEST_CACHE, Checkpoint
 from shardnet.inference.model.random_model import init_random
+from shardnet.inference.weights.fetcher import find_sources
 from shardnet.inference.weights.server import WeightServer
 from shardnet.inference.weights.swarm_model import (
     fetch_tensors,
@@ -96,7 +97,10 @@ async def fetch_span(model: Path, sources: int, cap_mb_per_s: float, cache_root:
             server.add(ckpt)
         fetching = await stack.enter_async_context(open_node(loopback_config(bootstrap=bootstrap)))
         await fetching.wait_bootstrapped()
-        await trio.sleep(0.5)  # cards and provider records out (as the integration test waits)
+        # every source findable (each publishes 0.5-2 s after it starts)
+        with trio.fail_after(30):
+            while len(await find_sources(fetching, ckpt.model_id, timeout=5)) < sources:
+                await trio.sleep(0.2)
         path, _card = await open_from_swarm(fetching, model.name, cache_root=cache_root)  # manifest, files
         fetched = Checkpoint(path)
         names = span_tensor_names(fetched, 0, fetched.num_layers)

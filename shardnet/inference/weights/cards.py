@@ -94,11 +94,13 @@ def card_of(ckpt, extra_names: list[str] = ()) -> ModelCard:
 
 async def publish_card(node: Node, card: ModelCard, *, serves_weights: bool) -> None:
     """Put the card and its provider records in the DHT (best effort: the next round retries)."""
-    jobs = [("card", lambda: node.dht.put(card_record_name(card.model_id), card.encode())),
-            ("models", lambda: node.dht.provide(MODELS_KEY))]
-    jobs += [(f"name {n}", lambda n=n: node.dht.provide(name_key(n))) for n in card.names]
+    # the models record last: a peer listed as publishing a model is also findable by its name
+    # and, when it serves them, for its bytes
+    jobs = [("card", lambda: node.dht.put(card_record_name(card.model_id), card.encode()))]
     if serves_weights:
         jobs.append(("weights", lambda: node.dht.provide(weights_key(card.model_id))))
+    jobs += [(f"name {n}", lambda n=n: node.dht.provide(name_key(n))) for n in card.names]
+    jobs.append(("models", lambda: node.dht.provide(MODELS_KEY)))
     for what, job in jobs:
         try:
             await job()
