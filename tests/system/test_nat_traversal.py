@@ -2,6 +2,7 @@
 namespaces behind nftables masquerade."""
 
 import sys
+import threading
 import time
 
 import pytest
@@ -121,6 +122,36 @@ def test_hole_punch_through_two_cone_nats(tmp_path):
             echo = a.command({"cmd": "echo", "peer": b_id, "data": f"and here {i}"})
             assert echo["ok"] and echo["relayed"] is False, echo
             time.sleep(1)
+
+
+def test_peers_that_dial_each_other_through_the_relay_at_once_punch_once(tmp_path):
+    """Both sides accept a relayed connection from the other, so both would start DCUtR: two
+    upgrades at once dial the same address pair twice in opposite roles and all fail. The glare
+    rule lets one go on (holepunch.py); the pair ends direct."""
+    with natlab.NatLab() as lab:
+        lab.add_public("relay")
+        lab.add_private("a", "cone")
+        lab.add_private("b", "cone")
+        relay, relay_addr = lab.start_relay("relay", tmp_path)
+        a, a_id = lab.start_node("a", tmp_path, "--bootstrap", relay_addr, "--relay", relay_addr)
+        b, b_id = lab.start_node("b", tmp_path, "--bootstrap", relay_addr, "--relay", relay_addr)
+        natlab.wait_reserved(a, relay_addr)
+        natlab.wait_reserved(b, relay_addr)
+        replies = {}
+        dials = [threading.Thread(target=lambda me=me, other=other, name=name: replies.__setitem__(
+                     name, me.command({"cmd": "connect", "addr": f"{relay_addr}/p2p-circuit/p2p/{other}"})))
+                 for me, other, name in ((a, b_id, "a"), (b, a_id, "b"))]
+        for t in dials:
+            t.start()
+        for t in dials:
+            t.join(60)
+        assert replies["a"]["ok"] and replies["b"]["ok"], replies
+        st_a = natlab.wait_direct(a, b_id, timeout=40)
+        st_b = natlab.wait_direct(b, a_id, timeout=10)
+        echo = b.command({"cmd": "echo", "peer": a_id, "data": "once"})
+        assert echo["ok"] and echo["relayed"] is False, echo
+        stats = [st["nat"]["hole_punch_stats"] for st in (st_a, st_b)]
+        assert sum(s.get("succeeded", 0) for s in stats) >= 1, stats
 
 
 def test_symmetric_nat_punch_fails_in_bounded_time_and_the_relay_keeps_working(tmp_path):

@@ -9,7 +9,14 @@ open. With endpoint-independent NATs this yields one TCP connection; a NAT that 
 port per destination (symmetric) maps the SYN elsewhere and the attempt times out.
 
 Roles: in the security handshake A is the client and B the server (as the spec says), whichever
-SYN got there first. The direct connection joins the swarm next to the relayed one; new streams
+SYN got there first.
+
+Both sides may have accepted a relayed connection from the other (each dialed the other through
+the relay at about the same moment) and so both start. Two upgrades at once fail every attempt:
+each side dials from its one listen port to the same address twice, in opposite roles. So only
+one goes on (the "glare" rule of call setup): a peer that receives CONNECT while its own upgrade
+to that peer has not yet been answered refuses it when its peer ID sorts first, and otherwise
+drops its own and answers. Both sides apply the rule and arrive at the same single upgrade. The direct connection joins the swarm next to the relayed one; new streams
 prefer it, and the relayed one is closed when its last stream ends. Failure is recorded and
 logged, never hidden: traffic stays on the relay.
 """
@@ -20,7 +27,7 @@ import logging
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 from libp2p.abc import ConnectionType
@@ -45,7 +52,18 @@ _refused = Refusals(log, logging.INFO)
 IO_TIMEOUT = 10.0  # seconds for one message exchange over the relay
 ATTEMPTS = 3  # the spec's retry count
 PUNCH_TIMEOUT = 5.0  # seconds one simultaneous dial may take, handshakes included
+#: seconds before retrying after a CONNECT that went unanswered (time for the peer's own to arrive)
+REFUSED_PAUSE = 2.0
 RETIRE_AFTER = 600.0  # seconds a relayed connection may keep streams once a direct one exists
+
+
+@dataclass
+class _Upgrade:
+    """One upgrade we started: its cancel scope, and whether the peer answered its CONNECT."""
+
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    answered: bool = False  # the attempt under way had its CONNECT answered
+    answers: int = 0  # attempts whose CONNECT was answered
 
 
 @dataclass
@@ -67,7 +85,8 @@ class HolePuncher(Behaviour):
         self.attempts, self.punch_timeout = attempts, punch_timeout
         self.outcomes: dict[ID, PunchOutcome] = {}  # the last outcome per peer
         self.stats = Counter()
-        self._running: set[ID] = set()
+        self._running: dict[ID, _Upgrade] = {}  # the upgrades we started, per peer
+        self._answering: set[ID] = set()  # peers whose upgrade we answer now
 
     def attach(self, node) -> None:
         self.node = node
@@ -99,22 +118,40 @@ class HolePuncher(Behaviour):
 
     # -- B: the side that accepted the relayed connection starts -----------------------------------
     def start(self, peer: ID) -> None:
-        """Punch to ``peer`` in the background (once at a time per peer)."""
-        if peer in self._running or self.direct(peer) is not None:
+        """Punch to ``peer`` in the background (once at a time per peer, and not while we
+        answer its own upgrade)."""
+        if peer in self._running or peer in self._answering or self.direct(peer) is not None:
             return
-        self._running.add(peer)
-        self.spawn(self._punch_in_background, peer)
+        upgrade = self._running[peer] = _Upgrade()
+        self.spawn(self._punch_in_background, peer, upgrade)
 
-    async def _punch_in_background(self, peer: ID) -> None:
+    async def _punch_in_background(self, peer: ID, upgrade: _Upgrade) -> None:
         try:
-            await self.punch(peer)
+            with upgrade.scope:
+                await self.punch(peer, upgrade)
         except Exception as e:
             log.warning("hole punch to %s stopped: %s: %s", str(peer)[:16], type(e).__name__, e)
         finally:
-            self._running.discard(peer)
+            if self._running.get(peer) is upgrade:
+                del self._running[peer]
+        if upgrade.scope.cancelled_caught:
+            log.info("hole punch to %s: both sides started one; answering theirs", str(peer)[:16])
 
-    async def punch(self, peer: ID) -> PunchOutcome:
+    def _glare(self, peer: ID) -> bool:
+        """CONNECT arrived from ``peer``: whether to refuse it because our own upgrade to it goes
+        on. Ours goes on when its CONNECT was answered already or when our peer ID sorts first;
+        otherwise it is dropped here, and we answer theirs."""
+        ours = self._running.get(peer)
+        if ours is None:
+            return False
+        if ours.answered or self.node.host.get_id().to_bytes() < peer.to_bytes():
+            return True
+        ours.scope.cancel()
+        return False
+
+    async def punch(self, peer: ID, upgrade: _Upgrade | None = None) -> PunchOutcome:
         """Up to ``attempts`` coordinated dials over the relayed connection to ``peer``."""
+        upgrade = upgrade or _Upgrade()
         t0 = time.monotonic()
         if not self._our_addrs():
             return self._record(peer, False, 0, t0, "we have no address to offer (loopback listeners only)")
@@ -124,10 +161,15 @@ class HolePuncher(Behaviour):
             if self.direct(peer) is not None:
                 return self._record(peer, True, attempt - 1, t0, "already direct")
             self.stats["attempts"] += 1
+            answers = upgrade.answers
             try:
-                conn = await self._initiate(peer)
+                conn = await self._initiate(peer, upgrade)
             except (MessageError, trio.TooSlowError, OSError) as e:
                 errors.append(f"attempt {attempt}: {type(e).__name__}: {e}".rstrip(": "))
+                if upgrade.answers == answers:
+                    # refused unanswered: the peer may be starting its own upgrade, whose CONNECT
+                    # (arriving meanwhile) ends this one
+                    await trio.sleep(REFUSED_PAUSE)
                 continue
             except Exception as e:  # the relayed connection or its stream broke
                 errors.append(f"attempt {attempt}: {type(e).__name__}: {e}".rstrip(": "))
@@ -140,7 +182,7 @@ class HolePuncher(Behaviour):
             errors.append(f"attempt {attempt}: no direct connection within {self.punch_timeout:g} s")
         return self._record(peer, False, attempt, t0, "; ".join(errors) or "no attempt")
 
-    async def _initiate(self, peer: ID):
+    async def _initiate(self, peer: ID, upgrade: _Upgrade):
         with trio.fail_after(IO_TIMEOUT):
             raw = await self.node.host.new_stream(peer, [TProtocol(DCUTR_PROTOCOL)])
         try:
@@ -152,6 +194,8 @@ class HolePuncher(Behaviour):
                 rtt = trio.current_time() - sent
             if reply.type != HolePunchType.CONNECT:
                 raise MessageError(f"expected CONNECT, got {reply.type.name}")
+            upgrade.answered = True
+            upgrade.answers += 1
             theirs = _addresses(reply.addrs)
             if not theirs:
                 raise MessageError(f"the peer sent no address to dial ({_describe(reply.addrs)})")
@@ -160,18 +204,26 @@ class HolePuncher(Behaviour):
             await trio.sleep(rtt / 2)
             return await self._simultaneous_dial(peer, theirs, client=False)
         finally:
+            upgrade.answered = False
             await close_quietly(raw)
 
     # -- A: the side that dialed through the relay answers -----------------------------------------
     async def _handle(self, raw) -> None:
         peer = raw.muxed_conn.peer_id
         t0 = time.monotonic()
+        answering = False
         try:
             fb = FrameBuffer()
             with trio.fail_after(IO_TIMEOUT):
                 msg = await read_message(raw, fb, decode_holepunch)
                 if msg.type != HolePunchType.CONNECT:
                     raise MessageError(f"expected CONNECT, got {msg.type.name}")
+                if self._glare(peer) or peer in self._answering:
+                    self.stats["refused_while_punching"] += 1
+                    log.debug("hole punch from %s refused: one with it is under way", str(peer)[:16])
+                    return
+                answering = True
+                self._answering.add(peer)
                 theirs = _addresses(msg.addrs)
                 await raw.write(encode_holepunch(HolePunch(HolePunchType.CONNECT, self._our_addrs())))
                 sync = await read_message(raw, fb, decode_holepunch)
@@ -189,6 +241,8 @@ class HolePuncher(Behaviour):
         except Exception as e:
             _refused.note(type(e).__name__, peer, f"hole punch from {str(peer)[:16]}: {type(e).__name__}: {e}")
         finally:
+            if answering:
+                self._answering.discard(peer)
             await close_quietly(raw)
 
     # -- the simultaneous dial ---------------------------------------------------------------------

@@ -21,8 +21,10 @@ async def read_message(raw, fb: FrameBuffer, decode, *, chunk: int = 4096):
 
 
 async def close_quietly(raw, timeout: float = 1.0) -> None:
-    """Close a stream whose peer may be gone; never raises, never waits long."""
-    with trio.move_on_after(timeout):
+    """Close a stream whose peer may be gone; never raises, never waits long, and finishes
+    even when the caller is being cancelled (a stream left half-closed would linger)."""
+    with trio.move_on_after(timeout) as scope:
+        scope.shield = True
         try:
             await raw.close()
         except Exception:
