@@ -2,10 +2,17 @@
 bodies, error bodies, stop sequences, chat templates.
 
 Requests are validated by pydantic models (strict: JSON types as sent). Only what shardnet can
-honour is accepted: ``n`` must be 1, and options that change what is
-computed but are not supported (``logprobs``, ``best_of`` > 1, ``logit_bias``, tools) are refused
-with a 400 naming the parameter, rather than silently ignored. Options that only concern
-presentation or accounting (``user``, ``presence_penalty`` = 0, ...) pass.
+honour is accepted: ``n`` must be 1, and options that change what is computed but are not
+supported (``logprobs``, ``best_of`` > 1, ``logit_bias``, a non-zero ``frequency_penalty`` or
+``presence_penalty``, tools) are refused with a 400 naming the parameter, rather than silently
+ignored. Options that only concern presentation or accounting (``user``, a penalty of 0, ...) pass.
+
+A chat message's ``content`` is a string or a list of content parts; text parts
+(``{"type": "text", "text": ...}``) are joined with newlines, and any other part (``image_url``,
+``input_audio``, ...) is refused with a 400 naming ``messages``: the models are text-only.
+
+With an API key (``serve --api-key``), every ``/v1/*`` request must carry ``Authorization:
+Bearer KEY`` (``check_api_key``); otherwise a 401 in OpenAI's shape, code ``invalid_api_key``.
 
 ``top_p`` takes OpenAI's whole range 0..1: 0 keeps only the most likely token (the tiniest
 nucleus), which is greedy decoding, and is sent to the swarm as ``temperature`` 0.
@@ -17,6 +24,7 @@ which JSON can spell but no tokenizer can encode).
 
 from __future__ import annotations
 
+import hmac
 import json
 import secrets
 import time
@@ -30,6 +38,10 @@ MAX_STOP = 4
 MAX_DEPTH = 32  # nesting of a request body (a chat request needs 3)
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' documented default
 UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "tools", "functions", "response_format", "suffix")
+#: sampling penalties OpenAI defines (range -2..2) that the swarm's sampler does not apply: 0 only
+PENALTIES = ("frequency_penalty", "presence_penalty")
+#: how the text parts of one message's content are joined (as vLLM does)
+PART_SEPARATOR = "\n"
 
 
 class ApiError(Exception):
@@ -120,13 +132,15 @@ class _Body(BaseModel):
     stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
     n: Literal[1] | None = None
     best_of: Literal[1] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: str
-    content: str
+    content: str | Annotated[list[dict], Field(min_length=1)]  # text, or content parts (checked after)
 
 
 class _Completion(_Body):
@@ -142,12 +156,15 @@ class _Chat(_Body):
 _MESSAGES = {
     "model": "model is required (a non-empty string)",
     "prompt": "prompt must be a non-empty string or list of token ids (one prompt per request)",
-    "messages": "messages must be a non-empty list of objects with a string role and string content",
+    "messages": "messages must be a non-empty list of objects with a string role and a content that is a "
+                "string or a non-empty list of content parts",
     "stop": f"stop must be a string or a list of at most {MAX_STOP} non-empty strings",
     "n": "only n = 1 is supported",
     "best_of": "only best_of = 1 is supported",
     "stream": "stream must be true or false",
     "stream_options": "stream_options must be an object",
+    "frequency_penalty": "frequency_penalty must be a number from -2 to 2",
+    "presence_penalty": "presence_penalty must be a number from -2 to 2",
 }
 
 
@@ -162,6 +179,25 @@ def _api_error(e: ValidationError) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def message_text(content: str | list[dict], index: int) -> str:
+    """A message's content as text: a string as it is; content parts' texts joined. Any part
+    that is not text (an image, audio, a file) is refused: the models read text only."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        where = f"messages[{index}].content[{j}]"
+        if kind != "text":
+            what = f"type {kind!r}" if isinstance(kind, str) else "no type"
+            raise ApiError(400, f"{where}: content parts of {what} are not supported: this server's models "
+                           "read text only (use parts of type 'text')", param="messages")
+        if not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{where}: a text part needs a string 'text'", param="messages")
+        texts.append(part["text"])
+    return PART_SEPARATOR.join(texts)
+
+
 def parse_request(data: dict, *, chat: bool, render_chat=None) -> GenerationRequest:
     """Validate a request body; ``render_chat(messages) -> str`` applies the chat template."""
     for name in UNSUPPORTED:
@@ -171,8 +207,13 @@ def parse_request(data: dict, *, chat: bool, render_chat=None) -> GenerationRequ
         body = (_Chat if chat else _Completion).model_validate(data)
     except ValidationError as e:
         raise _api_error(e) from None
+    for name in PENALTIES:
+        if getattr(body, name):  # None and 0 change nothing
+            raise ApiError(400, f"{name} is not supported: this server's sampler applies no penalties "
+                           f"(send 0 or leave it out)", param=name)
     if chat:
-        prompt: str | list[int] = render_chat([m.model_dump() for m in body.messages])
+        messages = [{**m.model_dump(), "content": message_text(m.content, i)} for i, m in enumerate(body.messages)]
+        prompt: str | list[int] = render_chat(messages)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     else:
         prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) \
@@ -228,9 +269,7 @@ class StopMatcher:
         return out
 
 
-def render_chat_template(template: str, messages: list[dict], *, bos_token: str = "", eos_token: str = "") -> str:
-    """A Hugging Face chat template (Jinja) rendered in a sandbox, ready for the assistant's turn."""
-    from jinja2 import TemplateError
+def _template_env():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):
@@ -238,11 +277,42 @@ def render_chat_template(template: str, messages: list[dict], *, bos_token: str 
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    return env
+
+
+def check_chat_template(template: str) -> str | None:
+    """Why a chat template (Jinja) cannot be used, or None: a syntax error, with its line."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        _template_env().from_string(template)
+    except TemplateSyntaxError as e:
+        return f"line {e.lineno}: {e.message}"
+    return None
+
+
+def render_chat_template(template: str, messages: list[dict], *, bos_token: str = "", eos_token: str = "") -> str:
+    """A Hugging Face chat template (Jinja) rendered in a sandbox, ready for the assistant's turn."""
+    from jinja2 import TemplateError
+
+    env = _template_env()
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=True,
                                                 bos_token=bos_token, eos_token=eos_token)
     except TemplateError as e:
         raise ApiError(400, f"the model's chat template failed on these messages ({e})", param="messages") from None
+
+
+def check_api_key(headers: list[tuple[bytes, bytes]], api_key: str) -> None:
+    """Raise a 401 unless the ASGI ``headers`` carry ``Authorization: Bearer <api_key>``.
+    Compared in constant time, so response timing does not reveal how much of a guess matched."""
+    given = next((v for k, v in headers if k.lower() == b"authorization"), None)
+    if given is None:
+        raise ApiError(401, "no API key given: send the header 'Authorization: Bearer YOUR_KEY'",
+                       code="invalid_api_key")
+    scheme, _, token = given.strip().partition(b" ")
+    if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), api_key.encode()):
+        raise ApiError(401, "incorrect API key provided", code="invalid_api_key")
 
 
 # -- response bodies ---------------------------------------------------------------------------------

@@ -144,3 +144,76 @@ def test_seed_must_fit_64_bits():
     with pytest.raises(oa.ApiError) as e:
         parse({"model": "m", "prompt": "x", "seed": 2**64})
     assert e.value.param == "seed"
+
+
+def chat(messages, **extra):
+    return parse({"model": "m", "messages": messages, **extra}, chat=True)
+
+
+def test_content_parts_are_text_joined():
+    c = chat([{"role": "system", "content": "be brief"},
+              {"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]}])
+    assert c.prompt == "be brief|first" + oa.PART_SEPARATOR + "second"
+
+
+@pytest.mark.parametrize("part, says", [
+    ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "'image_url'"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "'input_audio'"),
+    ({"text": "no type"}, "no type"),
+    ({"type": "text", "text": 3}, "string 'text'"),
+])
+def test_content_parts_that_are_not_text_are_refused(part, says):
+    with pytest.raises(oa.ApiError) as e:
+        chat([{"role": "user", "content": [{"type": "text", "text": "look:"}, part]}])
+    assert e.value.status == 400 and e.value.param == "messages"
+    assert "messages[0].content[1]" in e.value.message and says in e.value.message
+
+
+@pytest.mark.parametrize("content", [[], ["text"], [3], None])
+def test_malformed_content_is_refused(content):
+    with pytest.raises(oa.ApiError) as e:
+        chat([{"role": "user", "content": content}])
+    assert e.value.status == 400 and e.value.param == "messages"
+
+
+@pytest.mark.parametrize("name", oa.PENALTIES)
+def test_penalties_are_refused_unless_zero(name):
+    """The sampler applies no penalties: a non-zero one is a 400 naming it, never silently ignored."""
+    for value in (0, 0.0, None):
+        parse({"model": "m", "prompt": "x", name: value})
+        chat([{"role": "user", "content": "x"}], **{name: value})
+    for value in (0.5, -1, 2):
+        with pytest.raises(oa.ApiError) as e:
+            parse({"model": "m", "prompt": "x", name: value})
+        assert (e.value.status, e.value.param) == (400, name)
+        assert e.value.message.startswith(f"{name} is not supported")
+    for value in (3, "high", True):  # outside OpenAI's range, or not a number
+        with pytest.raises(oa.ApiError) as e:
+            parse({"model": "m", "prompt": "x", name: value})
+        assert (e.value.status, e.value.param) == (400, name)
+
+
+def test_logit_bias_is_refused():
+    with pytest.raises(oa.ApiError) as e:
+        chat([{"role": "user", "content": "x"}], logit_bias={"50256": -100})
+    assert (e.value.status, e.value.param) == (400, "logit_bias")
+    assert parse({"model": "m", "prompt": "x", "logit_bias": {}}).prompt == "x"  # empty: changes nothing
+
+
+def test_api_keys_are_checked():
+    oa.check_api_key([(b"Authorization", b"Bearer s3cret")], "s3cret")
+    oa.check_api_key([(b"authorization", b"bearer  s3cret ")], "s3cret")
+    for headers in ([], [(b"authorization", b"Bearer wrong")], [(b"authorization", b"Basic s3cret")],
+                    [(b"authorization", b"s3cret")], [(b"authorization", b"Bearer ")], [(b"x-api-key", b"s3cret")]):
+        with pytest.raises(oa.ApiError) as e:
+            oa.check_api_key(headers, "s3cret")
+        assert e.value.status == 401
+        err = e.value.body()["error"]
+        assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", None, "invalid_api_key")
+        assert "s3cret" not in err["message"]
+
+
+def test_chat_template_syntax_is_checked():
+    assert oa.check_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}") is None
+    assert "line 2" in oa.check_chat_template("ok\n{% for m in messages %}")
+    assert oa.check_chat_template("{{ x | no_such_filter }}")
