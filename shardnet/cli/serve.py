@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import click
 import trio
@@ -40,14 +41,24 @@ from .common import (
               help="Share of steps re-run on other peers to catch wrong computation (default 0.1; 0: off).")
 @click.option("--quantized", default="allow", type=click.Choice(["allow", "require", "refuse"]), show_default=True,
               help="Route through peers whose weights are quantized (join --quantize): allow, require or refuse.")
+@click.option("--api-key", default=None, envvar="SHARDNET_API_KEY", metavar="KEY",
+              help="Require 'Authorization: Bearer KEY' on every /v1/* request (401 otherwise); the health "
+                   "probes stay open. Default: $SHARDNET_API_KEY, else no key.")
+@click.option("--chat-template", type=click.Path(path_type=Path), default=None, metavar="FILE",
+              help="A Jinja chat template file used instead of the model's own (tokenizer_config.json).")
 @wrap_errors
 def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, host, port, name, logits_on_last,
-          dtype, route_timeout, audit_rate, quantized) -> None:
+          dtype, route_timeout, audit_rate, quantized, api_key, chat_template) -> None:
     """Serve an OpenAI-compatible HTTP API (completions, chat, streaming) backed by the swarm."""
-    from shardnet.gateway.server import serve_gateway
+    from shardnet.errors import ShardnetError
+    from shardnet.gateway.server import read_chat_template, serve_gateway
     from shardnet.inference.client.client import Client
     from shardnet.transport import open_node
 
+    if api_key is not None and not api_key.strip():
+        raise ShardnetError("--api-key is empty (leave it out to serve without a key)")
+    # a bad template file fails here, before anything is loaded or joined
+    template = None if chat_template is None else read_chat_template(chat_template)
     path = local_model(model_path, download=not bootstrap and not mdns)
     needs_network_for(model_path, path, bootstrap, mdns, "serve")
     cfg = generation_config(identity, relays=relays, listen=listen, announce=announce, bootstrap=bootstrap,
@@ -70,8 +81,9 @@ def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path,
             async with trio.open_nursery() as nursery:
                 # a port in use: PortInUseError, one line like the libp2p port's
                 urls = await nursery.start(functools.partial(
-                    serve_gateway, client, shown, host=host, port=port, route_timeout=route_timeout))
+                    serve_gateway, client, shown, host=host, port=port, route_timeout=route_timeout,
+                    api_key=api_key, chat_template=template))
                 say(f"serving the OpenAI API for model {shown!r} on {', '.join(urls)} "
-                     f"(model {model.model_id[:16]}…)")
+                     f"(model {model.model_id[:16]}…)" + (" with an API key" if api_key else ""))
 
     run(_main)

@@ -3,12 +3,20 @@ trio, in the same event loop as the node it generates through.
 
     POST /v1/completions, POST /v1/chat/completions (``stream: true``: server-sent events)
     GET /v1/models (with ``swarm``: every model the swarm serves), GET /health, GET /v1/swarm
-    (``shardnet status --json``'s data)
+    (``shardnet status --json``'s data), GET /livez and GET /readyz (for orchestrators)
 
 ``/health`` answers 200 ``{"status": "ok"}`` only while every layer of the model is served by a
 peer this gateway would route through, else 503 ``{"status": "unavailable", "missing_layers":
 [...]}``: a load balancer sees what completions would see. Its ``requests`` counts completion
 requests (probes of /health, /v1/models and /v1/swarm are not counted).
+
+``/livez`` answers 200 while the process serves HTTP (it asks the swarm nothing: a liveness
+probe must not fail because peers are away); ``/readyz`` is /health's answer (200 when the
+gateway sees a full chain of the model, else 503 with ``reason``), with ``ready`` true or false.
+
+With ``api_key``, every ``/v1/*`` request must carry ``Authorization: Bearer KEY`` or gets a 401
+(code ``invalid_api_key``); the probes stay open. ``chat_template`` (Jinja text) replaces the
+model's own chat template.
 
 Each request runs its own chain session, so requests are served concurrently. Errors use
 OpenAI's error shape with a fitting status: 400 bad input (``context_length_exceeded`` when the
@@ -61,12 +69,14 @@ def chat_template_of(model_dir: Path) -> str | None:
 class Gateway:
     """The ASGI application. ``name``: the model name clients ask for (its ID works too)."""
 
-    def __init__(self, client: Client, name: str, *, route_timeout: float = 10.0) -> None:
+    def __init__(self, client: Client, name: str, *, route_timeout: float = 10.0, api_key: str | None = None,
+                 chat_template: str | None = None) -> None:
         self.client, self.name, self.route_timeout = client, name, route_timeout
+        self.api_key = api_key or None
         self.model = client.model
         self.created = oa.now()
         self.context = int(getattr(self.model.ckpt.config, "max_position_embeddings", 0) or 1 << 30)
-        self.template = chat_template_of(self.model.ckpt.path)
+        self.template = chat_template if chat_template is not None else chat_template_of(self.model.ckpt.path)
         self.requests = 0  # completion requests (not probes)
         self._swarm_models: tuple[float, list[dict]] | None = None
 
@@ -84,8 +94,10 @@ class Gateway:
             return
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
         routes = {("GET", "/health"): self.health, ("GET", "/v1/models"): self.models,
-                  ("GET", "/v1/swarm"): self.swarm}
+                  ("GET", "/v1/swarm"): self.swarm, ("GET", "/livez"): self.livez, ("GET", "/readyz"): self.readyz}
         try:
+            if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
+                oa.check_api_key(scope.get("headers", []), self.api_key)
             if (method, path) in routes:
                 await _json(send, *await routes[(method, path)]())
             elif (method, path) in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
@@ -97,7 +109,7 @@ class Gateway:
                 raise oa.ApiError(404, f"no such endpoint: {method} {path}", code="unknown_url")
         except oa.ApiError as e:
             log.info("%s %s -> %d %s", method, path, e.status, e.message)
-            await _json(send, e.status, e.body())
+            await _json(send, e.status, e.body(), [(b"www-authenticate", b"Bearer")] if e.status == 401 else [])
         except Exception as e:  # the server keeps serving; the client gets a 500 with the reason
             log.exception("%s %s failed", method, path)
             await _json(send, 500, oa.ApiError(500, f"internal error: {e}", type="server_error").body())
@@ -119,6 +131,15 @@ class Gateway:
             body["reason"] = ("no claims could be read within %g s" % HEALTH_WAIT if claims is None
                               else f"no live peer serves layers {format_layers(missing)}")
         return (503 if missing else 200), body
+
+    async def livez(self) -> tuple[int, dict]:
+        """Alive: this process answers HTTP. Asks the swarm nothing."""
+        return 200, {"status": "alive"}
+
+    async def readyz(self) -> tuple[int, dict]:
+        """Ready: a request would find a full chain of the model now (/health's view)."""
+        status, body = await self.health()
+        return status, {**body, "ready": status == 200}
 
     async def models(self) -> tuple[int, dict]:
         """The model this gateway serves, and (key ``swarm``) every model the swarm serves, as
@@ -295,15 +316,30 @@ async def _cancel_on_disconnect(receive, scope: trio.CancelScope, gone: trio.Eve
     scope.cancel()
 
 
-async def _json(send, status: int, body: dict) -> None:
+async def _json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            *headers]})
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
+def read_chat_template(path: Path) -> str:
+    """A chat template file (Jinja, as in a tokenizer_config.json's ``chat_template``), checked."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ShardnetError(f"chat template {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not text.strip():
+        raise ShardnetError(f"chat template {path}: the file is empty")
+    if (why := oa.check_chat_template(text)) is not None:
+        raise ShardnetError(f"chat template {path}: not a valid Jinja template ({why})")
+    return text
+
+
 async def serve_gateway(client: Client, name: str, *, host: str = "127.0.0.1", port: int = 8000,
-                        route_timeout: float = 10.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                        route_timeout: float = 10.0, api_key: str | None = None, chat_template: str | None = None,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled; ``task_status.started`` gets the bound URLs."""
     from hypercorn.config import Config
     from hypercorn.trio.run import worker_serve
@@ -323,5 +359,6 @@ async def serve_gateway(client: Client, name: str, *, host: str = "127.0.0.1", p
         raise PortInUseError(f"HTTP {host}:{port}: cannot bind: {e.strerror or e}") from None
     for sock in sockets.insecure_sockets:
         sock.listen(config.backlog)
-    await worker_serve(wrap_app(Gateway(client, name, route_timeout=route_timeout), config.wsgi_max_body_size, "asgi"),
-                       config, sockets=sockets, task_status=task_status)
+    gateway = Gateway(client, name, route_timeout=route_timeout, api_key=api_key, chat_template=chat_template)
+    await worker_serve(wrap_app(gateway, config.wsgi_max_body_size, "asgi"), config, sockets=sockets,
+                       task_status=task_status)

@@ -1,0 +1,135 @@
+"""The gateway's ASGI app in-process: a real node (no peers), a real Client over the shipped
+tiny model, requests driven straight through the ASGI interface. Covers what needs no swarm:
+the API key, the probes, content parts and chat templates up to the routing step."""
+
+import json
+
+import pytest
+import trio
+from click.testing import CliRunner
+
+from shardnet.gateway.server import Gateway
+from shardnet.inference.client.client import Client
+from shardnet.inference.model.local_model import LocalModel
+from shardnet.models import default_model_path
+from shardnet.transport import NodeConfig, open_node
+
+KEY = "sk-test-123"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LocalModel(default_model_path(), dtype="float32")
+
+
+async def call(app, method: str, path: str, body: dict | bytes = b"", headers=()) -> tuple[int, dict, dict]:
+    """One HTTP request through the ASGI app: (status, JSON body, headers)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    sent: list[dict] = []
+    delivered = False
+
+    async def receive():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        await trio.sleep_forever()  # the client stays connected
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "method": method, "path": path,
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers]}
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(payload), dict(start["headers"])
+
+
+def gateway(node, model, **kw) -> Gateway:
+    return Gateway(Client(node, model, route_timeout=0.5), "tiny-llama", route_timeout=0.5, **kw)
+
+
+COMPLETION = {"model": "tiny-llama", "prompt": "x", "max_tokens": 1}
+
+
+async def test_an_api_key_guards_v1_and_leaves_the_probes_open(model):
+    async with open_node(NodeConfig(dht_mode="client")) as node:
+        app = gateway(node, model, api_key=KEY)
+        for method, path, body in [("GET", "/v1/models", b""), ("POST", "/v1/completions", COMPLETION),
+                                   ("GET", "/v1/swarm", b""), ("GET", "/v1/nothing", b"")]:
+            for headers in ([], [("Authorization", "Bearer wrong")], [("Authorization", KEY)]):
+                status, got, hdrs = await call(app, method, path, body, headers)
+                assert status == 401, (path, headers)
+                assert got["error"]["code"] == "invalid_api_key" and got["error"]["param"] is None
+                assert got["error"]["type"] == "invalid_request_error" and hdrs[b"www-authenticate"] == b"Bearer"
+        status, got, _ = await call(app, "GET", "/v1/models", headers=[("Authorization", f"Bearer {KEY}")])
+        assert status == 200 and got["data"][0]["id"] == "tiny-llama"
+        # with the key a completion gets as far as routing (no peers here: 503 no_route)
+        status, got, _ = await call(app, "POST", "/v1/completions", COMPLETION, [("Authorization", f"Bearer {KEY}")])
+        assert (status, got["error"]["code"]) == (503, "no_route")
+        assert app.requests == 1  # refused requests never reached generation
+        for path in ("/health", "/livez", "/readyz"):
+            assert (await call(app, "GET", path))[0] in (200, 503)
+
+
+async def test_without_a_key_nothing_is_asked(model):
+    async with open_node(NodeConfig(dht_mode="client")) as node:
+        status, got, _ = await call(gateway(node, model), "GET", "/v1/models")
+        assert status == 200
+
+
+async def test_livez_and_readyz(model):
+    """Alive while it serves HTTP; ready only with a full chain in view (none here: 503 and why)."""
+    async with open_node(NodeConfig(dht_mode="client")) as node:
+        app = gateway(node, model)
+        assert (await call(app, "GET", "/livez"))[:2] == (200, {"status": "alive"})
+        status, got, _ = await call(app, "GET", "/readyz")
+        assert status == 503 and got["ready"] is False and got["status"] == "unavailable"
+        assert got["missing_layers"] == list(range(8)) and "no live peer serves layers 0-7" in got["reason"]
+        health_status, health, _ = await call(app, "GET", "/health")
+        assert health_status == status and health["missing_layers"] == got["missing_layers"]
+        assert (await call(app, "POST", "/livez"))[0] == 405
+        assert app.requests == 0  # probes are not requests
+
+
+async def test_content_parts_and_a_given_chat_template(model):
+    async with open_node(NodeConfig(dht_mode="client")) as node:
+        app = gateway(node, model, chat_template="{% for m in messages %}[{{ m['content'] }}]{% endfor %}>")
+        rendered = []
+        real = app._render_chat
+        app._render_chat = lambda messages: rendered.append(real(messages)) or rendered[-1]
+        body = {"model": "tiny-llama", "max_tokens": 1,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+        status, got, _ = await call(app, "POST", "/v1/chat/completions", body)
+        assert (status, got["error"]["code"]) == (503, "no_route")  # accepted, then no peers
+        assert rendered == ["[a\nb]>"]  # the given template, not the model's
+        body["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}})
+        status, got, _ = await call(app, "POST", "/v1/chat/completions", body)
+        assert (status, got["error"]["param"]) == (400, "messages") and "image_url" in got["error"]["message"]
+        status, got, _ = await call(app, "POST", "/v1/completions", {**COMPLETION, "frequency_penalty": 0.5})
+        assert (status, got["error"]["param"]) == (400, "frequency_penalty")
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "cannot read it"),
+    ("", "the file is empty"),
+    ("{% for m in messages %}{{ m }}", "not a valid Jinja template (line 1"),
+])
+def test_a_bad_chat_template_file_is_one_error_line(tmp_path, content, says):
+    from shardnet.cli.serve import serve
+
+    path = tmp_path / "template.jinja"
+    if content is not None:
+        path.write_text(content)
+    r = CliRunner().invoke(serve, ["--chat-template", str(path)])
+    assert r.exit_code != 0
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: chat template {path}: ") and says in lines[0], r.output
+
+
+def test_an_empty_api_key_is_refused():
+    from shardnet.cli.serve import serve
+
+    r = CliRunner().invoke(serve, ["--api-key", " "])
+    assert r.exit_code != 0 and r.output.strip() == "error: --api-key is empty (leave it out to serve without a key)"
