@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.wan_emulator import Link, WanProxy
 from shardnet.inference.client.client import Client
+from shardnet.inference.client.head_batcher import head_batcher
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.models import default_model_path
 from shardnet.testing.localswarm import ShardnetProcess
@@ -124,6 +125,7 @@ class Row:
     step_p50_ms: float
     step_p95_ms: float
     mean_batch: list[float]  # steps per forward pass at each peer (batching chain only)
+    head_batch: float  # sessions' requests per LM head computation in the client
     cpu_ms: float  # CPU seconds of the client process and the chain's peers, per new token
     cores: float  # their CPU seconds per second of wall time
     outputs: list[list[int]]
@@ -142,6 +144,8 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 async def run_sessions(client: Client, chain: Chain, ps: list[list[int]], tokens: int, network: str) -> Row:
     before = await chain.batch_stats()
+    head = head_batcher(client.model.head).stats
+    head_before = (head.calls, head.requests)
     cpu_before = time.process_time() + sum(cpu_seconds(p.pid) for p in chain.procs)
     spans: list[float] = [0.0] * len(ps)
     gaps: list[float] = []
@@ -168,8 +172,9 @@ async def run_sessions(client: Client, chain: Chain, ps: list[list[int]], tokens
                   for a, b in zip(after, before) if "steps" in a]
     q = statistics.quantiles(gaps, n=20) if len(gaps) >= 2 else [gaps[0] if gaps else 0.0] * 19
     tokens_out = sum(map(len, outputs))
+    head_batch = (head.requests - head_before[1]) / max(1, head.calls - head_before[0])
     return Row(network, chain.mode, len(ps), tokens_out / wall, statistics.mean(spans) * 1e3,
-               statistics.median(gaps) * 1e3 if gaps else 0.0, q[18] * 1e3, mean_batch,
+               statistics.median(gaps) * 1e3 if gaps else 0.0, q[18] * 1e3, mean_batch, head_batch,
                cpu / tokens_out * 1e3, cpu / wall, outputs)
 
 
@@ -254,7 +259,7 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
     print(f"target: {TARGET_SESSIONS} sessions >= {TARGET_SPEEDUP:g}x the aggregate tok/s of 1, "
           f"ms/token <= {TARGET_LATENCY:g}x of 1; medians of {args.repeats} run(s) per row")
     print(f"{'network':<9} {'mode':<14} {'sessions':>8} {'agg tok/s':>9} {'x 1':>6} {'ms/tok':>7} {'x 1':>6} "
-          f"{'p50 ms':>7} {'p95 ms':>7} {'batch':>9} {'cpu ms/tok':>10} {'cores':>5}  target")
+          f"{'p50 ms':>7} {'p95 ms':>7} {'batch':>9} {'head':>5} {'cpu ms/tok':>10} {'cores':>5}  target")
     groups: dict[tuple[str, str, int], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.network, r.mode, r.sessions), []).append(r)
@@ -279,8 +284,8 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
                     target = ("meets" if ok_agg and ok_lat else "misses") + \
                         f" (agg {'yes' if ok_agg else 'no'}, latency {'yes' if ok_lat else 'no'})"
                 print(f"{network:<9} {mode:<14} {n:>8} {agg:9.1f} {speedup:5.2f}x {lat:7.1f} {slowdown:5.2f}x "
-                      f"{med(rs, 'step_p50_ms'):7.1f} {med(rs, 'step_p95_ms'):7.1f} {batch:>9} {med(rs, 'cpu_ms'):10.2f} "
-                      f"{med(rs, 'cores'):5.2f}  {target}")
+                      f"{med(rs, 'step_p50_ms'):7.1f} {med(rs, 'step_p95_ms'):7.1f} {batch:>9} "
+                      f"{med(rs, 'head_batch'):5.1f} {med(rs, 'cpu_ms'):10.2f} {med(rs, 'cores'):5.2f}  {target}")
     differ = sessions = 0
     for r in rows:  # each session's output against the first run of the same prompt (the batched chain's)
         first = next(o for o in rows if (o.network, o.sessions) == (r.network, r.sessions))
@@ -289,7 +294,8 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
             differ += sum(a != b for a, b in zip(r.outputs, first.outputs))
     print(f"greedy output differs batched vs one-at-a-time in {differ} of {sessions} sessions "
           "(float16 peers: a near-tie of two logits may go either way in a batch of another shape)")
-    print("batch: mean steps per forward pass at peer 0:4 / 4:8 (a step: one session's prompt or decode position)")
+    print("batch: mean steps per forward pass at peer 0:4 / 4:8 (a step: one session's prompt or decode position); "
+          "head: mean sessions per LM head computation in the client")
     print("cpu ms/tok: CPU time of the client process (the WAN emulators included) and the chain's 2 peers per new "
           "token; cores: that CPU time per second of wall time")
 

@@ -50,9 +50,11 @@ from .common import (
               help="Advertise this many tokens/s for the block instead of measuring it (default: measured "
                    "when loaded). Placement and routing weigh peers by it; a fixed figure keeps them steady "
                    "where a measurement would wobble, e.g. several peers on one busy machine.")
-@click.option("--batch-tokens", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Continuous batching (experimental): run the steps of concurrent sessions that are ready "
-                   "together, up to N tokens a forward pass (default: one step at a time).")
+@click.option("--batch-tokens", type=click.IntRange(min=0), default=256, show_default=True,  # step_batcher's default
+              metavar="N",
+              help="Continuous batching: the steps of concurrent sessions that are ready run as one forward "
+                   "pass of up to N tokens (long prompts are cut into chunks of N). 0: one step at a time, "
+                   "in fair turns (the path before batching).")
 @click.option("--events", is_flag=True, help="JSON events on stdout, JSON commands on stdin.")
 @wrap_errors
 def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, layers, max_layers,

@@ -13,6 +13,7 @@ import torch
 
 from shardnet.errors import InferenceError
 from shardnet.inference.client.audit import AuditStats, RunAuditor
+from shardnet.inference.client.head_batcher import head_batcher
 from shardnet.inference.client.healing import Heal
 from shardnet.inference.client.sampling import (
     Randomness,
@@ -117,7 +118,7 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
     t0 = time.perf_counter()
     result = await steps.prefill(prompt)
     stats.prefill_s = time.perf_counter() - t0
-    first = next_token(steps.logits(result, rows=1)[-1], params, rng, len(prompt))
+    first = next_token((await steps.logits(result, rows=1))[-1], params, rng, len(prompt))
     text = _Text(model, prompt, max_new, stop_at_eos, stats)
     pipe = _Pipeline(steps, prompt, params, rng, drafter, k, depth, max_new, stats.speculation)
     todo = [first]  # accepted tokens not yet emitted
@@ -156,6 +157,7 @@ class _Steps:
 
     def __init__(self, sess: InferenceSession, model: LocalModel, logits_on_last: bool) -> None:
         self.sess, self.model, self.logits_on_last = sess, model, logits_on_last
+        self.head = None if logits_on_last else head_batcher(model.head)
 
     async def send(self, tokens: list[int], *, pos: int, logits_for: int | None = None, epoch: int = 0) -> int:
         hidden = self.model.head.embed(torch.tensor([tokens]))
@@ -173,12 +175,13 @@ class _Steps:
             raise InferenceError("unexpected", f"expected result {n}, got {got}")
         return result
 
-    def logits(self, result: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    async def logits(self, result: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """``[rows, vocab]``: the logits of a result's last ``rows`` positions (all: None). The
-        last peer applied the head already, or the client applies it here."""
+        last peer applied the head already, or the client applies it here (together with its
+        other sessions' heads that are due at the same moment)."""
         if self.logits_on_last:
             return result[0].float() if rows is None else result[0, -rows:].float()
-        return self.model.head.logits(result if rows is None else result[:, -rows:])[0]
+        return await self.head.logits(result if rows is None else result[:, -rows:])
 
     async def prefill(self, prompt: list[int]) -> torch.Tensor:
         """The prompt through the chain: its result (the last position's says the first new token)."""
@@ -280,7 +283,7 @@ class _Pipeline:
         if chunk.n != n:
             raise InferenceError("unexpected", f"result {n} does not match step {chunk.n}")
         self.stats.round_trip_s += time.perf_counter() - chunk.sent
-        return chunk, self.steps.logits(result)
+        return chunk, await self.steps.logits(result)
 
     def accept(self, chunk: _Chunk, logits: torch.Tensor) -> list[int]:
         """The tokens a chunk's logits accept (its kept drafts and one more), less what the next
@@ -328,7 +331,7 @@ async def _correct_without(convicted: list[str], sess: InferenceSession, steps: 
     pipe.new_epoch()
     n = await steps.send(prompt + out, pos=0, logits_for=len(out) + 1, epoch=pipe.epoch)
     pipe.stale_below = n
-    rows = steps.logits(await steps.receive_step(n), rows=len(out) + 1)
+    rows = await steps.logits(await steps.receive_step(n), rows=len(out) + 1)
     m, fixed = _first_wrong(out, rows, params, rng, len(prompt), speculative)
     if m < len(out):
         text.retract_from(m)

@@ -16,6 +16,7 @@ refused before any weight is read.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -82,11 +83,18 @@ class Family:
         """The (cos, sin) each attention type of this block uses."""
         per_type = self.rotary_per_layer_type
         if per_type is None:
-            per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+            per_type = _takes_layer_type(type(rotary))
         if per_type:
             return {kind: rotary(hidden, position_ids, kind) for kind in set(layer_types)}
         shared = rotary(hidden, position_ids)
         return dict.fromkeys(set(layer_types), shared)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_layer_type(rotary_class) -> bool:
+    """Whether a rotary embedding's forward takes the layer type (asked once per class: reading a
+    signature costs more than the rest of a small decode step's rotary)."""
+    return "layer_type" in inspect.signature(rotary_class.forward).parameters
 
 
 _PROVEN = "greedy token-identical and logits within tolerance vs transformers, 1-3 peers (CI)"

@@ -39,7 +39,7 @@ from shardnet.inference.server.block_endpoint import (
     ServedBlock,
 )
 from shardnet.inference.server.claim_publisher import ClaimPublisher
-from shardnet.inference.server.step_batcher import StepBatcher
+from shardnet.inference.server.step_batcher import DEFAULT_MAX_TOKENS, StepBatcher
 from shardnet.inference.server.placement import (
     Move,
     affordable_layers,
@@ -106,10 +106,10 @@ class ComputePeer:
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET, idle_timeout: float | None = None,
                  hold_head: bool = False, throughput: float | None = None, quantize: str | None = None,
                  fetch_progress: ProgressFn | None = None, names: list[str] = (),
-                 batch_tokens: int | None = None) -> None:
+                 batch_tokens: int | None = DEFAULT_MAX_TOKENS) -> None:
         self.node = node
         #: continuous batching: the most tokens of concurrent sessions' steps one forward pass
-        #: takes (None: one step at a time, in fair turns)
+        #: takes (0 or None: the old path, one step at a time in fair turns)
         self.batch_tokens = batch_tokens
         #: called as the tensors of a span are fetched (a checkpoint the swarm fills)
         self.fetch_progress = fetch_progress
@@ -311,7 +311,7 @@ async def serve_block(node: Node, model_path: str, start: int, end: int, *, dtyp
                       device: str | None = None, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
                       idle_timeout: float | None = None, hold_head: bool = False,
                       claim_ttl: float = 120.0, quantize: str | None = None,
-                      batch_tokens: int | None = None) -> AsyncIterator[ServedBlock]:
+                      batch_tokens: int | None = DEFAULT_MAX_TOKENS) -> AsyncIterator[ServedBlock]:
     """Serve exactly layers start..end (no rebalancing)."""
     async with join_swarm(node, model_path, layers=(start, end), rebalance_interval=0, claim_ttl=claim_ttl,
                           dtype=dtype, device=device, kv_budget_bytes=kv_budget_bytes, idle_timeout=idle_timeout,

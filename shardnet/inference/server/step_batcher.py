@@ -4,7 +4,8 @@ moment run as one forward pass (``Block.forward_batch``).
 Each session's step loop hands its step to ``StepBatcher.forward`` and waits. Whoever finds no
 batch running runs batches itself (a *leader*, so no task outlives its owner): it takes waiting
 steps round the upstream peers (one step of each peer in turn, as ``FairTurns`` shares turns),
-up to ``max_tokens`` tokens, runs them in a worker thread, hands each its output, and goes on while
+up to ``max_tokens`` tokens (first yielding while a burst of steps is still being decoded by
+their sessions' tasks, so that they join), runs them in a worker thread, hands each its output, and goes on while
 steps wait and its own is not done; then it passes the lead to a waiting step's owner. A long
 prompt is cut into chunks of at most ``max_tokens`` that take their turn like any other step, so
 one long prefill never stalls everyone's decode steps for its whole length. Sessions join and
@@ -22,8 +23,14 @@ import trio
 
 log = logging.getLogger(__name__)
 
-#: tokens one batch may hold (all steps together): a decode step is 1, a verify chunk k + 1
-DEFAULT_MAX_TOKENS = 512
+#: tokens one batch may hold (all steps together): a decode step is 1, a verify chunk k + 1.
+#: c(b) grows by about 0.3 ms a token for tiny-llama on this CPU (docs/performance.md), so a
+#: full batch adds tens of ms to its steps at most; long prompts are cut to this size.
+DEFAULT_MAX_TOKENS = 256
+#: before a batch: scheduler rounds without a new step that end the wait for more, and the most
+#: rounds waited (a round costs microseconds; a forward pass, milliseconds)
+GATHER_QUIET = 2
+GATHER_ROUNDS = 32
 
 
 @dataclass
@@ -59,6 +66,7 @@ class StepBatcher:
         self._waiting: OrderedDict[str, deque[_Step]] = OrderedDict()  # per peer, in turn order
         #: a leader runs batches, or the lead is on its way to a waiting step's owner
         self._running = False
+        self._arrived = 0  # steps handed in so far
         self.stats = BatchStats()
 
     async def forward(self, peer: str, hidden: torch.Tensor, cache) -> torch.Tensor:
@@ -66,6 +74,7 @@ class StepBatcher:
         with whatever other sessions' steps are ready."""
         step = _Step(peer, hidden, cache)
         self._waiting.setdefault(peer, deque()).append(step)
+        self._arrived += 1
         leading = False
         try:
             if self._running:
@@ -91,7 +100,7 @@ class StepBatcher:
 
     async def _lead(self, mine: _Step) -> None:
         while not mine.finished:
-            await trio.lowlevel.checkpoint()  # a cancelled leader stops between batches, not in one
+            await self._gather()  # (a cancelled leader stops here: between batches, not in one)
             batch = self._take_batch()
             if not batch:
                 return
@@ -105,6 +114,19 @@ class StepBatcher:
                     for s, _ in batch:
                         s.error = e
                 self._settle(batch, outs)
+
+    async def _gather(self) -> None:
+        """Let the steps that are arriving right now join the batch. Steps of many sessions come
+        in bursts (the previous peer ran them as one batch and sent them together), but each is
+        read and decoded by its own session's task, a scheduler round or two apart: yield while
+        rounds still bring steps (none for GATHER_QUIET rounds ends it, GATHER_ROUNDS at most)."""
+        quiet = 0
+        for _ in range(GATHER_ROUNDS):
+            before = self._arrived
+            await trio.lowlevel.checkpoint()
+            quiet = quiet + 1 if self._arrived == before else 0
+            if quiet >= GATHER_QUIET:
+                return
 
     def _settle(self, batch: list[tuple[_Step, int]], outs) -> None:
         self.stats.batches += 1
