@@ -274,3 +274,36 @@ def test_a_waiting_client_that_goes_away_stops_its_generation(gateway):
         time.sleep(0.2)
     assert re.search(r"cmpl-\w+: \d+ prompt tokens, cancelled: the client went away", log.read_text())
     assert wait_healthy(gateway)["status"] == "ok"  # and it goes on serving
+
+
+def test_an_api_key_a_chat_template_and_the_probes(gateway, tmp_path):
+    """A second gateway on the module's swarm, with a key and its own chat template: the official
+    client gets a 401 without the key and answers with it; /livez and /readyz need no key."""
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    url = start_gateway(GATEWAY["swarm"], "--api-key", "sk-system-test", "--chat-template", str(template))
+    assert http_request(url, "GET", "/livez")[0] == 200
+    deadline = time.monotonic() + 90
+    while True:
+        status, data = http_request(url, "GET", "/readyz")
+        ready = json.loads(data)
+        if status == 200:
+            break
+        assert status == 503 and ready["ready"] is False and ready["reason"], ready
+        assert time.monotonic() < deadline, ready
+        time.sleep(0.5)
+    assert ready["ready"] is True and ready["missing_layers"] == []
+    with pytest.raises(openai.AuthenticationError) as e:
+        api(url).models.list()  # api() sends the key "unused"
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    status, data = http_request(url, "GET", "/v1/models")
+    assert status == 401 and json.loads(data)["error"]["type"] == "invalid_request_error"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sk-system-test", max_retries=0, timeout=120)
+    parts = [{"type": "text", "text": "def add(a, b):"}, {"type": "text", "text": "    return"}]
+    r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": parts}],
+                                       max_tokens=4, temperature=0)
+    rendered = "user: def add(a, b):\n    return\nassistant:"  # the given template, parts joined
+    assert r.usage.prompt_tokens == len(LocalModel(default_model_path()).encode(rendered))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, presence_penalty=1.0)
+    assert e.value.body["param"] == "presence_penalty"
