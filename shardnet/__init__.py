@@ -2,6 +2,9 @@
 
     async with shardnet.open_node(shardnet.NodeConfig(bootstrap=[...])) as node:
         ...
+
+    model = shardnet.DistributedModelForCausalLM.from_pretrained("tiny-llama", bootstrap=[...])
+    model.generate(input_ids, max_new_tokens=32)   # as transformers' generate, synchronous
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["Node", "NodeConfig", "ShardnetError", "Stream", "open_node", "__version__"]
+__all__ = ["DistributedModelForCausalLM", "Node", "NodeConfig", "ShardnetError", "Stream", "open_node",
+           "__version__"]
 
 if TYPE_CHECKING:
     from .errors import ShardnetError
+    from .inference.client.hf_model import DistributedModelForCausalLM
     from .transport import Node, NodeConfig, Stream, open_node
 
 # Names resolved on first use, so that importing a light subpackage (shardnet.protocols, shardnet.errors)
@@ -24,6 +29,7 @@ _LAZY = {
     "Stream": "shardnet.transport",
     "open_node": "shardnet.transport",
     "ShardnetError": "shardnet.errors",
+    "DistributedModelForCausalLM": "shardnet.inference.client.hf_model",  # loads torch
 }
 
 
