@@ -107,7 +107,8 @@ def network_options(default_listen: str | None):
         f = click.option("--announce", multiple=True, metavar="MADDR",
                          help="Advertise this multiaddr instead of the listen addresses (repeatable).")(f)
         f = click.option("--bootstrap", multiple=True, metavar="MADDR", envvar="SHARDNET_BOOTSTRAP",
-                         help="Bootstrap peer (/ip4/../tcp/../p2p/ID), repeatable.")(f)
+                         help="Bootstrap peer (/ip4/../tcp/../p2p/ID), repeatable (default: $SHARDNET_BOOTSTRAP, "
+                              "addresses separated by spaces).")(f)
         f = click.option("--quic", is_flag=True, help="Also enable the QUIC transport.")(f)
         f = click.option("--mdns", is_flag=True, help="Discover peers on the LAN with mDNS.")(f)
         f = click.option("--relay", "relays", multiple=True, metavar="MADDR",
