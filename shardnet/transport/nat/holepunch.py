@@ -16,8 +16,10 @@ the relay at about the same moment) and so both start. Two upgrades at once fail
 each side dials from its one listen port to the same address twice, in opposite roles. So only
 one goes on (the "glare" rule of call setup): a peer that receives CONNECT while its own upgrade
 to that peer has not yet been answered refuses it when its peer ID sorts first, and otherwise
-drops its own and answers. Both sides apply the rule and arrive at the same single upgrade. The direct connection joins the swarm next to the relayed one; new streams
-prefer it, and the relayed one is closed when its last stream ends. Failure is recorded and
+drops its own and answers. Both sides apply the rule and arrive at the same single upgrade.
+
+The direct connection joins the swarm next to the relayed one; new streams prefer it, and the
+relayed one is closed when its last stream ends. Failure is recorded and
 logged, never hidden: traffic stays on the relay.
 """
 
@@ -166,7 +168,7 @@ class HolePuncher(Behaviour):
                 conn = await self._initiate(peer, upgrade)
             except (MessageError, trio.TooSlowError, OSError) as e:
                 errors.append(f"attempt {attempt}: {type(e).__name__}: {e}".rstrip(": "))
-                if upgrade.answers == answers:
+                if upgrade.answers == answers and attempt < self.attempts:
                     # refused unanswered: the peer may be starting its own upgrade, whose CONNECT
                     # (arriving meanwhile) ends this one
                     await trio.sleep(REFUSED_PAUSE)
