@@ -52,6 +52,12 @@ class RecordError(ShardnetError):
     code = "record"
 
 
+class NotStoredError(ShardnetError):
+    """No DHT peer took a record this node published (it knows none, or all refused)."""
+
+    code = "not_stored"
+
+
 class InferenceError(ShardnetError):
     """A chain failed or refused: ``code`` says how, ``peer`` (when known) which peer failed."""
 

@@ -144,12 +144,14 @@ class NodeControl:
         if op == "topic_peers":
             return {"peers": [str(p) for p in n.pubsub.topic_peers(cmd["topic"])]}
         if op == "put":
-            return {"key": await n.dht.put(cmd["name"], cmd["value"].encode())}
+            published = await n.dht.put(cmd["name"], cmd["value"].encode())
+            return {"key": published.key, "peers": published.peers}
         if op == "get":
             v = await n.dht.get(cmd["publisher"], cmd["name"])
             return {"value": None if v is None else v.decode("utf-8", "replace")}
         if op == "provide":
-            return {"stored": await n.dht.provide(cmd["name"])}
+            peers = await n.dht.provide(cmd["name"])
+            return {"stored": True, "peers": peers}
         if op == "find_providers":
             return {"providers": [str(i.peer_id) for i in await n.dht.find_providers(cmd["name"])]}
         raise ValueError(f"unknown command {op!r}")

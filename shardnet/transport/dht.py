@@ -6,6 +6,7 @@ import hashlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import trio
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
@@ -16,7 +17,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from . import records
 from .compat import kad as compat_kad
 from .config import NodeConfig
-from .errors import OverlayTimeout, RecordError
+from .errors import NotStoredError, OverlayTimeout, RecordError
 from .limits import Refusals
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,14 @@ def _cap_stored_records(store, limits) -> None:
     store.put_record = capped_put_record
 
 
+@dataclass(frozen=True)
+class Published:
+    """Where a record went: its DHT key, and how many peers besides us stored it."""
+
+    key: str
+    peers: int
+
+
 class DHT:
     def __init__(self, kad: KadDHT, host, config: NodeConfig) -> None:
         self.kad = kad
@@ -144,13 +153,24 @@ class DHT:
             return await self.kad.find_peer(peer_id)
 
     # -- signed values -----------------------------------------------------------------------
-    async def put(self, name: str, value: bytes) -> str:
-        """Store ``value`` as ``name`` of ours, signed; returns the DHT key."""
+    async def put(self, name: str, value: bytes) -> Published:
+        """Store ``value`` as ``name`` of ours, signed, here and at the DHT peers closest to its
+        key; says where (``Published``). NotStoredError when no peer took it: a record kept only
+        here is one nobody else finds (upstream's put_value says nothing either way)."""
         key = records.record_key(self.host.get_id(), name)
         blob = records.encode(self._key_pair(), name, value)
+        key_bytes = key.encode()
+        self.kad.validator.validate(key, blob)
+        old = self.kad.value_store.get(key_bytes)
+        if old is not None and old.value != blob and self.kad.validator.select(key, [blob, old.value]) != 0:
+            raise RecordError(f"DHT record {name!r}: a newer value is stored already")
+        self.kad.value_store.put(key_bytes, blob)
         async with self._bounded(f"put {key}"):
-            await self.kad.put_value(key, blob)
-        return key
+            closest = await self.kad.peer_routing.find_closest_peers_network(key_bytes)
+            peers = await self._to_each(closest, lambda p: compat_kad.store_value_at(self.kad, p, key_bytes, blob))
+        if not peers:
+            raise NotStoredError(self._none_took(f"DHT record {name!r}", closest))
+        return Published(key, peers)
 
     async def get(self, publisher: ID | str, name: str) -> bytes | None:
         """The newest valid value ``publisher`` stored under ``name``, or None."""
@@ -166,9 +186,44 @@ class DHT:
             return None
 
     # -- provider records --------------------------------------------------------------------
-    async def provide(self, name: str) -> bool:
+    async def provide(self, name: str) -> int:
+        """Announce that we provide ``name`` (here, and to the DHT peers closest to it; republished
+        as long as the node runs); how many peers it was sent to. NotStoredError when none."""
+        store = self.kad.provider_store
+        key = bytes.fromhex(provider_key(name))
+        store.providing_keys.add(key)
+        store.add_provider(key, PeerInfo(self.host.get_id(), list(self.host.get_addrs())))
         async with self._bounded(f"provide {name}"):
-            return bool(await self.kad.provide(provider_key(name)))
+            closest = await self.kad.peer_routing.find_closest_peers_network(key)
+            peers = await self._to_each(closest, lambda p: compat_kad.send_add_provider(store, p, key))
+        if not peers:
+            raise NotStoredError(self._none_took(f"provider record {name!r}", closest))
+        return peers
+
+    async def _to_each(self, peers: list[ID], send) -> int:
+        """``send(peer)`` to every peer but us at once, each within half the DHT timeout; how many
+        said yes."""
+        me = self.host.get_id()
+        ok = 0
+
+        async def one(peer: ID) -> None:
+            nonlocal ok
+            with trio.move_on_after(self.timeout / 2):
+                try:
+                    ok += bool(await send(peer))
+                except Exception as e:
+                    log.debug("DHT store at %s failed: %s", peer, e)
+
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                if peer != me:
+                    nursery.start_soon(one, peer)
+        return ok
+
+    def _none_took(self, what: str, closest: list[ID]) -> str:
+        if not [p for p in closest if p != self.host.get_id()]:
+            return f"{what}: no DHT peer to store it at (not connected to a swarm yet: wait_bootstrapped first)"
+        return f"{what}: none of the {len(closest)} closest DHT peers stored it"
 
     async def find_providers(self, name: str, count: int = 20) -> list[PeerInfo]:
         """Providers of ``name``, each peer once with the union of its addresses."""

@@ -4,6 +4,7 @@ from shardnet.errors import (  # noqa: F401
     AddressError,
     DialError,
     IdentityError,
+    NotStoredError,
     OverlayTimeout,
     PortInUseError,
     ProtocolNotSupported,

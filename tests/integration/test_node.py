@@ -116,19 +116,32 @@ async def test_dht_signed_values_and_providers(loopback_config):
     from shardnet.transport import records
 
     async with bootstrapped_nodes(loopback_config, 3) as (a, b, c):
-        key = await a.dht.put("greeting", b"hello v1")
-        assert key == records.record_key(a.peer_id, "greeting")
+        published = await a.dht.put("greeting", b"hello v1")
+        assert published.key == records.record_key(a.peer_id, "greeting") and published.peers >= 1
         assert await c.dht.get(a.peer_id, "greeting") == b"hello v1"
         await a.dht.put("greeting", b"hello v2")
         assert await c.dht.get(a.peer_id, "greeting") == b"hello v2"
         assert await c.dht.get(b.peer_id, "greeting") is None
         # providers: a provides twice, b once; every provider appears exactly once
-        await a.dht.provide("model/abc")
+        assert await a.dht.provide("model/abc") >= 1
         await a.dht.provide("model/abc")
         await b.dht.provide("model/abc")
         provs = await c.dht.find_providers("model/abc")
         ids = [p.peer_id for p in provs]
         assert sorted(map(str, ids)) == sorted([str(a.peer_id), str(b.peer_id)])
+
+
+async def test_publishing_with_no_peer_to_store_at_says_so(loopback_config):
+    """A record only this node holds is one nobody else finds: put and provide say so, one line,
+    before bootstrap (and still keep it here, where a later peer may ask)."""
+    from shardnet.errors import NotStoredError
+
+    async with open_node(loopback_config()) as alone:
+        with pytest.raises(NotStoredError, match="no DHT peer to store it at .*wait_bootstrapped first"):
+            await alone.dht.put("greeting", b"hello")
+        with pytest.raises(NotStoredError, match="provider record 'room/1': no DHT peer"):
+            await alone.dht.provide("room/1")
+        assert await alone.dht.get(alone.peer_id, "greeting") == b"hello"
 
 
 async def test_forged_dht_value_is_rejected_by_remote_peers(loopback_config):

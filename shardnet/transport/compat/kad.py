@@ -106,6 +106,17 @@ def set_inbound_request_streams(kad: Any, total: int) -> None:
     kad._inbound_limiter = trio.CapacityLimiter(total)
 
 
+async def store_value_at(kad: Any, peer: Any, key: bytes, value: bytes) -> bool:
+    """One PUT_VALUE to ``peer``: whether it answered that it stored the value."""
+    return bool(await kad.value_store._store_at_peer(peer, key, value))
+
+
+async def send_add_provider(store: Any, peer: Any, key: bytes) -> bool:
+    """One ADD_PROVIDER to ``peer`` (fire and forget, as the spec's implementations treat it):
+    whether it was sent."""
+    return bool(await store._send_add_provider(peer, key))
+
+
 async def providers_from_peer(store: Any, peer: Any, key: bytes) -> tuple[Any, Any]:
     """One GET_PROVIDERS request to ``peer``: (providers, closer peers) as the provider store
     gets them."""
