@@ -101,7 +101,7 @@ async def test_dht_values_and_provider_records_cross_implementations(js, node_co
         await node.connect(js.addrs[0])
         await trio.sleep(1)  # identify tells each side the other speaks /ipfs/kad/1.0.0
         # a signed record shardnet puts is stored by js (its PUT_VALUE accepted) and found by js's get
-        key = await node.dht.put("interop/profile", b"from shardnet")
+        key = (await node.dht.put("interop/profile", b"from shardnet")).key
         r = await call_until(js, "dht_get", lambda r: r["values"], key=b64(key.encode()), seconds=5)
         assert r["values"], r
         assert records.decode(key, base64.b64decode(r["values"][0]["value"])).data == b"from shardnet"
