@@ -14,12 +14,18 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(natlab.available() is not None, reason=f"NAT lab: {natlab.available()}")]
 
 
+def _relay_and_two_nats(lab, tmp_path, *, b_nat: str = "cone"):
+    """A public relay, host a behind a cone NAT and host b behind ``b_nat``; the relay's process
+    and address."""
+    lab.add_public("relay")
+    lab.add_private("a", "cone")
+    lab.add_private("b", b_nat)
+    return lab.start_relay("relay", tmp_path)
+
+
 def test_peers_behind_two_nats_talk_through_a_relay(tmp_path):
     with natlab.NatLab() as lab:
-        lab.add_public("relay")
-        lab.add_private("a", "cone")
-        lab.add_private("b", "cone")
-        relay, relay_addr = lab.start_relay("relay", tmp_path)
+        relay, relay_addr = _relay_and_two_nats(lab, tmp_path)
         a, a_id = lab.start_node("a", tmp_path, "--relay", relay_addr, "--no-hole-punch")
         b, b_id = lab.start_node("b", tmp_path, "--no-hole-punch")
         st = natlab.wait_reserved(a, relay_addr)
@@ -93,10 +99,7 @@ def test_inference_across_three_nats(tmp_path):
 
 def test_hole_punch_through_two_cone_nats(tmp_path):
     with natlab.NatLab() as lab:
-        lab.add_public("relay")
-        lab.add_private("a", "cone")
-        lab.add_private("b", "cone")
-        relay, relay_addr = lab.start_relay("relay", tmp_path)
+        relay, relay_addr = _relay_and_two_nats(lab, tmp_path)
         a, a_id = lab.start_node("a", tmp_path, "--bootstrap", relay_addr, "--relay", relay_addr)
         b, b_id = lab.start_node("b", tmp_path, "--bootstrap", relay_addr)
         natlab.wait_reserved(a, relay_addr)
@@ -129,10 +132,7 @@ def test_peers_that_dial_each_other_through_the_relay_at_once_punch_once(tmp_pat
     upgrades at once dial the same address pair twice in opposite roles and all fail. The glare
     rule lets one go on (holepunch.py); the pair ends direct."""
     with natlab.NatLab() as lab:
-        lab.add_public("relay")
-        lab.add_private("a", "cone")
-        lab.add_private("b", "cone")
-        relay, relay_addr = lab.start_relay("relay", tmp_path)
+        relay, relay_addr = _relay_and_two_nats(lab, tmp_path)
         a, a_id = lab.start_node("a", tmp_path, "--bootstrap", relay_addr, "--relay", relay_addr)
         b, b_id = lab.start_node("b", tmp_path, "--bootstrap", relay_addr, "--relay", relay_addr)
         natlab.wait_reserved(a, relay_addr)
@@ -156,10 +156,7 @@ def test_peers_that_dial_each_other_through_the_relay_at_once_punch_once(tmp_pat
 
 def test_symmetric_nat_punch_fails_in_bounded_time_and_the_relay_keeps_working(tmp_path):
     with natlab.NatLab() as lab:
-        lab.add_public("relay")
-        lab.add_private("a", "cone")
-        lab.add_private("b", "symmetric")
-        relay, relay_addr = lab.start_relay("relay", tmp_path)
+        relay, relay_addr = _relay_and_two_nats(lab, tmp_path, b_nat="symmetric")
         a, a_id = lab.start_node("a", tmp_path, "--bootstrap", relay_addr, "--relay", relay_addr)
         b, b_id = lab.start_node("b", tmp_path, "--bootstrap", relay_addr)
         natlab.wait_reserved(a, relay_addr)
