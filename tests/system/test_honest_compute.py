@@ -47,7 +47,9 @@ def start_peers(swarm: LocalSwarm, cheat_mode: str) -> tuple[str, str]:
     common = ("--threads", "1", "--hold-head")
     cheater = swarm.spawn_node("cheater", "--layers", "4:8", *common, command="join",
                                program=[*CHEATER, cheat_mode])
-    honest = swarm.join_spans([(0, 4), (4, 8), (4, 8)], *common)  # (loading while the cheater loads)
+    # the honest peers announce a modest throughput, so the route's cost prefers the cheater by
+    # far more than loopback round trips vary on a busy machine
+    honest = swarm.join_spans([(0, 4), (4, 8), (4, 8)], *common, "--throughput", "50")  # (loading while the cheater loads)
     return swarm.wait_ready(cheater, 120)["peer_id"], honest[0]["addrs"][0]
 
 
