@@ -24,6 +24,7 @@ import trio
 
 from shardnet.errors import InferenceError, ShardnetError
 from shardnet.inference.claims import CLAIM_TTL
+from shardnet.inference.client.activity import ClientActivity
 from shardnet.inference.client.audit import DEFAULT_AUDIT_RATE, RunAuditor
 from shardnet.inference.client.claims_view import ClaimsView
 from shardnet.inference.client.decode import GenerationStats, Token, generate_on
@@ -236,6 +237,8 @@ class Client:
         if not ids:
             raise ShardnetError("empty prompt")
         stats = GenerationStats(prompt_tokens=len(ids))
+        activity = ClientActivity.of(self.node)
+        stats.speculation.on_round_trip = activity.step
         route = route or await self.find_route()
         stats.chain = route
         self.last_stats = stats
@@ -252,6 +255,15 @@ class Client:
         # checks run beside the generation and end with it (the decode loop waits for those still
         # running before it finishes, so their verdicts still count for this request)
         body_error: BaseException | None = None
+        told_heals = 0
+
+        def tell_heals() -> None:
+            nonlocal told_heals
+            for heal in stats.heals[told_heals:]:
+                activity.healed(heal.to_json())
+            told_heals = len(stats.heals)
+
+        activity.session_started(len(ids))
         async with trio.open_nursery() as audits:
             if self.audit_rate > 0 and self.fixed_route is None:
                 sess.auditor = RunAuditor(self, audits, self.audit_rate)
@@ -263,11 +275,16 @@ class Client:
                                              stats=stats, logits_on_last=self.logits_on_last, auditor=sess.auditor):
                     stats.chain = sess.route
                     tok.apply(out_ids)
+                    activity.token(made=tok.id is not None, retracted=tok.retracted)
+                    tell_heals()
                     yield tok
             except BaseException as e:  # re-raised below as itself, not inside an exception group
                 body_error = e
             finally:
                 stats.chain = sess.route or stats.chain
+                tell_heals()
+                activity.session_ended(failed=body_error is not None and not isinstance(body_error, GeneratorExit)
+                                       and not isinstance(body_error, trio.Cancelled))
                 await sess.close()
                 audits.cancel_scope.cancel()  # checks still running when the request failed
         if body_error is not None:

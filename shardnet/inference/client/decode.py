@@ -282,7 +282,10 @@ class _Pipeline:
         chunk = self.inflight.popleft()
         if chunk.n != n:
             raise InferenceError("unexpected", f"result {n} does not match step {chunk.n}")
-        self.stats.round_trip_s += time.perf_counter() - chunk.sent
+        round_trip = time.perf_counter() - chunk.sent
+        self.stats.round_trip_s += round_trip
+        if self.stats.on_round_trip is not None:
+            self.stats.on_round_trip(round_trip)
         return chunk, await self.steps.logits(result)
 
     def accept(self, chunk: _Chunk, logits: torch.Tensor) -> list[int]:

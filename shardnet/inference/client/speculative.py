@@ -16,7 +16,8 @@ than what they hold).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -150,6 +151,8 @@ class SpeculationStats:
     draft_s: float = 0.0  # time spent drafting
     wait_s: float = 0.0  # time spent waiting for results
     round_trip_s: float = 0.0  # summed send-to-result time of verified chunks
+    #: told each verified chunk's send-to-result time (a monitor's histogram)
+    on_round_trip: Callable[[float], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def acceptance(self) -> float:
