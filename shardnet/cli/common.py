@@ -126,6 +126,30 @@ def network_options(default_listen: str | None):
     return deco
 
 
+def metrics_options(f):
+    """``--metrics-port`` (and ``--metrics-host``): serve the node's Prometheus metrics."""
+    f = click.option("--metrics-host", default="127.0.0.1", show_default=True, metavar="HOST", expose_value=False,
+                     callback=_remember, help="Address --metrics-port listens on (0.0.0.0: every interface).")(f)
+    return click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+                        expose_value=False, callback=_remember,
+                        help="Serve Prometheus metrics at http://HOST:PORT/metrics (default: not served).")(f)
+
+
+@asynccontextmanager
+async def metrics_if_asked(node, ctx_meta: dict):
+    """Serve ``node``'s metrics while inside when the command was given --metrics-port (pass
+    ``click.get_current_context().meta``, read before trio starts)."""
+    port = ctx_meta.get("shardnet.metrics_port")
+    if port is None:
+        yield
+        return
+    from shardnet.gateway.metrics_endpoint import metrics_served
+
+    async with metrics_served(node, ctx_meta.get("shardnet.metrics_host") or "127.0.0.1", port) as url:
+        click.echo(f"metrics at {url}", err=True)  # (stderr: stdout may carry --events' JSON)
+        yield
+
+
 def limit_option(f):
     return click.option("--limit", "limits", multiple=True, metavar="NAME=VALUE", expose_value=False,
                         callback=_remember, help="Set a resource limit (repeatable; `shardnet limits` lists them).")(f)

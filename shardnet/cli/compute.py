@@ -14,6 +14,8 @@ from .common import (
     identity_option,
     local_model,
     make_config,
+    metrics_if_asked,
+    metrics_options,
     model_from_swarm,
     model_path_option,
     network_options,
@@ -27,6 +29,7 @@ from .common import (
 @click.command()
 @identity_option
 @network_options(DEFAULT_SERVER_LISTEN)
+@metrics_options
 @model_path_option
 @cache_dir_option
 @click.option("--layers", default=None, metavar="START:END",
@@ -98,9 +101,11 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
             say(f"moved from layers {old[0]}:{old[1]} to {move.start}:{move.end} (swarm bottleneck "
                  f"{move.bottleneck_now:.1f} -> {move.bottleneck_after:.1f} tok/s)")
 
+    meta = click.get_current_context().meta
+
     async def _main() -> None:
         nonlocal span
-        async with open_node(cfg) as n:
+        async with open_node(cfg) as n, metrics_if_asked(n, meta):
             if bootstrap and (span is None or path is None):
                 await n.wait_bootstrapped()  # to see what the swarm serves before choosing or fetching
             ckpt_path, shown = path, path.name if path else model_path

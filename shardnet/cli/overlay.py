@@ -20,6 +20,8 @@ from .common import (
     log,
     make_config,
     local_model,
+    metrics_if_asked,
+    metrics_options,
     model_path_option,
     network_options,
     run,
@@ -101,8 +103,10 @@ def _relay_limits(reservation_ttl, max_reservations, max_circuits_per_peer, circ
 def _serve_forever(cfg: NodeConfig, title: str) -> None:
     from shardnet.transport import open_node
 
+    meta = click.get_current_context().meta
+
     async def _main() -> None:
-        async with open_node(cfg) as node:
+        async with open_node(cfg) as node, metrics_if_asked(node, meta):
             say(f"{title} {node.peer_id}")
             for a in node.listen_addrs:
                 say(f"  {a}")
@@ -121,6 +125,7 @@ def _serve_forever(cfg: NodeConfig, title: str) -> None:
 @click.command()
 @identity_option
 @network_options(DEFAULT_SERVER_LISTEN)
+@metrics_options
 @click.option("--serve-relay", is_flag=True, help="Also be a circuit relay (limits as for `shardnet relay`).")
 @relay_limit_options
 @wrap_errors
@@ -136,6 +141,7 @@ def bootstrap(identity, listen, announce, bootstrap, quic, mdns, relays, serve_r
 @click.command()
 @identity_option
 @network_options(DEFAULT_SERVER_LISTEN)
+@metrics_options
 @relay_limit_options
 @wrap_errors
 def relay(identity, listen, announce, bootstrap, quic, mdns, relays, **limits) -> None:
@@ -151,6 +157,7 @@ def relay(identity, listen, announce, bootstrap, quic, mdns, relays, **limits) -
 @click.command()
 @identity_option
 @network_options(DEFAULT_SERVER_LISTEN)
+@metrics_options
 @click.option("--subscribe", "topics", multiple=True, metavar="TOPIC", help="Print messages on TOPIC.")
 @click.option("--events", is_flag=True,
               help="Machine interface: JSON events on stdout, JSON commands on stdin.")
@@ -164,10 +171,12 @@ def node(identity, listen, announce, bootstrap, quic, mdns, relays, topics, even
     if not bootstrap and not mdns:
         log.warning("no --bootstrap given: this node will only know peers that dial it")
 
+    meta = click.get_current_context().meta
+
     async def _main() -> None:
         from .node_control import NodeControl
 
-        async with open_node(cfg) as n:
+        async with open_node(cfg) as n, metrics_if_asked(n, meta):
             control = NodeControl(n, emit=emit if events else None, say=say)
             await control.run(topics=list(topics), read_commands=events)
 

@@ -5,14 +5,16 @@ Imported explicitly (``from shardnet.testing.helpers import ...``), never throug
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
-import socket
 import subprocess
+import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
-from shardnet.testing.localswarm import shardnet_argv
+from shardnet.testing.localswarm import free_port, shardnet_argv  # noqa: F401 (free_port: for tests)
 
 #: the repository root (tests, benches, examples and fuzz targets live beside the package)
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -34,10 +36,28 @@ def transformers_greedy(path, prompt: str, new: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def http_request(url: str, method: str, path: str, body=None, headers=None) -> tuple[int, bytes]:
+    """One plain HTTP request to ``url`` (http://HOST:PORT): its status and body."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request(method, path, body=body, headers=headers or {})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, data
+
+
+def wait_healthy(url: str, timeout: float = 90) -> dict:
+    """A gateway's /health until it answers 200: every layer served by a peer it would route through."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, data = http_request(url, "GET", "/health")
+        body = json.loads(data)
+        if status == 200:
+            return body
+        assert status == 503 and body["status"] == "unavailable" and body["missing_layers"], body
+        assert time.monotonic() < deadline, body
+        time.sleep(0.5)
 
 
 def loopback_config(**kw):

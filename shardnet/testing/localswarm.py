@@ -11,7 +11,9 @@ import itertools
 import json
 import os
 import queue
+import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +27,12 @@ from shardnet.errors import ShardnetError
 
 def shardnet_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "shardnet", *args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ShardnetProcess:
@@ -184,6 +192,12 @@ class LocalSwarm:
         procs = [self.spawn_node(f"join{first + i}", "--layers", f"{a}:{b}", *extra, command="join")
                  for i, (a, b) in enumerate(spans)]
         return [self.wait_ready(p, timeout) for p in procs]
+
+    def start_gateway(self, *extra: str, timeout: float = 60.0) -> tuple[str, ShardnetProcess]:
+        """``shardnet serve`` on a free port, bootstrapped here; its base URL once it listens."""
+        p = self._spawn("gateway", ["serve", "--bootstrap", self.bootstrap_addr, "--port", str(free_port()), *extra])
+        line = p.wait_for_line(lambda s: "serving the OpenAI API" in s, timeout)
+        return re.search(r"http://[\d.]+:\d+", line).group(0), p
 
     def spawn_program(self, name: str, program: list[str], *args: str) -> ShardnetProcess:
         """Another program (a test's hostile peer or client), stopped with the swarm."""

@@ -142,6 +142,11 @@ class TokenBuckets:
                 del self._buckets[k]
 
 
+#: every refusal in this process by kind, whichever Refusals noted it (metrics report these: a
+#: deployed process runs one node, and many refusals are noted by module-wide instances)
+REFUSED: Counter[str] = Counter()
+
+
 class Refusals:
     """Counts refusals (of a limit, of bad input) by kind and logs them without flooding the
     log: the first of a kind for a peer at once, then at most one line per 10 s with the count
@@ -155,6 +160,7 @@ class Refusals:
 
     def note(self, kind: str, peer: object, message: str) -> None:
         self.counts[kind] += 1
+        REFUSED[kind] += 1
         key = (kind, str(peer))
         now = time.monotonic()
         if now - self._last.get(key, -10.0) < 10.0:

@@ -2,7 +2,6 @@
 driven by the official `openai` client and by plain HTTP."""
 
 import concurrent.futures
-import http.client
 import json
 import re
 import socket
@@ -13,8 +12,8 @@ import pytest
 
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.models import default_model_path
-from shardnet.testing.helpers import free_port, transformers_greedy
-from shardnet.testing.localswarm import LocalSwarm, ShardnetProcess
+from shardnet.testing.helpers import http_request, transformers_greedy, wait_healthy
+from shardnet.testing.localswarm import LocalSwarm
 
 pytestmark = pytest.mark.slow
 
@@ -24,29 +23,12 @@ GATEWAY_LOG = []  # the module gateway's log file
 
 
 def start_gateway(swarm: LocalSwarm, *extra: str) -> str:
-    port = free_port()
-    p = ShardnetProcess("gateway", ["serve", "--bootstrap", swarm.bootstrap_addr, "--port", str(port), *extra],
-                        workdir=swarm.workdir)
-    swarm.procs.append(p)
+    url, p = swarm.start_gateway(*extra)
     GATEWAY_LOG.append(p.log_path)
-    line = p.wait_for_line(lambda s: "serving the OpenAI API" in s, 60)
-    return re.search(r"http://[\d.]+:\d+", line).group(0)
+    return url
 
 
 GATEWAY = {}  # the module gateway's swarm and identity file
-
-
-def wait_healthy(url: str, timeout: float = 90) -> dict:
-    """/health until it answers 200: every layer served by a peer the gateway would route through."""
-    deadline = time.monotonic() + timeout
-    while True:
-        status, data = http_request(url, "GET", "/health")
-        body = json.loads(data)
-        if status == 200:
-            return body
-        assert status == 503 and body["status"] == "unavailable" and body["missing_layers"], body
-        assert time.monotonic() < deadline, body
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -72,16 +54,6 @@ def expected():
 
 def api(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def http_request(url, method, path, body=None, headers=None):
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request(method, path, body=body, headers=headers or {})
-    r = conn.getresponse()
-    data = r.read()
-    conn.close()
-    return r.status, data
 
 
 def test_a_completion_equals_transformers_with_usage(gateway, expected):

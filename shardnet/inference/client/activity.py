@@ -9,16 +9,21 @@ metrics read it; nothing here changes what a client does.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 
+from prometheus_client import Histogram
+
+from shardnet.inference.client.audit import AuditStats
+from shardnet.inference.latency_buckets import STEP_BUCKETS
 from shardnet.transport.node import Node
 
 #: the window tokens/s is measured over (seconds)
 RATE_WINDOW = 60.0
+#: AuditStats' counts, each a metric label
+AUDIT_OUTCOMES = ("sampled", "checked", "agreed", "disputes", "convictions", "no_witness", "superseded",
+                  "incomplete", "dropped")
 #: how many recent heals and convictions are kept for display
 RECENT_EVENTS = 50
-#: upper bounds (seconds) of the step round-trip histogram's buckets
-STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class ClientActivity:
@@ -36,9 +41,11 @@ class ClientActivity:
         self.convictions_total = 0
         #: {"time": unix seconds, "kind": "heal" | "conviction", ...}, newest last
         self.events: deque[dict] = deque(maxlen=RECENT_EVENTS)
-        #: chain step round trips: per bucket bound, how many took at most that long
-        self.step_counts = [0] * (len(STEP_BUCKETS) + 1)  # the last: +Inf
-        self.step_sum = 0.0
+        #: honest-compute checks by outcome (AuditStats' fields, summed over sessions)
+        self.audits: Counter[str] = Counter()
+        # not registered anywhere: the node's metrics collector reports it
+        self.step_seconds = Histogram("shardnet_client_step_seconds", "a chain step's round trip: sent "
+                                      "to its result back", registry=None, buckets=STEP_BUCKETS)
         self._stamps: deque[float] = deque()  # monotonic time of each token in the window
 
     @classmethod
@@ -50,9 +57,12 @@ class ClientActivity:
         self.sessions_total += 1
         self.prompt_tokens_total += prompt_tokens
 
-    def session_ended(self, *, failed: bool) -> None:
+    def session_ended(self, *, failed: bool, audit: AuditStats | None = None) -> None:
         self.sessions_active -= 1
         self.sessions_failed += failed
+        if audit is not None:
+            for outcome in AUDIT_OUTCOMES:
+                self.audits[outcome] += getattr(audit, outcome)
 
     def token(self, *, made: bool = True, retracted: int = 0) -> None:
         """A token made (``made``), and how many made before were withdrawn with it."""
@@ -65,12 +75,7 @@ class ClientActivity:
 
     def step(self, seconds: float) -> None:
         """One chain step's round trip (sent to its result back)."""
-        self.step_sum += seconds
-        for i, bound in enumerate(STEP_BUCKETS):
-            if seconds <= bound:
-                self.step_counts[i] += 1
-                return
-        self.step_counts[-1] += 1
+        self.step_seconds.observe(seconds)
 
     def healed(self, heal_json: dict) -> None:
         """A recovery (``Heal.to_json()``); one of phase "audit" left a peer convicted of computing wrong."""

@@ -284,7 +284,7 @@ class Client:
                 stats.chain = sess.route or stats.chain
                 tell_heals()
                 activity.session_ended(failed=body_error is not None and not isinstance(body_error, GeneratorExit)
-                                       and not isinstance(body_error, trio.Cancelled))
+                                       and not isinstance(body_error, trio.Cancelled), audit=stats.audit)
                 await sess.close()
                 audits.cancel_scope.cancel()  # checks still running when the request failed
         if body_error is not None:

@@ -11,11 +11,14 @@ streams that start with ``open``.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import trio
+from prometheus_client import Histogram
 
 from shardnet.errors import InferenceError, ShardnetError
+from shardnet.inference.latency_buckets import STEP_BUCKETS
 from shardnet.inference.model import wire
 from shardnet.inference.model.block import Block, Head
 from shardnet.inference.receipt_service import ReceiptService, StageRecorder
@@ -65,6 +68,29 @@ class KvBudget:
         self.used -= self.sessions.pop(session, 0)
 
 
+class BlockActivity:
+    """What the served block did, for monitors: steps, tokens and bytes through it, and how long a
+    step took from its arrival to its result leaving (this hop's share of a chain step's time)."""
+
+    def __init__(self) -> None:
+        self.steps_total = 0
+        self.tokens_total = 0
+        self.bytes_in_total = 0
+        self.bytes_out_total = 0
+        # not registered anywhere: the node's metrics collector reports it (prometheus_client
+        # keeps the buckets, so what is scraped is exactly what it would have made)
+        self.step_seconds = Histogram("shardnet_block_step_seconds", "a step's time at this hop: arrival to "
+                                      "result sent on (compute, batching wait, the send)", registry=None,
+                                      buckets=STEP_BUCKETS)
+
+    def step(self, tokens: int, bytes_in: int, bytes_out: int, seconds: float) -> None:
+        self.steps_total += 1
+        self.tokens_total += tokens
+        self.bytes_in_total += bytes_in
+        self.bytes_out_total += bytes_out
+        self.step_seconds.observe(seconds)
+
+
 @dataclass
 class ServedBlock:
     block: Block
@@ -89,6 +115,8 @@ class BlockEndpoint:
         self.sessions_by_peer = PeerCounts()
         self._session_rate = TokenBuckets(self.limits.session_rate_per_peer, self.limits.session_burst_per_peer)
         self.refusals = Refusals()
+        #: what this peer's block did, for monitors
+        self.activity = BlockActivity()
         ActivationRouter.of(node).on_open = self._serve_session
 
     @classmethod
@@ -225,6 +253,7 @@ class BlockEndpoint:
             if not isinstance(action, Compute):
                 return
             step = action.step
+            t_step = time.perf_counter()
             if action.drop > 0:
                 # Rollback: the client rejected speculated tokens; forget everything from pos on.
                 cache.crop(-action.drop)
@@ -242,6 +271,7 @@ class BlockEndpoint:
             except ShardnetError as e:
                 await send_reply(up, session.send_failed(step, str(e), down.remote_peer))
                 return
+            self.activity.step(hidden.shape[1], len(step.payload), len(payload), time.perf_counter() - t_step)
 
 
 async def _head(sb: ServedBlock, session: BlockSession, step, rec: StageRecorder | None, out):

@@ -38,6 +38,15 @@ ROUNDS = 4
 MAX_MANIFEST_BYTES = 256 << 20
 
 
+@dataclass
+class FetchTotals:
+    verified_bytes: int = 0  # weight bytes received and verified, over every fetch
+
+
+#: what every fetch of this process received (for metrics)
+FETCHED = FetchTotals()
+
+
 class FetchError(ShardnetError):
     """The swarm could not provide (verified) what a fetch needs."""
 
@@ -443,6 +452,7 @@ class Transfer:
             self.store.put_hashes(name, blob.checker.hashes)  # to serve it on (the root is its hash's hash)
         blob.sink.write(blob.tensor, index, reply.data)
         self.progress.done += len(reply.data)
+        FETCHED.verified_bytes += len(reply.data)
         self.progress.per_source[src.peer] = self.progress.per_source.get(src.peer, 0) + len(reply.data)
         if isinstance(blob.sink, _FileSink):
             if blob.sink.complete():

@@ -1,0 +1,46 @@
+"""A node's metrics over HTTP (``--metrics-port``): ``GET /metrics`` in Prometheus' text format;
+every other path is a 404 naming the one that exists."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import trio
+
+from shardnet.inference.metrics import exposition
+from shardnet.transport.node import Node
+
+from .http import serve_asgi
+
+
+def metrics_app(node: Node):
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (msg := await receive())["type"] != "lifespan.shutdown":
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
+            status, (body, ctype) = 200, exposition(node)
+        else:
+            status, body, ctype = 404, b"not found: metrics are at /metrics\n", "text/plain; charset=utf-8"
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+
+    return app
+
+
+@asynccontextmanager
+async def metrics_served(node: Node, host: str, port: int):
+    """Serve the node's metrics while inside; yields the URL of /metrics."""
+    async with trio.open_nursery() as nursery:
+        urls = await nursery.start(lambda task_status: serve_asgi(metrics_app(node), host=host, port=port,
+                                                                  what="metrics", task_status=task_status))
+        try:
+            yield f"{urls[0]}/metrics"
+        finally:
+            nursery.cancel_scope.cancel()
