@@ -93,6 +93,7 @@ class Client:
         self.slots = SessionSlots.of(node)
         self.queue_timeout = queue_timeout
         ActivationRouter.of(node)  # accept the chain's direct return
+        ClientActivity.of(node)  # (monitors see this node's client counters from the start)
 
     # Routing is the planner's (see route_planner.py); these delegate to it.
 
