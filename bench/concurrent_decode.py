@@ -57,6 +57,7 @@ from bench.wan_emulator import Link, WanProxy
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.head_batcher import head_batcher
 from shardnet.inference.model.local_model import LocalModel
+from shardnet.inference.model.random_model import init_random
 from shardnet.models import default_model_path
 from shardnet.testing.localswarm import ShardnetProcess
 from shardnet.transport import NodeConfig, open_node
@@ -94,7 +95,7 @@ async def peer_worker(args: argparse.Namespace) -> None:
                      bootstrap=[args.bootstrap], limits=bench_limits())
     async with open_node(cfg) as node:
         await node.wait_bootstrapped(60)
-        async with serve_block(node, str(default_model_path()), a, b,
+        async with serve_block(node, args.model or str(default_model_path()), a, b,
                                batch_tokens=args.batch_tokens or None) as served:
             print(json.dumps({"event": "ready", "peer": str(node.peer_id)}), flush=True)
             while line := await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
@@ -213,7 +214,7 @@ async def run_network(args: argparse.Namespace, network: str, counts: list[int],
                     real, pub = await ports(10 * c + i + 1)
                     chain.procs.append(ShardnetProcess(
                         f"{network}-{mode}-{a}-{b}",
-                        ["--peer-worker", "--layers", f"{a}:{b}", "--batch-tokens", str(batch),
+                        ["--peer-worker", "--model", str(model.ckpt.path), "--layers", f"{a}:{b}", "--batch-tokens", str(batch),
                          "--listen-port", str(real), "--announce-port", str(pub or 0), "--bootstrap", boot_addr],
                         workdir=workdir, program=[sys.executable, str(Path(__file__).resolve())]))
                 procs.extend(chain.procs)
@@ -251,7 +252,8 @@ async def run_network(args: argparse.Namespace, network: str, counts: list[int],
 
 
 def report(args: argparse.Namespace, rows: list[Row]) -> None:
-    print(f"tiny-llama over 2 peers {SPANS}, each a process with 1 torch thread; one client process, one Client, "
+    name = f"a random 8-layer llama of width {args.hidden} ({args.hidden_dtype})" if args.hidden else "tiny-llama"
+    print(f"{name} over 2 peers {SPANS}, each a process with 1 torch thread; one client process, one Client, "
           f"N concurrent greedy generate tasks, different prompts, {args.tokens} new tokens each")
     print(f"batched: --batch-tokens {args.batch_tokens}; one-at-a-time: the old path (fair turns); "
           f"wan: {args.delay_ms:g} ms one way (+ up to {args.jitter_ms:g} ms jitter), {args.mbit:g} Mbit/s per edge, "
@@ -292,8 +294,8 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
         if r is not first:
             sessions += r.sessions
             differ += sum(a != b for a, b in zip(r.outputs, first.outputs))
-    print(f"greedy output differs batched vs one-at-a-time in {differ} of {sessions} sessions "
-          "(float16 peers: a near-tie of two logits may go either way in a batch of another shape)")
+    why = " (a near-tie of two logits may go either way in a batch of another shape)" if differ else ""
+    print(f"greedy output differs batched vs one-at-a-time in {differ} of {sessions} sessions{why}")
     print("batch: mean steps per forward pass at peer 0:4 / 4:8 (a step: one session's prompt or decode position); "
           "head: mean sessions per LM head computation in the client")
     print("cpu ms/tok: CPU time of the client process (the WAN emulators included) and the chain's 2 peers per new "
@@ -316,6 +318,12 @@ def main() -> None:
     p.add_argument("--mbit", type=float, default=100.0)
     p.add_argument("--repeats", type=int, default=1, help="runs per row (medians)")
     p.add_argument("--quick", action="store_true", help="a short run for the tests: 1 and 4 sessions, 8 tokens")
+    p.add_argument("--hidden", type=int, default=None, metavar="N",
+                   help="a random 8-layer llama of width N (generated here; N/64 heads) instead of "
+                        "the shipped tiny-llama (width 224): how batching pays as a step's compute grows")
+    p.add_argument("--hidden-dtype", default="float16", choices=["float16", "bfloat16", "float32"],
+                   help="the --hidden model's dtype (as stored and computed)")
+    p.add_argument("--model", help=argparse.SUPPRESS)  # (the peers': the checkpoint the client chose)
     # the compute peers this script starts (internal)
     p.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layers", help=argparse.SUPPRESS)
@@ -331,9 +339,15 @@ def main() -> None:
         args.sessions, args.wan_sessions, args.tokens = [1, 4], [1, 4], 8
         args.delay_ms = min(args.delay_ms, 5.0)
     torch.set_num_threads(1)  # the client's embedding and head; the peers have a thread each
-    model = LocalModel(default_model_path())
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="shardnet-concurrent-") as d:
+        path = default_model_path()
+        if args.hidden:
+            path = init_random(Path(d) / f"llama-{args.hidden}", "llama", layers=8, hidden=args.hidden,
+                               heads=args.hidden // 64, kv_heads=max(1, args.hidden // 256),
+                               intermediate=args.hidden * 8 // 3 // 64 * 64, vocab=LocalModel(path).ckpt.config.vocab_size,
+                               dtype=args.hidden_dtype, seed=1)
+        model = LocalModel(path)
         for network, counts in (("loopback", args.sessions), ("wan", args.wan_sessions)):
             if counts:
                 rows += trio.run(run_network, args, network, counts, Path(d), model)
