@@ -95,8 +95,7 @@ class NodeCollector(Collector):
             kv.add_metric(["used"], sb.kv.used)
             kv.add_metric(["limit"], sb.kv.limit)
             yield kv
-            yield CounterMetricFamily("shardnet_block_sessions", "sessions opened at this block", sb.sessions_served)
-            if sb.batcher is not None:
+            if sb.batcher is not None:  # (since this span was loaded: a peer that moves starts a new one)
                 st = sb.batcher.stats
                 yield CounterMetricFamily("shardnet_block_batches", "forward passes of the continuous batcher",
                                           st.batches)
@@ -104,6 +103,7 @@ class NodeCollector(Collector):
                 yield GaugeMetricFamily("shardnet_block_batch_largest", "most steps in one batch so far", st.largest)
         yield GaugeMetricFamily("shardnet_block_sessions_open", "sessions open at this block now",
                                 value=sum(endpoint.sessions_by_peer.values()))
+        yield CounterMetricFamily("shardnet_block_sessions", "sessions opened at this block", act.sessions_total)
         yield CounterMetricFamily("shardnet_block_steps", "steps computed and sent on", act.steps_total)
         yield CounterMetricFamily("shardnet_block_tokens", "token positions computed", act.tokens_total)
         traffic = CounterMetricFamily("shardnet_block_activation_bytes", "activation payload bytes through this "

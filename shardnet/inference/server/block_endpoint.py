@@ -73,6 +73,7 @@ class BlockActivity:
     step took from its arrival to its result leaving (this hop's share of a chain step's time)."""
 
     def __init__(self) -> None:
+        self.sessions_total = 0
         self.steps_total = 0
         self.tokens_total = 0
         self.bytes_in_total = 0
@@ -150,6 +151,7 @@ class BlockEndpoint:
             return
         self.sessions_by_peer[up.remote_peer] += 1
         sb.sessions_served += 1
+        self.activity.sessions_total += 1
         session = BlockSession(op, sb.block.config.hidden_size)
         rec = StageRecorder(sb.model_id, s, (sb.block.start, sb.block.end), str(self.node.peer_id),
                             str(sb.block.device))
