@@ -17,5 +17,7 @@ def setup(verbosity: int = 0) -> None:
     from shardnet.transport import compat
 
     compat.apply()  # routes the libp2p logger back into ours
-    # py-libp2p logs routine peer churn at WARNING; show it only when asked for.
-    logging.getLogger("libp2p").setLevel(logging.DEBUG if verbosity >= 2 else logging.CRITICAL)
+    # py-libp2p logs routine peer churn at WARNING; show it only when asked for (its errors are
+    # re-logged under shardnet's name: compat/logger.py)
+    if verbosity >= 2:
+        logging.getLogger("libp2p").setLevel(logging.DEBUG)

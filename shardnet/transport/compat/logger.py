@@ -1,25 +1,67 @@
 """py-libp2p's logger.
 
 5. ``import libp2p`` turns off propagation of its logger: we route it back into ``logging``, and
-   keep its routine warnings quiet unless a level was chosen for it.
+   keep its routine warnings quiet unless a level was chosen for it; its errors are re-logged
+   under shardnet's name, one line per kind at most every 10 s.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from collections import Counter
+
+#: the level py-libp2p's logger has unless someone chose one: its errors, not its routine churn
+QUIET_LEVEL = logging.ERROR
+#: where its errors are re-logged (at WARNING: they are py-libp2p's, and shardnet goes on)
+relog = logging.getLogger("shardnet.transport.libp2p")
+
+
+class _Forward(logging.Handler):
+    """At the quiet level, an error is re-logged under shardnet's name (the first of a kind at
+    once, then one line per 10 s with the count since); at a level someone chose, every record
+    goes on to the app's handlers as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: dict[tuple[str, object], float] = {}
+        self._unlogged: Counter[tuple[str, object]] = Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger("libp2p").level != QUIET_LEVEL:
+            logging.getLogger().handle(record)
+            return
+        key = (record.name, record.msg)
+        now = time.monotonic()
+        if now - self._last.get(key, -10.0) < 10.0:
+            self._unlogged[key] += 1
+            return
+        if len(self._last) > 1024:
+            self._last.clear()
+            self._unlogged.clear()
+        self._last[key] = now
+        more = self._unlogged.pop(key, 0)
+        try:
+            text = record.getMessage()
+        except Exception:  # a record whose arguments do not fit its message: say what it was
+            text = str(record.msg)
+        relog.warning("py-libp2p %s: %s%s", record.name.removeprefix("libp2p."), text.splitlines()[0] if text else "",
+                      f" ({more} more like it since the last line)" if more else "")
 
 
 def route_libp2p_logging() -> None:
     import libp2p  # noqa: F401  (its import is what turns propagation off)
 
     lg = logging.getLogger("libp2p")
-    lg.propagate = True
     for h in list(lg.handlers):
         lg.removeHandler(h)
     # py-libp2p logs routine peer churn (a dial that failed, a stream reset) at WARNING, which an
     # app that embeds a node and configures no logging would see on stderr by the dozen. Its
-    # import sets WARNING unless LIBP2P_DEBUG asks for more: keep that request, else stay quiet
-    # (shardnet's CLI sets DEBUG with -vv; an app sets any level after opening its first node).
+    # import sets WARNING unless LIBP2P_DEBUG asks for more: keep that request, else stay at
+    # QUIET_LEVEL (shardnet's CLI sets DEBUG with -vv; an app sets any level after opening its
+    # first node). Its records reach the app's handlers through _Forward, not by propagation.
+    lg.propagate = False
+    lg.addHandler(_Forward())
     if not os.environ.get("LIBP2P_DEBUG"):
-        lg.setLevel(logging.CRITICAL)
+        lg.setLevel(QUIET_LEVEL)

@@ -1,6 +1,6 @@
 """An app that embeds a node and configures no logging sees none of py-libp2p's routine warnings
-on stderr; one that sets a level for the "libp2p" logger (after the patches are applied, as
-opening a node does) gets what it asked for."""
+on stderr, and its errors once each under shardnet's name; one that sets a level for the
+"libp2p" logger (after the patches are applied, as opening a node does) gets what it asked for."""
 
 import subprocess
 import sys
@@ -12,6 +12,8 @@ compat.apply()
 if sys.argv[1] == "chosen":
     logging.getLogger("libp2p").setLevel(logging.WARNING)
 logging.getLogger("libp2p.network.swarm").warning("a routine dial failure")
+for i in range(3):
+    logging.getLogger("libp2p.kad_dht.kad_dht").error("lookup %d failed", i)
 logging.getLogger("shardnet.app").warning("the app's own warning")
 """
 
@@ -26,5 +28,12 @@ def test_py_libp2p_is_quiet_in_an_app_that_set_no_level():
     assert "routine dial failure" not in err and "the app's own warning" in err
 
 
+def test_its_errors_are_relogged_under_shardnets_name_once_per_kind():
+    lines = [ln for ln in _stderr("default").splitlines() if "lookup" in ln]
+    assert lines == ["py-libp2p kad_dht.kad_dht: lookup 0 failed"], lines  # (lastResort: message only)
+
+
 def test_a_level_chosen_for_it_is_kept():
-    assert "routine dial failure" in _stderr("chosen")
+    err = _stderr("chosen")
+    assert "routine dial failure" in err
+    assert "lookup 2 failed" in err  # every record, as it is
