@@ -70,7 +70,10 @@ def _recompute_check(doc: dict, path: Path, prompt: str | None):
     if rc.tokens_hash(ids) != body["prompt_sha256"]:
         return rc.Check("recompute", False, "the prompt does not match prompt_sha256")
     sampling = body["sampling"]
-    params = SamplingParams(sampling["temperature"], sampling["top_p"], sampling["top_k"], body.get("seed"))
+    params = SamplingParams(sampling["temperature"], sampling["top_p"], sampling["top_k"], body.get("seed"),
+                            frequency_penalty=sampling.get("frequency_penalty", 0.0),
+                            presence_penalty=sampling.get("presence_penalty", 0.0),
+                            logit_bias=tuple((int(t), float(b)) for t, b in sampling.get("logit_bias", ())))
     spec = body.get("speculative")
     drafter, k, depth = None, 0, 1
     if not params.greedy and spec:  # sampled text depends on the drafting: replay it where it is deterministic

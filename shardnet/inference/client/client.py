@@ -213,7 +213,9 @@ class Client:
             delay = min(2.0, delay * 2)
 
     async def generate(self, prompt: str | list[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
-                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop_at_eos: bool = True,
+                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                       logit_bias: dict[int, float] | None = None, stop_at_eos: bool = True,
                        drafter: Drafter | None = None, k: int = 4, depth: int = 1,
                        progress=None, route: list[Claim] | None = None) -> AsyncIterator[Token]:
         """Yield generated tokens one at a time (text in, text out).
@@ -229,8 +231,11 @@ class Client:
         with the same output; ``last_stats.heals`` records each recovery. ``progress``, if given,
         is called as ``progress(event, info)`` for "route", "sent" (each step) and "heal".
         ``route``: a chain just found by ``find_route`` (else one is found here).
+        ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` ({token: bias}) adjust the
+        logits before each choice as OpenAI defines them (sampling.adjusted).
         """
-        params = SamplingParams(temperature, top_p, top_k, seed)
+        params = SamplingParams(temperature, top_p, top_k, seed, frequency_penalty, presence_penalty,
+                                _checked_bias(logit_bias, self.model.ckpt.config.vocab_size))
         if k < 0 or depth < 1:
             raise ShardnetError("need k >= 0 and depth >= 1")
         rng = Randomness(seed)
@@ -292,3 +297,11 @@ class Client:
             raise body_error
 
 
+def _checked_bias(bias: dict[int, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """A logit bias as SamplingParams holds it, its tokens checked against the vocabulary."""
+    out = []
+    for token, b in sorted((bias or {}).items()):
+        if not 0 <= int(token) < vocab:
+            raise ShardnetError(f"logit_bias: token {token} is not in the model's vocabulary (0..{vocab - 1})")
+        out.append((int(token), float(b)))
+    return tuple(out)

@@ -18,6 +18,7 @@ from shardnet.inference.client.healing import Heal
 from shardnet.inference.client.sampling import (
     Randomness,
     SamplingParams,
+    adjusted,
     next_token,
     probabilities,
 )
@@ -118,7 +119,7 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
     t0 = time.perf_counter()
     result = await steps.prefill(prompt)
     stats.prefill_s = time.perf_counter() - t0
-    first = next_token((await steps.logits(result, rows=1))[-1], params, rng, len(prompt))
+    first = next_token(adjusted(await steps.logits(result, rows=1), params, [], [])[-1], params, rng, len(prompt))
     text = _Text(model, prompt, max_new, stop_at_eos, stats)
     pipe = _Pipeline(steps, prompt, params, rng, drafter, k, depth, max_new, stats.speculation)
     todo = [first]  # accepted tokens not yet emitted
@@ -286,7 +287,9 @@ class _Pipeline:
         self.stats.round_trip_s += round_trip
         if self.stats.on_round_trip is not None:
             self.stats.on_round_trip(round_trip)
-        return chunk, await self.steps.logits(result)
+        # (what the chunk's start follows: the accepted text and the drafts of the chunks before it)
+        generated = self.spec[len(self.prompt):chunk.start]
+        return chunk, adjusted(await self.steps.logits(result), self.params, generated, chunk.drafts)
 
     def accept(self, chunk: _Chunk, logits: torch.Tensor) -> list[int]:
         """The tokens a chunk's logits accept (its kept drafts and one more), less what the next
@@ -334,7 +337,7 @@ async def _correct_without(convicted: list[str], sess: InferenceSession, steps: 
     pipe.new_epoch()
     n = await steps.send(prompt + out, pos=0, logits_for=len(out) + 1, epoch=pipe.epoch)
     pipe.stale_below = n
-    rows = await steps.logits(await steps.receive_step(n), rows=len(out) + 1)
+    rows = adjusted(await steps.logits(await steps.receive_step(n), rows=len(out) + 1), params, [], out)
     m, fixed = _first_wrong(out, rows, params, rng, len(prompt), speculative)
     if m < len(out):
         text.retract_from(m)

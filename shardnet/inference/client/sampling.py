@@ -1,9 +1,11 @@
-"""Choosing the next token from logits: greedy, or temperature / top-k / top-p with a seed."""
+"""Choosing the next token from logits: greedy, or temperature / top-k / top-p with a seed;
+OpenAI's frequency and presence penalties and logit bias adjust the logits first."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +17,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    #: OpenAI's: a token's logit falls by frequency_penalty for each time it was generated so far,
+    #: and by presence_penalty once if it was; logit_bias adds (token, bias) to its logit
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
@@ -23,6 +30,46 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the logits are adjusted before choosing (penalties or a bias)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+
+    def receipt_fields(self) -> dict:
+        """What a run receipt records beyond temperature/top_p/top_k (only what is set, so a run
+        without them has the receipt it always had)."""
+        out: dict = {}
+        if self.frequency_penalty:
+            out["frequency_penalty"] = self.frequency_penalty
+        if self.presence_penalty:
+            out["presence_penalty"] = self.presence_penalty
+        if self.logit_bias:
+            out["logit_bias"] = [[t, b] for t, b in self.logit_bias]
+        return out
+
+
+def adjusted(logits: torch.Tensor, p: SamplingParams, generated: list[int], row_tokens: list[int]) -> torch.Tensor:
+    """``logits`` [rows, vocab] with the penalties and bias applied (as given when nothing adjusts).
+    Row 0 follows the ``generated`` tokens; row i follows them and ``row_tokens[:i]`` (the tokens
+    the earlier rows verify: drafts, or the text being checked), as OpenAI defines the penalties:
+    over the tokens generated before the position, not the prompt."""
+    if not p.adjusts:
+        return logits
+    out = logits.float().clone()
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias])
+        out[:, ids] += torch.tensor([b for _, b in p.logit_bias])
+    if p.frequency_penalty or p.presence_penalty:
+        counts = Counter(generated)
+        for i in range(out.shape[0]):
+            if counts:
+                ids = torch.tensor(list(counts))
+                n = torch.tensor(list(counts.values()), dtype=torch.float32)
+                out[i, ids] -= n * p.frequency_penalty + p.presence_penalty
+            if i < len(row_tokens):
+                counts[row_tokens[i]] += 1
+    return out
 
 
 def probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
