@@ -59,3 +59,26 @@ async def test_a_bias_for_a_token_outside_the_vocabulary_is_one_clear_error(loop
         with pytest.raises(ShardnetError, match=r"logit_bias: token 999999 is not in the model's vocabulary"):
             async for _ in client.generate(PROMPT, max_new_tokens=2, logit_bias={999999: 1.0}):
                 pass
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+async def test_each_token_carries_its_log_probability(loopback_config, speculative):
+    """As transformers gives it for the same text: log-softmax of the logits at each position."""
+    path = default_model_path()
+    async with local_chain(loopback_config, path, [(0, 4), (4, 8)]) as node:
+        model = LocalModel(path)
+        client = Client(node, model)
+        kw = {"drafter": NGramDrafter(), "k": 4, "depth": 2} if speculative else {}
+        toks = [t async for t in client.generate(PROMPT, max_new_tokens=12, stop_at_eos=False, logprobs=3, **kw)]
+    ids = model.encode(PROMPT)
+    out = [t.id for t in toks]
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.inference_mode():
+        lp = torch.log_softmax(hf(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1].float(), dim=-1)
+    for i, t in enumerate(toks):
+        assert t.logprob == pytest.approx(float(lp[i, t.id]), abs=2e-2)
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0][0] == t.id  # greedy: the most likely
+        for alt, value in t.top_logprobs:  # (near-ties may order differently: compare values)
+            assert value == pytest.approx(float(lp[i, alt]), abs=2e-2)
+        assert t.top_logprobs[-1][1] == pytest.approx(float(torch.topk(lp[i], 3).values[-1]), abs=2e-2)
+        assert all(x >= y for (_, x), (_, y) in zip(t.top_logprobs, t.top_logprobs[1:]))

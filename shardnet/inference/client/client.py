@@ -215,7 +215,8 @@ class Client:
     async def generate(self, prompt: str | list[int], max_new_tokens: int = 32, *, temperature: float = 0.0,
                        top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                       logit_bias: dict[int, float] | None = None, stop_at_eos: bool = True,
+                       logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
+                       stop_at_eos: bool = True,
                        drafter: Drafter | None = None, k: int = 4, depth: int = 1,
                        progress=None, route: list[Claim] | None = None) -> AsyncIterator[Token]:
         """Yield generated tokens one at a time (text in, text out).
@@ -232,7 +233,8 @@ class Client:
         is called as ``progress(event, info)`` for "route", "sent" (each step) and "heal".
         ``route``: a chain just found by ``find_route`` (else one is found here).
         ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` ({token: bias}) adjust the
-        logits before each choice as OpenAI defines them (sampling.adjusted).
+        logits before each choice as OpenAI defines them (sampling.adjusted). With ``logprobs``
+        (a number of alternatives, 0 for none) each token carries its log-probability and theirs.
         """
         params = SamplingParams(temperature, top_p, top_k, seed, frequency_penalty, presence_penalty,
                                 _checked_bias(logit_bias, self.model.ckpt.config.vocab_size))
@@ -278,7 +280,8 @@ class Client:
                 await sess.open(route)
                 async for tok in generate_on(sess, self.model, ids, params=params, rng=rng, drafter=drafter, k=k,
                                              depth=depth, max_new=max_new_tokens, stop_at_eos=stop_at_eos,
-                                             stats=stats, logits_on_last=self.logits_on_last, auditor=sess.auditor):
+                                             stats=stats, logits_on_last=self.logits_on_last, auditor=sess.auditor,
+                                             logprobs=logprobs):
                     stats.chain = sess.route
                     tok.apply(out_ids)
                     activity.token(made=tok.id is not None, retracted=tok.retracted)

@@ -46,6 +46,11 @@ class Token:
     id: int | None
     text: str
     retracted: int = 0
+    #: with ``logprobs`` asked for: this token's log-probability, and the most likely tokens'
+    #: (id, log-probability), most likely first, in the distribution it was chosen from (the
+    #: model's, after penalties and bias, before temperature and top-p)
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
     def apply(self, ids: list[int]) -> None:
         """Bring a list of the ids received so far up to date with this token."""
@@ -84,6 +89,14 @@ class _Chunk:
     sent: float  # perf_counter() when sent
 
 
+def _logprobs(row: torch.Tensor, tok: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """``tok``'s log-probability in ``row``'s distribution, and the ``top`` most likely tokens'."""
+    lp = torch.log_softmax(row.float(), dim=-1)
+    best = torch.topk(lp, min(top, lp.shape[-1])) if top > 0 else None
+    alts = () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist()))
+    return float(lp[tok]), alts
+
+
 def _first_wrong(out: list[int], logits: torch.Tensor, params: SamplingParams, rng: Randomness, start: int,
                  speculative: bool) -> tuple[int, int]:
     """Given trusted logits rows [len(out) + 1, vocab] (row i: the distribution of token i of
@@ -105,7 +118,7 @@ def _first_wrong(out: list[int], logits: torch.Tensor, params: SamplingParams, r
 async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[int], *, params: SamplingParams,
                       rng: Randomness, drafter: Drafter | None, k: int, depth: int, max_new: int,
                       stop_at_eos: bool, stats: GenerationStats, logits_on_last: bool = False,
-                      auditor: RunAuditor | None = None) -> AsyncIterator[Token]:
+                      auditor: RunAuditor | None = None, logprobs: int | None = None) -> AsyncIterator[Token]:
     """Prefill ``prompt`` through an open session, then decode with up to ``depth`` verify chunks
     of up to ``k`` drafts in flight. Plain decoding is the case k = 0, depth = 1: each chunk is the
     last token alone. ``sess`` needs only ``send`` and ``receive`` (and, with an ``auditor``, the
@@ -114,23 +127,30 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
     With an ``auditor``, between steps and before finishing: when a peer that served this
     session is convicted of computing wrong, the session moves to a chain without it, the whole
     text is sent through the new chain once, and the first token the trusted logits do not
-    support is replaced (the tokens after it are retracted; see ``Token``)."""
+    support is replaced (the tokens after it are retracted; see ``Token``).
+
+    With ``logprobs`` (a number of alternatives, 0 for none) each token carries its log-probability
+    and the ``logprobs`` most likely tokens' (``Token.logprob``, ``Token.top_logprobs``)."""
     steps = _Steps(sess, model, logits_on_last)
     t0 = time.perf_counter()
     result = await steps.prefill(prompt)
     stats.prefill_s = time.perf_counter() - t0
-    first = next_token(adjusted(await steps.logits(result, rows=1), params, [], [])[-1], params, rng, len(prompt))
+    first_row = adjusted(await steps.logits(result, rows=1), params, [], [])[-1]
+    first = next_token(first_row, params, rng, len(prompt))
     text = _Text(model, prompt, max_new, stop_at_eos, stats)
     pipe = _Pipeline(steps, prompt, params, rng, drafter, k, depth, max_new, stats.speculation)
     todo = [first]  # accepted tokens not yet emitted
+    rows = [first_row]  # the logits each was chosen from (row i: todo[i])
     while True:
         # emit: until EOS or max_new
         finished = False
-        for tok in todo:
+        for tok, row in zip(todo, rows):
             token = text.emit(tok)
             if token is None:
                 finished = True
                 break
+            if logprobs is not None:
+                token.logprob, token.top_logprobs = _logprobs(row, tok, logprobs)
             yield token
         finished = finished or text.full
         # a peer of this session convicted of computing wrong: correct the text without it
@@ -139,7 +159,8 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
                 await auditor.settle()  # a verdict on this request's steps still corrects it
             convicted = [p for p in auditor.take_convicted() if p in sess.served_by()]
             if convicted:
-                todo = [await _correct_without(convicted, sess, steps, pipe, text, params, rng, drafter is not None)]
+                fixed, row = await _correct_without(convicted, sess, steps, pipe, text, params, rng, drafter is not None)
+                todo, rows = [fixed], [row]
                 continue
         if finished:
             if text.retracted:  # the corrected text ends where the retraction starts
@@ -151,6 +172,7 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
         await pipe.draft_and_send()
         chunk, logits = await pipe.receive()
         todo = pipe.accept(chunk, logits)
+        rows = list(logits[:len(todo)])  # an accepted token was chosen (or matched) at its own row
 
 
 class _Steps:
@@ -328,10 +350,12 @@ class _Pipeline:
 
 
 async def _correct_without(convicted: list[str], sess: InferenceSession, steps: _Steps, pipe: _Pipeline,
-                           text: _Text, params: SamplingParams, rng: Randomness, speculative: bool) -> int:
+                           text: _Text, params: SamplingParams, rng: Randomness,
+                           speculative: bool) -> tuple[int, torch.Tensor]:
     """The convicted peers' work is not trusted: move to a chain without them and send the whole
     text through it once, to learn which of our tokens stand. Retracts the first token the trusted
-    logits do not support and what follows it; returns the token that belongs in its place."""
+    logits do not support and what follows it; returns the token that belongs in its place, and
+    the logits it was chosen from."""
     prompt, out = text.prompt, text.out
     await sess.exclude(convicted)
     pipe.new_epoch()
@@ -342,4 +366,4 @@ async def _correct_without(convicted: list[str], sess: InferenceSession, steps: 
     if m < len(out):
         text.retract_from(m)
     pipe.spec = prompt + out
-    return fixed
+    return fixed, rows[m]
