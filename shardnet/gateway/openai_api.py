@@ -3,9 +3,12 @@ bodies, error bodies, stop sequences, chat templates.
 
 Requests are validated by pydantic models (strict: JSON types as sent). Only what shardnet can
 honour is accepted: ``n`` must be 1, and options that change what is computed but are not
-supported (``logprobs``, ``best_of`` > 1, ``logit_bias``, a non-zero ``frequency_penalty`` or
-``presence_penalty``, tools) are refused with a 400 naming the parameter, rather than silently
-ignored. Options that only concern presentation or accounting (``user``, a penalty of 0, ...) pass.
+supported (``best_of`` > 1, tools) are refused with a 400 naming the parameter, rather than
+silently ignored. ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` (token id ->
+-100..100) are applied as OpenAI defines them (inference/client/sampling.adjusted);
+``logprobs`` (completions: 0..5 alternatives; chat: ``logprobs: true`` and ``top_logprobs``
+0..20) gives each token's log-probability in OpenAI's shapes (``LogprobEntry``). Options that
+only concern presentation or accounting (``user``, ...) pass.
 
 A chat message's ``content`` is a string or a list of content parts; text parts
 (``{"type": "text", "text": ...}``) are joined with newlines, and any other part (``image_url``,
@@ -37,9 +40,11 @@ MAX_BODY_BYTES = 1 << 20
 MAX_STOP = 4
 MAX_DEPTH = 32  # nesting of a request body (a chat request needs 3)
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' documented default
-UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "tools", "functions", "response_format", "suffix")
-#: sampling penalties OpenAI defines (range -2..2) that the swarm's sampler does not apply: 0 only
-PENALTIES = ("frequency_penalty", "presence_penalty")
+UNSUPPORTED = ("tools", "functions", "response_format", "suffix")
+#: the most alternatives per token: /v1/completions' logprobs, /v1/chat/completions' top_logprobs
+MAX_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20
+#: the most tokens one logit_bias may name
+MAX_LOGIT_BIAS = 1024
 #: how the text parts of one message's content are joined (as vLLM does)
 PART_SEPARATOR = "\n"
 
@@ -71,6 +76,10 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # None: not asked for; N: each token's and N alternatives'
 
 
 def parse_json(body: bytes) -> dict:
@@ -134,6 +143,8 @@ class _Body(BaseModel):
     best_of: Literal[1] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
 
 
 class _Message(BaseModel):
@@ -145,11 +156,14 @@ class _Message(BaseModel):
 
 class _Completion(_Body):
     prompt: Text | TokenIds | Annotated[list[Text | TokenIds], Field(min_length=1, max_length=1)]  # a batch of one
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class _Chat(_Body):
     messages: Annotated[list[_Message], Field(min_length=1)]
     max_completion_tokens: OptInt = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 #: messages for fields whose pydantic errors (one per member of a union) would not read well
@@ -165,6 +179,10 @@ _MESSAGES = {
     "stream_options": "stream_options must be an object",
     "frequency_penalty": "frequency_penalty must be a number from -2 to 2",
     "presence_penalty": "presence_penalty must be a number from -2 to 2",
+    "logit_bias": f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers from -100 to 100",
+    "logprobs": f"logprobs must be true or false (chat) or a number of alternatives from 0 to {MAX_LOGPROBS} "
+                "(completions)",
+    "top_logprobs": f"top_logprobs must be a number from 0 to {MAX_TOP_LOGPROBS}",
 }
 
 
@@ -198,8 +216,23 @@ def message_text(content: str | list[dict], index: int) -> str:
     return PART_SEPARATOR.join(texts)
 
 
-def parse_request(data: dict, *, chat: bool, render_chat=None) -> GenerationRequest:
-    """Validate a request body; ``render_chat(messages) -> str`` applies the chat template."""
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float]:
+    """OpenAI's logit_bias (keys: token ids as strings) as {token: bias}, checked."""
+    out = {}
+    for key, b in (bias or {}).items():
+        if not key.isdigit():
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id (a string of digits)", param="logit_bias")
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise ApiError(400, f"logit_bias: token {token} is not in the model's vocabulary (0..{vocab_size - 1})",
+                           param="logit_bias")
+        out[token] = float(b)
+    return out
+
+
+def parse_request(data: dict, *, chat: bool, render_chat=None, vocab_size: int | None = None) -> GenerationRequest:
+    """Validate a request body; ``render_chat(messages) -> str`` applies the chat template;
+    ``vocab_size`` bounds the token ids logit_bias may name."""
     for name in UNSUPPORTED:
         if data.get(name) not in (None, False, [], {}):
             raise ApiError(400, f"{name} is not supported by this server", param=name)
@@ -207,10 +240,13 @@ def parse_request(data: dict, *, chat: bool, render_chat=None) -> GenerationRequ
         body = (_Chat if chat else _Completion).model_validate(data)
     except ValidationError as e:
         raise _api_error(e) from None
-    for name in PENALTIES:
-        if getattr(body, name):  # None and 0 change nothing
-            raise ApiError(400, f"{name} is not supported: this server's sampler applies no penalties "
-                           f"(send 0 or leave it out)", param=name)
+    logit_bias = _logit_bias(body.logit_bias, vocab_size)
+    if chat:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
     if chat:
         messages = [{**m.model_dump(), "content": message_text(m.content, i)} for i, m in enumerate(body.messages)]
         prompt: str | list[int] = render_chat(messages)
@@ -228,7 +264,8 @@ def parse_request(data: dict, *, chat: bool, render_chat=None) -> GenerationRequ
         chat=chat, model=body.model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
         stop=stop, seed=body.seed, stream=bool(body.stream),
         include_usage=bool((body.stream_options or {}).get("include_usage")),
-        echo=bool(data.get("echo")) and not chat)
+        echo=bool(data.get("echo")) and not chat, frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0, logit_bias=logit_bias, logprobs=logprobs)
 
 
 def first_stop(text: str, stops: list[str], start: int = 0) -> int:
@@ -326,30 +363,60 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response_body(req: GenerationRequest, rid: str, created: int, text: str, finish: str, use: dict) -> dict:
+@dataclass
+class LogprobEntry:
+    """One generated token's log-probability, as the gateway reports it: its text, and the most
+    likely tokens' (text, log-probability). ``offset``: where its text starts in the completion."""
+
+    text: str
+    logprob: float
+    top: list[tuple[str, float]]
+    offset: int = 0
+
+
+def logprobs_body(req: GenerationRequest, entries: list[LogprobEntry] | None) -> dict | None:
+    """A choice's ``logprobs`` in the endpoint's shape (None when they were not asked for)."""
+    if req.logprobs is None or entries is None:
+        return None
+    if req.chat:
+        def one(text: str, lp: float) -> dict:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**one(e.text, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+    return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries] if req.logprobs else None,
+            "text_offset": [e.offset for e in entries]}
+
+
+def response_body(req: GenerationRequest, rid: str, created: int, text: str, finish: str, use: dict,
+                  logprobs: list[LogprobEntry] | None = None) -> dict:
+    lp = logprobs_body(req, logprobs)
     if req.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": None}
+                  "logprobs": lp}
         return {"id": rid, "object": "chat.completion", "created": created, "model": req.model,
                 "choices": [choice], "usage": use}
     return {"id": rid, "object": "text_completion", "created": created, "model": req.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": use}
+            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}], "usage": use}
 
 
 def chunk_body(req: GenerationRequest, rid: str, created: int, *, text: str | None = None, role: bool = False,
-               finish: str | None = None, use: dict | None = None) -> dict:
-    """One server-sent event's data. ``use`` alone: the final usage chunk (empty choices)."""
+               finish: str | None = None, use: dict | None = None, logprobs: list[LogprobEntry] | None = None) -> dict:
+    """One server-sent event's data. ``use`` alone: the final usage chunk (empty choices).
+    ``logprobs``: those of the tokens whose text this chunk carries."""
+    lp = logprobs_body(req, logprobs)
     if req.chat:
         delta: dict = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choices = [] if use is not None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        choices = [] if use is not None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
                 "choices": choices}
     else:
-        choices = [] if use is not None else [{"index": 0, "text": text or "", "logprobs": None,
+        choices = [] if use is not None else [{"index": 0, "text": text or "", "logprobs": lp,
                                                "finish_reason": finish}]
         body = {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": choices}
     if use is not None:

@@ -175,7 +175,8 @@ class Gateway:
 
     async def _request(self, chat: bool, receive) -> tuple[oa.GenerationRequest, list[int], int]:
         body = await _read_body(receive)
-        req = oa.parse_request(oa.parse_json(body), chat=chat, render_chat=self._render_chat)
+        req = oa.parse_request(oa.parse_json(body), chat=chat, render_chat=self._render_chat,
+                               vocab_size=self.model.ckpt.config.vocab_size)
         if req.model not in (self.name, self.model.model_id):
             raise oa.ApiError(404, f"the model {req.model!r} does not exist here (this server serves "
                               f"{self.name!r})", param="model", code="model_not_found")
@@ -200,7 +201,13 @@ class Gateway:
 
     def _tokens(self, req: oa.GenerationRequest, ids: list[int], max_new: int, route):
         return self.client.generate(ids, max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
-                                    seed=req.seed, route=route)
+                                    seed=req.seed, frequency_penalty=req.frequency_penalty,
+                                    presence_penalty=req.presence_penalty, logit_bias=req.logit_bias,
+                                    logprobs=req.logprobs, route=route)
+
+    def _logprob_entry(self, tok, offset: int) -> oa.LogprobEntry:
+        return oa.LogprobEntry(tok.text, tok.logprob, [(self.model.decode([t]), lp) for t, lp in tok.top_logprobs],
+                               offset)
 
     async def generate(self, chat: bool, receive, send) -> None:
         req, ids, max_new = await self._request(chat, receive)
@@ -228,11 +235,16 @@ class Gateway:
             await self._stream(req, ids, max_new, route, rid, created, send)
         else:
             out: list[int] = []
+            entries: list[oa.LogprobEntry] = []  # (with logprobs asked for) one per token of out
             text, stopped = "", False
             try:
                 async with aclosing(self._tokens(req, ids, max_new, route)) as tokens:
                     async for tok in tokens:
                         tok.apply(out)
+                        if req.logprobs is not None:
+                            del entries[len(entries) - tok.retracted:]  # (withdrawn tokens' entries go too)
+                            if tok.id is not None:
+                                entries.append(self._logprob_entry(tok, len(self.model.decode(out[:-1]))))
                         text = self.model.decode(out)  # the whole text each time: tokens may be withdrawn
                         cut = oa.first_stop(text, req.stop)
                         if cut >= 0:
@@ -244,9 +256,15 @@ class Gateway:
                 raise oa.ApiError(502, f"the swarm failed during generation: {e}", type="server_error",
                                   code="swarm_error") from None
             finish = "length" if len(out) >= max_new and not stopped else "stop"
+            if stopped:  # the tokens a stop sequence cut off are not in the answer
+                entries = [e for e in entries if e.offset < len(text)]
             if req.echo:
-                text = self.model.decode(ids) + text
-            await _json(send, 200, oa.response_body(req, rid, created, text, finish, oa.usage(len(ids), len(out))))
+                shown = self.model.decode(ids)
+                text = shown + text
+                for e in entries:
+                    e.offset += len(shown)
+            await _json(send, 200, oa.response_body(req, rid, created, text, finish, oa.usage(len(ids), len(out)),
+                                                    entries))
 
     async def _stream(self, req, ids, max_new, route, rid, created, send) -> None:
         await send({"type": "http.response.start", "status": 200,
@@ -258,6 +276,8 @@ class Gateway:
         stop = oa.StopMatcher(req.stop)
         n = 0
         finish = "length"
+        pending: list[oa.LogprobEntry] = []  # of tokens whose text has not gone out yet
+        sent_chars = 0
         try:
             if req.chat:
                 await event(oa.chunk_body(req, rid, created, role=True, text=""))
@@ -270,15 +290,19 @@ class Gateway:
                         raise ShardnetError(f"a peer was caught computing wrong; {tok.retracted} token(s) "
                                             "already sent were withdrawn: retry the request")
                     n += 1
+                    if req.logprobs is not None:
+                        pending.append(self._logprob_entry(tok, sent_chars + sum(len(e.text) for e in pending)))
                     piece = stop.feed(tok.text)
                     if piece:
-                        await event(oa.chunk_body(req, rid, created, text=piece))
+                        await event(oa.chunk_body(req, rid, created, text=piece, logprobs=pending))
+                        sent_chars += len(piece)
+                        pending = []
                     if stop.stopped:
                         finish = "stop"
                         break
             if not stop.stopped:
                 if piece := stop.flush():
-                    await event(oa.chunk_body(req, rid, created, text=piece))
+                    await event(oa.chunk_body(req, rid, created, text=piece, logprobs=pending))
                 finish = "length" if n >= max_new else "stop"
             await event(oa.chunk_body(req, rid, created, finish=finish, text=None if req.chat else ""))
             if req.include_usage:

@@ -96,6 +96,35 @@ def test_stop_sequences_cut_the_text_and_seeded_sampling_repeats(gateway, expect
     assert a == b
 
 
+def test_penalties_bias_and_logprobs_are_applied(gateway, expected):
+    text, prompt_tokens, n = expected
+    api_ = api(gateway)
+    # a bias of 100 makes greedy choose that token every time; a penalty changes the text
+    forced = api_.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=4, temperature=0,
+                                     logit_bias={"7": 100})
+    assert forced.choices[0].text == LocalModel(default_model_path()).decode([7] * 4)
+    penalised = api_.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=MAX, temperature=0,
+                                        frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalised.choices[0].text != text
+    # logprobs: one per token, the chosen token the most likely (greedy), in each endpoint's shape
+    r = api_.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=MAX, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == text and "".join(lp.tokens) == text
+    assert len(lp.token_logprobs) == r.usage.completion_tokens and all(x <= 0 for x in lp.token_logprobs)
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(x) for top, x in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chat = api_.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    stream = api_.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, temperature=0, logprobs=True, stream=True)
+    streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
+
+
 def test_concurrent_requests_are_all_served(gateway, expected):
     client = api(gateway)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -276,6 +305,6 @@ def test_an_api_key_a_chat_template_and_the_probes(gateway, tmp_path):
                                        max_tokens=4, temperature=0)
     rendered = "user: def add(a, b):\n    return\nassistant:"  # the given template, parts joined
     assert r.usage.prompt_tokens == len(LocalModel(default_model_path()).encode(rendered))
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, presence_penalty=1.0)
-    assert e.value.body["param"] == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as e:  # (a token outside the vocabulary)
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, logit_bias={"99999999": 1})
+    assert e.value.body["param"] == "logit_bias"

@@ -33,7 +33,7 @@ def test_defaults_follow_openai():
     ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": "m", "prompt": "x", "stop": [""]}, "stop"),
-    ({"model": "m", "prompt": "x", "logprobs": 5}, "logprobs"),
+    ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
     ({"model": "m", "prompt": "x", "seed": 1.5}, "seed"),
 ])
@@ -176,28 +176,30 @@ def test_malformed_content_is_refused(content):
     assert e.value.status == 400 and e.value.param == "messages"
 
 
-@pytest.mark.parametrize("name", oa.PENALTIES)
-def test_penalties_are_refused_unless_zero(name):
-    """The sampler applies no penalties: a non-zero one is a 400 naming it, never silently ignored."""
+@pytest.mark.parametrize("name", ["frequency_penalty", "presence_penalty"])
+def test_penalties_are_taken_in_openais_range(name):
     for value in (0, 0.0, None):
-        parse({"model": "m", "prompt": "x", name: value})
-        chat([{"role": "user", "content": "x"}], **{name: value})
+        assert getattr(parse({"model": "m", "prompt": "x", name: value}), name) == 0.0
     for value in (0.5, -1, 2):
-        with pytest.raises(oa.ApiError) as e:
-            parse({"model": "m", "prompt": "x", name: value})
-        assert (e.value.status, e.value.param) == (400, name)
-        assert e.value.message.startswith(f"{name} is not supported")
+        assert getattr(parse({"model": "m", "prompt": "x", name: value}), name) == value
+        assert getattr(chat([{"role": "user", "content": "x"}], **{name: value}), name) == value
     for value in (3, "high", True):  # outside OpenAI's range, or not a number
         with pytest.raises(oa.ApiError) as e:
             parse({"model": "m", "prompt": "x", name: value})
         assert (e.value.status, e.value.param) == (400, name)
 
 
-def test_logit_bias_is_refused():
-    with pytest.raises(oa.ApiError) as e:
-        chat([{"role": "user", "content": "x"}], logit_bias={"50256": -100})
-    assert (e.value.status, e.value.param) == (400, "logit_bias")
-    assert parse({"model": "m", "prompt": "x", "logit_bias": {}}).prompt == "x"  # empty: changes nothing
+def test_logit_bias_maps_token_ids_to_a_bias():
+    r = chat([{"role": "user", "content": "x"}], logit_bias={"50": -100, "7": 2.5})
+    assert r.logit_bias == {50: -100.0, 7: 2.5}
+    assert parse({"model": "m", "prompt": "x", "logit_bias": {}}).logit_bias == {}  # empty: changes nothing
+    bad = [{"x7": 1}, {"-3": 1}, {"7": 101}, {"7": "much"}, {"7": True}, [7], {str(i): 1 for i in range(oa.MAX_LOGIT_BIAS + 1)}]
+    for bias in bad:
+        with pytest.raises(oa.ApiError) as e:
+            parse({"model": "m", "prompt": "x", "logit_bias": bias})
+        assert (e.value.status, e.value.param) == (400, "logit_bias"), bias
+    with pytest.raises(oa.ApiError, match=r"token 512 is not in the model's vocabulary \(0\.\.511\)"):
+        oa.parse_request({"model": "m", "prompt": "x", "logit_bias": {"512": 1}}, chat=False, vocab_size=512)
 
 
 def test_api_keys_are_checked():
@@ -217,3 +219,34 @@ def test_chat_template_syntax_is_checked():
     assert oa.check_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}") is None
     assert "line 2" in oa.check_chat_template("ok\n{% for m in messages %}")
     assert oa.check_chat_template("{{ x | no_such_filter }}")
+
+
+def test_logprobs_are_asked_for_in_each_endpoints_way():
+    assert parse({"model": "m", "prompt": "x"}).logprobs is None
+    assert parse({"model": "m", "prompt": "x", "logprobs": 0}).logprobs == 0
+    assert parse({"model": "m", "prompt": "x", "logprobs": 5}).logprobs == 5
+    assert chat([{"role": "user", "content": "x"}], logprobs=True).logprobs == 0
+    assert chat([{"role": "user", "content": "x"}], logprobs=True, top_logprobs=20).logprobs == 20
+    assert chat([{"role": "user", "content": "x"}], logprobs=False).logprobs is None
+    for bad, param in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+                       ({"logprobs": 3}, "logprobs")]:
+        with pytest.raises(oa.ApiError) as e:
+            chat([{"role": "user", "content": "x"}], **bad)
+        assert (e.value.status, e.value.param) == (400, param), bad
+
+
+def test_logprobs_bodies_have_openais_shapes():
+    entries = [oa.LogprobEntry("de", -0.5, [("de", -0.5), ("x", -1.5)], 0),
+               oa.LogprobEntry("f", -0.25, [("f", -0.25), ("é", -2.0)], 2)]
+    comp = parse({"model": "m", "prompt": "x", "logprobs": 2})
+    body = oa.response_body(comp, "cmpl-1", 0, "def", "length", oa.usage(1, 2), entries)["choices"][0]["logprobs"]
+    assert body == {"tokens": ["de", "f"], "token_logprobs": [-0.5, -0.25],
+                    "top_logprobs": [{"de": -0.5, "x": -1.5}, {"f": -0.25, "é": -2.0}], "text_offset": [0, 2]}
+    c = chat([{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2)
+    got = oa.chunk_body(c, "chatcmpl-1", 0, text="f", logprobs=entries[1:])["choices"][0]["logprobs"]
+    assert got == {"content": [{"token": "f", "logprob": -0.25, "bytes": [102],
+                                "top_logprobs": [{"token": "f", "logprob": -0.25, "bytes": [102]},
+                                                 {"token": "é", "logprob": -2.0, "bytes": [195, 169]}]}],
+                   "refusal": None}
+    plain = parse({"model": "m", "prompt": "x"})
+    assert oa.response_body(plain, "cmpl-2", 0, "d", "stop", oa.usage(1, 1), entries)["choices"][0]["logprobs"] is None

@@ -107,8 +107,8 @@ async def test_content_parts_and_a_given_chat_template(model):
         body["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}})
         status, got, _ = await call(app, "POST", "/v1/chat/completions", body)
         assert (status, got["error"]["param"]) == (400, "messages") and "image_url" in got["error"]["message"]
-        status, got, _ = await call(app, "POST", "/v1/completions", {**COMPLETION, "frequency_penalty": 0.5})
-        assert (status, got["error"]["param"]) == (400, "frequency_penalty")
+        status, got, _ = await call(app, "POST", "/v1/completions", {**COMPLETION, "logit_bias": {"x": 1}})
+        assert (status, got["error"]["param"]) == (400, "logit_bias")
 
 
 @pytest.mark.parametrize("content, says", [
