@@ -3,7 +3,8 @@ trio, in the same event loop as the node it generates through.
 
     POST /v1/completions, POST /v1/chat/completions (``stream: true``: server-sent events)
     GET /v1/models (with ``swarm``: every model the swarm serves), GET /health, GET /v1/swarm
-    (``shardnet status --json``'s data), GET /livez and GET /readyz (for orchestrators)
+    (``shardnet status --json``'s data), GET /livez and GET /readyz (for orchestrators),
+    GET /metrics (Prometheus' text format: inference/metrics.py; outside /v1, so no API key)
 
 ``/health`` answers 200 ``{"status": "ok"}`` only while every layer of the model is served by a
 peer this gateway would route through, else 503 ``{"status": "unavailable", "missing_layers":
@@ -30,7 +31,6 @@ generation, which frees its chain.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import time
@@ -39,12 +39,14 @@ from pathlib import Path
 
 import trio
 
-from shardnet.errors import NoRouteError, PortInUseError, ShardnetError
+from shardnet.errors import NoRouteError, ShardnetError
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.routing import format_layers, uncovered_layers
+from shardnet.inference.metrics import exposition
 from shardnet.inference.swarm_status import swarm_report
 
 from . import openai_api as oa
+from .http import serve_asgi
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +102,13 @@ class Gateway:
                 oa.check_api_key(scope.get("headers", []), self.api_key)
             if (method, path) in routes:
                 await _json(send, *await routes[(method, path)]())
+            elif (method, path) == ("GET", "/metrics"):
+                body, content_type = exposition(self.client.node)
+                await _send(send, 200, body, content_type)
             elif (method, path) in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
                 self.requests += 1
                 await self.generate(path.endswith("chat/completions"), receive, send)
-            elif path in {p for _, p in routes} | {"/v1/completions", "/v1/chat/completions"}:
+            elif path in {p for _, p in routes} | {"/v1/completions", "/v1/chat/completions", "/metrics"}:
                 raise oa.ApiError(405, f"{method} is not allowed on {path}")
             else:
                 raise oa.ApiError(404, f"no such endpoint: {method} {path}", code="unknown_url")
@@ -341,9 +346,12 @@ async def _cancel_on_disconnect(receive, scope: trio.CancelScope, gone: trio.Eve
 
 
 async def _json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    data = json.dumps(body).encode()
+    await _send(send, status, json.dumps(body).encode(), "application/json", headers)
+
+
+async def _send(send, status: int, data: bytes, content_type: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(data)).encode()),
                             *headers]})
     await send({"type": "http.response.body", "body": data, "more_body": False})
 
@@ -365,24 +373,5 @@ async def serve_gateway(client: Client, name: str, *, host: str = "127.0.0.1", p
                         route_timeout: float = 10.0, api_key: str | None = None, chat_template: str | None = None,
                         task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled; ``task_status.started`` gets the bound URLs."""
-    from hypercorn.config import Config
-    from hypercorn.trio.run import worker_serve
-    from hypercorn.utils import wrap_app
-
-    config = Config()
-    config.bind = [f"{host}:{port}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.graceful_timeout = 5.0
-    # Bind here, before Hypercorn's nurseries, so a port in use is one clear error.
-    try:
-        sockets = config.create_sockets()
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise PortInUseError(f"HTTP {host}:{port}: port {port} is already in use by another process") from None
-        raise PortInUseError(f"HTTP {host}:{port}: cannot bind: {e.strerror or e}") from None
-    for sock in sockets.insecure_sockets:
-        sock.listen(config.backlog)
     gateway = Gateway(client, name, route_timeout=route_timeout, api_key=api_key, chat_template=chat_template)
-    await worker_serve(wrap_app(gateway, config.wsgi_max_body_size, "asgi"), config, sockets=sockets,
-                       task_status=task_status)
+    await serve_asgi(gateway, host=host, port=port, task_status=task_status)

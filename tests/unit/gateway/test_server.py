@@ -43,7 +43,10 @@ async def call(app, method: str, path: str, body: dict | bytes = b"", headers=()
     await app(scope, receive, send)
     start = next(m for m in sent if m["type"] == "http.response.start")
     payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return start["status"], json.loads(payload), dict(start["headers"])
+    headers = dict(start["headers"])
+    if not headers[b"content-type"].startswith(b"application/json"):
+        return start["status"], payload.decode(), headers
+    return start["status"], json.loads(payload), headers
 
 
 def gateway(node, model, **kw) -> Gateway:
@@ -133,3 +136,17 @@ def test_an_empty_api_key_is_refused():
 
     r = CliRunner().invoke(serve, ["--api-key", " "])
     assert r.exit_code != 0 and r.output.strip() == "error: --api-key is empty (leave it out to serve without a key)"
+
+
+async def test_metrics_are_served_in_prometheus_format_without_the_api_key(model):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with open_node(NodeConfig(dht_mode="client")) as node:
+        app = gateway(node, model, api_key=KEY)
+        status, text, headers = await call(app, "GET", "/metrics")
+        assert status == 200 and headers[b"content-type"].startswith(b"text/plain; version=")
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert families["shardnet_node_info"].samples[0].labels["peer_id"] == str(node.peer_id)
+        assert families["shardnet_client_sessions"].samples[0].value == 0  # this gateway's client, from the start
+        status, got, _ = await call(app, "POST", "/metrics")
+        assert status == 405
