@@ -147,31 +147,40 @@ class TokenBuckets:
 REFUSED: Counter[str] = Counter()
 
 
-class Refusals:
-    """Counts refusals (of a limit, of bad input) by kind and logs them without flooding the
-    log: the first of a kind for a peer at once, then at most one line per 10 s with the count
-    of those not logged since."""
+class ThrottledLog:
+    """Log lines of a kind without flooding the log: the first for a key at once, then at most
+    one line per 10 s with the count of those left out since."""
 
-    def __init__(self, logger: logging.Logger = log, level: int = logging.WARNING) -> None:
-        self.logger, self.level = logger, level
-        self.counts: Counter[str] = Counter()
-        self._unlogged: Counter[tuple[str, str]] = Counter()
-        self._last: dict[tuple[str, str], float] = {}
+    def __init__(self, logger: logging.Logger, level: int = logging.WARNING, *, most_keys: int = 4096) -> None:
+        self.logger, self.level, self.most_keys = logger, level, most_keys
+        self._unlogged: Counter[object] = Counter()
+        self._last: dict[object, float] = {}
 
-    def note(self, kind: str, peer: object, message: str) -> None:
-        self.counts[kind] += 1
-        REFUSED[kind] += 1
-        key = (kind, str(peer))
+    def log(self, key: object, message: str) -> None:
         now = time.monotonic()
         if now - self._last.get(key, -10.0) < 10.0:
             self._unlogged[key] += 1
             return
-        if len(self._last) > 4096:
+        if len(self._last) > self.most_keys:
             self._last.clear()
             self._unlogged.clear()
         more = self._unlogged.pop(key, 0)
         self._last[key] = now
         self.logger.log(self.level, "%s%s", message, f" ({more} more like it since the last line)" if more else "")
+
+
+class Refusals:
+    """Counts refusals (of a limit, of bad input) by kind and logs them without flooding the
+    log (one line per kind and peer every 10 s at most: ThrottledLog)."""
+
+    def __init__(self, logger: logging.Logger = log, level: int = logging.WARNING) -> None:
+        self.counts: Counter[str] = Counter()
+        self._log = ThrottledLog(logger, level)
+
+    def note(self, kind: str, peer: object, message: str) -> None:
+        self.counts[kind] += 1
+        REFUSED[kind] += 1
+        self._log.log((kind, str(peer)), message)
 
 
 class PeerCounts(Counter):

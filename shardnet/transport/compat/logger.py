@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from collections import Counter
+
+from ..limits import ThrottledLog
 
 #: the level py-libp2p's logger has unless someone chose one: its errors, not its routine churn
 QUIET_LEVEL = logging.ERROR
@@ -25,29 +25,18 @@ class _Forward(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__()
-        self._last: dict[tuple[str, object], float] = {}
-        self._unlogged: Counter[tuple[str, object]] = Counter()
+        self._relog = ThrottledLog(relog, logging.WARNING, most_keys=1024)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if logging.getLogger("libp2p").level != QUIET_LEVEL:
+        if logging.getLogger("libp2p").level < QUIET_LEVEL:
             logging.getLogger().handle(record)
             return
-        key = (record.name, record.msg)
-        now = time.monotonic()
-        if now - self._last.get(key, -10.0) < 10.0:
-            self._unlogged[key] += 1
-            return
-        if len(self._last) > 1024:
-            self._last.clear()
-            self._unlogged.clear()
-        self._last[key] = now
-        more = self._unlogged.pop(key, 0)
         try:
             text = record.getMessage()
         except Exception:  # a record whose arguments do not fit its message: say what it was
             text = str(record.msg)
-        relog.warning("py-libp2p %s: %s%s", record.name.removeprefix("libp2p."), text.splitlines()[0] if text else "",
-                      f" ({more} more like it since the last line)" if more else "")
+        first = text.splitlines()[0] if text else ""
+        self._relog.log((record.name, record.msg), f"py-libp2p {record.name.removeprefix('libp2p.')}: {first}")
 
 
 def route_libp2p_logging() -> None:
