@@ -13,7 +13,7 @@ import click
 
 from shardnet import __version__, logs
 
-from . import compute, config_file, demo, generate, model, overlay, receipts, serve
+from . import compute, config_file, dashboard, demo, generate, model, overlay, receipts, serve
 from .common import make_config, network_options
 
 __all__ = ["main", "make_config", "network_options"]
@@ -39,7 +39,7 @@ for command in (
     overlay.peers, overlay.status, overlay.ping,
     compute.join,
     generate.generate,
-    serve.serve,
+    serve.serve, dashboard.dashboard,
     receipts.verify, receipts.receipts,
     model.model, model.models,
     demo.demo,

@@ -85,5 +85,6 @@ def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path,
                     api_key=api_key, chat_template=template))
                 say(f"serving the OpenAI API for model {shown!r} on {', '.join(urls)} "
                      f"(model {model.model_id[:16]}…)" + (" with an API key" if api_key else ""))
+                say(f"swarm dashboard on {urls[0]}/dashboard, metrics on {urls[0]}/metrics")
 
     run(_main)

@@ -4,7 +4,8 @@ trio, in the same event loop as the node it generates through.
     POST /v1/completions, POST /v1/chat/completions (``stream: true``: server-sent events)
     GET /v1/models (with ``swarm``: every model the swarm serves), GET /health, GET /v1/swarm
     (``shardnet status --json``'s data), GET /livez and GET /readyz (for orchestrators),
-    GET /metrics (Prometheus' text format: inference/metrics.py; outside /v1, so no API key)
+    GET /metrics (Prometheus' text format: inference/metrics.py), GET /dashboard (and /) the
+    swarm dashboard (gateway/dashboard.py); both outside /v1, so no API key
 
 ``/health`` answers 200 ``{"status": "ok"}`` only while every layer of the model is served by a
 peer this gateway would route through, else 503 ``{"status": "unavailable", "missing_layers":
@@ -45,6 +46,7 @@ from shardnet.inference.client.routing import format_layers, uncovered_layers
 from shardnet.inference.metrics import exposition
 from shardnet.inference.swarm_status import swarm_report
 
+from . import dashboard
 from . import openai_api as oa
 from .http import serve_asgi
 
@@ -81,6 +83,8 @@ class Gateway:
         self.template = chat_template if chat_template is not None else chat_template_of(self.model.ckpt.path)
         self.requests = 0  # completion requests (not probes)
         self._swarm_models: tuple[float, list[dict]] | None = None
+        shown = [dashboard.ShownModel(self.model.model_id, name, self.model.ckpt.num_layers)]
+        self.dashboard = dashboard.DashboardPages(client.node, lambda: _value(shown))
 
     # -- ASGI ----------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
@@ -105,10 +109,13 @@ class Gateway:
             elif (method, path) == ("GET", "/metrics"):
                 body, content_type = exposition(self.client.node)
                 await _send(send, 200, body, content_type)
+            elif method == "GET" and path in (*dashboard.PATHS, "/"):
+                await _send(send, 200, *await self.dashboard.page("/dashboard" if path == "/" else path))
             elif (method, path) in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
                 self.requests += 1
                 await self.generate(path.endswith("chat/completions"), receive, send)
-            elif path in {p for _, p in routes} | {"/v1/completions", "/v1/chat/completions", "/metrics"}:
+            elif path in {p for _, p in routes} | {"/v1/completions", "/v1/chat/completions", "/metrics", "/",
+                                                    *dashboard.PATHS}:
                 raise oa.ApiError(405, f"{method} is not allowed on {path}")
             else:
                 raise oa.ApiError(404, f"no such endpoint: {method} {path}", code="unknown_url")
@@ -317,6 +324,10 @@ class Gateway:
             await event(oa.ApiError(502, str(e), type="server_error", code="swarm_error").body())
         await event("[DONE]")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _value(x):
+    return x
 
 
 async def _read_body(receive) -> bytes:

@@ -53,6 +53,7 @@ class Claim:
     rtts: tuple[tuple[str, float], ...] = ()
     dtype: str = "unknown"
     quant: str = "none"
+    since: float = 0.0  # when the peer began serving (Unix time; 0: not said), for uptime displays
 
     def covers(self, layer: int) -> bool:
         return self.start <= layer < self.end
@@ -103,14 +104,15 @@ def decode(blob: bytes, *, now: float | None = None) -> Claim:
                   tput=float(body["tput"]), addrs=tuple(body["addrs"]), expires=float(body["expires"]),
                   peer=body["peer"], reach=body.get("reach", "unknown"), load=float(body.get("load", 0.0)),
                   rtts=_rtts(body.get("rtts", [])), dtype=body.get("dtype", "unknown"),
-                  quant=body.get("quant", "none"))
+                  quant=body.get("quant", "none"), since=float(body.get("since", 0.0)))
     except (KeyError, TypeError, ValueError) as e:
         raise ClaimError(f"claim body incomplete ({e})") from None
     if not (isinstance(c.model, str) and isinstance(c.peer, str) and all(isinstance(a, str) for a in c.addrs)
             and isinstance(c.start, int) and isinstance(c.end, int) and 0 <= c.start < c.end
             and isinstance(c.kv_tokens, int) and c.kv_tokens >= 0 and c.reach in REACH_VALUES
             and c.dtype in DTYPE_VALUES and c.quant in QUANT_VALUES
-            and math.isfinite(c.tput) and c.tput >= 0 and 0.0 <= c.load <= 1.0):
+            and math.isfinite(c.tput) and c.tput >= 0 and 0.0 <= c.load <= 1.0
+            and math.isfinite(c.since) and c.since >= 0):
         raise ClaimError("claim body has the wrong types or an empty layer range")
     if str(ID.from_pubkey(pk)) != c.peer:
         raise ClaimError("claim is signed by a key other than its peer's")

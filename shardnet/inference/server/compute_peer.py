@@ -130,6 +130,8 @@ class ComputePeer:
         self.idle_timeout = node.config.limits.session_idle_s if idle_timeout is None else idle_timeout
         self.hold_head = hold_head
         self.served: ServedBlock | None = None
+        #: when this peer began serving (Unix time; claims carry it, for uptime displays)
+        self.since = time.time()
         self.tput = 0.0
         self.successor_rtts: dict[str, float] = {}
         self.moves: list[Move] = []
@@ -178,7 +180,7 @@ class ComputePeer:
                      addrs=tuple(str(a) for a in self.node.listen_addrs), expires=expires, peer=str(self.node.peer_id),
                      reach=self.node.autonat.status if self.node.autonat else "unknown",
                      load=min(1.0, kv.used / kv.limit) if kv.limit else 0.0, rtts=rtts, dtype=self.dtype_name,
-                     quant=self.quantize or "none")
+                     quant=self.quantize or "none", since=self.since)
 
     # -- choosing and revising the span ----------------------------------------------------------
     async def choose_span(self, *, max_layers: int | None = None, wait: float = 5.0,
