@@ -6,10 +6,9 @@ cd "$(dirname "$0")"
 say() { printf '[setup] %s\n' "$*"; }
 
 # System packages: py-libp2p 0.8.1 builds fastecdsa from source, which needs the GMP headers;
-# the NAT lab (shardnet/testing/natlab.py, its tests) needs iproute2 and nftables; the dashboard's
-# browser test drives Debian's chromium (headless, through playwright).
+# the NAT lab (shardnet/testing/natlab.py, its tests) needs iproute2 and nftables.
 missing=""
-for pkg in libgmp-dev iproute2 nftables chromium; do
+for pkg in libgmp-dev iproute2 nftables; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing="$missing $pkg"
 done
 if [ -n "$missing" ]; then
