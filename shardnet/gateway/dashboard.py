@@ -25,6 +25,8 @@ from shardnet.inference.client.activity import ClientActivity
 from shardnet.inference.swarm_status import swarm_report
 from shardnet.transport.node import Node
 
+from .http import http_app, respond
+
 #: seconds the page waits between refreshes
 REFRESH_S = 2.0
 #: how long one refresh may wait for the swarm's claims (seconds)
@@ -215,15 +217,8 @@ def dashboard_app(node: Node, models):
     to it, 404 elsewhere."""
     pages = DashboardPages(node, models)
 
+    @http_app
     async def app(scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while (msg := await receive())["type"] != "lifespan.shutdown":
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        if scope["type"] != "http":
-            return
         path = scope["path"].rstrip("/") or "/"
         headers: list[tuple[bytes, bytes]] = []
         if scope["method"] != "GET":
@@ -235,9 +230,6 @@ def dashboard_app(node: Node, models):
             status, (body, ctype) = 200, await pages.page(path)
         else:
             status, body, ctype = 404, b"not found: the dashboard is at /dashboard\n", "text/plain; charset=utf-8"
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode()),
-                                (b"cache-control", b"no-store"), *headers]})
-        await send({"type": "http.response.body", "body": body})
+        await respond(send, status, body, ctype, [(b"cache-control", b"no-store"), *headers])
 
     return app

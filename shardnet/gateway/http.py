@@ -35,3 +35,30 @@ async def serve_asgi(app, *, host: str, port: int, what: str = "HTTP",
         sock.listen(config.backlog)
     await worker_serve(wrap_app(app, config.wsgi_max_body_size, "asgi"), config, sockets=sockets,
                        task_status=task_status)
+
+
+async def answer_lifespan(receive, send) -> None:
+    """An ASGI lifespan scope, for apps with nothing to start or stop: say so until shutdown."""
+    while (msg := await receive())["type"] != "lifespan.shutdown":
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+async def respond(send, status: int, body: bytes, content_type: str, headers=(), *, head: bool = False) -> None:
+    """One whole HTTP response (``head``: the headers alone, as a HEAD request wants)."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": b"" if head else body, "more_body": False})
+
+
+def http_app(handle):
+    """An ASGI app from a handler of HTTP requests: a lifespan scope answered, others ignored."""
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await answer_lifespan(receive, send)
+        elif scope["type"] == "http":
+            await handle(scope, receive, send)
+
+    return app

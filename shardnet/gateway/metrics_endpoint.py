@@ -10,26 +10,17 @@ import trio
 from shardnet.inference.metrics import exposition
 from shardnet.transport.node import Node
 
-from .http import serve_asgi
+from .http import http_app, respond, serve_asgi
 
 
 def metrics_app(node: Node):
+    @http_app
     async def app(scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while (msg := await receive())["type"] != "lifespan.shutdown":
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        if scope["type"] != "http":
-            return
         if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
             status, (body, ctype) = 200, exposition(node)
         else:
             status, body, ctype = 404, b"not found: metrics are at /metrics\n", "text/plain; charset=utf-8"
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+        await respond(send, status, body, ctype, head=scope["method"] == "HEAD")
 
     return app
 

@@ -48,7 +48,7 @@ from shardnet.inference.swarm_status import swarm_report
 
 from . import dashboard
 from . import openai_api as oa
-from .http import serve_asgi
+from .http import answer_lifespan, respond, serve_asgi
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +89,8 @@ class Gateway:
     # -- ASGI ----------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
@@ -108,9 +103,9 @@ class Gateway:
                 await _json(send, *await routes[(method, path)]())
             elif (method, path) == ("GET", "/metrics"):
                 body, content_type = exposition(self.client.node)
-                await _send(send, 200, body, content_type)
+                await respond(send, 200, body, content_type)
             elif method == "GET" and path in (*dashboard.PATHS, "/"):
-                await _send(send, 200, *await self.dashboard.page("/dashboard" if path == "/" else path))
+                await respond(send, 200, *await self.dashboard.page("/dashboard" if path == "/" else path))
             elif (method, path) in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
                 self.requests += 1
                 await self.generate(path.endswith("chat/completions"), receive, send)
@@ -357,14 +352,7 @@ async def _cancel_on_disconnect(receive, scope: trio.CancelScope, gone: trio.Eve
 
 
 async def _json(send, status: int, body: dict, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    await _send(send, status, json.dumps(body).encode(), "application/json", headers)
-
-
-async def _send(send, status: int, data: bytes, content_type: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(data)).encode()),
-                            *headers]})
-    await send({"type": "http.response.body", "body": data, "more_body": False})
+    await respond(send, status, json.dumps(body).encode(), "application/json", headers)
 
 
 def read_chat_template(path: Path) -> str:
