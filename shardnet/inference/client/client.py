@@ -35,6 +35,7 @@ from shardnet.inference.client.run_receipt import last_run, seal_run_receipt
 from shardnet.inference.client.sampling import Randomness, SamplingParams
 from shardnet.inference.client.session import InferenceSession, SessionSlots, _busy
 from shardnet.inference.client.speculative import Drafter
+from shardnet.inference.client.timing import QUEUE_TIMEOUT
 from shardnet.inference.model.block import dtype_name
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.probes import Probes
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 #: whether a client routes through peers whose weights are quantized
 QUANTIZED_CHOICES = ("allow", "require", "refuse")
 #: how long a request waits in line for a session before it fails with code "busy" (seconds)
-QUEUE_TIMEOUT = 60.0
 
 
 class Client:

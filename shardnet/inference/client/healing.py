@@ -33,6 +33,7 @@ import trio
 
 from shardnet.errors import InferenceError
 from shardnet.inference.client.audit import AuditJob
+from shardnet.inference.client.timing import NAMED_ERROR_WAIT, PROBE_TIMEOUT
 from shardnet.inference.probes import Probes
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.errors import ShardnetError
@@ -41,8 +42,6 @@ log = logging.getLogger(__name__)
 
 #: error codes that mean "this chain broke", which another chain can fix
 HEALABLE = frozenset({"next_hop", "timeout", "idle", "unknown_session"})
-PROBE_TIMEOUT = 3.0
-NAMED_ERROR_WAIT = 1.0
 #: how long a peer blamed only for answering a probe late is routed around (seconds)
 SLOW_AVOID_S = 10.0
 

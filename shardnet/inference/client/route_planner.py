@@ -17,7 +17,16 @@ import trio
 from shardnet.errors import NoRouteError, ShardnetError
 from shardnet.inference.claims import CLAIM_TTL, RTT_SAMPLES
 from shardnet.inference.client.reputation import Reputation
-from shardnet.inference.client.routing import plan_route
+from shardnet.inference.client.routing import (
+    KEEP_DISCOUNT,
+    RELAYED_RTT_FACTOR,
+    SLOW_RTT,
+    UNKNOWN_RTT,
+    ChainCost,
+    link_rtt,
+    plan_route,
+    probe_order,
+)
 from shardnet.protocols.block_claim import Claim
 
 if TYPE_CHECKING:
@@ -28,15 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-#: route cost of a hop whose round trip we could not measure (seconds)
-UNKNOWN_RTT = 0.05
-#: a relayed hop's round trip counts this many times (every byte crosses the relay twice)
-RELAYED_RTT_FACTOR = 3.0
-#: how much cheaper a peer already in the chain looks when a chain heals (keep what works)
-KEEP_DISCOUNT = 0.25
 RTT_CACHE_S = 30.0
-#: route cost of a hop whose peer is there but did not answer a probe in time (seconds)
-SLOW_RTT = 2.0
+# (the hop costs live in routing.py, shared with the swarm simulator; named here as before)
+__all__ = ["KEEP_DISCOUNT", "RELAYED_RTT_FACTOR", "SLOW_RTT", "UNKNOWN_RTT", "RoutePlanner", "SpanPolicy"]
 
 
 @dataclass(frozen=True)
@@ -158,10 +161,7 @@ class RoutePlanner:
         await self.measure_rtts([c.peer for c in usable])
         usable = self.usable(claims, avoid)  # without the peers found gone
 
-        def cost(prev: Claim | None, c: Claim) -> float:
-            return self.hop_cost(prev, c) * (KEEP_DISCOUNT if c.peer in kept else 1.0)
-
-        route = plan_route(usable, self.num_layers, cost=cost, finish=self.return_cost)
+        route = plan_route(usable, self.num_layers, cost=self.costs(kept))
         log.info("route: %s (estimated %.1f ms per token)",
                  " -> ".join(f"{c.peer[:12]}…[{c.start}:{c.end}]" for c in route),
                  1000 * self.route_cost(route))
@@ -195,33 +195,26 @@ class RoutePlanner:
 
     def rtt(self, peer: str) -> float:
         """Our round trip to ``peer`` (measured, else a guess), relayed links counted several times."""
-        rtt = SLOW_RTT if self.probes.verdict(peer) == "slow" else self.probes.rtts.get(peer, UNKNOWN_RTT)
-        return rtt * RELAYED_RTT_FACTOR if self.node.link(peer) == "relayed" else rtt
+        return link_rtt(self.probes.rtts.get(peer), slow=self.probes.verdict(peer) == "slow",
+                        relayed=self.node.link(peer) == "relayed")
+
+    def costs(self, kept: set[str] | frozenset = frozenset()) -> ChainCost:
+        """What a chain costs as this client sees it now (see ``routing.ChainCost``)."""
+        return ChainCost(self.rtt, self.reputation.cost_factor, frozenset(kept))
 
     def hop_cost(self, prev: Claim | None, claim: Claim) -> float:
-        """Seconds one token spends reaching and crossing this hop: half the round trip from the
-        previous hop (as that peer reported it; ours as a stand-in) plus the peer's compute."""
-        reported = dict(prev.rtts).get(claim.peer) if prev is not None else None
-        rtt = reported if reported is not None else self.rtt(claim.peer)
-        compute = 1.0 / claim.tput if claim.tput > 0 else 0.0
-        return (rtt / 2 + compute) * self.reputation.cost_factor(claim.peer)
+        return self.costs().hop(prev, claim)
 
     def return_cost(self, last: Claim) -> float:
-        """Seconds the last hop's result takes to come back to the client."""
-        return self.rtt(last.peer) / 2
+        return self.costs().finish(last)
 
     def route_cost(self, route: list[Claim]) -> float:
-        """Estimated seconds per token through ``route``, the return included."""
-        prev = None
-        total = 0.0
-        for c in route:
-            total += self.hop_cost(prev, c)
-            prev = c
-        return total + (self.return_cost(route[-1]) if route else 0.0)
+        return self.costs().total(route)
 
     async def measure_rtts(self, peers: list[str], *, timeout: float = 2.0, most: int = 64) -> None:
         """Probe the peers not probed lately (shared with every other request; see probes.py). A
         peer that cannot be reached is left out of routes until it claims again or ``GONE_S``
         passes; one that is there but does not answer in time is a costly hop (``SLOW_RTT``)."""
-        await self.probes.probe(list(dict.fromkeys(peers))[:most], max_age=RTT_CACHE_S, timeout=timeout,
+        probed_at = {peer: p.at for peer, p in self.probes.results.items()}
+        await self.probes.probe(probe_order(peers, probed_at, most), max_age=RTT_CACHE_S, timeout=timeout,
                                 samples=RTT_SAMPLES)

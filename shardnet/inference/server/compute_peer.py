@@ -39,14 +39,21 @@ from shardnet.inference.server.block_endpoint import (
     ServedBlock,
 )
 from shardnet.inference.server.claim_publisher import ClaimPublisher
-from shardnet.inference.server.step_batcher import DEFAULT_MAX_TOKENS, StepBatcher
 from shardnet.inference.server.placement import (
+    DEFAULT_REBALANCE_INTERVAL,
+    REBALANCE_MARGIN,
+    SETTLE_S,
+    UPKEEP_JITTER,
     Move,
     affordable_layers,
     best_window,
+    fillable_gap,
+    move_turn_delay,
     plan_move,
     served_throughput,
+    upkeep_step,
 )
+from shardnet.inference.server.step_batcher import DEFAULT_MAX_TOKENS, StepBatcher
 from shardnet.inference.weights.fetcher import ProgressFn
 from shardnet.inference.weights.server import WeightServer
 from shardnet.inference.weights.swarm_model import fetch_tensors, span_tensor_names
@@ -57,13 +64,6 @@ from shardnet.transport.node import Node
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_BUDGET = 512 << 20
-DEFAULT_REBALANCE_INTERVAL = 60.0
-REBALANCE_MARGIN = 0.2
-#: Seconds between looks at the swarm while a layer is unserved, and for SETTLE_S after this
-#: peer (re)loaded a span chosen by itself: peers that chose at the same moment saw the same
-#: claims and may have taken the same window, which the next look undoes within seconds.
-FAST_INTERVAL = 2.0
-SETTLE_S = 30.0
 #: A joining peer waits this long (uniformly at random) after choosing, then looks again before
 #: it loads: a peer that joined just before it has published its claim by then.
 RECHECK_DELAY = (0.5, 2.5)
@@ -227,7 +227,6 @@ class ComputePeer:
                        rng: random.Random | None = None) -> None:
         """Every ~``interval`` s: refresh successor RTTs and, if allowed, move when it pays."""
         rng = rng or random.Random()
-        fast = min(interval, FAST_INTERVAL)
         settle_until = trio.current_time() + SETTLE_S if rebalance else 0.0
         gap = False
 
@@ -237,15 +236,12 @@ class ComputePeer:
 
         while True:
             # soon while a layer is unserved or we only just chose our span; else every interval
-            step = fast if rebalance and (gap or trio.current_time() < settle_until) else interval
-            await trio.sleep(step * rng.uniform(0.75, 1.25))  # peers out of step: fewer moves at once
+            step = upkeep_step(interval, gap=rebalance and gap, settling=rebalance and trio.current_time() < settle_until)
+            await trio.sleep(step * rng.uniform(*UPKEEP_JITTER))
             try:
                 claims = await self.live_claims()
                 # a gap that we could fill (others serve every layer of ours): look again soon
-                others = served_throughput(claims, self.ckpt.num_layers)
-                start, end = self.span
-                gap = min(served_throughput([*claims, self.claim(time.time() + 60)], self.ckpt.num_layers)) <= 0 \
-                    and all(others[layer] > 0 for layer in range(start, end))
+                gap = fillable_gap(served_throughput(claims, self.ckpt.num_layers), *self.span)
                 await self.measure_successors(claims)
                 log.debug("upkeep: %d live claims; successors' round trips %s", len(claims),
                           {p[:16]: round(t, 4) for p, t in self.successor_rtts.items()})
@@ -258,7 +254,7 @@ class ComputePeer:
                         same = sorted({c.peer for c in claims if (c.start, c.end) == self.span}
                                       | {str(self.node.peer_id)})
                         rank = same.index(str(self.node.peer_id))
-                        await trio.sleep(rank * step * 1.5 + rng.uniform(0, min(1.0, step / 4)))
+                        await trio.sleep(move_turn_delay(rank, step, rng))
                         move = plan(await self.live_claims())
                     if move is not None:
                         old = self.span

@@ -5,8 +5,9 @@ The swarm's throughput is its bottleneck: the least-served layer, where a layer'
 throughput is the sum of the tokens/s claimed by the peers serving it. A joining peer takes the
 window of layers whose served-throughput vector is smallest (compared sorted, so a window with
 an unserved layer beats one without, then the one whose weakest layers are weakest); a serving
-peer moves when the window it would take now, without itself, raises the bottleneck by a margin,
-and only when every layer it leaves is still served by someone else.
+peer moves when the window it would take now, without itself, raises the bottleneck by a margin
+(or, while layers are unserved, leaves fewer of them unserved), and only when every layer it
+leaves is still served by someone else.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ from shardnet.transport.errors import ShardnetError
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: share of the free memory a peer plans to use for weights (the rest: KV, activations, Python)
 MEMORY_USE = 0.8
+#: Seconds between looks at the swarm while a layer is unserved, and for SETTLE_S after a peer
+#: (re)loaded a span chosen by itself: peers that chose at the same moment saw the same claims
+#: and may have taken the same window, which the next look undoes within seconds.
+FAST_INTERVAL = 2.0
+#: seconds between a serving peer's looks at the swarm (``join --rebalance-interval``)
+DEFAULT_REBALANCE_INTERVAL = 60.0
+#: a move must raise the swarm's bottleneck by this share
+REBALANCE_MARGIN = 0.2
+SETTLE_S = 30.0
 
 
 def layer_bytes(ckpt, layer: int, dtype: str, quantize: str | None = None) -> int:
@@ -57,21 +67,32 @@ def affordable_layers(ckpt, dtype: str, free_bytes: int, *, reserve_bytes: int =
     so it is the largest n whose heaviest n-layer window fits."""
     sizes = [layer_bytes(ckpt, i, dtype, quantize) for i in range(ckpt.num_layers)]
     budget = int(free_bytes * MEMORY_USE) - reserve_bytes
-    limit = ckpt.num_layers if max_layers is None else min(ckpt.num_layers, max_layers)
-    n = 0
-    while n < limit and max(sum(sizes[s:s + n + 1]) for s in range(len(sizes) - n)) <= budget:
-        n += 1
+    n = layers_fitting(sizes, budget, max_layers=max_layers)
     if n < 1:
         raise ShardnetError(f"not enough memory for one layer: up to {max(sizes) / 2**20:.0f} MiB each in {dtype}, "
                             f"{max(budget, 0) / 2**20:.0f} MiB to spend of {free_bytes / 2**20:.0f} MiB free")
     return n
 
 
+def layers_fitting(sizes: list[int], budget: int, *, max_layers: int | None = None) -> int:
+    """The largest n whose heaviest window of n consecutive layers (of ``sizes`` bytes each)
+    fits in ``budget`` bytes (0 when not even one layer does)."""
+    limit = len(sizes) if max_layers is None else min(len(sizes), max_layers)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    n = 0
+    while n < limit and max(prefix[s + n + 1] - prefix[s] for s in range(len(sizes) - n)) <= budget:
+        n += 1
+    return n
+
+
 def served_throughput(claims: Iterable[Claim], num_layers: int) -> list[float]:
     served = [0.0] * num_layers
     for c in claims:
+        tput = max(c.tput, 0.0)
         for layer in range(max(c.start, 0), min(c.end, num_layers)):
-            served[layer] += max(c.tput, 0.0)
+            served[layer] += tput
     return served
 
 
@@ -108,17 +129,63 @@ def plan_move(claims: Iterable[Claim], me: Claim, num_layers: int, *, margin: fl
               rng: random.Random | None = None) -> Move | None:
     """Where ``me`` should move, or None. ``claims`` are the live claims (``me`` may be among them)."""
     others = [c for c in claims if c.peer != me.peer]
-    without_me = served_throughput(others, num_layers)
-    if any(without_me[layer] <= 0 for layer in range(me.start, me.end)):
+    return plan_move_from(served_throughput(others, num_layers), me.start, me.end, me.tput, margin=margin, rng=rng)
+
+
+def plan_move_from(without_me: list[float], start: int, end: int, tput: float, *, margin: float = 0.2,
+                   rng: random.Random | None = None) -> Move | None:
+    """``plan_move`` on the served-throughput vector of every other peer (what the swarm
+    simulator keeps up to date instead of re-adding every claim): a peer serving ``start:end``
+    at ``tput`` tokens/s."""
+    if any(without_me[layer] <= 0 for layer in range(start, end)):
         return None  # we are the only server of a layer: never leave it unserved
-    now = min(served_throughput([*others, me], num_layers))
-    start, end = best_window(without_me, me.end - me.start, rng=rng)
-    if (start, end) == (me.start, me.end):
+    tput = max(tput, 0.0)
+    now = min(_with(without_me, start, end, tput))
+    new_start, new_end = best_window(without_me, end - start, rng=rng)
+    if (new_start, new_end) == (start, end):
         return None
-    after = min(served_throughput([*others, _moved(me, start, end)], num_layers))
+    moved = _with(without_me, new_start, new_end, tput)
+    after = min(moved)
     if after > now * (1 + margin) or (now <= 0 < after):
-        return Move(start, end, now, after)
+        return Move(new_start, new_end, now, after)
+    if now <= 0 and _unserved(moved) < _unserved(_with(without_me, start, end, tput)):
+        # More layers are unserved than one peer can fill: no single move lifts the bottleneck
+        # off zero, yet each that fills some of them brings the swarm closer (without this
+        # rule, two gaps far apart were never filled; found by bench/swarm_sim).
+        return Move(new_start, new_end, now, after)
     return None
+
+
+def _unserved(served: list[float]) -> int:
+    return sum(1 for x in served if x <= 0)
+
+
+def _with(served: list[float], start: int, end: int, tput: float) -> list[float]:
+    return [x + tput if start <= layer < end else x for layer, x in enumerate(served)]
+
+
+def upkeep_step(interval: float, *, gap: bool, settling: bool) -> float:
+    """Seconds until a serving peer looks at the swarm again: soon (``FAST_INTERVAL``) while a
+    layer it could fill is unserved or it only just chose its span, else ``interval``. The peer
+    sleeps it times a factor drawn from ``UPKEEP_JITTER``, so that peers fall out of step and do
+    not all move at once."""
+    return min(interval, FAST_INTERVAL) if gap or settling else interval
+
+
+UPKEEP_JITTER = (0.75, 1.25)
+
+
+def fillable_gap(without_me: list[float], start: int, end: int) -> bool:
+    """Whether a layer nobody serves could be filled by the peer serving ``start:end``: some
+    layer outside its span is unserved, and every layer of its span is served by another."""
+    return (any(x <= 0 for layer, x in enumerate(without_me) if not start <= layer < end)
+            and all(without_me[layer] > 0 for layer in range(start, end)))
+
+
+def move_turn_delay(rank: int, step: float, rng: random.Random) -> float:
+    """Before moving, a peer waits its turn among the peers on the same span (``rank`` by peer
+    ID), each looking again after the ones before it had a round to act."""
+    return rank * step * 1.5 + rng.uniform(0, min(1.0, step / 4))
 
 
 def _moved(c: Claim, start: int, end: int) -> Claim:

@@ -107,3 +107,15 @@ def test_quantized_layers_are_planned_at_their_quantized_size(tmp_path, mode, sh
     real = weight_bytes(Block(ckpt, 0, 1, dtype=torch.bfloat16, quantize=mode).layers[0])
     assert planned < share * plain * 1.25
     assert abs(planned - real) < 0.1 * real, (planned, real)
+
+
+def test_a_peer_moves_to_fill_one_of_several_gaps():
+    # layers 2 and 6 are unserved: no move of one peer lifts the bottleneck off zero, but filling
+    # one of them is progress (before, two far-apart gaps were never filled)
+    a = claim(0, 2, "a")
+    b = claim(0, 2, "b")
+    c = claim(3, 6, "c")
+    d = claim(7, 8, "d")
+    move = plan_move([a, b, c, d], a, 8)
+    assert move is not None and (move.start <= 2 < move.end or move.start <= 6 < move.end)
+    assert plan_move([a, c, d], a, 8) is None  # the only server of 0:2 stays

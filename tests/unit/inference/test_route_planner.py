@@ -39,6 +39,7 @@ class FakeProbes:
         self.rtts = dict(rtts or {})
         self.verdicts = dict(verdicts or {})
         self.probed: list[tuple[list[str], float]] = []
+        self.results: dict = {}
 
     def verdict(self, peer: str) -> str | None:
         return self.verdicts.get(peer)

@@ -1,0 +1,164 @@
+"""Placement policies compared by the simulator.
+
+- ``shardnet``: the project's own rules, called as a compute peer calls them
+  (``shardnet.inference.server.placement``: ``best_window`` on joining, ``plan_move`` and
+  ``fillable_gap`` at each upkeep, ``upkeep_step`` and ``move_turn_delay`` for timing), over
+  what a peer sees: the claims of at most ``VIEW_PROVIDERS`` providers a DHT lookup returns.
+- ``least-served``: Petals' rule (petals/server/block_selection.py): a joining server takes the
+  window whose sorted throughputs are least (the lowest start among equals), sees every server,
+  and every ``PETALS_CHECK_S`` moves if moving would raise the swarm's throughput by
+  1 / ``PETALS_BALANCE_QUALITY``.
+- ``water-filling``: a central scheduler that knows every peer, loading ones too: each joiner is
+  poured into the neediest window at once, and every ``CENTRAL_PERIOD_S`` the whole swarm is
+  poured again from scratch (largest peers first) and applied when it raises the bottleneck by
+  ``CENTRAL_GAIN``. No peer can do this in a swarm without a centre; it is the yardstick.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shardnet.inference.server.placement import (
+    DEFAULT_REBALANCE_INTERVAL,
+    REBALANCE_MARGIN,
+    UPKEEP_JITTER,
+    best_window,
+    fillable_gap,
+    move_turn_delay,
+    plan_move,
+    served_throughput,
+    upkeep_step,
+)
+
+if TYPE_CHECKING:
+    from bench.swarm_sim.sim import Peer, Sim
+
+#: ``find_claims`` asks the DHT for this many providers (claims.py)
+VIEW_PROVIDERS = 64
+PETALS_CHECK_S = 120.0
+PETALS_BALANCE_QUALITY = 0.75
+CENTRAL_PERIOD_S = 600.0
+CENTRAL_GAIN = 0.10
+
+
+class Policy:
+    name = "?"
+    #: whether peers look the swarm up (DHT lookups, pings) to decide
+    decentralized = True
+
+    def choose(self, sim: Sim, peer: Peer) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def upkeep(self, sim: Sim, peer: Peer) -> float | None:
+        """Called at the peer's upkeep time; may start a move (``sim.move``). Returns the
+        seconds until the next upkeep, or None for none."""
+        return None
+
+    def tick(self, sim: Sim) -> None:
+        """Called once a simulated minute (a central scheduler's chance to act)."""
+
+
+class Shardnet(Policy):
+    name = "shardnet"
+
+    def __init__(self, *, view: int = VIEW_PROVIDERS) -> None:
+        self.view = view
+
+    def choose(self, sim, peer):
+        claims = sim.view_of(peer, self.view)
+        return best_window(served_throughput(claims, sim.model.num_layers), peer.n_layers, rng=sim.rng)
+
+    def upkeep(self, sim, peer):
+        if peer.span is None:
+            return None
+        claims = sim.view_of(peer, self.view)
+        sim.count_lookup(peer)
+        me = sim.claim_of(peer)
+        gap = fillable_gap(served_throughput(claims, sim.model.num_layers), *peer.span)
+        settling = sim.now < peer.settle_until
+        step = upkeep_step(DEFAULT_REBALANCE_INTERVAL, gap=gap, settling=settling)
+        if not peer.moving:
+            move = plan_move(claims, me, sim.model.num_layers, margin=REBALANCE_MARGIN, rng=sim.rng)
+            if move is not None:
+                same = sorted({c.peer for c in claims if (c.start, c.end) == peer.span} | {peer.id})
+                delay = move_turn_delay(same.index(peer.id), step, sim.rng)
+                sim.later(delay, lambda: self._confirm(sim, peer))
+        return step * sim.rng.uniform(*UPKEEP_JITTER)
+
+    def _confirm(self, sim, peer):
+        if peer.gone or peer.moving or peer.span is None:
+            return
+        claims = sim.view_of(peer, self.view)
+        sim.count_lookup(peer)
+        move = plan_move(claims, sim.claim_of(peer), sim.model.num_layers, margin=REBALANCE_MARGIN, rng=sim.rng)
+        if move is not None:
+            sim.move(peer, (move.start, move.end))
+
+
+class LeastServed(Policy):
+    name = "least-served"
+
+    def choose(self, sim, peer):
+        served = served_throughput(sim.view_of(peer, None), sim.model.num_layers)
+        return _petals_start(served, peer.n_layers)
+
+    def upkeep(self, sim, peer):
+        if peer.span is not None and not peer.moving:
+            others = served_throughput([c for c in sim.view_of(peer, None) if c.peer != peer.id],
+                                       sim.model.num_layers)
+            sim.count_lookup(peer)
+            start, end = peer.span
+            now = min(_plus(others, start, end, peer.tput))
+            new = _petals_start(others, end - start)
+            after = min(_plus(others, *new, peer.tput))
+            if new != peer.span and (now <= 0 < after or now < PETALS_BALANCE_QUALITY * after):
+                if all(others[i] > 0 for i in range(start, end)):
+                    sim.move(peer, new)
+        return PETALS_CHECK_S * sim.rng.uniform(0.5, 1.5)
+
+
+def _petals_start(served: list[float], n: int) -> tuple[int, int]:
+    n = max(1, min(n, len(served)))
+    s = min(range(len(served) - n + 1), key=lambda i: (sorted(served[i:i + n]), i))
+    return s, s + n
+
+
+def _plus(served: list[float], start: int, end: int, tput: float) -> list[float]:
+    return [x + tput if start <= i < end else x for i, x in enumerate(served)]
+
+
+class WaterFilling(Policy):
+    name = "water-filling"
+    decentralized = False
+
+    def __init__(self) -> None:
+        self.next_pour = CENTRAL_PERIOD_S
+
+    def choose(self, sim, peer):
+        return best_window(sim.planned_served(), peer.n_layers, rng=sim.rng)
+
+    def tick(self, sim):
+        if sim.now < self.next_pour:
+            return
+        self.next_pour = sim.now + CENTRAL_PERIOD_S
+        peers = sorted((p for p in sim.peers.values() if p.span is not None),
+                       key=lambda p: -p.tput * p.n_layers)
+        served = [0.0] * sim.model.num_layers
+        plan = {}
+        for p in peers:
+            s, e = best_window(served, p.n_layers, rng=sim.rng)
+            plan[p.id] = (s, e)
+            for i in range(s, e):
+                served[i] += p.tput_at(s, e)
+        if min(served) > min(sim.planned_served()) * (1 + CENTRAL_GAIN):
+            for p in peers:
+                if plan[p.id] != p.target:
+                    sim.move(p, plan[p.id])
+
+
+POLICIES = {p.name: p for p in (Shardnet, LeastServed, WaterFilling)}
+
+
+def make(name: str) -> Policy:
+    return POLICIES[name]()
+

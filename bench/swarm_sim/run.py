@@ -1,0 +1,153 @@
+"""Simulate a shardnet swarm at scale and compare placement policies side by side.
+
+    python bench/swarm_sim/run.py [--peers 1000] [--models llama-70b,deepseek-v3] [--hours 1]
+                                  [--policies shardnet,least-served,water-filling] [--load 0.5]
+                                  [--seed 1] [--cohort N] [--probe-order stalest|first]
+                                  [--plots DIR] [--json FILE]
+
+Every policy runs the same world (the same seed: the same peers, places, sessions and request
+arrivals) for ``--hours`` simulated hours; the first 10 minutes (the swarm assembling) are left
+out of every figure. One row per model and policy:
+
+- covered: share of the time every layer was served;  gaps>60s: layers left unserved longer
+  than a minute, and the longest such gap;
+- flow/bound: the placement's max flow (what perfect routing could carry through the spans as
+  placed) over the LP bound (what any placement of the same peers could), time averages;
+- deliv: tokens/s delivered to requests; tok/s p10/p50/p90: per request, output tokens over
+  decode time; ttft p50: waiting in line plus prefill;
+- healed/h, failed/h: sessions healed around a departed peer, sessions failed (no route, or
+  busy past the queue timeout), per hour;
+- msgs/peer/s: DHT and gossip messages per peer per second (estimated from the protocols'
+  parameters for each publication and lookup); placed p50/p90: seconds from a peer's start to
+  its first claim; moves/peer/h; route ms: wall time of one ``plan_route`` here.
+
+docs/scale.md records runs of this and what the model leaves out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.swarm_sim.models import MODELS  # noqa: E402
+from bench.swarm_sim.policies import POLICIES, make  # noqa: E402
+from bench.swarm_sim.sim import Sim, Stats  # noqa: E402
+
+
+def percentile(values: list[float], q: float, weights: list[int] | None = None) -> float:
+    if not values:
+        return float("nan")
+    pairs = sorted(zip(values, weights or [1] * len(values)))
+    total = sum(w for _, w in pairs)
+    acc = 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= q * total:
+            return v
+    return pairs[-1][0]
+
+
+def summarize(sim: Sim, stats: Stats, wall: float) -> dict:
+    hours = stats.observed_s / 3600 or 1.0
+    samples = stats.samples or [{"bound": 0, "flow": 0, "delivered": 0, "peers": 0}]
+    mean = lambda key: statistics.fmean(s[key] for s in samples)  # noqa: E731
+    rates = [r for r, _ in stats.request_rates]
+    weights = [w for _, w in stats.request_rates]
+    long_gaps = [g for g, _ in stats.gaps if g > 60]
+    return {
+        "model": sim.model.name, "policy": sim.policy.name, "peers": sim.target_peers,
+        "peers_mean": mean("peers"), "cohort": sim.cohort, "offered": sim.offered,
+        "covered": stats.covered_s / stats.observed_s if stats.observed_s else 0.0,
+        "gaps_over_60s": len(long_gaps), "longest_gap_s": max((g for g, _ in stats.gaps), default=0.0),
+        "gaps": stats.gaps,
+        "bound": mean("bound"), "flow": mean("flow"), "delivered": mean("delivered"),
+        "flow_over_bound": mean("flow") / mean("bound") if mean("bound") else 0.0,
+        "tps_p10": percentile(rates, 0.1, weights), "tps_p50": percentile(rates, 0.5, weights),
+        "tps_p90": percentile(rates, 0.9, weights),
+        "ttft_p50": percentile(stats.ttft, 0.5),
+        "completed_h": stats.completed / hours, "healed_h": stats.heals / hours,
+        "failed_h": sum(stats.failed.values()) / hours, "failed_why": dict(stats.failed),
+        "heal_s_p50": percentile(stats.heal_seconds, 0.5),
+        "msgs_peer_s": sum(stats.msgs.values()) / max(1.0, stats.peers_hours * 3600),
+        "msgs": dict(stats.msgs),
+        "placed_p50": percentile(stats.placed_s, 0.5), "placed_p90": percentile(stats.placed_s, 0.9),
+        "moves_peer_h": stats.moves / max(1e-9, stats.peers_hours),
+        "joins": stats.joins, "leaves": stats.leaves,
+        "route_ms": statistics.fmean(stats.route_ms) if stats.route_ms else 0.0,
+        "samples": stats.samples, "wall_s": wall,
+    }
+
+
+HEADER = (f"{'model':<12} {'policy':<13} {'peers':>5} {'covered':>7} {'gaps>60s':>8} {'flow/bound':>10} "
+          f"{'deliv tok/s':>11} {'tok/s p10/p50/p90':>17} {'ttft':>5} {'healed/h':>8} {'failed/h':>8} "
+          f"{'msgs/peer/s':>11} {'placed p50/p90':>14} {'moves/p/h':>9} {'route ms':>8} {'wall':>5}")
+
+
+def row(s: dict) -> str:
+    tps = f"{s['tps_p10']:.1f}/{s['tps_p50']:.1f}/{s['tps_p90']:.1f}"
+    placed = f"{s['placed_p50']:.0f}/{s['placed_p90']:.0f}s"
+    return (f"{s['model']:<12} {s['policy']:<13} {s['peers_mean']:>5.0f} {100 * s['covered']:>6.1f}% "
+            f"{s['gaps_over_60s']:>8d} {100 * s['flow_over_bound']:>9.1f}% {s['delivered']:>11.0f} {tps:>17} "
+            f"{s['ttft_p50']:>4.1f}s {s['healed_h']:>8.0f} {s['failed_h']:>8.0f} {s['msgs_peer_s']:>11.1f} "
+            f"{placed:>14} {s['moves_peer_h']:>9.2f} {s['route_ms']:>8.1f} {s['wall_s']:>4.0f}s")
+
+
+def simulate(model: str, policy: str, args) -> dict:
+    sim = Sim(model=MODELS[model], policy=make(policy), peers=args.peers, hours=args.hours, seed=args.seed,
+              load=args.load, cohort=args.cohort, probe_order=args.probe_order)
+    t0 = time.perf_counter()
+    stats = sim.run()
+    return summarize(sim, stats, time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peers", type=int, default=1000)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--hours", type=float, default=1.0)
+    ap.add_argument("--load", type=float, default=0.5,
+                    help="offered sessions as a share of what the swarm's KV caches hold at once")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--cohort", type=int, default=None, help="sessions per simulated request (default: sized)")
+    ap.add_argument("--probe-order", choices=("stalest", "first"), default="stalest")
+    ap.add_argument("--plots", type=Path, default=None, help="write PNG plots (needs matplotlib) here")
+    ap.add_argument("--json", type=Path, default=None, help="write every figure here")
+    args = ap.parse_args(argv)
+    results = []
+    print(HEADER, flush=True)
+    for model in args.models.split(","):
+        if model not in MODELS:
+            print(f"error: unknown model {model!r} (known: {', '.join(MODELS)})", file=sys.stderr)
+            return 2
+        for policy in args.policies.split(","):
+            if policy not in POLICIES:
+                print(f"error: unknown policy {policy!r} (known: {', '.join(POLICIES)})", file=sys.stderr)
+                return 2
+            print(f"simulating {model} / {policy}: {args.peers} peers, {args.hours:g} h ...", file=sys.stderr,
+                  flush=True)
+            s = simulate(model, policy, args)
+            results.append(s)
+            print(row(s), flush=True)
+    for model in dict.fromkeys(s["model"] for s in results):
+        s = next(s for s in results if s["model"] == model)
+        print(f"({model}: offered {s['offered']:.0f} tok/s, {args.load:g} of the sessions its KV caches hold; "
+              f"LP bound ~{s['bound']:.0f} tok/s; cohorts of {s['cohort']} sessions; seed {args.seed})")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=float))
+    if args.plots:
+        from bench.swarm_sim.plots import plot
+
+        for path in plot(results, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
