@@ -26,7 +26,7 @@ from shardnet.inference.server.placement import (
     fillable_gap,
     move_turn_delay,
     plan_move,
-    served_throughput,
+    planned_throughput,
     upkeep_step,
 )
 
@@ -66,7 +66,7 @@ class Shardnet(Policy):
 
     def choose(self, sim, peer):
         claims = sim.view_of(peer, self.view)
-        return best_window(served_throughput(claims, sim.model.num_layers), peer.n_layers, rng=sim.rng)
+        return best_window(planned_throughput(claims, sim.model.num_layers), peer.n_layers, rng=sim.rng)
 
     def upkeep(self, sim, peer):
         if peer.span is None:
@@ -74,7 +74,7 @@ class Shardnet(Policy):
         claims = sim.view_of(peer, self.view)
         sim.count_lookup(peer)
         me = sim.claim_of(peer)
-        gap = fillable_gap(served_throughput(claims, sim.model.num_layers), *peer.span)
+        gap = fillable_gap(claims, *peer.span, sim.model.num_layers)
         settling = sim.now < peer.settle_until
         step = upkeep_step(DEFAULT_REBALANCE_INTERVAL, gap=gap, settling=settling)
         if not peer.moving:
@@ -99,13 +99,14 @@ class LeastServed(Policy):
     name = "least-served"
 
     def choose(self, sim, peer):
-        served = served_throughput(sim.view_of(peer, None), sim.model.num_layers)
+        # Petals counts servers still joining (its JOINING state) where they are going, too
+        served = planned_throughput(sim.view_of(peer, None), sim.model.num_layers)
         return _petals_start(served, peer.n_layers)
 
     def upkeep(self, sim, peer):
         if peer.span is not None and not peer.moving:
-            others = served_throughput([c for c in sim.view_of(peer, None) if c.peer != peer.id],
-                                       sim.model.num_layers)
+            others = planned_throughput([c for c in sim.view_of(peer, None) if c.peer != peer.id],
+                                        sim.model.num_layers)
             sim.count_lookup(peer)
             start, end = peer.span
             now = min(_plus(others, start, end, peer.tput))

@@ -1,15 +1,18 @@
 """Simulate a shardnet swarm at scale and compare placement policies side by side.
 
     python bench/swarm_sim/run.py [--peers 1000] [--models llama-70b,deepseek-v3] [--hours 1]
-                                  [--policies shardnet,least-served,water-filling] [--load 0.5]
+                                  [--policies shardnet-before,shardnet,least-served,water-filling]
+                                  [--load 0.5]
                                   [--seed 1] [--cohort N] [--probe-order stalest|first]
                                   [--plots DIR] [--json FILE]
 
-Every policy runs the same world (the same seed: the same peers, places, sessions and request
+``shardnet-before`` is shardnet as it was before this simulator found what it fixed (see
+docs/scale.md). Every policy runs the same world (the same seed: the same peers, places, sessions and request
 arrivals) for ``--hours`` simulated hours; the first 10 minutes (the swarm assembling) are left
 out of every figure. One row per model and policy:
 
-- covered: share of the time every layer was served;  gaps>60s: layers left unserved longer
+- covered: share of the time every layer was served; chains: share of the minutes in which
+  the spans lined up into at least one complete chain (a route exists); gaps>60s: layers left unserved longer
   than a minute, and the longest such gap;
 - flow/bound: the placement's max flow (what perfect routing could carry through the spans as
   placed) over the LP bound (what any placement of the same peers could), time averages;
@@ -67,6 +70,7 @@ def summarize(sim: Sim, stats: Stats, wall: float) -> dict:
         "gaps_over_60s": len(long_gaps), "longest_gap_s": max((g for g, _ in stats.gaps), default=0.0),
         "gaps": stats.gaps,
         "bound": mean("bound"), "flow": mean("flow"), "delivered": mean("delivered"),
+        "routable": statistics.fmean(1.0 if s.get("routable") else 0.0 for s in samples),
         "flow_over_bound": mean("flow") / mean("bound") if mean("bound") else 0.0,
         "tps_p10": percentile(rates, 0.1, weights), "tps_p50": percentile(rates, 0.5, weights),
         "tps_p90": percentile(rates, 0.9, weights),
@@ -84,7 +88,7 @@ def summarize(sim: Sim, stats: Stats, wall: float) -> dict:
     }
 
 
-HEADER = (f"{'model':<12} {'policy':<13} {'peers':>5} {'covered':>7} {'gaps>60s':>8} {'flow/bound':>10} "
+HEADER = (f"{'model':<12} {'policy':<15} {'peers':>5} {'covered':>7} {'chains':>6} {'gaps>60s':>8} {'flow/bound':>10} "
           f"{'deliv tok/s':>11} {'tok/s p10/p50/p90':>17} {'ttft':>5} {'healed/h':>8} {'failed/h':>8} "
           f"{'msgs/peer/s':>11} {'placed p50/p90':>14} {'moves/p/h':>9} {'route ms':>8} {'wall':>5}")
 
@@ -92,25 +96,40 @@ HEADER = (f"{'model':<12} {'policy':<13} {'peers':>5} {'covered':>7} {'gaps>60s'
 def row(s: dict) -> str:
     tps = f"{s['tps_p10']:.1f}/{s['tps_p50']:.1f}/{s['tps_p90']:.1f}"
     placed = f"{s['placed_p50']:.0f}/{s['placed_p90']:.0f}s"
-    return (f"{s['model']:<12} {s['policy']:<13} {s['peers_mean']:>5.0f} {100 * s['covered']:>6.1f}% "
+    return (f"{s['model']:<12} {s['policy']:<15} {s['peers_mean']:>5.0f} {100 * s['covered']:>6.1f}% "
+            f"{100 * s['routable']:>5.0f}% "
             f"{s['gaps_over_60s']:>8d} {100 * s['flow_over_bound']:>9.1f}% {s['delivered']:>11.0f} {tps:>17} "
             f"{s['ttft_p50']:>4.1f}s {s['healed_h']:>8.0f} {s['failed_h']:>8.0f} {s['msgs_peer_s']:>11.1f} "
             f"{placed:>14} {s['moves_peer_h']:>9.2f} {s['route_ms']:>8.1f} {s['wall_s']:>4.0f}s")
 
 
+#: shardnet as it was before this simulator: no claims of spans being loaded, routes blind to
+#: peers' load, probes of the first 64 peers only (the gap rule of plan_move is not undone)
+BEFORE = "shardnet-before"
+#: shardnet if a chain could enter a peer's span at any layer (what the simulation suggests next)
+SUFFIX = "shardnet+suffix"
+VARIANTS = (BEFORE, *POLICIES, SUFFIX)
+
+
 def simulate(model: str, policy: str, args) -> dict:
-    sim = Sim(model=MODELS[model], policy=make(policy), peers=args.peers, hours=args.hours, seed=args.seed,
-              load=args.load, cohort=args.cohort, probe_order=args.probe_order)
+    before = policy == BEFORE
+    sim = Sim(model=MODELS[model], policy=make("shardnet" if policy in (BEFORE, SUFFIX) else policy),
+              peers=args.peers, hours=args.hours, seed=args.seed, load=args.load, cohort=args.cohort,
+              probe_order="first" if before else args.probe_order, announce_loading=not before,
+              route_by_load=not before, suffix_entry=policy == SUFFIX)
     t0 = time.perf_counter()
     stats = sim.run()
-    return summarize(sim, stats, time.perf_counter() - t0)
+    out = summarize(sim, stats, time.perf_counter() - t0)
+    out["policy"] = policy
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", type=int, default=1000)
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(VARIANTS[:-1]),
+                    help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--hours", type=float, default=1.0)
     ap.add_argument("--load", type=float, default=0.5,
                     help="offered sessions as a share of what the swarm's KV caches hold at once")
@@ -127,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: unknown model {model!r} (known: {', '.join(MODELS)})", file=sys.stderr)
             return 2
         for policy in args.policies.split(","):
-            if policy not in POLICIES:
-                print(f"error: unknown policy {policy!r} (known: {', '.join(POLICIES)})", file=sys.stderr)
+            if policy not in VARIANTS:
+                print(f"error: unknown policy {policy!r} (known: {', '.join(VARIANTS)})", file=sys.stderr)
                 return 2
             print(f"simulating {model} / {policy}: {args.peers} peers, {args.hours:g} h ...", file=sys.stderr,
                   flush=True)

@@ -24,6 +24,7 @@ What is modelled, coarsely and on purpose (docs/scale.md says what that leaves o
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -49,8 +50,11 @@ TICK_S = 2.0
 #: the most tokens one forward pass of a peer's step batcher takes (step_batcher.DEFAULT_MAX_TOKENS,
 #: not imported: that module needs torch); more sessions take more passes
 BATCH_TOKENS = 256
-#: the decode rate assumed when sizing the request load (the simulation measures the real one)
-REF_TOKENS_S = 5.0
+#: a typical round trip between peers when sizing the request load (the simulation measures
+#: the real ones)
+REF_RTT_S = 0.06
+#: the batch a peer is assumed to run when sizing the request load
+REF_BATCH = 16
 SAMPLE_S = 60.0
 #: the claim publisher republishes every third of the TTL (claim_publisher.py)
 REPUBLISH_S = CLAIM_TTL / 3
@@ -193,13 +197,21 @@ class Stats:
 class Sim:
     def __init__(self, *, model: ModelSpec, policy: Policy, peers: int, hours: float, seed: int = 1,
                  load: float = 0.5, cohort: int | None = None, warmup_s: float = 600.0,
-                 probe_order: str = "stalest", cohorts_per_s: float = 4.0) -> None:
+                 probe_order: str = "stalest", cohorts_per_s: float = 4.0, announce_loading: bool = True,
+                 route_by_load: bool = True, suffix_entry: bool = False) -> None:
         self.model, self.policy, self.target_peers = model, policy, peers
         self.rng = random.Random(seed)
         self.now = 0.0
         self.end = hours * 3600.0
         self.warmup_s = warmup_s
         self.probe_order = probe_order
+        #: peers claim the span they are loading (``Claim.loading``), as shardnet peers do now
+        self.announce_loading = announce_loading
+        #: claims carry the peer's load, which routing weighs (``ChainCost``), as they do now
+        self.route_by_load = route_by_load
+        #: what if a chain could enter a peer's span at any layer (shardnet cannot yet: a hop
+        #: serves exactly its claimed span), leaving at its end
+        self.suffix_entry = suffix_entry
         self.peers: dict[str, Peer] = {}
         self.claims: dict[str, Claim] = {}  # serving peers' claims, in the order they first claimed
         self.layer_count = [0] * model.num_layers
@@ -213,7 +225,7 @@ class Sim:
         self.mean_session = self._mean_session()
         # The request load: ``load`` times the sessions the swarm's KV caches can hold at once
         # (sessions of the median context), arriving at the rate that keeps that many open if
-        # each decodes at REF_TOKENS_S; in cohorts no larger than a chain's KV cache can take.
+        # each decodes at ``estimated_rate``; in cohorts no larger than a chain's KV cache takes.
         sample = [self._new_peer(0.0) for _ in range(min(peers, 400))]
         sample = [p for p in sample if p.n_layers > 0]
         ctx = world.PROMPT_MEDIAN + world.OUTPUT_MEDIAN
@@ -221,7 +233,8 @@ class Sim:
         self.session_capacity = per_peer * peers / model.num_layers
         self.bound_estimate = statistics.fmean(layer_capacity(p) for p in sample) * peers / model.num_layers
         concurrent = load * self.session_capacity
-        sessions_per_s = concurrent / (world.mean_output() / REF_TOKENS_S)
+        self.rate_estimate = estimated_rate(model, sample)
+        sessions_per_s = concurrent / (world.mean_output() / self.rate_estimate)
         self.offered = sessions_per_s * world.mean_output()
         fits = min(p.kv_bytes / (model.kv_bytes_per_token * p.n_layers * ctx) for p in sample)
         self.cohort = cohort or int(max(1, min(fits / 2, sessions_per_s / cohorts_per_s)))
@@ -338,6 +351,9 @@ class Sim:
             return
         span = self.policy.choose(self, p)
         p.target = span
+        if self.announce_loading:
+            self.claims[p.id] = self.claim_of(p)  # a claim of the span it loads (not routable)
+            self.count_publish()
         self.later(self.load_seconds(p, span, held=None), lambda: self._loaded(p, span, first=True))
 
     def load_seconds(self, p: Peer, span: tuple[int, int], held: tuple[int, int] | None) -> float:
@@ -390,6 +406,7 @@ class Sim:
         held = p.span
         p.target, p.moving = span, True
         self.stats.moves += 1
+        self.publish(p)  # the claim names the span being loaded
         self.later(self.load_seconds(p, span, held), lambda: self._loaded(p, span, first=False))
 
     def _set_span(self, p: Peer, span: tuple[int, int] | None) -> None:
@@ -435,16 +452,23 @@ class Sim:
             self.later(self.rng.uniform(0, RTT_CACHE_S), lambda g=g: g.known_gone.add(p.id))
 
     def claim_of(self, p: Peer) -> Claim:
-        s, e = p.span or p.target or (0, 1)
-        return Claim(model=self.model.name, start=s, end=e, kv_tokens=0, tput=p.tput_at(s, e), addrs=(),
-                     expires=self.now + CLAIM_TTL, peer=p.id, reach="private" if p.nat else "public",
-                     load=min(1.0, p.kv_used / p.kv_bytes), rtts=p.rtts)
+        """The claim the peer publishes now (``ComputePeer.claim``): its span, and the one it is
+        loading; before its first span is in, the one it is loading only."""
+        loading = p.target if p.target != p.span and self.announce_loading else None
+        s, e = p.span or p.target
+        load = min(1.0, p.kv_used / p.kv_bytes) if self.route_by_load else 0.0
+        return Claim(model=self.model.name, start=s, end=e, kv_tokens=0, tput=p.tput_at(s, e) if p.span else 0.0,
+                     addrs=(), expires=self.now + CLAIM_TTL, peer=p.id, reach="private" if p.nat else "public",
+                     load=load, rtts=p.rtts, loading=loading)
 
     def publish(self, p: Peer) -> None:
         """A claim publication: a DHT put and provide, and a gossip message."""
         if p.span is None:
             return
         self.claims[p.id] = self.claim_of(p)
+        self.count_publish()
+
+    def count_publish(self) -> None:
         n = max(2, len(self.peers))
         self.stats.msgs["dht"] += 2 * (DHT_ALPHA * math.ceil(math.log2(n)) + DHT_K)
         self.stats.msgs["gossip"] += GOSSIP_D * n  # every subscriber hears it from its mesh
@@ -519,6 +543,9 @@ class Sim:
         g = r.gateway
         usable = self.usable(g, avoid)
         self.probe(g, [c.peer for c in usable])
+        if self.suffix_entry:
+            usable = usable + [dataclasses.replace(c, start=b, tput=c.tput * (c.end - c.start) / (c.end - b))
+                               for c in usable if c.serving for b in range(c.start + 1, c.end)]
 
         def rtt(peer: str) -> float:
             q = self.peers.get(peer)
@@ -659,11 +686,21 @@ class Sim:
             return
         present = [p for p in self.peers.values() if not p.gone]
         bound = lp_bound(present, self.model.num_layers)
-        flow = placement_flow(present, self.model.num_layers)
+        flow = placement_flow(present, self.model.num_layers, suffix_entry=self.suffix_entry)
         delivered = sum(r.rate * r.cohort for r in self.requests if r.open and self.now >= r.stalled_until)
         self.stats.samples.append({"t": self.now, "peers": len(present), "bound": bound, "flow": flow,
                                    "delivered": delivered, "covered": min(self.layer_count) > 0,
+                                   "routable": flow > 0,
                                    "served_min": min(self.layer_count), "active": sum(r.cohort for r in self.requests)})
+
+
+def estimated_rate(model: ModelSpec, peers: list[Peer]) -> float:
+    """Tokens/s of one session through a typical chain: as many hops as the model's layers over
+    the peers' mean span, each a REF_RTT_S round trip and a step at REF_BATCH."""
+    mean_layers = statistics.fmean(p.n_layers for p in peers)
+    hops = model.num_layers / mean_layers
+    step = statistics.fmean(model.step_seconds(p.gpu, 0, p.n_layers, REF_BATCH) / p.n_layers for p in peers)
+    return 1.0 / (hops * REF_RTT_S + model.num_layers * step)
 
 
 def _poisson(rng: random.Random, lam: float) -> int:
@@ -699,15 +736,28 @@ def lp_bound(peers: list[Peer], num_layers: int) -> float:
     return sum(layer_capacity(p) for p in peers) / num_layers
 
 
-def placement_flow(peers: list[Peer], num_layers: int) -> float:
+def placement_flow(peers: list[Peer], num_layers: int, *, suffix_entry: bool = False) -> float:
     """The max flow through the spans as placed (tokens/s): what perfect routing could carry
-    (a peer that moved counts its old span too while sessions on it remain)."""
+    (a peer that moved counts its old span too while sessions on it remain). With
+    ``suffix_entry`` a span can be entered at any of its layers: the peer is a node of the
+    graph, fed from every boundary inside its span, emptying at its end."""
     import networkx as nx
 
     g = nx.DiGraph()
     g.add_nodes_from(range(num_layers + 1))
     for p in peers:
-        for s, e in {*p.open_spans, *([p.span] if p.span else [])}:
+        spans = {*p.open_spans, *([p.span] if p.span else [])}
+        if suffix_entry and p.span:
+            # one node per peer, at its whole span's capacity (entering later computes fewer
+            # layers, so this is conservative), fed from every boundary inside its spans
+            node = ("peer", p.id)
+            g.add_edge(node, ("out", p.id), capacity=p.capacity())
+            for s, e in spans:
+                g.add_edge(("out", p.id), e)
+                for b in range(s, e):
+                    g.add_edge(b, node)  # no capacity: unbounded
+            continue
+        for s, e in spans:
             cap = capacity_at(p, s, e)
             if g.has_edge(s, e):
                 g[s][e]["capacity"] += cap

@@ -29,7 +29,7 @@ async def swarm_report(node: Node, model_id: str, num_layers: int, *, wait: floa
         "peers": sorted(({"peer_id": c.peer, "layers": [c.start, c.end], "tput": round(c.tput, 1),
                           "reachability": c.reach, "load": round(c.load, 3), "kv_tokens_free": c.kv_tokens,
                           "link": node.link(c.peer) or "none", "rtt_ms": round(rtts[c.peer] * 1000, 2),
-                          "dtype": c.dtype, "quant": c.quant,
+                          "dtype": c.dtype, "quant": c.quant, "loading": list(c.loading) if c.loading else None,
                           "uptime_s": round(max(0.0, time.time() - c.since)) if c.since else None,
                           "successor_rtts_ms": {p: round(t * 1000, 2) for p, t in c.rtts}}
                          for c in live), key=lambda p: (p["layers"], p["peer_id"])),

@@ -54,9 +54,19 @@ class Claim:
     dtype: str = "unknown"
     quant: str = "none"
     since: float = 0.0  # when the peer began serving (Unix time; 0: not said), for uptime displays
+    #: the span the peer is loading now, to serve once loaded (None: none). A peer that serves
+    #: nothing yet claims that span as its own too: ``serving`` is then False, and clients route
+    #: through no such claim; placement counts it where the peer will be, so that peers joining
+    #: or moving while it loads do not all take the same layers.
+    loading: tuple[int, int] | None = None
 
     def covers(self, layer: int) -> bool:
         return self.start <= layer < self.end
+
+    @property
+    def serving(self) -> bool:
+        """Whether the peer serves start..end now (not only loading it)."""
+        return self.loading != (self.start, self.end)
 
 
 def topic(model_id: str) -> str:
@@ -73,7 +83,20 @@ def _body(c: Claim) -> dict:
     d = asdict(c)
     d["addrs"] = list(c.addrs)
     d["rtts"] = [list(pair) for pair in c.rtts[:MAX_RTTS]]
+    if c.loading is None:
+        del d["loading"]  # absent, as in claims from before the key existed
+    else:
+        d["loading"] = list(c.loading)
     return d
+
+
+def _span(v) -> tuple[int, int] | None:
+    if v is None:
+        return None
+    if (not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+            or not 0 <= v[0] < v[1]):
+        raise ClaimError("claim loading must be a [start, end] layer range")
+    return v[0], v[1]
 
 
 def _rtts(v) -> tuple[tuple[str, float], ...]:
@@ -104,7 +127,8 @@ def decode(blob: bytes, *, now: float | None = None) -> Claim:
                   tput=float(body["tput"]), addrs=tuple(body["addrs"]), expires=float(body["expires"]),
                   peer=body["peer"], reach=body.get("reach", "unknown"), load=float(body.get("load", 0.0)),
                   rtts=_rtts(body.get("rtts", [])), dtype=body.get("dtype", "unknown"),
-                  quant=body.get("quant", "none"), since=float(body.get("since", 0.0)))
+                  quant=body.get("quant", "none"), since=float(body.get("since", 0.0)),
+                  loading=_span(body.get("loading")))
     except (KeyError, TypeError, ValueError) as e:
         raise ClaimError(f"claim body incomplete ({e})") from None
     if not (isinstance(c.model, str) and isinstance(c.peer, str) and all(isinstance(a, str) for a in c.addrs)

@@ -36,6 +36,8 @@ RELAYED_RTT_FACTOR = 3.0
 KEEP_DISCOUNT = 0.25
 #: route cost of a hop whose peer is there but did not answer a probe in time (seconds)
 SLOW_RTT = 2.0
+#: a full peer's compute counts 1 / LOAD_FLOOR times (see ``ChainCost``)
+LOAD_FLOOR = 0.05
 
 
 def link_rtt(measured: float | None, *, slow: bool = False, relayed: bool = False) -> float:
@@ -61,7 +63,8 @@ def _one(peer: str) -> float:
 class ChainCost:
     """Seconds per token a chain costs, as the client estimates it. ``rtt(peer)``: the client's
     round trip to a peer (``link_rtt``); ``factor(peer)``: a multiplier (reputation);
-    ``kept``: peers of a chain being healed, which cost ``KEEP_DISCOUNT`` as much."""
+    ``kept``: peers of a chain being healed, which cost ``KEEP_DISCOUNT`` as much. A hop's
+    compute is 1 / its claimed tokens/s, more as its claimed load nears full."""
 
     rtt: Callable[[str], float]
     factor: Callable[[str], float] = _one
@@ -75,6 +78,11 @@ class ChainCost:
 
     def _hop(self, rtt: float, claim: Claim) -> float:
         compute = 1.0 / claim.tput if claim.tput > 0 else 0.0
+        # A peer whose KV budget is mostly taken is as slow as its batches are big, and refuses
+        # new sessions once it is full (they wait in line): its compute counts 1 / (1 - load)
+        # times. Without this every gateway sent every request down its one cheapest chain until
+        # that chain refused them (bench/swarm_sim: most sessions failed "busy" at half load).
+        compute /= max(LOAD_FLOOR, 1.0 - claim.load)
         return (rtt / 2 + compute) * self.factor(claim.peer)
 
     def finish(self, last: Claim) -> float:
@@ -105,7 +113,7 @@ def plan_route(claims: Iterable[Claim], num_layers: int, *, cost: HopCost | Chai
     if chain_cost is not None:
         cost, finish = chain_cost.step, chain_cost.finish
     rng = rng or random.Random()
-    usable = [c for c in claims if 0 <= c.start < c.end <= num_layers]
+    usable = [c for c in claims if c.serving and 0 <= c.start < c.end <= num_layers]
     rng.shuffle(usable)  # among equal costs the first found wins: a random one
     by_start: dict[int, list[tuple[int, Claim]]] = {}
     for i, c in enumerate(usable):
@@ -179,7 +187,8 @@ class _Relaxer:
 def uncovered_layers(claims: Iterable[Claim], num_layers: int) -> list[int]:
     covered = set()
     for c in claims:
-        covered.update(range(max(c.start, 0), min(c.end, num_layers)))
+        if c.serving:
+            covered.update(range(max(c.start, 0), min(c.end, num_layers)))
     return [layer for layer in range(num_layers) if layer not in covered]
 
 

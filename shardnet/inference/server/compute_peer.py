@@ -50,7 +50,7 @@ from shardnet.inference.server.placement import (
     fillable_gap,
     move_turn_delay,
     plan_move,
-    served_throughput,
+    planned_throughput,
     upkeep_step,
 )
 from shardnet.inference.server.step_batcher import DEFAULT_MAX_TOKENS, StepBatcher
@@ -135,6 +135,8 @@ class ComputePeer:
         self.tput = 0.0
         self.successor_rtts: dict[str, float] = {}
         self.moves: list[Move] = []
+        #: the span being loaded (claimed as such, so that other peers choose around it)
+        self.loading: tuple[int, int] | None = None
 
     @property
     def span(self) -> tuple[int, int]:
@@ -172,15 +174,21 @@ class ComputePeer:
         return served
 
     def claim(self, expires: float) -> Claim:
+        """This peer's claim now: the span it serves (and the one it is loading, if any), or,
+        before its first block is in, the span it is loading (which clients do not route to)."""
+        common = dict(model=self.model_id, addrs=tuple(str(a) for a in self.node.listen_addrs), expires=expires,
+                      peer=str(self.node.peer_id), reach=self.node.autonat.status if self.node.autonat else "unknown",
+                      dtype=self.dtype_name, quant=self.quantize or "none", since=self.since, loading=self.loading)
         sb = self.served
+        if sb is None:
+            if self.loading is None:
+                raise ShardnetError("no span served or being loaded: nothing to claim")
+            return Claim(start=self.loading[0], end=self.loading[1], kv_tokens=0, tput=0.0, **common)
         kv = sb.kv
         rtts = tuple(sorted(self.successor_rtts.items(), key=lambda kv_: kv_[1]))
-        return Claim(model=self.model_id, start=sb.block.start, end=sb.block.end,
+        return Claim(start=sb.block.start, end=sb.block.end,
                      kv_tokens=(kv.limit - kv.used) // sb.block.kv_bytes_per_token(), tput=self.tput,
-                     addrs=tuple(str(a) for a in self.node.listen_addrs), expires=expires, peer=str(self.node.peer_id),
-                     reach=self.node.autonat.status if self.node.autonat else "unknown",
-                     load=min(1.0, kv.used / kv.limit) if kv.limit else 0.0, rtts=rtts, dtype=self.dtype_name,
-                     quant=self.quantize or "none", since=self.since)
+                     load=min(1.0, kv.used / kv.limit) if kv.limit else 0.0, rtts=rtts, **common)
 
     # -- choosing and revising the span ----------------------------------------------------------
     async def choose_span(self, *, max_layers: int | None = None, wait: float = 5.0,
@@ -189,7 +197,7 @@ class ComputePeer:
         n = affordable_layers(self.ckpt, self.dtype_name, free_memory_bytes(self.device), quantize=self.quantize,
                               reserve_bytes=self.kv_budget_bytes, max_layers=max_layers)
         claims = await self.live_claims(wait)
-        served = served_throughput(claims, self.ckpt.num_layers)
+        served = planned_throughput(claims, self.ckpt.num_layers)
         start, end = best_window(served, n, rng=rng)
         log.info("room for %d of %d layers; the swarm serves %s tok/s per layer: taking %d:%d",
                  n, self.ckpt.num_layers, [round(x, 1) for x in served], start, end)
@@ -201,7 +209,7 @@ class ComputePeer:
         else the neediest window of the same size."""
         start, end = span
         claims = await self.live_claims(wait)
-        served = served_throughput(claims, self.ckpt.num_layers)
+        served = planned_throughput(claims, self.ckpt.num_layers)
         best = best_window(served, end - start, rng=rng)
         if sorted(served[start:end]) <= sorted(served[best[0]:best[1]]):
             return span
@@ -241,7 +249,7 @@ class ComputePeer:
             try:
                 claims = await self.live_claims()
                 # a gap that we could fill (others serve every layer of ours): look again soon
-                gap = fillable_gap(served_throughput(claims, self.ckpt.num_layers), *self.span)
+                gap = fillable_gap(claims, *self.span, self.ckpt.num_layers)
                 await self.measure_successors(claims)
                 log.debug("upkeep: %d live claims; successors' round trips %s", len(claims),
                           {p[:16]: round(t, 4) for p, t in self.successor_rtts.items()})
@@ -260,7 +268,12 @@ class ComputePeer:
                         old = self.span
                         log.warning("moving from layers %d:%d to %d:%d (swarm bottleneck %.1f -> %.1f tok/s)",
                                     *old, move.start, move.end, move.bottleneck_now, move.bottleneck_after)
-                        await self.load(move.start, move.end)
+                        self.loading = (move.start, move.end)
+                        publisher.refresh()  # others see where we are going while we load
+                        try:
+                            await self.load(move.start, move.end)
+                        finally:
+                            self.loading = None
                         weights = self.node.behaviour(WeightServer)
                         if weights is not None:
                             weights.add(self.ckpt, self.names)  # it may hold more now
@@ -285,10 +298,26 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
         layers = await peer.choose_span(max_layers=max_layers)
         await trio.sleep(random.uniform(*RECHECK_DELAY))  # and once more before loading
         layers = await peer.recheck_span(layers)
-    await peer.load(*layers)
+    publisher: ClaimPublisher | None = None
+    if chosen:
+        # Claim the span while loading it (minutes, when its weights come over a home line):
+        # peers joining meanwhile choose around it instead of all taking the same layers.
+        peer.loading = layers
+        publisher = await node.add_behaviour(ClaimPublisher(node, peer.claim, ttl=claim_ttl))
+    try:
+        await peer.load(*layers)
+    except BaseException:
+        if publisher is not None:
+            node.remove_behaviour(publisher)
+        raise
+    finally:
+        peer.loading = None
     weights = node.behaviour(WeightServer) or await node.add_behaviour(WeightServer(node))
     weights.add(peer.ckpt, peer.names)
-    publisher = await node.add_behaviour(ClaimPublisher(node, peer.claim, ttl=claim_ttl))  # first claim out
+    if publisher is None:
+        publisher = await node.add_behaviour(ClaimPublisher(node, peer.claim, ttl=claim_ttl))  # first claim out
+    else:
+        publisher.refresh()  # serving now
     try:
         async with trio.open_nursery() as nursery:
             if rebalance_interval > 0:

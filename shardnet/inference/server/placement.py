@@ -88,12 +88,42 @@ def layers_fitting(sizes: list[int], budget: int, *, max_layers: int | None = No
 
 
 def served_throughput(claims: Iterable[Claim], num_layers: int) -> list[float]:
+    """Per layer, the tokens/s claimed by the peers serving it now."""
     served = [0.0] * num_layers
     for c in claims:
-        tput = max(c.tput, 0.0)
-        for layer in range(max(c.start, 0), min(c.end, num_layers)):
-            served[layer] += tput
+        if c.serving:
+            _add(served, c.start, c.end, max(c.tput, 0.0))
     return served
+
+
+def planned_throughput(claims: Iterable[Claim], num_layers: int) -> list[float]:
+    """Per layer, the tokens/s of the peers that will serve it: each claim at the span it is
+    loading if any, else the one it serves. A peer that serves nothing yet has measured nothing
+    yet, and counts as the mean of those that have (any positive number keeps its layers from
+    looking unserved; the mean keeps it from looking like more than one peer)."""
+    claims = list(claims)
+    measured = [c.tput for c in claims if c.serving and c.tput > 0]
+    guess = sum(measured) / len(measured) if measured else 1.0
+    planned = [0.0] * num_layers
+    for c in claims:
+        start, end = c.loading or (c.start, c.end)
+        _add(planned, start, end, max(c.tput, 0.0) if c.serving else guess)
+    return planned
+
+
+def staying_throughput(claims: Iterable[Claim], num_layers: int) -> list[float]:
+    """Per layer, the tokens/s of the peers serving it now and not moving off it."""
+    staying = [0.0] * num_layers
+    for c in claims:
+        if c.serving:
+            lo, hi = c.loading or (c.start, c.end)
+            _add(staying, max(c.start, lo), min(c.end, hi), max(c.tput, 0.0))
+    return staying
+
+
+def _add(served: list[float], start: int, end: int, tput: float) -> None:
+    for layer in range(max(start, 0), min(end, len(served))):
+        served[layer] += tput
 
 
 def best_window(served: list[float], n: int, *, rng: random.Random | None = None) -> tuple[int, int]:
@@ -129,7 +159,13 @@ def plan_move(claims: Iterable[Claim], me: Claim, num_layers: int, *, margin: fl
               rng: random.Random | None = None) -> Move | None:
     """Where ``me`` should move, or None. ``claims`` are the live claims (``me`` may be among them)."""
     others = [c for c in claims if c.peer != me.peer]
-    return plan_move_from(served_throughput(others, num_layers), me.start, me.end, me.tput, margin=margin, rng=rng)
+    staying = staying_throughput(others, num_layers)
+    if any(staying[layer] <= 0 for layer in range(me.start, me.end)):
+        # we are the only server of a layer that will stay: others may be loading it (not
+        # serving yet) or serving it while they load another span (leaving it soon)
+        return None
+    return plan_move_from(planned_throughput(others, num_layers), me.start, me.end, me.tput, margin=margin,
+                          rng=rng)
 
 
 def plan_move_from(without_me: list[float], start: int, end: int, tput: float, *, margin: float = 0.2,
@@ -175,11 +211,15 @@ def upkeep_step(interval: float, *, gap: bool, settling: bool) -> float:
 UPKEEP_JITTER = (0.75, 1.25)
 
 
-def fillable_gap(without_me: list[float], start: int, end: int) -> bool:
-    """Whether a layer nobody serves could be filled by the peer serving ``start:end``: some
-    layer outside its span is unserved, and every layer of its span is served by another."""
-    return (any(x <= 0 for layer, x in enumerate(without_me) if not start <= layer < end)
-            and all(without_me[layer] > 0 for layer in range(start, end)))
+def fillable_gap(claims: Iterable[Claim], start: int, end: int, num_layers: int) -> bool:
+    """Whether a layer nobody serves or loads could be filled by the peer serving ``start:end``
+    (``claims``: the others'): some layer outside its span is left to nobody, and every layer
+    of its span is served by another that stays."""
+    claims = list(claims)
+    planned = planned_throughput(claims, num_layers)
+    staying = staying_throughput(claims, num_layers)
+    return (any(x <= 0 for layer, x in enumerate(planned) if not start <= layer < end)
+            and all(staying[layer] > 0 for layer in range(start, end)))
 
 
 def move_turn_delay(rank: int, step: float, rng: random.Random) -> float:
@@ -197,6 +237,8 @@ def coverage(claims: Iterable[Claim], num_layers: int) -> list[dict]:
     """Per layer: the peers serving it and their summed throughput (for status displays)."""
     rows = [{"layer": i, "peers": [], "tput": 0.0} for i in range(num_layers)]
     for c in claims:
+        if not c.serving:
+            continue
         for layer in range(max(c.start, 0), min(c.end, num_layers)):
             rows[layer]["peers"].append(c.peer)
             rows[layer]["tput"] += max(c.tput, 0.0)

@@ -202,7 +202,8 @@ async def _add_claims(node: Node, models: list[SwarmModel], *, timeout: float) -
     async def one(m: SwarmModel) -> None:
         claims = await find_claims(node, m.card.model_id, timeout=timeout)
         for c in await live_claims(node, claims):
-            m.spans.append((c.start, c.end, c.peer, c.quant))
+            if c.serving:
+                m.spans.append((c.start, c.end, c.peer, c.quant))
 
     async with trio.open_nursery() as nursery:
         for m in models:

@@ -91,3 +91,15 @@ def test_probe_order_measures_the_unmeasured_first_then_the_stalest():
         for p in probe_order([f"p{i}" for i in range(10)], probed, 3):
             probed[p] = float(t)
     assert len(probed) == 10
+
+
+def test_a_loaded_peer_costs_more_and_a_full_one_most():
+    from dataclasses import replace
+
+    costs = ChainCost(lambda peer: 0.02)
+    idle = claim("a", 0, 4, tput=100.0)
+    assert costs.hop(None, replace(idle, load=0.5)) == pytest.approx(0.01 + 0.02)
+    full = costs.hop(None, replace(idle, load=1.0))
+    assert full == pytest.approx(0.01 + 0.01 / 0.05)
+    busy, free = replace(idle, peer="b", load=0.99), claim("c", 0, 4, tput=50.0)
+    assert plan_route([busy, free], 4, cost=costs)[0].peer == "c"

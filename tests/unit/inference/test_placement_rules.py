@@ -119,3 +119,33 @@ def test_a_peer_moves_to_fill_one_of_several_gaps():
     move = plan_move([a, b, c, d], a, 8)
     assert move is not None and (move.start <= 2 < move.end or move.start <= 6 < move.end)
     assert plan_move([a, c, d], a, 8) is None  # the only server of 0:2 stays
+
+
+def test_placement_counts_peers_where_they_will_be():
+    from dataclasses import replace
+
+    from shardnet.inference.server.placement import fillable_gap, planned_throughput
+
+    serving = claim(0, 4, "a", 10.0)
+    moving = replace(claim(0, 4, "b", 30.0), loading=(4, 8))
+    joining = replace(claim(4, 8, "c", 0.0), loading=(4, 8))
+    assert served_throughput([serving, moving, joining], 8) == [40.0] * 4 + [0.0] * 4
+    # the mover at its new span; the joiner, not measured yet, as the measured peers' mean (20)
+    assert planned_throughput([serving, moving, joining], 8) == [10.0] * 4 + [50.0] * 4
+    # a gap someone is loading is no gap to fill
+    assert fillable_gap([serving, claim(0, 4, "d")], 0, 4, 8)
+    assert not fillable_gap([serving, claim(0, 4, "d"), joining], 0, 4, 8)
+    # the last server of a layer stays while another only loads it
+    me = claim(4, 8, "me", 10.0)
+    assert plan_move([serving, replace(claim(4, 8, "e", 0.0), loading=(4, 8)), me], me, 8) is None
+
+
+def test_a_peer_does_not_leave_a_layer_whose_other_server_is_moving_off_it():
+    from dataclasses import replace
+
+    me = claim(0, 4, "me", 10.0)
+    other = claim(0, 4, "o", 10.0)
+    far = claim(4, 8, "f", 40.0)
+    assert plan_move([other, far, me], me, 8) is not None  # 'o' stays on 0:4: we may go
+    leaving = replace(other, loading=(4, 8))
+    assert plan_move([leaving, far, me], me, 8) is None  # 'o' is loading 4:8: we stay

@@ -110,3 +110,23 @@ def test_route_prefers_peers_reached_directly_over_relayed_ones():
         assert [c.peer for c in route] == ["direct", "x"]
     picked = {plan_route(cs, 8, rng=random.Random(s))[0].peer for s in range(40)}
     assert picked == {"relayed", "direct", "unknown"}  # equal costs: any of them, at random
+
+
+def test_a_claim_names_the_span_it_is_loading():
+    moving = dataclasses.replace(claim(0, 4), loading=(4, 8))
+    assert bc.decode(bc.encode(KP, moving)) == moving and moving.serving
+    joining = dataclasses.replace(claim(2, 6), loading=(2, 6))
+    assert bc.decode(bc.encode(KP, joining)) == joining and not joining.serving
+    # absent from a claim that loads nothing, as in claims from before the key existed
+    body = cbor2.loads(bc.encode(KP, claim()))
+    assert b"loading" not in cbor2.dumps(body)
+    for bad in ((4, 4), (5, 2), (-1, 2)):
+        with pytest.raises(bc.ClaimError, match="loading"):
+            bc.decode(bc.encode(KP, dataclasses.replace(claim(), loading=bad)))
+
+
+def test_routes_never_go_through_a_peer_that_is_only_loading():
+    joining = dataclasses.replace(claim(0, 4, peer="j"), loading=(0, 4))
+    with pytest.raises(NoRouteError, match="layers 0-3"):
+        plan_route([joining], 4)
+    assert plan_route([joining, claim(0, 4, peer="s")], 4)[0].peer == "s"
