@@ -145,7 +145,7 @@ def test_a_peer_does_not_leave_a_layer_whose_other_server_is_moving_off_it():
 
     me = claim(0, 4, "me", 10.0)
     other = claim(0, 4, "o", 10.0)
-    far = claim(4, 8, "f", 40.0)
+    far = claim(4, 8, "f", 5.0)
     assert plan_move([other, far, me], me, 8) is not None  # 'o' stays on 0:4: we may go
     leaving = replace(other, loading=(4, 8))
     assert plan_move([leaving, far, me], me, 8) is None  # 'o' is loading 4:8: we stay
