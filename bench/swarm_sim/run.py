@@ -2,7 +2,7 @@
 
     python bench/swarm_sim/run.py [--peers 1000] [--models llama-70b,deepseek-v3] [--hours 1]
                                   [--policies shardnet-before,shardnet,least-served,water-filling]
-                                  [--load 0.5]
+                                  [--load 0.3]
                                   [--seed 1] [--cohort N] [--probe-order stalest|first]
                                   [--plots DIR] [--json FILE]
 
@@ -84,7 +84,7 @@ def summarize(sim: Sim, stats: Stats, wall: float) -> dict:
         "moves_peer_h": stats.moves / max(1e-9, stats.peers_hours),
         "joins": stats.joins, "leaves": stats.leaves,
         "route_ms": statistics.fmean(stats.route_ms) if stats.route_ms else 0.0,
-        "samples": stats.samples, "wall_s": wall,
+        "samples": stats.samples, "wall_s": wall, "rates": stats.request_rates,
     }
 
 
@@ -116,7 +116,8 @@ def simulate(model: str, policy: str, args) -> dict:
     sim = Sim(model=MODELS[model], policy=make("shardnet" if policy in (BEFORE, SUFFIX) else policy),
               peers=args.peers, hours=args.hours, seed=args.seed, load=args.load, cohort=args.cohort,
               probe_order="first" if before else args.probe_order, announce_loading=not before,
-              route_by_load=not before, suffix_entry=policy == SUFFIX)
+              route_by_load=not before, reroute_busy=args.reroute_busy,
+              suffix_entry=policy == SUFFIX)
     t0 = time.perf_counter()
     stats = sim.run()
     out = summarize(sim, stats, time.perf_counter() - t0)
@@ -131,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(VARIANTS[:-1]),
                     help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--hours", type=float, default=1.0)
-    ap.add_argument("--load", type=float, default=0.5,
+    ap.add_argument("--load", type=float, default=0.3,
                     help="offered sessions as a share of what the swarm's KV caches hold at once")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--cohort", type=int, default=None, help="sessions per simulated request (default: sized)")
+    ap.add_argument("--reroute-busy", action="store_true",
+                    help="what if requests refused for KV room routed around the full peers (shardnet waits)")
     ap.add_argument("--probe-order", choices=("stalest", "first"), default="stalest")
     ap.add_argument("--plots", type=Path, default=None, help="write PNG plots (needs matplotlib) here")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"({model}: offered {s['offered']:.0f} tok/s, {args.load:g} of the sessions its KV caches hold; "
               f"LP bound ~{s['bound']:.0f} tok/s; cohorts of {s['cohort']} sessions; seed {args.seed})")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=float))
+        args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "rates"} for r in results],
+                                        indent=1, default=float))
     if args.plots:
         from bench.swarm_sim.plots import plot
 

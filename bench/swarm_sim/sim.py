@@ -39,6 +39,7 @@ from bench.swarm_sim.models import ModelSpec
 from bench.swarm_sim.policies import Policy
 from shardnet.errors import NoRouteError
 from shardnet.inference.claims import CLAIM_TTL
+from shardnet.inference.client.own_load import OwnLoad
 from shardnet.inference.client.route_planner import RTT_CACHE_S
 from shardnet.inference.client.routing import ChainCost, link_rtt, plan_route, probe_order
 from shardnet.inference.client.timing import NAMED_ERROR_WAIT, PROBE_TIMEOUT, QUEUE_TIMEOUT
@@ -157,6 +158,7 @@ class Request:
     first_token: float | None = None
     rate: float = 0.0
     heals: int = 0
+    rerouted_at: float = -1.0
     over: bool = False  # finished or failed
 
 
@@ -169,6 +171,8 @@ class Gateway:
     probed_at: dict[str, float] = field(default_factory=dict)
     #: departed peers this gateway knows of
     known_gone: set[str] = field(default_factory=set)
+    #: KV tokens this gateway's open sessions hold per peer (the client's OwnLoad)
+    own: OwnLoad = field(default_factory=OwnLoad)
 
 
 @dataclass
@@ -198,7 +202,7 @@ class Sim:
     def __init__(self, *, model: ModelSpec, policy: Policy, peers: int, hours: float, seed: int = 1,
                  load: float = 0.5, cohort: int | None = None, warmup_s: float = 600.0,
                  probe_order: str = "stalest", cohorts_per_s: float = 4.0, announce_loading: bool = True,
-                 route_by_load: bool = True, suffix_entry: bool = False) -> None:
+                 route_by_load: bool = True, suffix_entry: bool = False, reroute_busy: bool = False) -> None:
         self.model, self.policy, self.target_peers = model, policy, peers
         self.rng = random.Random(seed)
         self.now = 0.0
@@ -207,11 +211,17 @@ class Sim:
         self.probe_order = probe_order
         #: peers claim the span they are loading (``Claim.loading``), as shardnet peers do now
         self.announce_loading = announce_loading
-        #: claims carry the peer's load, which routing weighs (``ChainCost``), as they do now
+        #: routing weighs peers' load (``ChainCost``: the claim's, or this gateway's own sessions'
+        #: share of the peer's KV budget if more, ``OwnLoad``), as it does now
         self.route_by_load = route_by_load
         #: what if a chain could enter a peer's span at any layer (shardnet cannot yet: a hop
         #: serves exactly its claimed span), leaving at its end
         self.suffix_entry = suffix_entry
+        #: what if a request refused for want of KV room routed around the full peers instead
+        #: of waiting for the same chain (``Client.session`` waits; the simulation says waiting
+        #: is better under overload: a re-routed request takes a slower chain, holds its KV
+        #: cache longer, and more requests fail)
+        self.reroute_busy = reroute_busy
         self.peers: dict[str, Peer] = {}
         self.claims: dict[str, Claim] = {}  # serving peers' claims, in the order they first claimed
         self.layer_count = [0] * model.num_layers
@@ -456,8 +466,10 @@ class Sim:
         loading; before its first span is in, the one it is loading only."""
         loading = p.target if p.target != p.span and self.announce_loading else None
         s, e = p.span or p.target
-        load = min(1.0, p.kv_used / p.kv_bytes) if self.route_by_load else 0.0
-        return Claim(model=self.model.name, start=s, end=e, kv_tokens=0, tput=p.tput_at(s, e) if p.span else 0.0,
+        load = min(1.0, p.kv_used / p.kv_bytes)
+        free = max(0, p.kv_bytes - p.kv_used) // (self.model.kv_bytes_per_token * (e - s))
+        return Claim(model=self.model.name, start=s, end=e, kv_tokens=free if p.span else 0,
+                     tput=p.tput_at(s, e) if p.span else 0.0,
                      addrs=(), expires=self.now + CLAIM_TTL, peer=p.id, reach="private" if p.nat else "public",
                      load=load, rtts=p.rtts, loading=loading)
 
@@ -539,7 +551,10 @@ class Sim:
     def usable(self, g: Gateway, avoid: set[str]) -> list[Claim]:
         return [c for c in self.claims.values() if c.peer not in g.known_gone and c.peer not in avoid]
 
-    def route(self, r: Request, *, avoid: set[str] = frozenset(), keep: list[Claim] | None = None) -> bool:
+    def route(self, r: Request, *, avoid: set[str] = frozenset(), keep: list[Claim] | None = None,
+              or_wait: bool = False) -> bool:
+        """Choose ``r``'s chain and try to open it. ``or_wait``: when no chain avoids ``avoid``,
+        keep the chain it has (False returned) instead of failing."""
         g = r.gateway
         usable = self.usable(g, avoid)
         self.probe(g, [c.peer for c in usable])
@@ -554,9 +569,12 @@ class Sim:
         t0 = wallclock.perf_counter()
         try:
             route = plan_route(usable, self.model.num_layers,
-                               cost=ChainCost(rtt, kept=frozenset(c.peer for c in keep or ())), rng=self.rng)
+                               cost=ChainCost(rtt, kept=frozenset(c.peer for c in keep or ()),
+                                              load=g.own.load if self.route_by_load else _no_load),
+                               rng=self.rng)
         except NoRouteError:
-            self.fail(r, "no route")
+            if not or_wait:
+                self.fail(r, "no route")
             return False
         finally:
             self.stats.route_ms.append(1000 * (wallclock.perf_counter() - t0))
@@ -603,6 +621,7 @@ class Sim:
                 q.kv_used += n
                 q.sessions += r.cohort
                 q.open_spans[(c.start, c.end)] += r.cohort
+                r.gateway.own.tokens[c.peer] += r.cohort * (r.prompt + r.output)
             r.kv_each, r.open = need, True
             wait = self.now - r.waiting_since
             r.waiting_since = None
@@ -615,6 +634,12 @@ class Sim:
                     self.stats.ttft.append(wait + prefill)
         elif self.now - r.waiting_since >= QUEUE_TIMEOUT:
             self.fail(r, "busy")
+        elif self.reroute_busy and r.rerouted_at != self.now:
+            r.rerouted_at = self.now
+            full = {q.id for q, n in zip(hops, need) if q.kv_used + n > q.kv_bytes}
+            since = r.waiting_since
+            if self.route(r, avoid=full, keep=[c for c in r.route if c.peer not in full], or_wait=True):
+                r.waiting_since = since  # the line it waits in is the same request's
 
     def chain_rtt(self, r: Request) -> float:
         total, prev = 0.0, None
@@ -638,6 +663,10 @@ class Sim:
                     q.open_spans[(c.start, c.end)] -= r.cohort
                     if q.open_spans[(c.start, c.end)] <= 0:
                         del q.open_spans[(c.start, c.end)]
+                own = r.gateway.own.tokens
+                own[c.peer] -= r.cohort * (r.prompt + r.output)
+                if own[c.peer] <= 0:
+                    del own[c.peer]
         r.open = False
 
     def finish(self, r: Request) -> None:
@@ -692,6 +721,10 @@ class Sim:
                                    "delivered": delivered, "covered": min(self.layer_count) > 0,
                                    "routable": flow > 0,
                                    "served_min": min(self.layer_count), "active": sum(r.cohort for r in self.requests)})
+
+
+def _no_load(claim: Claim) -> float:
+    return 0.0  # routes blind to load, as before (shardnet-before)
 
 
 def estimated_rate(model: ModelSpec, peers: list[Peer]) -> float:

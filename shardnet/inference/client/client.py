@@ -175,14 +175,16 @@ class Client:
             sess = await self._open_when_free(route, max_len, deadline)
             body_error: BaseException | None = None
             try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(sess._watch_errors)
-                    try:
-                        yield sess
-                    except BaseException as e:  # re-raised below as itself, not as an exception group
-                        body_error = e
-                    finally:
-                        nursery.cancel_scope.cancel()
+                # routing counts this session's KV on its hops until it closes (own_load.py)
+                with self.planner.own_load.holding(route, max_len):
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(sess._watch_errors)
+                        try:
+                            yield sess
+                        except BaseException as e:  # re-raised below as itself, not as an exception group
+                            body_error = e
+                        finally:
+                            nursery.cancel_scope.cancel()
             finally:
                 with trio.CancelScope(shield=True):
                     await sess.close()

@@ -16,6 +16,7 @@ import trio
 
 from shardnet.errors import NoRouteError, ShardnetError
 from shardnet.inference.claims import CLAIM_TTL, RTT_SAMPLES
+from shardnet.inference.client.own_load import OwnLoad
 from shardnet.inference.client.reputation import Reputation
 from shardnet.inference.client.routing import (
     KEEP_DISCOUNT,
@@ -80,6 +81,8 @@ class RoutePlanner:
         self.reputation = reputation
         self.fixed_route = fixed_route
         self.route_timeout = route_timeout
+        #: KV this node's open sessions hold at each peer (shared by the node's clients)
+        self.own_load = OwnLoad.of(node)
         #: peer -> (until (trio time), the expiry of its claim then): failed during a request
         self._avoid: dict[str, tuple[float, float]] = {}
 
@@ -200,7 +203,7 @@ class RoutePlanner:
 
     def costs(self, kept: set[str] | frozenset = frozenset()) -> ChainCost:
         """What a chain costs as this client sees it now (see ``routing.ChainCost``)."""
-        return ChainCost(self.rtt, self.reputation.cost_factor, frozenset(kept))
+        return ChainCost(self.rtt, self.reputation.cost_factor, frozenset(kept), load=self.own_load.load)
 
     def hop_cost(self, prev: Claim | None, claim: Claim) -> float:
         return self.costs().hop(prev, claim)

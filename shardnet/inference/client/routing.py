@@ -59,16 +59,22 @@ def _one(peer: str) -> float:
     return 1.0
 
 
+def _claimed_load(claim: Claim) -> float:
+    return claim.load
+
+
 @dataclass(frozen=True)
 class ChainCost:
     """Seconds per token a chain costs, as the client estimates it. ``rtt(peer)``: the client's
     round trip to a peer (``link_rtt``); ``factor(peer)``: a multiplier (reputation);
     ``kept``: peers of a chain being healed, which cost ``KEEP_DISCOUNT`` as much. A hop's
-    compute is 1 / its claimed tokens/s, more as its claimed load nears full."""
+    compute is 1 / its claimed tokens/s, more as its ``load`` nears full."""
 
     rtt: Callable[[str], float]
     factor: Callable[[str], float] = _one
     kept: frozenset[str] = frozenset()
+    #: a peer's load as the client reckons it (default: as its claim says; see own_load.py)
+    load: Callable[[Claim], float] = _claimed_load
 
     def hop(self, prev: Claim | None, claim: Claim) -> float:
         """Reaching and crossing ``claim``'s hop: half the round trip from the previous hop (as
@@ -82,7 +88,7 @@ class ChainCost:
         # new sessions once it is full (they wait in line): its compute counts 1 / (1 - load)
         # times. Without this every gateway sent every request down its one cheapest chain until
         # that chain refused them (bench/swarm_sim: most sessions failed "busy" at half load).
-        compute /= max(LOAD_FLOOR, 1.0 - claim.load)
+        compute /= max(LOAD_FLOOR, 1.0 - self.load(claim))
         return (rtt / 2 + compute) * self.factor(claim.peer)
 
     def finish(self, last: Claim) -> float:

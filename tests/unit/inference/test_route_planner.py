@@ -33,6 +33,11 @@ class FakeNode:
     def link(self, peer: str) -> str:
         return "relayed" if peer in self.relayed else "direct"
 
+    def ensure_behaviour(self, cls, factory=None):
+        if not hasattr(self, "_behaviour"):
+            self._behaviour = factory() if factory else cls(self)
+        return self._behaviour
+
 
 class FakeProbes:
     def __init__(self, rtts: dict[str, float] | None = None, verdicts: dict[str, str] | None = None) -> None:
