@@ -5,9 +5,10 @@
   ``fillable_gap`` at each upkeep, ``upkeep_step`` and ``move_turn_delay`` for timing), over
   what a peer sees: the claims of at most ``VIEW_PROVIDERS`` providers a DHT lookup returns.
 - ``least-served``: Petals' rule (petals/server/block_selection.py): a joining server takes the
-  window whose sorted throughputs are least (the lowest start among equals), sees every server,
-  and every ``PETALS_CHECK_S`` moves if moving would raise the swarm's throughput by
-  1 / ``PETALS_BALANCE_QUALITY``.
+  window whose sorted throughputs are least (the lowest start among equals), sees every server
+  (those joining too), and every ``PETALS_CHECK_S`` (about) moves if moving would raise the
+  swarm's throughput by 1 / ``PETALS_BALANCE_QUALITY``. (Petals also simulates the other
+  servers' moves before deciding; this is the single-move form.)
 - ``water-filling``: a central scheduler that knows every peer, loading ones too: each joiner is
   poured into the neediest window at once, and every ``CENTRAL_PERIOD_S`` the whole swarm is
   poured again from scratch (largest peers first) and applied when it raises the bottleneck by
@@ -99,14 +100,13 @@ class LeastServed(Policy):
     name = "least-served"
 
     def choose(self, sim, peer):
-        # Petals counts servers still joining (its JOINING state) where they are going, too
-        served = planned_throughput(sim.view_of(peer, None), sim.model.num_layers)
-        return _petals_start(served, peer.n_layers)
+        # Petals sees every server, and counts those still joining where they are going (its
+        # JOINING state) at the throughput they announce
+        return _petals_start(sim.planned_served(without=peer), peer.n_layers)
 
     def upkeep(self, sim, peer):
         if peer.span is not None and not peer.moving:
-            others = planned_throughput([c for c in sim.view_of(peer, None) if c.peer != peer.id],
-                                        sim.model.num_layers)
+            others = sim.planned_served(without=peer)
             sim.count_lookup(peer)
             start, end = peer.span
             now = min(_plus(others, start, end, peer.tput))
@@ -136,7 +136,7 @@ class WaterFilling(Policy):
         self.next_pour = CENTRAL_PERIOD_S
 
     def choose(self, sim, peer):
-        return best_window(sim.planned_served(), peer.n_layers, rng=sim.rng)
+        return best_window(sim.planned_served(without=peer), peer.n_layers, rng=sim.rng)
 
     def tick(self, sim):
         if sim.now < self.next_pour:

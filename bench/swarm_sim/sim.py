@@ -223,7 +223,11 @@ class Sim:
         #: cache longer, and more requests fail)
         self.reroute_busy = reroute_busy
         self.peers: dict[str, Peer] = {}
-        self.claims: dict[str, Claim] = {}  # serving peers' claims, in the order they first claimed
+        self.claims: dict[str, Claim] = {}  # peers' claims, in the order they first claimed
+        self.claim_ids = SampleSet()  # the same peers, to draw a lookup's providers from
+        self.by_start: dict[int, dict[str, None]] = {}  # claims by first layer, in claim order
+        self._planned = [0.0] * model.num_layers
+        self._planned_by: dict[str, tuple[int, int, float]] = {}
         self.layer_count = [0] * model.num_layers
         self._events: list = []
         self._seq = itertools.count()
@@ -361,8 +365,9 @@ class Sim:
             return
         span = self.policy.choose(self, p)
         p.target = span
+        self._replan(p)
         if self.announce_loading:
-            self.claims[p.id] = self.claim_of(p)  # a claim of the span it loads (not routable)
+            self._put_claim(p)  # a claim of the span it loads (not routable)
             self.count_publish()
         self.later(self.load_seconds(p, span, held=None), lambda: self._loaded(p, span, first=True))
 
@@ -416,6 +421,7 @@ class Sim:
         held = p.span
         p.target, p.moving = span, True
         self.stats.moves += 1
+        self._replan(p)
         self.publish(p)  # the claim names the span being loaded
         self.later(self.load_seconds(p, span, held), lambda: self._loaded(p, span, first=False))
 
@@ -434,9 +440,10 @@ class Sim:
                     since, spare = self.stats.uncovered_since.pop(i)
                     if since >= self.warmup_s:
                         self.stats.gaps.append((self.now - since, spare))
-            self.claims[p.id] = self.claim_of(p)
+            self._put_claim(p)
         else:
-            self.claims.pop(p.id, None)
+            self._drop_claim(p)
+        self._replan(p)
 
     def close_gaps(self) -> None:
         for i, (since, spare) in list(self.stats.uncovered_since.items()):
@@ -454,6 +461,8 @@ class Sim:
         p.gone = True
         self.stats.leaves += 1
         self._set_span(p, None)
+        self._drop_claim(p)
+        self._replan(p)
         self.peers.pop(p.id, None)
         for r in list(self.requests):
             if r.route and any(c.peer == p.id for c in r.route):
@@ -477,8 +486,22 @@ class Sim:
         """A claim publication: a DHT put and provide, and a gossip message."""
         if p.span is None:
             return
-        self.claims[p.id] = self.claim_of(p)
+        self._put_claim(p)
         self.count_publish()
+
+    def _put_claim(self, p: Peer) -> None:
+        old = self.claims.get(p.id)
+        c = self.claims[p.id] = self.claim_of(p)  # a newer claim keeps the peer's place in the view
+        if old is not None and old.start != c.start:
+            self.by_start.get(old.start, {}).pop(p.id, None)
+        self.claim_ids.add(p.id)
+        self.by_start.setdefault(c.start, {})[p.id] = None
+
+    def _drop_claim(self, p: Peer) -> None:
+        old = self.claims.pop(p.id, None)
+        if old is not None:
+            self.by_start.get(old.start, {}).pop(p.id, None)
+        self.claim_ids.discard(p.id)
 
     def count_publish(self) -> None:
         n = max(2, len(self.peers))
@@ -493,28 +516,37 @@ class Sim:
         """Round trips to the peers serving the layers after its own, reported in its claim."""
         if p.span is None:
             return
-        nxt = [self.peers[c.peer] for c in itertools.islice(
-            (c for c in self.claims.values() if c.start == p.span[1]), 32) if c.peer in self.peers]
+        nxt = [self.peers[q] for q in itertools.islice(self.by_start.get(p.span[1], ()), 32) if q in self.peers]
         p.rtts = tuple((q.id, self.rtt(p, q)) for q in nxt[:MAX_RTTS])
         self.stats.msgs["ping"] += len(nxt)
 
     def view_of(self, p: Peer, most: int | None) -> list[Claim]:
         """The live claims a peer's lookup finds (``most`` providers; None: all), not its own."""
-        others = [c for peer, c in self.claims.items() if peer != p.id]
-        if most is not None and len(others) > most:
-            others = self.rng.sample(others, most)
-        return others
+        if most is None:
+            return [c for peer, c in self.claims.items() if peer != p.id]
+        picked = self.claim_ids.sample(self.rng, most + 1)
+        return [self.claims[peer] for peer in picked if peer != p.id][:most]
 
-    def planned_served(self) -> list[float]:
-        """Per layer, the tokens/s of every peer serving or loading it (a central view)."""
-        served = [0.0] * self.model.num_layers
-        for p in self.peers.values():
-            span = p.target or p.span
-            if span:
-                t = p.tput_at(*span)
-                for i in range(*span):
-                    served[i] += t
-        return served
+    def planned_served(self, without: Peer | None = None) -> list[float]:
+        """Per layer, the tokens/s of every peer serving or loading it (a central view; kept up
+        to date as peers change, not recounted)."""
+        if without is None or without.id not in self._planned_by:
+            return list(self._planned)
+        s, e, t = self._planned_by[without.id]
+        return [x - t if s <= i < e else x for i, x in enumerate(self._planned)]
+
+    def _replan(self, p: Peer) -> None:
+        """Move ``p``'s share of the planned vector to where it is going (or out, once gone)."""
+        old = self._planned_by.pop(p.id, None)
+        if old is not None:
+            for i in range(old[0], old[1]):
+                self._planned[i] -= old[2]
+        span = None if p.gone else (p.target or p.span)
+        if span:
+            t = p.tput_at(*span)
+            self._planned_by[p.id] = (*span, t)
+            for i in range(*span):
+                self._planned[i] += t
 
     # -- requests --------------------------------------------------------------------------------
     def tick(self, dt: float) -> None:
@@ -721,6 +753,33 @@ class Sim:
                                    "delivered": delivered, "covered": min(self.layer_count) > 0,
                                    "routable": flow > 0,
                                    "served_min": min(self.layer_count), "active": sum(r.cohort for r in self.requests)})
+
+
+class SampleSet:
+    """A set that draws random members in O(k) (a list with an index)."""
+
+    def __init__(self) -> None:
+        self._items: list[str] = []
+        self._at: dict[str, int] = {}
+
+    def add(self, x: str) -> None:
+        if x not in self._at:
+            self._at[x] = len(self._items)
+            self._items.append(x)
+
+    def discard(self, x: str) -> None:
+        i = self._at.pop(x, None)
+        if i is not None:
+            last = self._items.pop()
+            if i < len(self._items):
+                self._items[i] = last
+                self._at[last] = i
+
+    def sample(self, rng: random.Random, k: int) -> list[str]:
+        return rng.sample(self._items, min(k, len(self._items)))
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def _no_load(claim: Claim) -> float:
