@@ -18,7 +18,8 @@ What is modelled, coarsely and on purpose (docs/scale.md says what that leaves o
   of probes) and occupy ``cohort`` sessions of KV cache on each hop. A cohort of 1 is exact; more
   keeps 10,000-peer runs to minutes.
 - Departures: a peer that closes its connections is noticed at once; one that vanishes only when
-  a step times out (``STEP_TIMEOUT``). Gateways' views drop a departed peer's claim when a
+  keepalive closes the connection to it (``keepalive_interval`` + ``keepalive_timeout`` at
+  most; ``STEP_TIMEOUT`` is the last resort, never reached here). Gateways' views drop a departed peer's claim when a
   request fails on it, or when a probe finds it gone (within ``RTT_CACHE_S``).
 """
 
@@ -44,10 +45,11 @@ from shardnet.inference.client.route_planner import RTT_CACHE_S
 from shardnet.inference.client.routing import ChainCost, link_rtt, plan_route, probe_order
 from shardnet.inference.client.timing import NAMED_ERROR_WAIT, PROBE_TIMEOUT, QUEUE_TIMEOUT
 from shardnet.inference.server.placement import MEMORY_USE, SETTLE_S, layers_fitting
-from shardnet.protocols.activation_io import STEP_TIMEOUT
+from shardnet.transport.config import NodeConfig
 from shardnet.protocols.block_claim import MAX_RTTS, Claim
 
 TICK_S = 2.0
+KEEPALIVE = NodeConfig()
 #: the most tokens one forward pass of a peer's step batcher takes (step_batcher.DEFAULT_MAX_TOKENS,
 #: not imported: that module needs torch); more sessions take more passes
 BATCH_TOKENS = 256
@@ -719,12 +721,16 @@ class Sim:
 
     def fail_hop(self, r: Request, p: Peer) -> None:
         """A peer of ``r``'s chain left: the client notices (at once when the peer closed its
-        connections, at the step timeout when it vanished), names it, and heals around it."""
+        connections, when keepalive gives up on it when it vanished), names it, and heals."""
         was_open = r.open
         self.release(r)
         if not was_open:
             return  # a request waiting in line finds the peer gone when it tries again
-        notice = (2 * NAMED_ERROR_WAIT if p.graceful else STEP_TIMEOUT) + PROBE_TIMEOUT
+        if p.graceful:
+            notice = 2 * NAMED_ERROR_WAIT + PROBE_TIMEOUT
+        else:  # the previous hop's keepalive closes the dead connection, and says so
+            notice = self.rng.uniform(KEEPALIVE.keepalive_timeout,
+                                      KEEPALIVE.keepalive_interval + KEEPALIVE.keepalive_timeout) + NAMED_ERROR_WAIT
         r.stalled_until = self.now + notice
         started = self.now
 

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from bench.swarm_sim.models import MODELS
+from bench.swarm_sim.policies import make
+from bench.swarm_sim.sim import Sim
+from shardnet.inference.server.placement import DEFAULT_REBALANCE_INTERVAL
 
-from bench.swarm_sim.models import MODELS  # noqa: E402
-from bench.swarm_sim.policies import make  # noqa: E402
-from bench.swarm_sim.sim import Sim  # noqa: E402
-from shardnet.inference.server.placement import DEFAULT_REBALANCE_INTERVAL  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def healing_bound(sim: Sim) -> float:
