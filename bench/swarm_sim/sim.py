@@ -837,21 +837,21 @@ def lp_bound(peers: list[Peer], num_layers: int) -> float:
 def placement_flow(peers: list[Peer], num_layers: int, *, suffix_entry: bool = False) -> float:
     """The max flow through the spans as placed (tokens/s): what perfect routing could carry
     (a peer that moved counts its old span too while sessions on it remain). With
-    ``suffix_entry`` a span can be entered at any of its layers: the peer is a node of the
-    graph, fed from every boundary inside its span, emptying at its end."""
+    ``suffix_entry`` a span can be entered at any of its layers."""
     import networkx as nx
 
     g = nx.DiGraph()
     g.add_nodes_from(range(num_layers + 1))
     for p in peers:
         spans = {*p.open_spans, *([p.span] if p.span else [])}
-        if suffix_entry and p.span:
-            # one node per peer, at its whole span's capacity (entering later computes fewer
-            # layers, so this is conservative), fed from every boundary inside its spans
-            node = ("peer", p.id)
-            g.add_edge(node, ("out", p.id), capacity=p.capacity())
-            for s, e in spans:
-                g.add_edge(("out", p.id), e)
+        if suffix_entry:
+            # a node per peer, at its span's capacity (entering later computes fewer layers, so
+            # this is conservative), fed from every boundary inside its span, emptying at its
+            # end (its current span only: one node cannot remember which span a token entered)
+            if p.span:
+                s, e = p.span
+                node = ("peer", p.id)
+                g.add_edge(node, e, capacity=p.capacity())
                 for b in range(s, e):
                     g.add_edge(b, node)  # no capacity: unbounded
             continue
