@@ -42,11 +42,20 @@ from shardnet.errors import NoRouteError
 from shardnet.inference.claims import CLAIM_TTL
 from shardnet.inference.client.own_load import OwnLoad
 from shardnet.inference.client.route_planner import RTT_CACHE_S
-from shardnet.inference.client.routing import ChainCost, link_rtt, plan_route, probe_order
-from shardnet.inference.client.timing import NAMED_ERROR_WAIT, PROBE_TIMEOUT, QUEUE_TIMEOUT
+from shardnet.inference.client.routing import (
+    ChainCost,
+    link_rtt,
+    plan_route,
+    probe_order,
+)
+from shardnet.inference.client.timing import (
+    NAMED_ERROR_WAIT,
+    PROBE_TIMEOUT,
+    QUEUE_TIMEOUT,
+)
 from shardnet.inference.server.placement import MEMORY_USE, SETTLE_S, layers_fitting
-from shardnet.transport.config import NodeConfig
 from shardnet.protocols.block_claim import MAX_RTTS, Claim
+from shardnet.transport.config import NodeConfig
 
 TICK_S = 2.0
 KEEPALIVE = NodeConfig()

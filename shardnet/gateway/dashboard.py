@@ -22,7 +22,7 @@ import trio
 
 from shardnet.errors import ShardnetError
 from shardnet.inference.client.activity import ClientActivity
-from shardnet.inference.swarm_status import swarm_report
+from shardnet.inference.swarm_status import loading_note, swarm_report
 from shardnet.transport.node import Node
 
 from .http import http_app, respond
@@ -79,7 +79,9 @@ def _model_view(r: dict) -> str:
     rows = []
     for p in r["peers"]:
         a, b = p["layers"]
-        cells = "".join(f'<td class="{"served" if a <= i < b else "empty"}" data-layer="{i}"></td>' for i in range(n))
+        serving = p.get("loading") != [a, b]  # a peer that only loads its span serves none of it yet
+        cells = "".join(f'<td class="{("served" if serving else "loading") if a <= i < b else "empty"}" '
+                        f'data-layer="{i}"></td>' for i in range(n))
         rows.append(f'<tr class="peer" data-peer="{e(p["peer_id"])}" data-start="{a}" data-end="{b}">'
                     f'<th title="{e(p["peer_id"])}">{e(_short(p["peer_id"]))}</th>{cells}</tr>')
     cover = "".join(
@@ -92,7 +94,7 @@ def _model_view(r: dict) -> str:
         status = f'<span class="bad">{e(r["error"])}</span>'
     table = "".join(
         f'<tr data-peer="{e(p["peer_id"])}"><td title="{e(p["peer_id"])}">{e(_short(p["peer_id"]))}</td>'
-        f'<td>{p["layers"][0]}:{p["layers"][1]}</td><td>{p["tput"]:.1f}</td><td>{p["rtt_ms"]:.1f}</td>'
+        f'<td>{p["layers"][0]}:{p["layers"][1]}{e(loading_note(p))}</td><td>{p["tput"]:.1f}</td><td>{p["rtt_ms"]:.1f}</td>'
         f'<td>{e(p["reachability"])}</td><td>{e(p["link"])}</td><td>{p["load"] * 100:.0f}%</td>'
         f'<td>{e(p.get("dtype", "?"))}{"" if p.get("quant", "none") == "none" else " / " + e(p["quant"])}</td>'
         f'<td>{_uptime(p.get("uptime_s"))}</td></tr>' for p in r["peers"])
@@ -145,7 +147,7 @@ h1 {{ font-size: 1.3em; }} h2 {{ font-size: 1.1em; margin-top: 1.5em; }} small {
 table {{ border-collapse: collapse; margin: .5em 0; }}
 table.coverage td {{ width: 22px; height: 18px; border: 1px solid #fff; text-align: center; font-size: 11px; }}
 table.coverage th {{ font-weight: normal; font-size: 11px; padding: 0 .5em; text-align: right; }}
-td.served {{ background: #3b82f6; }} td.empty {{ background: #f1f5f9; }}
+td.served {{ background: #3b82f6; }} td.loading {{ background: #bfdbfe; }} td.empty {{ background: #f1f5f9; }}
 td.covered {{ background: #bbf7d0; }} td.missing {{ background: #ef4444; color: #fff; }}
 table.peers td, table.peers th {{ padding: 2px 10px; border-bottom: 1px solid #e5e7eb; text-align: left; }}
 .good {{ color: #15803d; }} .bad {{ color: #b91c1c; font-weight: bold; }}

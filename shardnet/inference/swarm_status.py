@@ -49,7 +49,15 @@ def format_report(r: dict) -> list[str]:
     for p in r["peers"]:
         a, b = p["layers"]
         lines.append(f"{p['peer_id'][:18] + '…':<20} {f'{a}:{b}':>7} {p['tput']:>8.1f} {p['reachability']:>8} "
-                     f"{p['load'] * 100:>4.0f}% {p['link']:>8} {p['rtt_ms']:>7.1f}")
+                     f"{p['load'] * 100:>4.0f}% {p['link']:>8} {p['rtt_ms']:>7.1f}{loading_note(p)}")
     if r["unreachable_claims"]:
         lines.append(f"{len(r['unreachable_claims'])} claim(s) from peers that do not answer (gone; expiring)")
     return lines
+
+
+def loading_note(p: dict) -> str:
+    """' loading' for a peer that serves nothing yet, ' loading c:d' for one moving there."""
+    loading = p.get("loading")
+    if not loading:
+        return ""
+    return "  loading" if loading == p["layers"] else f"  loading {loading[0]}:{loading[1]}"

@@ -7,7 +7,11 @@ window of layers whose served-throughput vector is smallest (compared sorted, so
 an unserved layer beats one without, then the one whose weakest layers are weakest); a serving
 peer moves when the window it would take now, without itself, raises the bottleneck by a margin
 (or, while layers are unserved, leaves fewer of them unserved), and only when every layer it
-leaves is still served by someone else.
+leaves is still served by someone else who stays.
+
+Peers are counted where they will be: a claim names the span its peer is loading (``loading``),
+so that peers choosing while another loads (minutes, on a home line) choose around it.
+bench/swarm_sim drives these functions over thousands of simulated peers (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -170,9 +174,8 @@ def plan_move(claims: Iterable[Claim], me: Claim, num_layers: int, *, margin: fl
 
 def plan_move_from(without_me: list[float], start: int, end: int, tput: float, *, margin: float = 0.2,
                    rng: random.Random | None = None) -> Move | None:
-    """``plan_move`` on the served-throughput vector of every other peer (what the swarm
-    simulator keeps up to date instead of re-adding every claim): a peer serving ``start:end``
-    at ``tput`` tokens/s."""
+    """``plan_move`` on the planned-throughput vector of every other peer (``without_me``): a
+    peer serving ``start:end`` at ``tput`` tokens/s."""
     if any(without_me[layer] <= 0 for layer in range(start, end)):
         return None  # we are the only server of a layer: never leave it unserved
     tput = max(tput, 0.0)
@@ -226,11 +229,6 @@ def move_turn_delay(rank: int, step: float, rng: random.Random) -> float:
     """Before moving, a peer waits its turn among the peers on the same span (``rank`` by peer
     ID), each looking again after the ones before it had a round to act."""
     return rank * step * 1.5 + rng.uniform(0, min(1.0, step / 4))
-
-
-def _moved(c: Claim, start: int, end: int) -> Claim:
-    return Claim(model=c.model, start=start, end=end, kv_tokens=c.kv_tokens, tput=c.tput, addrs=c.addrs,
-                 expires=c.expires, peer=c.peer)
 
 
 def coverage(claims: Iterable[Claim], num_layers: int) -> list[dict]:

@@ -42,3 +42,13 @@ def test_layers_nobody_serves_are_red_and_named():
 def test_the_page_refreshes_its_view_by_itself():
     page = render_page(state())
     assert page.startswith("<!doctype html>") and 'fetch("/dashboard/view"' in page and "setTimeout(refresh, 2000)" in page
+
+
+def test_a_peer_loading_its_span_is_shown_as_loading():
+    s = state(missing=(2, 3))
+    s["models"][0]["peers"].append({"peer_id": PEER_B, "layers": [2, 4], "loading": [2, 4], "tput": 0.0,
+                                    "rtt_ms": 3.0, "reachability": "public", "link": "direct", "load": 0.0})
+    s["models"][0]["peers"][0]["loading"] = [1, 3]
+    view = render_view(s)
+    assert view.count('class="loading"') == 2 and view.count('class="served"') == 2
+    assert "2:4  loading" in view and "0:2  loading 1:3" in view
