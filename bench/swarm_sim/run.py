@@ -116,7 +116,7 @@ def simulate(model: str, policy: str, args) -> dict:
     sim = Sim(model=MODELS[model], policy=make("shardnet" if policy in (BEFORE, SUFFIX) else policy),
               peers=args.peers, hours=args.hours, seed=args.seed, load=args.load, cohort=args.cohort,
               probe_order="first" if before else args.probe_order, announce_loading=not before,
-              route_by_load=not before, reroute_busy=args.reroute_busy,
+              route_by_load=not before, reroute_busy=args.reroute_busy, load_step=args.load_step,
               suffix_entry=policy == SUFFIX)
     t0 = time.perf_counter()
     stats = sim.run()
@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cohort", type=int, default=None, help="sessions per simulated request (default: sized)")
     ap.add_argument("--reroute-busy", action="store_true",
                     help="what if requests refused for KV room routed around the full peers (shardnet waits)")
+    ap.add_argument("--load-step", type=float, default=None,
+                    help="what if peers republished their claim whenever their load crossed a multiple of this")
     ap.add_argument("--probe-order", choices=("stalest", "first"), default="stalest")
     ap.add_argument("--plots", type=Path, default=None, help="write PNG plots (needs matplotlib) here")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")

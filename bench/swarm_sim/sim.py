@@ -213,7 +213,8 @@ class Sim:
     def __init__(self, *, model: ModelSpec, policy: Policy, peers: int, hours: float, seed: int = 1,
                  load: float = 0.5, cohort: int | None = None, warmup_s: float = 600.0,
                  probe_order: str = "stalest", cohorts_per_s: float = 4.0, announce_loading: bool = True,
-                 route_by_load: bool = True, suffix_entry: bool = False, reroute_busy: bool = False) -> None:
+                 route_by_load: bool = True, suffix_entry: bool = False, reroute_busy: bool = False,
+                 load_step: float | None = None) -> None:
         self.model, self.policy, self.target_peers = model, policy, peers
         self.rng = random.Random(seed)
         self.now = 0.0
@@ -233,6 +234,9 @@ class Sim:
         #: is better under overload: a re-routed request takes a slower chain, holds its KV
         #: cache longer, and more requests fail)
         self.reroute_busy = reroute_busy
+        #: what if a peer republished its claim whenever its load crossed a multiple of this
+        #: (None: only at its upkeep and every REPUBLISH_S, as shardnet does)
+        self.load_step = load_step
         self.peers: dict[str, Peer] = {}
         self.claims: dict[str, Claim] = {}  # peers' claims, in the order they first claimed
         self.claim_ids = SampleSet()  # the same peers, to draw a lookup's providers from
@@ -665,6 +669,7 @@ class Sim:
                 q.sessions += r.cohort
                 q.open_spans[(c.start, c.end)] += r.cohort
                 r.gateway.own.tokens[c.peer] += r.cohort * (r.prompt + r.output)
+                self._load_changed(q)
             r.kv_each, r.open = need, True
             wait = self.now - r.waiting_since
             r.waiting_since = None
@@ -683,6 +688,12 @@ class Sim:
             since = r.waiting_since
             if self.route(r, avoid=full, keep=[c for c in r.route if c.peer not in full], or_wait=True):
                 r.waiting_since = since  # the line it waits in is the same request's
+
+    def _load_changed(self, q: Peer) -> None:
+        if self.load_step and q.span is not None and q.id in self.claims:
+            published = self.claims[q.id].load
+            if int(published / self.load_step) != int(min(1.0, q.kv_used / q.kv_bytes) / self.load_step):
+                self.publish(q)
 
     def chain_rtt(self, r: Request) -> float:
         total, prev = 0.0, None
@@ -706,6 +717,7 @@ class Sim:
                     q.open_spans[(c.start, c.end)] -= r.cohort
                     if q.open_spans[(c.start, c.end)] <= 0:
                         del q.open_spans[(c.start, c.end)]
+                    self._load_changed(q)
                 own = r.gateway.own.tokens
                 own[c.peer] -= r.cohort * (r.prompt + r.output)
                 if own[c.peer] <= 0:
