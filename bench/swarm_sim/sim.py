@@ -856,32 +856,36 @@ def lp_bound(peers: list[Peer], num_layers: int) -> float:
 
 
 def placement_flow(peers: list[Peer], num_layers: int, *, suffix_entry: bool = False) -> float:
-    """The max flow through the spans as placed (tokens/s): what perfect routing could carry
-    (a peer that moved counts its old span too while sessions on it remain). With
-    ``suffix_entry`` a span can be entered at any of its layers."""
+    """The max flow through the spans as placed (tokens/s): what perfect routing could carry.
+
+    A peer that moved serves its old span too while sessions opened on it remain: its capacity
+    is split between its spans in proportion to their sessions (the current span takes the
+    rest), since one GPU computes both (the simulation runs every session of a peer at the
+    current span's step time, so no span gets more than that share). With ``suffix_entry`` a
+    span can be entered at any of its layers."""
     import networkx as nx
 
     g = nx.DiGraph()
     g.add_nodes_from(range(num_layers + 1))
     for p in peers:
-        spans = {*p.open_spans, *([p.span] if p.span else [])}
-        if suffix_entry:
-            # a node per peer, at its span's capacity (entering later computes fewer layers, so
-            # this is conservative), fed from every boundary inside its span, emptying at its
-            # end (its current span only: one node cannot remember which span a token entered)
-            if p.span:
-                s, e = p.span
-                node = ("peer", p.id)
-                g.add_edge(node, e, capacity=p.capacity())
+        if p.span is None:
+            continue
+        cap = p.capacity()
+        total = sum(p.open_spans.values())
+        shares = {span: n / total for span, n in p.open_spans.items() if span != p.span and total}
+        shares[p.span] = max(0.0, 1.0 - sum(shares.values()))
+        for (s, e), share in shares.items():
+            if share <= 0:
+                continue
+            if suffix_entry:
+                node = ("span", p.id, s, e)
+                g.add_edge(node, e, capacity=cap * share)
                 for b in range(s, e):
                     g.add_edge(b, node)  # no capacity: unbounded
-            continue
-        for s, e in spans:
-            cap = capacity_at(p, s, e)
-            if g.has_edge(s, e):
-                g[s][e]["capacity"] += cap
+            elif g.has_edge(s, e):
+                g[s][e]["capacity"] += cap * share
             else:
-                g.add_edge(s, e, capacity=cap)
+                g.add_edge(s, e, capacity=cap * share)
     if not nx.has_path(g, 0, num_layers):
         return 0.0
     return float(nx.maximum_flow_value(g, 0, num_layers, flow_func=nx.algorithms.flow.edmonds_karp))
