@@ -15,6 +15,7 @@ def plot(results: list[dict], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     models = list(dict.fromkeys(r["model"] for r in results))
     peers = results[0]["peers"]
+    stem = "+".join(models)
     written = []
 
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.2), squeeze=False)
@@ -32,11 +33,7 @@ def plot(results: list[dict], out: Path) -> list[Path]:
         ax.set_ylabel("thousand tokens/s")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / f"swarm_sim_{peers}_flow.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(plt, fig, out / f"swarm_sim_{peers}_{stem}_flow.png"))
 
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.2), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -56,9 +53,12 @@ def plot(results: list[dict], out: Path) -> list[Path]:
         ax.set_xlabel("tokens/s of a request (log)")
         ax.set_ylabel("share of requests")
         ax.legend(fontsize=7)
+    written.append(_save(plt, fig, out / f"swarm_sim_{peers}_{stem}_request_speed.png"))
+    return written
+
+
+def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
-    path = out / f"swarm_sim_{peers}_request_speed.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    written.append(path)
-    return written
+    return path
