@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 
 #: whether a client routes through peers whose weights are quantized
 QUANTIZED_CHOICES = ("allow", "require", "refuse")
-#: how long a request waits in line for a session before it fails with code "busy" (seconds)
 
 
 class Client:
