@@ -53,7 +53,14 @@ from shardnet.inference.client.timing import (
     PROBE_TIMEOUT,
     QUEUE_TIMEOUT,
 )
-from shardnet.inference.server.placement import MEMORY_USE, SETTLE_S, layers_fitting
+from shardnet.inference.server.placement import (
+    DEFAULT_REBALANCE_INTERVAL,
+    MEMORY_USE,
+    SETTLE_S,
+    UPKEEP_JITTER,
+    layers_fitting,
+    upkeep_step,
+)
 from shardnet.protocols.block_claim import MAX_RTTS, Claim
 from shardnet.transport.config import NodeConfig
 
@@ -78,8 +85,6 @@ PROBES_PER_ROUTE = 64
 DHT_ALPHA, DHT_K = 10, 20
 #: gossipsub mesh degree (transport/pubsub.py)
 GOSSIP_D = 6
-#: a gateway's view of the claims is looked up every REFRESH_S (claims_view.py)
-VIEW_REFRESH_S = 10.0
 HUBS = ("Ashburn", "San Francisco", "Frankfurt", "London", "Singapore", "Tokyo", "Sao Paulo", "Mumbai", "Sydney")
 
 
@@ -168,7 +173,6 @@ class Request:
     waiting_since: float | None = None
     first_token: float | None = None
     rate: float = 0.0
-    heals: int = 0
     rerouted_at: float = -1.0
     over: bool = False  # finished or failed
 
@@ -268,7 +272,6 @@ class Sim:
         fits = min(p.kv_bytes / (model.kv_bytes_per_token * p.n_layers * ctx) for p in sample)
         self.cohort = cohort or int(max(1, min(fits / 2, sessions_per_s / cohorts_per_s)))
         self.arrival_rate = sessions_per_s / self.cohort  # cohorts per second
-        self.wall_start = wallclock.perf_counter()
 
     # -- the world -------------------------------------------------------------------------------
     def _mean_session(self) -> float:
@@ -399,20 +402,13 @@ class Sim:
             self.stats.placed_s.append(self.now - p.joined)
             p.since = self.now
             self.later(self.rng.uniform(0, REPUBLISH_S), lambda: self._republish(p))
-            self.later(self.policy_first_upkeep(), lambda: self._upkeep(p))
-        old = p.span
-        if old is not None and p.sessions:
-            # sessions open on the old span finish there (a move loads the new block first);
-            # the simulation hands them to the new span at once, which changes no count that
-            # matters here: the sessions stay on this peer
-            pass
+            # the first look comes soon, as a peer that only just chose its span looks (maintain)
+            first_look = upkeep_step(DEFAULT_REBALANCE_INTERVAL, gap=False, settling=True)
+            self.later(first_look * self.rng.uniform(*UPKEEP_JITTER), lambda: self._upkeep(p))
         self._set_span(p, span)
         p.moving = False
         p.settle_until = self.now + SETTLE_S
         self.publish(p)
-
-    def policy_first_upkeep(self) -> float:
-        return 2.0 * self.rng.uniform(0.75, 1.25)
 
     def _upkeep(self, p: Peer) -> None:
         if p.gone:
@@ -654,12 +650,7 @@ class Sim:
         retries the same chain) until QUEUE_TIMEOUT."""
         hops = [self.peers.get(c.peer) for c in r.route]
         if any(q is None for q in hops):
-            gone = next(c.peer for c, q in zip(r.route, hops) if q is None)
-            r.gateway.known_gone.add(gone)
-            r.heals += 1
-            if r.arrived >= self.warmup_s:
-                self.stats.heals += r.cohort
-            self.route(r, avoid={gone}, keep=r.route)
+            self.heal(r, next(c.peer for c, q in zip(r.route, hops) if q is None))
             return
         need = [r.cohort * (r.prompt + r.output) * self.model.kv_bytes_per_token * (c.end - c.start)
                 for c in r.route]
@@ -756,17 +747,18 @@ class Sim:
         started = self.now
 
         def heal() -> None:
-            if r.over:
-                return
-            r.gateway.known_gone.add(p.id)
-            r.heals += 1
-            if r.arrived >= self.warmup_s:
-                self.stats.heals += r.cohort
-            kept = [c for c in r.route if c.peer != p.id] if r.route else []
-            if self.route(r, avoid={p.id}, keep=kept) and r.open:
+            if not r.over and self.heal(r, p.id) and r.open:
                 self.stats.heal_seconds.append(r.stalled_until - started)
 
         self.at(self.now + notice, heal)
+
+    def heal(self, r: Request, failed: str) -> bool:
+        """Route ``r`` around the peer that failed, keeping the rest of its chain (as
+        ``find_route(avoid=failed, keep=chain)``); the gateway knows that peer gone now."""
+        r.gateway.known_gone.add(failed)
+        if r.arrived >= self.warmup_s:
+            self.stats.heals += r.cohort
+        return self.route(r, avoid={failed}, keep=[c for c in r.route or () if c.peer != failed])
 
     # -- measurements ----------------------------------------------------------------------------
     def sample(self) -> None:

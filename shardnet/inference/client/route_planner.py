@@ -19,10 +19,6 @@ from shardnet.inference.claims import CLAIM_TTL, RTT_SAMPLES
 from shardnet.inference.client.own_load import OwnLoad
 from shardnet.inference.client.reputation import Reputation
 from shardnet.inference.client.routing import (
-    KEEP_DISCOUNT,
-    RELAYED_RTT_FACTOR,
-    SLOW_RTT,
-    UNKNOWN_RTT,
     ChainCost,
     link_rtt,
     plan_route,
@@ -39,8 +35,6 @@ log = logging.getLogger(__name__)
 
 
 RTT_CACHE_S = 30.0
-# (the hop costs live in routing.py, shared with the swarm simulator; named here as before)
-__all__ = ["KEEP_DISCOUNT", "RELAYED_RTT_FACTOR", "SLOW_RTT", "UNKNOWN_RTT", "RoutePlanner", "SpanPolicy"]
 
 
 @dataclass(frozen=True)

@@ -168,26 +168,17 @@ def plan_move(claims: Iterable[Claim], me: Claim, num_layers: int, *, margin: fl
         # we are the only server of a layer that will stay: others may be loading it (not
         # serving yet) or serving it while they load another span (leaving it soon)
         return None
-    return plan_move_from(planned_throughput(others, num_layers), me.start, me.end, me.tput, margin=margin,
-                          rng=rng)
-
-
-def plan_move_from(without_me: list[float], start: int, end: int, tput: float, *, margin: float = 0.2,
-                   rng: random.Random | None = None) -> Move | None:
-    """``plan_move`` on the planned-throughput vector of every other peer (``without_me``): a
-    peer serving ``start:end`` at ``tput`` tokens/s."""
-    if any(without_me[layer] <= 0 for layer in range(start, end)):
-        return None  # we are the only server of a layer: never leave it unserved
-    tput = max(tput, 0.0)
-    now = min(_with(without_me, start, end, tput))
-    new_start, new_end = best_window(without_me, end - start, rng=rng)
+    planned = planned_throughput(others, num_layers)
+    start, end, tput = me.start, me.end, max(me.tput, 0.0)
+    now = min(_with(planned, start, end, tput))
+    new_start, new_end = best_window(planned, end - start, rng=rng)
     if (new_start, new_end) == (start, end):
         return None
-    moved = _with(without_me, new_start, new_end, tput)
+    moved = _with(planned, new_start, new_end, tput)
     after = min(moved)
     if after > now * (1 + margin) or (now <= 0 < after):
         return Move(new_start, new_end, now, after)
-    if now <= 0 and _unserved(moved) < _unserved(_with(without_me, start, end, tput)):
+    if now <= 0 and _unserved(moved) < _unserved(_with(planned, start, end, tput)):
         # More layers are unserved than one peer can fill: no single move lifts the bottleneck
         # off zero, yet each that fills some of them brings the swarm closer (without this
         # rule, two gaps far apart were never filled; found by bench/swarm_sim).

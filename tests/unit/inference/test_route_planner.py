@@ -9,13 +9,12 @@ import trio
 
 from shardnet.errors import NoRouteError
 from shardnet.inference.client.reputation import Reputation
-from shardnet.inference.client.route_planner import (
+from shardnet.inference.client.route_planner import RTT_CACHE_S, RoutePlanner
+from shardnet.inference.client.routing import (
     KEEP_DISCOUNT,
     RELAYED_RTT_FACTOR,
-    RTT_CACHE_S,
     SLOW_RTT,
     UNKNOWN_RTT,
-    RoutePlanner,
 )
 from shardnet.protocols.block_claim import Claim
 
