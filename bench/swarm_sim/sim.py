@@ -221,7 +221,11 @@ class Sim:
                  route_by_load: bool = True, suffix_entry: bool = False, reroute_busy: bool = False,
                  load_step: float | None = None) -> None:
         self.model, self.policy, self.target_peers = model, policy, peers
-        self.rng = random.Random(seed)
+        # three streams, so that every policy meets the same world: the peers (who comes, when,
+        # with what, for how long), the requests, and the decisions the code under test draws
+        self.world_rng = random.Random(f"{seed}/peers")
+        self.requests_rng = random.Random(f"{seed}/requests")
+        self.rng = random.Random(f"{seed}/decisions")
         self.now = 0.0
         self.end = hours * 3600.0
         self.warmup_s = warmup_s
@@ -252,6 +256,7 @@ class Sim:
         self._events: list = []
         self._seq = itertools.count()
         self._ids = itertools.count()
+        self._peer_ids = itertools.count()
         self.requests: list[Request] = []
         self.gateways = [Gateway(n, world.city(n)) for n in world.GATEWAY_CITIES]
         self.stats = Stats()
@@ -282,7 +287,7 @@ class Sim:
         return g * (home * world.HOME_MEDIAN_S + dc * world.DC_MEDIAN_S)
 
     def _new_peer(self, t: float) -> Peer:
-        rng = self.rng
+        rng = self.world_rng
         gpu = world.pick(rng, world.GPUS)
         city = world.pick(rng, world.CITIES)
         dc = gpu.datacenter
@@ -293,7 +298,7 @@ class Sim:
         budget = int(mem * MEMORY_USE) - kv
         n = layers_fitting(self.model.layer_sizes(), budget)
         relay = min((world.city(h) for h in HUBS), key=lambda h: world.great_circle_km(h, city)) if nat else None
-        return Peer(id=f"p{next(self._ids)}", gpu=gpu, city=city,
+        return Peer(id=f"p{next(self._peer_ids)}", gpu=gpu, city=city,
                     access=rng.uniform(*(world.DC_ACCESS_S if dc else world.HOME_ACCESS_S)), nat=nat,
                     punch_ok=world.HOLE_PUNCH_SUCCESS, relay=relay, joined=t, leaves_at=t + session,
                     graceful=rng.random() < world.GRACEFUL_SHARE,
@@ -336,8 +341,8 @@ class Sim:
     def run(self) -> Stats:
         # the swarm assembles over its first five minutes; then arrivals keep it at its size
         for _ in range(self.target_peers):
-            self.at(self.rng.uniform(0, 300), self.join)
-        self.at(self.rng.expovariate(self.target_peers / self.mean_session), self.arrival_of_peer)
+            self.at(self.world_rng.uniform(0, 300), self.join)
+        self.at(self.world_rng.expovariate(self.target_peers / self.mean_session), self.arrival_of_peer)
         t = 0.0
         next_sample = 0.0
         while t < self.end:
@@ -357,7 +362,7 @@ class Sim:
 
     def arrival_of_peer(self) -> None:
         self.join()
-        self.later(self.rng.expovariate(self.target_peers / self.mean_session), self.arrival_of_peer)
+        self.later(self.world_rng.expovariate(self.target_peers / self.mean_session), self.arrival_of_peer)
 
     # -- peers -----------------------------------------------------------------------------------
     def join(self) -> None:
@@ -567,10 +572,10 @@ class Sim:
             self.stats.observed_s += dt
             if min(self.layer_count) > 0:
                 self.stats.covered_s += dt
-        n = _poisson(self.rng, self.arrival_rate * dt)
+        n = _poisson(self.requests_rng, self.arrival_rate * dt)
         for _ in range(n):
-            g = self.rng.choice(self.gateways)
-            prompt, output = world.prompt_and_output(self.rng)
+            g = self.requests_rng.choice(self.gateways)
+            prompt, output = world.prompt_and_output(self.requests_rng)
             r = Request(next(self._ids), g, self.cohort, prompt, output, self.now)
             self.requests.append(r)
             self.route(r)

@@ -115,17 +115,17 @@ def plan_route(claims: Iterable[Claim], num_layers: int, *, cost: HopCost | Chai
 
     Raises NoRouteError naming the layers nobody serves, or saying that the claims do not line up.
     """
-    chain_cost = cost if isinstance(cost, ChainCost) else None
-    if chain_cost is not None:
-        cost, finish = chain_cost.step, chain_cost.finish
     rng = rng or random.Random()
     usable = [c for c in claims if c.serving and 0 <= c.start < c.end <= num_layers]
     rng.shuffle(usable)  # among equal costs the first found wins: a random one
-    by_start: dict[int, list[tuple[int, Claim]]] = {}
+    by_start: dict[int, list[int]] = {}
     for i, c in enumerate(usable):
-        by_start.setdefault(c.start, []).append((i, c))
-    weight = cost or (lambda prev, c: 1.0)
-    tail = finish or (lambda c: 0.0)
+        by_start.setdefault(c.start, []).append(i)
+    if isinstance(cost, ChainCost):
+        weights: _Weights = _ChainWeights(usable, by_start, cost, num_layers)
+    else:
+        weights = _AnyWeights(usable, by_start, cost or (lambda prev, c: 1.0), finish or (lambda c: 0.0),
+                              num_layers)
     # a state is (boundary, index of the claim that reached it); -1 is the client at boundary 0
     best: dict[tuple[int, int], float] = {(0, -1): 0.0}
     came_from: dict[tuple[int, int], tuple[int, int]] = {}
@@ -133,7 +133,6 @@ def plan_route(claims: Iterable[Claim], num_layers: int, *, cost: HopCost | Chai
     heap: list = [(0.0, next(tie), (0, -1))]
     done: set[tuple[int, int]] = set()
     goal: tuple[int, int] | None = None
-    relaxer = _Relaxer(by_start, chain_cost)
     while heap:
         d, _, state = heapq.heappop(heap)
         if state in done:
@@ -143,12 +142,8 @@ def plan_route(claims: Iterable[Claim], num_layers: int, *, cost: HopCost | Chai
         if at == num_layers and idx >= 0:
             goal = state
             break
-        prev = usable[idx] if idx >= 0 else None
-        for i, c in relaxer.candidates(at, prev):
-            w = float(weight(prev, c)) + (float(tail(c)) if c.end == num_layers else 0.0)
-            if w < 0:
-                raise ValueError(f"route cost must not be negative (got {w} for {c.peer})")
-            nxt = (c.end, i)
+        for i, w in weights.from_state(at, idx):
+            nxt = (usable[i].end, i)
             if d + w < best.get(nxt, float("inf")):
                 best[nxt], came_from[nxt] = d + w, state
                 heapq.heappush(heap, (d + w, next(tie), nxt))
@@ -161,32 +156,73 @@ def plan_route(claims: Iterable[Claim], num_layers: int, *, cost: HopCost | Chai
     return chain[::-1]
 
 
-class _Relaxer:
-    """Which claims starting at a boundary are worth relaxing from a state there. With a
-    ChainCost a hop costs the same from every state at a boundary unless the previous claim
-    reported its round trip; states are popped cheapest first, so once a claim was relaxed at
-    its unreported cost no later state can do better that way: only the claims the previous hop
-    reported on, and those never yet relaxed unreported, remain."""
+class _Weights:
+    """The hops worth relaxing from a state of ``plan_route``, with their weights (the return to
+    the client included for a hop that ends the chain)."""
 
-    def __init__(self, by_start: dict[int, list[tuple[int, Claim]]], chain_cost: ChainCost | None) -> None:
-        self.by_start, self.structured = by_start, chain_cost is not None
-        self._by_peer: dict[int, dict[str, list[tuple[int, Claim]]]] = {}
-        self._unrelaxed: dict[int, dict[int, Claim]] = {}
+    def from_state(self, at: int, idx: int) -> Iterable[tuple[int, float]]:
+        raise NotImplementedError
 
-    def candidates(self, at: int, prev: Claim | None) -> Iterable[tuple[int, Claim]]:
+
+class _AnyWeights(_Weights):
+    """Any cost function: every claim starting at the boundary, from every state there."""
+
+    def __init__(self, usable: list[Claim], by_start: dict[int, list[int]], cost: HopCost,
+                 finish: Callable[[Claim], float], num_layers: int) -> None:
+        self.usable, self.by_start, self.cost, self.finish, self.num_layers = usable, by_start, cost, finish, num_layers
+
+    def from_state(self, at: int, idx: int) -> Iterable[tuple[int, float]]:
+        prev = self.usable[idx] if idx >= 0 else None
+        for i in self.by_start.get(at, ()):
+            c = self.usable[i]
+            w = float(self.cost(prev, c)) + (float(self.finish(c)) if c.end == self.num_layers else 0.0)
+            if w < 0:
+                raise ValueError(f"route cost must not be negative (got {w} for {c.peer})")
+            yield i, w
+
+
+class _ChainWeights(_Weights):
+    """A ``ChainCost``'s weights, exact and fast. A hop costs the same from every state at a
+    boundary unless the previous claim reported its round trip; states are popped cheapest
+    first, so once a claim was relaxed at its unreported cost no later state can do better that
+    way: only the claims the previous hop reported on, and those never yet relaxed unreported,
+    remain. What a hop costs apart from its round trip (compute, load, reputation, discount) is
+    worked out once per claim, in the order ``ChainCost.step`` works it (the same floats)."""
+
+    def __init__(self, usable: list[Claim], by_start: dict[int, list[int]], cost: ChainCost, num_layers: int) -> None:
+        self.usable, self.by_start, self.cost = usable, by_start, cost
+        self.compute, self.factor, self.keep, self.client_rtt, self.tail = [], [], [], [], []
+        rtt_of: dict[str, float] = {}
+        for c in usable:
+            compute = 1.0 / c.tput if c.tput > 0 else 0.0
+            self.compute.append(compute / max(LOAD_FLOOR, 1.0 - cost.load(c)))
+            self.factor.append(cost.factor(c.peer))
+            self.keep.append(KEEP_DISCOUNT if c.peer in cost.kept else 1.0)
+            if c.peer not in rtt_of:
+                rtt_of[c.peer] = cost.rtt(c.peer)
+            self.client_rtt.append(rtt_of[c.peer])
+            self.tail.append(rtt_of[c.peer] / 2 if c.end == num_layers else 0.0)
+        self._by_peer: dict[int, dict[str, list[int]]] = {}
+        self._unrelaxed: dict[int, dict[int, None]] = {}
+
+    def _weight(self, i: int, rtt: float) -> float:
+        return (rtt / 2 + self.compute[i]) * self.factor[i] * self.keep[i] + self.tail[i]
+
+    def from_state(self, at: int, idx: int) -> Iterable[tuple[int, float]]:
         everything = self.by_start.get(at, ())
-        if not self.structured or prev is None:
-            return everything
+        if idx < 0:
+            return [(i, self._weight(i, self.client_rtt[i])) for i in everything]
         if at not in self._by_peer:
-            by_peer: dict[str, list[tuple[int, Claim]]] = {}
-            for i, c in everything:
-                by_peer.setdefault(c.peer, []).append((i, c))
-            self._by_peer[at], self._unrelaxed[at] = by_peer, dict(everything)
-        reported = {peer for peer, _ in prev.rtts}
-        out = [hit for peer in reported for hit in self._by_peer[at].get(peer, ())]
-        unrelaxed = self._unrelaxed[at]
-        for i in [i for i, c in unrelaxed.items() if c.peer not in reported]:
-            out.append((i, unrelaxed.pop(i)))
+            by_peer: dict[str, list[int]] = {}
+            for i in everything:
+                by_peer.setdefault(self.usable[i].peer, []).append(i)
+            self._by_peer[at], self._unrelaxed[at] = by_peer, dict.fromkeys(everything)
+        reported = dict(self.usable[idx].rtts)
+        by_peer, unrelaxed = self._by_peer[at], self._unrelaxed[at]
+        out = [(i, self._weight(i, rtt)) for peer, rtt in reported.items() for i in by_peer.get(peer, ())]
+        for i in [i for i in unrelaxed if self.usable[i].peer not in reported]:
+            del unrelaxed[i]
+            out.append((i, self._weight(i, self.client_rtt[i])))
         return out
 
 
