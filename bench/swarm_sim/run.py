@@ -7,7 +7,8 @@
                                   [--jobs N] [--plots DIR] [--json FILE]
 
 ``shardnet-before`` is shardnet as it was before this simulator found what it fixed (see
-docs/scale.md). Every policy runs the same world (the same seed: the same peers, places, sessions and request
+docs/scale.md); ``shardnet+suffix`` and ``shardnet+full-view`` are what-ifs not in the code (a
+chain entering a span at any layer; compute peers deciding from every claim). Every policy runs the same world (the same seed: the same peers, places, sessions and request
 arrivals) for ``--hours`` simulated hours; the first 10 minutes (the swarm assembling) are left
 out of every figure. One row per model and policy:
 
@@ -41,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.swarm_sim.models import MODELS  # noqa: E402
-from bench.swarm_sim.policies import POLICIES, make  # noqa: E402
+from bench.swarm_sim.policies import POLICIES, Shardnet, make  # noqa: E402
 from bench.swarm_sim.sim import Sim, Stats  # noqa: E402
 
 
@@ -90,7 +91,7 @@ def summarize(sim: Sim, stats: Stats, wall: float) -> dict:
     }
 
 
-HEADER = (f"{'model':<12} {'policy':<15} {'peers':>5} {'covered':>7} {'chains':>6} {'gaps>60s':>8} {'flow/bound':>10} "
+HEADER = (f"{'model':<12} {'policy':<18} {'peers':>5} {'covered':>7} {'chains':>6} {'gaps>60s':>8} {'flow/bound':>10} "
           f"{'deliv tok/s':>11} {'tok/s p10/p50/p90':>17} {'ttft':>5} {'healed/h':>8} {'failed/h':>8} "
           f"{'msgs/peer/s':>11} {'placed p50/p90':>14} {'moves/p/h':>9} {'route ms':>8} {'wall':>5}")
 
@@ -98,7 +99,7 @@ HEADER = (f"{'model':<12} {'policy':<15} {'peers':>5} {'covered':>7} {'chains':>
 def row(s: dict) -> str:
     tps = f"{s['tps_p10']:.1f}/{s['tps_p50']:.1f}/{s['tps_p90']:.1f}"
     placed = f"{s['placed_p50']:.0f}/{s['placed_p90']:.0f}s"
-    return (f"{s['model']:<12} {s['policy']:<15} {s['peers_mean']:>5.0f} {100 * s['covered']:>6.1f}% "
+    return (f"{s['model']:<12} {s['policy']:<18} {s['peers_mean']:>5.0f} {100 * s['covered']:>6.1f}% "
             f"{100 * s['routable']:>5.0f}% "
             f"{s['gaps_over_60s']:>8d} {100 * s['flow_over_bound']:>9.1f}% {s['delivered']:>11.0f} {tps:>17} "
             f"{s['ttft_p50']:>4.1f}s {s['healed_h']:>8.0f} {s['failed_h']:>8.0f} {s['msgs_peer_s']:>11.1f} "
@@ -110,18 +111,30 @@ def row(s: dict) -> str:
 BEFORE = "shardnet-before"
 #: shardnet if a chain could enter a peer's span at any layer (what the simulation suggests next)
 SUFFIX = "shardnet+suffix"
-VARIANTS = (BEFORE, *POLICIES, SUFFIX)
+#: shardnet if compute peers decided from every claim (the gossip-fed view clients keep), not
+#: from the 64 providers a lookup returns
+FULL_VIEW = "shardnet+full-view"
+VARIANTS = (BEFORE, *POLICIES, SUFFIX, FULL_VIEW)
 
 
 def simulate(model: str, policy: str, args) -> dict:
     before = policy == BEFORE
-    sim = Sim(model=MODELS[model], policy=make("shardnet" if policy in (BEFORE, SUFFIX) else policy),
+    if policy == FULL_VIEW:
+        chosen = Shardnet(view=None)
+    else:
+        chosen = make("shardnet" if policy in (BEFORE, SUFFIX) else policy)
+    sim = Sim(model=MODELS[model], policy=chosen,
               peers=args.peers, hours=args.hours, seed=args.seed, load=args.load, cohort=args.cohort,
               probe_order="first" if before else args.probe_order, announce_loading=not before,
               route_by_load=not before, reroute_busy=args.reroute_busy, load_step=args.load_step,
               suffix_entry=policy == SUFFIX)
     t0 = time.perf_counter()
-    stats = sim.run()
+
+    def progress(simulated: float) -> None:
+        print(f"  {model} / {policy}: {simulated / 60:.0f} of {args.hours * 60:.0f} simulated minutes "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    stats = sim.run(progress)
     out = summarize(sim, stats, time.perf_counter() - t0)
     out["policy"] = policy
     return out
@@ -131,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peers", type=int, default=1000)
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--policies", default=",".join(VARIANTS[:-1]),
+    ap.add_argument("--policies", default=",".join((BEFORE, *POLICIES)),
                     help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--hours", type=float, default=1.0)
     ap.add_argument("--load", type=float, default=0.3,

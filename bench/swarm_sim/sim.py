@@ -34,6 +34,7 @@ import statistics
 import zlib
 import time as wallclock
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.swarm_sim import world
@@ -76,6 +77,8 @@ REF_RTT_S = 0.06
 #: the batch a peer is assumed to run when sizing the request load
 REF_BATCH = 16
 SAMPLE_S = 60.0
+#: simulated seconds between two calls of ``Sim.run``'s progress callback
+PROGRESS_S = 600.0
 #: the claim publisher republishes every third of the TTL (claim_publisher.py)
 REPUBLISH_S = CLAIM_TTL / 3
 #: compute_peer.RECHECK_DELAY
@@ -338,13 +341,16 @@ class Sim:
     def later(self, dt: float, fn) -> None:
         self.at(self.now + dt, fn)
 
-    def run(self) -> Stats:
+    def run(self, progress: Callable[[float], None] | None = None) -> Stats:
+        """Simulate to the end; ``progress(simulated seconds)`` is called every simulated
+        ``PROGRESS_S``."""
         # the swarm assembles over its first five minutes; then arrivals keep it at its size
         for _ in range(self.target_peers):
             self.at(self.world_rng.uniform(0, 300), self.join)
         self.at(self.world_rng.expovariate(self.target_peers / self.mean_session), self.arrival_of_peer)
         t = 0.0
         next_sample = 0.0
+        next_progress = PROGRESS_S
         while t < self.end:
             while self._events and self._events[0][0] <= t:
                 when, _, fn = heapq.heappop(self._events)
@@ -356,6 +362,9 @@ class Sim:
                 self.sample()
                 self.policy.tick(self)
                 next_sample += SAMPLE_S
+            if progress is not None and t >= next_progress:
+                progress(t)
+                next_progress += PROGRESS_S
             t += TICK_S
         self.close_gaps()
         return self.stats

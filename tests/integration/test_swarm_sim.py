@@ -49,3 +49,15 @@ def test_the_simulator_imports_no_torch():
     code = ("import sys; sys.path.insert(0, '.'); import bench.swarm_sim.run; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_every_policy_meets_the_same_world():
+    """Peers (who, with what, where, from when to when) and requests draw from their own seeded
+    streams: what a policy decides changes neither, so policies compare on one world."""
+    def world(policy: str) -> tuple:
+        sim = Sim(model=MODELS["llama-70b"], policy=make(policy), peers=60, hours=0.25, seed=3, load=0.3)
+        sim.run()
+        peers = sorted((p.id, p.gpu.name, p.city.name, p.joined, p.leaves_at) for p in sim.peers.values())
+        return peers, sim.stats.joins, sim.stats.leaves, sim.requests_rng.random()
+
+    assert world("shardnet") == world("least-served") == world("water-filling")
