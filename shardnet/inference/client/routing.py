@@ -83,13 +83,20 @@ class ChainCost:
         return self._hop(reported if reported is not None else self.rtt(claim.peer), claim)
 
     def _hop(self, rtt: float, claim: Claim) -> float:
+        return (rtt / 2 + self.compute(claim)) * self.factor(claim.peer)
+
+    def compute(self, claim: Claim) -> float:
+        """The peer's compute per token as routing counts it."""
         compute = 1.0 / claim.tput if claim.tput > 0 else 0.0
         # A peer whose KV budget is mostly taken is as slow as its batches are big, and refuses
         # new sessions once it is full (they wait in line): its compute counts 1 / (1 - load)
         # times. Without this every gateway sent every request down its one cheapest chain until
         # that chain refused them (bench/swarm_sim: most sessions failed "busy" at half load).
-        compute /= max(LOAD_FLOOR, 1.0 - self.load(claim))
-        return (rtt / 2 + compute) * self.factor(claim.peer)
+        return compute / max(LOAD_FLOOR, 1.0 - self.load(claim))
+
+    def discount(self, peer: str) -> float:
+        """How much of its cost a hop through ``peer`` counts: less for a peer being kept."""
+        return KEEP_DISCOUNT if peer in self.kept else 1.0
 
     def finish(self, last: Claim) -> float:
         """The last hop's result coming back to the client."""
@@ -97,7 +104,7 @@ class ChainCost:
 
     def step(self, prev: Claim | None, claim: Claim) -> float:
         """``hop`` as routing weighs it (a kept peer discounted)."""
-        return self.hop(prev, claim) * (KEEP_DISCOUNT if claim.peer in self.kept else 1.0)
+        return self.hop(prev, claim) * self.discount(claim.peer)
 
     def total(self, route: list[Claim]) -> float:
         """Estimated seconds per token through ``route``, the return included."""
@@ -186,22 +193,22 @@ class _ChainWeights(_Weights):
     boundary unless the previous claim reported its round trip; states are popped cheapest
     first, so once a claim was relaxed at its unreported cost no later state can do better that
     way: only the claims the previous hop reported on, and those never yet relaxed unreported,
-    remain. What a hop costs apart from its round trip (compute, load, reputation, discount) is
-    worked out once per claim, in the order ``ChainCost.step`` works it (the same floats)."""
+    remain. What a hop costs apart from its round trip (``ChainCost.compute``, ``factor``,
+    ``discount``, ``finish``) is worked out once per claim and combined in the order
+    ``ChainCost.step`` combines it (the same floats)."""
 
     def __init__(self, usable: list[Claim], by_start: dict[int, list[int]], cost: ChainCost, num_layers: int) -> None:
-        self.usable, self.by_start, self.cost = usable, by_start, cost
+        self.usable, self.by_start = usable, by_start
         self.compute, self.factor, self.keep, self.client_rtt, self.tail = [], [], [], [], []
-        rtt_of: dict[str, float] = {}
+        rtt_of: dict[str, float] = {}  # a peer may hold several claims: one round trip each
         for c in usable:
-            compute = 1.0 / c.tput if c.tput > 0 else 0.0
-            self.compute.append(compute / max(LOAD_FLOOR, 1.0 - cost.load(c)))
+            self.compute.append(cost.compute(c))
             self.factor.append(cost.factor(c.peer))
-            self.keep.append(KEEP_DISCOUNT if c.peer in cost.kept else 1.0)
+            self.keep.append(cost.discount(c.peer))
             if c.peer not in rtt_of:
                 rtt_of[c.peer] = cost.rtt(c.peer)
             self.client_rtt.append(rtt_of[c.peer])
-            self.tail.append(rtt_of[c.peer] / 2 if c.end == num_layers else 0.0)
+            self.tail.append(cost.finish(c) if c.end == num_layers else 0.0)
         self._by_peer: dict[int, dict[str, list[int]]] = {}
         self._unrelaxed: dict[int, dict[int, None]] = {}
 
