@@ -87,7 +87,9 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
         try:
             ckpt = Checkpoint(path)
             span = parse_layers(layers, ckpt.num_layers) if layers else None
-            ensure_family_matches(ckpt)  # before the network: an unsupported model fails at once
+            # before the network: an unsupported model fails at once (its span's layer kinds, or
+            # every layer kind stored here when the span is chosen later)
+            ensure_family_matches(ckpt, span or (0, ckpt.num_layers))
         except CheckpointError as e:
             fail(str(e))
     cfg = make_config(relays=relays, identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,

@@ -74,14 +74,15 @@ class Block:
     """Layers [start, end) of a checkpoint."""
 
     def __init__(self, ckpt: Checkpoint, start: int, end: int, *, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu", quantize: str | None = None) -> None:
+                 device: str = "cpu", quantize: str | None = None, config=None) -> None:
+        """``config``: the checkpoint's own unless given (the family check shrinks windows)."""
         if not 0 <= start < end <= ckpt.num_layers:
             raise CheckpointError(f"layer range {start}:{end} is outside the model's 0:{ckpt.num_layers}")
         self.ckpt, self.start, self.end = ckpt, start, end
         self.dtype, self.device, self.quantize = dtype, device, quantize
         self.family = ckpt.family
         t0 = time.perf_counter()
-        shell = ModelShell(ckpt, dtype)
+        shell = ModelShell(ckpt, dtype, config)
         self.config = shell.config
         self.layers = torch.nn.ModuleList()
         n_tensors = n_bytes = 0

@@ -121,7 +121,7 @@ class ComputePeer:
         self.fixed_throughput = throughput
         self.ckpt = Checkpoint(model_path)
         self.model_id = self.ckpt.model_id
-        ensure_family_matches(self.ckpt)
+        ensure_family_matches(self.ckpt)  # the head, where it is stored here
         self.device = pick_device(device)
         self.dtype = resolve_dtype(dtype, self.ckpt, self.device)
         self.dtype_name = dtype_name(self.dtype)
@@ -149,7 +149,8 @@ class ComputePeer:
         if ckpt.fetched:
             await fetch_tensors(self.node, ckpt, span_tensor_names(ckpt, start, end),
                                 progress=self.fetch_progress)
-            await trio.to_thread.run_sync(ensure_family_matches, ckpt)  # where it now holds layer 0 and the head
+        # every distinct layer configuration of the span against transformers (kept: once each)
+        await trio.to_thread.run_sync(ensure_family_matches, ckpt, (start, end))
         log.info("loading layers %d:%d of %s (%s%s, %s)", start, end, ckpt.path.name, self.dtype_name,
                  f", weights {self.quantize}" if self.quantize else "", self.device)
         block = await trio.to_thread.run_sync(
