@@ -34,6 +34,14 @@ class ProtocolNotSupported(ShardnetError):
     code = "protocol_not_supported"
 
 
+class StreamLimitError(ShardnetError):
+    """A new stream was refused at once because a limit on open streams is reached: this node's
+    (py-libp2p Yamux's 256 per connection, ``streams_total``) or the peer's (``streams_per_peer``,
+    ``stream_rate_per_peer``). The message names the limit and its value."""
+
+    code = "stream_limit"
+
+
 class PortInUseError(ShardnetError):
     """A fixed listen port is already bound by another process."""
 

@@ -10,4 +10,5 @@ from shardnet.errors import (  # noqa: F401
     ProtocolNotSupported,
     RecordError,
     ShardnetError,
+    StreamLimitError,
 )

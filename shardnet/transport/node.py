@@ -21,14 +21,16 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.stream_muxer.exceptions import MuxedStreamReset
 from multiaddr import Multiaddr
 
 from . import allocator, compat, identity, identity_check
 from .behaviour import NodeBehaviour
 from .config import NodeConfig, parse_multiaddr, parse_peer_addr
 from .dht import DHT
-from .errors import DialError, OverlayTimeout, ProtocolNotSupported, ShardnetError
+from .errors import DialError, OverlayTimeout, ProtocolNotSupported, ShardnetError, StreamLimitError
 from .host import build_host, check_listen_ports
+from .limits import Limits
 from .nat.autonat import AutoNAT, Reachability
 from .nat.holepunch import HolePuncher
 from .nat.relay import RelayClient, RelayService, is_relayed, parse_circuit_addr
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 StreamHandler = Callable[[Stream], Awaitable[None]]
 B = TypeVar("B")
+E = TypeVar("E", bound=BaseException)
 
 PING_PROTOCOL = TProtocol("/ipfs/ping/1.0.0")
 
@@ -320,10 +323,27 @@ class Node:
                     raise ProtocolNotSupported(
                         f"peer {_short(peer_id)} does not support {' or '.join(protocols)}"
                     ) from None
+                limit = _cause(e, StreamLimitError)  # a limit of this node's (compat fix 17)
+                if limit is not None:
+                    raise StreamLimitError(str(limit)) from None
+                if _cause(e, MuxedStreamReset) is not None:
+                    raise self._refused_by_peer(peer_id, protocols[0]) from None
                 raise DialError(f"could not open {protocols[0]} to {_short(peer_id)}: {_reason(e)}") from None
         if scope.cancelled_caught:
             raise OverlayTimeout(f"opening {protocols[0]} to {_short(peer_id)} timed out after {timeout:g} s")
         return Stream(raw)
+
+    def _refused_by_peer(self, peer_id: ID, protocol: str) -> StreamLimitError:
+        """The error for a peer resetting a new stream before any protocol was agreed: what a
+        shardnet peer's stream gate does to a stream over its limits (compat fix 12)."""
+        held = [compat.streams_held(c.muxed_conn) for c in self.host.get_network().get_connections(peer_id)]
+        defaults = Limits()
+        return StreamLimitError(
+            f"peer {_short(peer_id)} refused a new {protocol} stream (reset it before any protocol was agreed), "
+            f"as a shardnet peer does over its limit streams_per_peer (streams from one peer open at once, "
+            f"{defaults.streams_per_peer} by default) or stream_rate_per_peer (new ones per second, "
+            f"{defaults.stream_rate_per_peer:g} by default); this node holds {sum(h for h, _ in held)} streams "
+            f"open to it, {sum(c for _, c in held)} of them closed by the peer and never closed here")
 
     # -- connections -------------------------------------------------------------------------
     async def connect(self, addr: str | Multiaddr | PeerInfo, *, timeout: float | None = None) -> ID:
@@ -784,6 +804,16 @@ def _reason(e: BaseException) -> str:
         return best.strerror
     text = str(best).strip().splitlines()
     return f"{type(best).__name__}: {text[0] if text else ''}".strip(": ")
+
+
+def _cause(e: BaseException, kind: type[E]) -> E | None:
+    """The first exception of ``kind`` in ``e``'s cause chain (``e`` included)."""
+    cur: BaseException | None = e
+    for _ in range(20):
+        if cur is None or isinstance(cur, kind):
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 def _deepest_cause(e: BaseException, depth: int) -> BaseException:

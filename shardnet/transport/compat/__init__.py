@@ -9,7 +9,7 @@ are written for one py-libp2p version, :data:`SUPPORTED_LIBP2P`, and ``apply()``
 on another (docs/embedding.md).
 
 One module per upstream subsystem holds the patches and their explanation, under the fix
-numbers the docs cite: swarm.py (1, 3, 6, 9, 12), tcp.py (13), yamux.py (2, 3, 6, 10, 15),
+numbers the docs cite: swarm.py (1, 3, 6, 9, 12, 17), tcp.py (13), yamux.py (2, 3, 6, 10, 15, 17),
 noise.py (6), pubsub.py (4, 16), kad.py (11, 14), identify.py (7, 8), logger.py (5). The same modules
 hold the small accessors through which the rest of shardnet reads py-libp2p's private state
 (``swarm.forget_failed_dial``, ``kad.providers_from_peer``, ...), so that state is touched only
@@ -59,6 +59,7 @@ from .yamux import (  # noqa: F401
     _max_frame_for,
     register_peerstore,
     set_keepalive_interval,
+    streams_held,
     unanswered_ping_age,
 )
 
@@ -97,6 +98,7 @@ class Patch:
 
 _T = "tests/integration/test_compat.py::"
 _CANCEL = "tests/integration/test_cancel_safety.py::"
+_LIMIT = "tests/integration/test_stream_limits.py::"
 _YAMUX = "libp2p.stream_muxer.yamux.yamux:"
 
 #: Every patch, in the order apply() installs them (later wraps of one target wrap earlier ones).
@@ -160,6 +162,13 @@ PATCHES: tuple[Patch, ...] = (
     Patch("libp2p.network.connection.swarm_connection:SwarmConn._handle_muxed_stream", "wrap",
           "one peer could take every inbound stream slot, and a handler's exception ended the node",
           "tests/system/test_limits.py::test_streams_per_peer_and_stream_rate", 12, swarm.gate_inbound_streams),
+    Patch(_YAMUX + "Yamux.open_stream", "wrap",
+          "a 257th stream opened on a connection waited silently for a slot (held until closed here)",
+          _LIMIT + "test_streams_the_peer_closed_hold_the_connection_limit_until_closed_here", 17,
+          yamux.refuse_streams_over_the_connection_limit_at_once),
+    Patch("libp2p.network.swarm:Swarm.new_stream", "wrap",
+          "a stream opened past streams_total (both directions, all peers) waited silently for a slot",
+          _LIMIT + "test_streams_over_streams_total_fail_at_once", 17, swarm.refuse_streams_over_the_total_at_once),
     Patch("libp2p.utils.varint:read_delim", "replace", "multistream messages of any declared length were read",
           _T + "test_strangers_are_bounded_before_the_handshake", 13, tcp.bound_multistream_messages_in_varint),
     Patch("libp2p.utils:read_delim", "replace", "multistream messages of any declared length were read",

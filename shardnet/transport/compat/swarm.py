@@ -25,6 +25,10 @@
    any protocol handler (seen: gossipsub lets protobuf's DecodeError out on a garbage RPC) went
    up through the connection into the host and ended the whole node: it now resets that one
    stream and is logged (one line per peer and protocol per 10 s).
+17. Every stream, both directions, takes one of the swarm's ``Limits.streams_total`` slots (the
+   semaphore of fix 12) until it ends, and a new stream waited silently for a free one. Now a
+   stream this node opens fails at once with StreamLimitError naming the limit, logged here;
+   inbound streams still wait (yamux.py has the per-connection half of this fix).
 
 The accessors at the end are the only places shardnet reads the swarm's private state.
 """
@@ -190,6 +194,38 @@ def gate_inbound_streams() -> None:
                 gate.release(peer)
 
     SwarmConn._handle_muxed_stream = _handle_muxed_stream
+
+
+# 17. streams open in all ---------------------------------------------------------------------
+def refuse_streams_over_the_total_at_once() -> None:
+    from libp2p.network.swarm import Swarm
+
+    from ...errors import StreamLimitError
+    from ..identity import short
+    from ..limits import Refusals
+    from .yamux import streams_held
+
+    new_stream = Swarm.new_stream
+    refusals = Refusals(log)
+
+    async def _new_stream(self: Any, peer_id: Any) -> Any:
+        slots = self._stream_semaphore
+        # new_stream's first await is the acquire: a free slot seen here is the one it takes
+        if slots is not None and slots.value == 0:
+            limit = self._resource_manager.limits.max_streams  # the semaphore's size (host.py)
+            held = [streams_held(c.muxed_conn) for conns in list(self.connections.values()) for c in conns]
+            closed_by_peer = sum(c for _, c in held)
+            refusals.note("streams_total", "*", f"limit streams_total ({limit}): refused a new stream to "
+                                                f"{short(peer_id)}; {closed_by_peer} streams this node opened "
+                                                f"were closed by their peer and never closed here")
+            raise StreamLimitError(
+                f"cannot open a stream to {short(peer_id)}: this node has {limit} streams open to all peers, "
+                f"both directions, its limit streams_total; {closed_by_peer} of those it opened were closed "
+                f"by their peer and never closed here (close or reset every stream opened, or raise "
+                f"--limit streams_total)")
+        return await new_stream(self, peer_id)
+
+    Swarm.new_stream = _new_stream
 
 
 # 6. data path: NetStream's state lock ---------------------------------------------------------

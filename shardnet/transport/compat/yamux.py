@@ -37,6 +37,13 @@
    came before its reset reads to a clean end. With SHARDNET_UNTUNED_DATA_PATH=1 (upstream's
    stream write, for benchmarks) frames still go through the writer whole, but a write cut
    midway does not reset its stream.
+17. A connection lets this node open 256 streams (``Yamux.stream_backlog_limit``); a stream keeps
+   its slot until it is closed or reset *here*, even once the peer has closed its half (it may
+   still be written to). An app that never closes its streams found its 257th open waiting
+   silently for a slot, until its own deadline (10 s). Now the open fails at once with
+   StreamLimitError naming the limit and how many of the streams holding it the peer had closed,
+   and the refusal is logged here (one line per peer every 10 s). Released streams are upstream's:
+   closed or reset here, or reset by the peer.
 """
 
 from __future__ import annotations
@@ -628,3 +635,42 @@ async def _reset_cut_stream(stream: Any) -> None:
             await stream.reset()
         except Exception as e:
             log.debug("reset of a cut stream failed: %s", e)
+
+
+# 17. streams opened on one connection ---------------------------------------------------------
+def refuse_streams_over_the_connection_limit_at_once() -> None:
+    from libp2p.stream_muxer.yamux.yamux import Yamux
+
+    from ...errors import StreamLimitError
+    from ..identity import short
+    from ..limits import Refusals
+
+    open_stream = Yamux.open_stream
+    refusals = Refusals(log)
+
+    async def _open_stream(self: Any) -> Any:
+        # No checkpoint comes between this check and upstream's acquire_nowait: a free slot seen
+        # here is the one upstream takes.
+        if self.stream_backlog_semaphore.value == 0:
+            held, closed_by_peer = streams_held(self)
+            limit = self.stream_backlog_limit
+            refusals.note("streams_per_connection", self.peer_id,
+                          f"limit of {limit} streams opened per connection (py-libp2p Yamux): refused a new "
+                          f"stream to {short(self.peer_id)}; {closed_by_peer} of the {held} held were closed by "
+                          f"the peer and never closed here")
+            raise StreamLimitError(
+                f"cannot open a stream to {short(self.peer_id)}: this node holds {held} streams open on its "
+                f"connection to it, the limit of {limit} per connection (py-libp2p Yamux); {closed_by_peer} "
+                f"of them were closed by the peer and never closed here (close or reset every stream "
+                f"opened, also once the peer has closed its side)")
+        return await open_stream(self)
+
+    Yamux.open_stream = _open_stream
+
+
+def streams_held(muxed: Any) -> tuple[int, int]:
+    """(streams this node opened on a Yamux connection that still hold one of its
+    ``stream_backlog_limit`` slots, how many of those the peer has closed its side of)."""
+    held = [s for s in list(getattr(muxed, "streams", {}).values())
+            if getattr(s, "_owns_backlog_slot", False) and not getattr(s, "_backlog_slot_released", True)]
+    return len(held), sum(1 for s in held if s.recv_closed)
