@@ -19,7 +19,8 @@ def model() -> None:
 
 @model.command("init-random")
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--family", default="llama", type=click.Choice(list(FAMILIES)), show_default=True)
+@click.option("--family", default="llama", show_default=True,
+              help=f"Any causal LM model_type of the installed transformers ({', '.join(FAMILIES)} are tested here).")
 @click.option("--layers", default=4, show_default=True)
 @click.option("--hidden", default=64, show_default=True)
 @click.option("--heads", default=4, show_default=True)
@@ -31,6 +32,7 @@ def model() -> None:
 @click.option("--shards", default=1, show_default=True, help="Split the weights into this many files.")
 @click.option("--experts", default=4, show_default=True, help="Routed experts per MoE layer (MoE families).")
 @click.option("--active-experts", default=2, show_default=True, help="Experts each token is routed to.")
+@wrap_errors
 def model_init_random(out, family, layers, hidden, heads, kv_heads, intermediate, vocab, seed, dtype, shards,
                       experts, active_experts) -> None:
     """Write a random checkpoint (any size) to OUT."""

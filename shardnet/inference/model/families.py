@@ -118,6 +118,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # declared, run generically and checked at first load (no CI test of their own)
     Family("cohere", logit_multiplier="logit_scale"),
     Family("cohere2", logit_multiplier="logit_scale"),
+    Family("cohere2_moe", logit_multiplier="logit_scale"),
+    Family("vaultgemma", logit_softcap="final_logit_softcapping"),
 )}
 
 

@@ -35,6 +35,8 @@ import copy
 import hashlib
 import json
 import logging
+import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -98,13 +100,26 @@ def ensure_family_matches(ckpt: Checkpoint, layers: tuple[int, int] | None = Non
     verdict_items = _compare(ckpt, checked, with_head=any(item == "head" for item, _ in todo))
     for item, idx in todo:
         verdicts[item] = verdict_items.get("head" if idx is None else idx[0])
-    try:
-        cache.write_text(json.dumps({"key": key, "verdicts": verdicts}))
-    except OSError:
-        pass  # read-only model directory: check again next time
+    _keep(cache, key, {item: verdicts[item] for item, _ in todo})
     for item, _ in todo:
         if verdicts[item]:
             raise CheckpointError(verdicts[item])
+
+
+def _keep(cache, key: dict, new: dict) -> None:
+    """Add ``new`` verdicts to the file (peers of one checkpoint directory may check at once:
+    each adds its own, the file replaced whole)."""
+    try:
+        cached = json.loads(cache.read_text())
+        kept = cached["verdicts"] if cached.get("key") == key and isinstance(cached.get("verdicts"), dict) else {}
+    except (OSError, ValueError, AttributeError):
+        kept = {}
+    tmp = cache.with_name(f"{cache.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        tmp.write_text(json.dumps({"key": key, "verdicts": {**kept, **new}}))
+        tmp.replace(cache)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # read-only model directory: check again next time
 
 
 def check_config(ckpt: Checkpoint):

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from shardnet.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 _TOKENIZER_TEXT = (
@@ -62,6 +64,10 @@ def _family_extras(family: str, *, layers: int, hidden: int, heads: int, interme
     }.get(family, {})
 
 
+_EXPLICIT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
+                      "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe")
+
+
 def make_config(family: str, *, layers: int, hidden: int, heads: int, kv_heads: int | None,
                 intermediate: int | None, vocab: int, max_positions: int = 2048,
                 sliding_window: int | None = None, experts: int = 4, active_experts: int = 2):
@@ -77,9 +83,46 @@ def make_config(family: str, *, layers: int, hidden: int, heads: int, kv_heads: 
         # weights make every prompt continue with one repeated token, a weak test)
         initializer_range=0.25,
     )
-    kw.update(_family_extras(family, layers=layers, hidden=hidden, heads=heads, intermediate=intermediate,
-                             sliding_window=sliding_window, experts=experts, active_experts=active_experts))
-    return AutoConfig.for_model(family, **kw)
+    extras = _family_extras(family, layers=layers, hidden=hidden, heads=heads, intermediate=intermediate,
+                            sliding_window=sliding_window, experts=experts, active_experts=active_experts)
+    kw.update(extras)
+    try:
+        config = AutoConfig.for_model(family, **kw)
+    except ValueError as e:
+        if "Unrecognized model identifier" in str(e):
+            raise CheckpointError(f"model_type {family!r}: the installed transformers has no such model") from None
+        raise
+    if family not in _EXPLICIT_FAMILIES:
+        # a family without shapes of its own here: its config's other sizes made small as well
+        small = _generic_small(config, hidden=hidden, heads=heads, intermediate=intermediate, experts=experts,
+                               active_experts=active_experts, sliding_window=sliding_window)
+        if small:
+            config = AutoConfig.for_model(family, **{**kw, **small})
+    return config
+
+
+#: sizes a config may name besides the common ones, and the small value a random model takes
+def _generic_small(config, *, hidden: int, heads: int, intermediate: int, experts: int, active_experts: int,
+                   sliding_window: int | None) -> dict:
+    """Small values for the size attributes ``config`` has beyond the common ones (expert counts
+    and widths, MLA ranks, head widths, windows), so that any family's random checkpoint is tiny and
+    still exercises what it has (experts, a window shorter than a prompt)."""
+    head_dim = hidden // heads
+    wanted = {
+        "head_dim": head_dim,
+        "num_experts": experts, "n_routed_experts": experts, "num_local_experts": experts,
+        "moe_num_experts": experts, "num_experts_per_tok": active_experts, "moe_k": active_experts,
+        "moe_topk": active_experts, "moe_intermediate_size": max(8, intermediate // 4),
+        "shared_expert_intermediate_size": intermediate, "expert_intermediate_size": max(8, intermediate // 4),
+        "n_shared_experts": 1, "num_shared_experts": 1, "n_group": 1, "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "q_lora_rank": hidden // 2, "kv_lora_rank": hidden // 4, "qk_rope_head_dim": head_dim // 2,
+        "qk_nope_head_dim": head_dim, "v_head_dim": head_dim,
+        "sliding_window": sliding_window or 5,
+    }
+    return {k: v for k, v in wanted.items()
+            if isinstance(getattr(config, k, None), int) and not isinstance(getattr(config, k), bool)
+            and getattr(config, k) != v}
 
 
 def write_tokenizer(out: Path, vocab: int) -> None:
