@@ -91,7 +91,8 @@ def models(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> No
     found = run(_main)
     bound = NameBindings().all()
     for m in found:
-        m["bound_here"] = sorted(n for n in {*m["names"], *m["conflicts"]} if n in bound and bound[n].model_id == m["model_id"])
+        m["bound_here"] = sorted(n for n in {*m["names"], *m["conflicts"]}
+                                 if n in bound and bound[n].model_id == m["model_id"])
     if as_json:
         say(json.dumps(found, indent=2))
         return
@@ -124,7 +125,7 @@ def conflict_lines(found: list[dict]) -> list[str]:
                             for m in models)
         bound = any(name in m["bound_here"] for m in models)
         lines.append(f"conflict: {name!r} is claimed by {len(models)} models: {listing}; "
-                     + ("--model NAME means the one bound here" if bound else
+                     + (f"--model {name} means the one bound here" if bound else
                         f"--model {name} is refused here: give {name}@ID-PREFIX or the model ID"))
     return lines
 

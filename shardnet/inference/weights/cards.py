@@ -6,7 +6,8 @@ The card is a signed DHT value of its publisher (records.py: nobody else can wri
 points at the manifest by its hash, the model ID; the manifest itself, which for a model of
 tens of thousands of tensors is megabytes (a DHT value holds at most 64 KiB), comes from the
 serving peers over the weights protocol and is checked against that ID. So a card can be
-wrong only about the names and figures its own publisher chose to sign.
+wrong only about the names and figures its own publisher chose to sign; which model a name
+means on this node, when cards disagree, is for names.py (the first binding seen is kept).
 
 DHT keys (provider records): ``models`` (every peer publishing a card), ``model-name/<name>``
 (peers serving a model by that name), ``weights/<model ID>`` (peers serving its bytes). The

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 async def open_from_swarm(node: Node, name_or_id: str, *, cache_root: Path | None = None,
                           progress: ProgressFn | None = None) -> tuple[Path, ModelCard]:
     """The local directory of the model the swarm serves as ``name_or_id`` (or ``NAME@ID-PREFIX``:
-    cards.resolve_model), holding its manifest and files (config, tokenizer) and whatever tensors earlier fetches brought."""
+    cards.resolve_model), holding its manifest and files (config, tokenizer) and whatever
+    tensors earlier fetches brought."""
     card = await resolve_model(node, name_or_id)
     store = WeightStore(card.model_id, cache_root)
     log.info("model %s is %s… (%s, %d layers, %.1f MB); cache %s", name_or_id, card.model_id[:16], card.family,

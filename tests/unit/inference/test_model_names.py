@@ -67,7 +67,8 @@ def test_a_pin_chooses_among_the_models_claiming_a_name():
     with pytest.raises(NameConflict, match=r"^2 models called 'llama' have IDs starting with 9c8: 9c8d.*9c8e.*"
                                             r"give more of the ID$"):
         choose("llama", "9c8", claims, None)
-    with pytest.raises(NameConflict, match=r"^no model called 'llama' has an ID starting with abcd \(models called so: "):
+    with pytest.raises(NameConflict, match=r"^no model called 'llama' has an ID starting with abcd "
+                                            r"\(models called so: "):
         choose("llama", "abcd", claims, None)
     assert choose("llama", "abcd", {}, None) is None  # nothing called so: not found
 
