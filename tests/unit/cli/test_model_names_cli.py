@@ -1,6 +1,11 @@
-"""`shardnet models` ends with one line per name that several models claim."""
+"""Model names at the CLI: `shardnet models` ends with one line per name that several models
+claim; ``--model NAME@ID-PREFIX`` is a name for the swarm, checked before any network."""
 
+import pytest
+
+from shardnet.cli.common import local_model
 from shardnet.cli.model import conflict_lines
+from shardnet.inference.weights.names import BadModelSpec
 
 GOOD, FAKE = "3f2a" + "1" * 60, "9c8d" + "2" * 60
 
@@ -22,3 +27,10 @@ def test_a_conflict_is_one_line_naming_each_model_and_the_one_bound_here():
     (line,) = conflict_lines(found)
     assert "(publisher 12D3KooW…123456, bound here)" in line and line.endswith("the one bound here")
     assert conflict_lines([_model(GOOD, [], {})]) == []
+
+
+def test_a_pinned_name_goes_to_the_swarm_and_a_short_pin_is_refused_at_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert local_model("llama@3f2a") is None
+    with pytest.raises(BadModelSpec, match=r"^model 'llama@3f2': give at least 4 hex digits"):
+        local_model("llama@3f2")
