@@ -6,6 +6,7 @@ processes: swarms, CLIs, the gateway, the NAT lab). Each test gets its directory
 ``-m unit``, ``-m "not system"`` and so on select them too. Helpers are imported from
 ``shardnet.testing.helpers``."""
 
+import itertools
 import os
 from pathlib import Path
 
@@ -23,6 +24,7 @@ torch.set_num_threads(1)
 os.environ.setdefault("SHARDNET_IDENTITY", "/nonexistent/shardnet-test-identity.key")
 
 TESTS = Path(__file__).resolve().parent
+_NAME_FILES = itertools.count()
 LAYERS = ("unit", "integration", "system")
 
 
@@ -40,3 +42,15 @@ def pytest_collection_modifyitems(config, items):
 def loopback_config():
     """``loopback_config(**kw)``: a NodeConfig on a free loopback port (shardnet.testing.helpers)."""
     return helpers.loopback_config
+
+
+@pytest.fixture(scope="session")
+def _model_names_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("model-names")
+
+
+@pytest.fixture(autouse=True)
+def _own_model_names(_model_names_dir, monkeypatch):
+    """Each test (and the processes it starts) keeps its model name bindings in a file of its own,
+    never the user's ~/.shardnet/model-names.json: a name bound in one test is unknown to the next."""
+    monkeypatch.setenv("SHARDNET_MODEL_NAMES", str(_model_names_dir / f"{next(_NAME_FILES)}.json"))

@@ -263,6 +263,10 @@ def local_model(spec: str | None, *, download: bool = True) -> Path | None:
 
     if MODEL_ID_RE.match(spec):
         return None
+    from shardnet.inference.weights.names import parse_model_spec
+
+    if parse_model_spec(spec)[1] is not None:  # NAME@ID-PREFIX: a name the swarm serves, pinned
+        return None
     from shardnet.inference.model.hub import looks_like_repo_id, resolve_hub_checkpoint
 
     if looks_like_repo_id(spec):

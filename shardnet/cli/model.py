@@ -73,8 +73,10 @@ def model_manifest(path, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @wrap_errors
 def models(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> None:
-    """The models the swarm serves: name, model ID, family, size, layers covered, peers, quantization."""
+    """The models the swarm serves: name, model ID, family, size, layers covered, peers, quantization;
+    then each name that several models claim (a conflict), and which of them is bound here."""
     from shardnet.inference.weights.cards import list_models
+    from shardnet.inference.weights.names import NameBindings
     from shardnet.transport import open_node
 
     if not bootstrap and not mdns:
@@ -89,6 +91,10 @@ def models(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> No
             return [m.to_json() for m in await list_models(n, timeout=wait)]
 
     found = run(_main)
+    bound = NameBindings().all()
+    for m in found:
+        m["bound_here"] = sorted(n for n in {*m["names"], *m["conflicts"]}
+                                 if n in bound and bound[n].model_id == m["model_id"])
     if as_json:
         say(json.dumps(found, indent=2))
         return
@@ -102,6 +108,28 @@ def models(listen, announce, bootstrap, quic, mdns, relays, wait, as_json) -> No
         layers = f"{covered}/{m['num_layers']}" + ("" if full else " gaps")
         say(f"{(m['names'] or ['?'])[0][:24]:24} {m['model_id'][:16] + '…':18} {m['family'][:12]:12} "
             f"{_size(m['bytes']):>9} {layers:14} {m['peers']:>5}  {','.join(m['quantization'])}")
+    for line in conflict_lines(found):
+        say(line)
+
+
+def conflict_lines(found: list[dict]) -> list[str]:
+    """One line per name several models claim: each model's ID prefix, publishers, and whether
+    the name is bound here to it (``--model NAME`` is refused unless it is bound to one)."""
+    from shardnet.inference.weights.names import describe
+
+    claimed: dict[str, list[dict]] = {}
+    for m in found:
+        for name in m["conflicts"]:
+            claimed.setdefault(name, []).append(m)
+    lines = []
+    for name, models in sorted(claimed.items()):
+        listing = ", ".join(describe(m["model_id"], m["publishers"], bound=name in m["bound_here"])
+                            for m in models)
+        bound = any(name in m["bound_here"] for m in models)
+        lines.append(f"conflict: {name!r} is claimed by {len(models)} models: {listing}; "
+                     + (f"--model {name} means the one bound here" if bound else
+                        f"--model {name} is refused here: give {name}@ID-PREFIX or the model ID"))
+    return lines
 
 
 def _size(n: int) -> str:

@@ -53,6 +53,7 @@ def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path,
     from shardnet.errors import ShardnetError
     from shardnet.gateway.server import read_chat_template, serve_gateway
     from shardnet.inference.client.client import Client
+    from shardnet.inference.weights.names import model_name
     from shardnet.transport import open_node
 
     if api_key is not None and not api_key.strip():
@@ -75,7 +76,7 @@ def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path,
             if model is None:  # no files here: what a client needs, from the swarm
                 model = await client_model(n, model_path, None, dtype=dtype, logits_on_last=logits_on_last,
                                            cache_dir=cache_dir)
-            shown = name or (path.name if path else model_path)
+            shown = name or (path.name if path else model_name(model_path))
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout,
                             quantized=quantized, **({} if audit_rate is None else {"audit_rate": audit_rate}))
             async with trio.open_nursery() as nursery:

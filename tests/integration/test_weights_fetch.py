@@ -1,6 +1,7 @@
 """Weights over the swarm, in one process with real hosts: model cards, name resolution, a span
 fetched from several peers, chunks checked on arrival (a peer sending bad bytes is dropped and the
-fetch completes from others), resuming from verified chunks, and the limits of serving."""
+fetch completes from others), resuming from verified chunks, the limits of serving, and a name
+kept bound against fake peers claiming it."""
 
 import json
 import struct
@@ -14,6 +15,7 @@ from shardnet.inference.model.checkpoint import Checkpoint
 from shardnet.inference.model.random_model import init_random
 from shardnet.inference.weights import fetcher as fetcher_mod
 from shardnet.inference.weights.cards import ModelNotFound, list_models, resolve_model
+from shardnet.inference.weights.names import NameBindings, NameConflict
 from shardnet.inference.weights.server import WeightServer
 from shardnet.inference.weights.store import WeightStore
 from shardnet.inference.weights.swarm_model import fetch_tensors, open_from_swarm, span_tensor_names
@@ -241,3 +243,41 @@ async def test_a_failing_or_stalling_source_is_dropped_and_others_finish(loopbac
         assert str(held[0][0].peer_id) in report.failed and not report.bad
         assert list(report.per_source) == [str(held[1][0].peer_id)]
         _same_tensors(path, model, names)
+
+
+async def test_fake_peers_claiming_a_bound_name_do_not_take_it(loopback_config, model, tmp_path):
+    """Three peers serve another model under the name "wmodel" after this node bound the name: it
+    keeps meaning the model first seen; a node that never bound it is refused, listing both; a pin
+    chooses; the swarm's listing shows the conflict."""
+    fake = Checkpoint(init_random(tmp_path / "fake", "llama", layers=2, hidden=32, heads=2, kv_heads=1, vocab=300))
+    async with AsyncExitStack() as stack:
+        fetching, held = await _swarm(stack, loopback_config, model, [WeightServer])
+        bound = NameBindings(tmp_path / "bound.json")
+        genuine = (await resolve_model(fetching, "wmodel", bindings=bound)).model_id
+        assert genuine == Checkpoint(model).model_id and bound.get("wmodel").model_id == genuine
+        assert bound.get("wmodel").publishers == (str(held[0][0].peer_id),)
+
+        bootstrap = [str(a) for a in fetching.config.bootstrap]
+        for _ in range(3):
+            n = await stack.enter_async_context(open_node(loopback_config(bootstrap=bootstrap)))
+            await n.wait_bootstrapped()
+            (await n.add_behaviour(WeightServer(n))).add(fake, ["wmodel"])
+        with trio.fail_after(30):
+            while not any(m.card.model_id == fake.model_id for m in await list_models(fetching, timeout=5)):
+                await trio.sleep(0.2)
+        with trio.fail_after(60):  # (every fake peer's card out)
+            while len(next(m for m in await list_models(fetching, timeout=5)
+                           if m.card.model_id == fake.model_id).publishers) < 3:
+                await trio.sleep(0.2)
+
+        assert (await resolve_model(fetching, "wmodel", bindings=bound)).model_id == genuine
+        fresh = NameBindings(tmp_path / "fresh.json")
+        with pytest.raises(NameConflict, match=rf"^model name 'wmodel' is claimed by 2 models: {fake.model_id[:12]} "
+                                               rf"\(3 publishers: .*{genuine[:12]} \(publisher .*none is bound"):
+            await resolve_model(fetching, "wmodel", bindings=fresh, timeout=5)
+        assert fresh.get("wmodel") is None
+        pinned = await resolve_model(fetching, f"wmodel@{fake.model_id[:8]}", bindings=fresh, timeout=5)
+        assert pinned.model_id == fake.model_id and fresh.get("wmodel").model_id == fake.model_id
+        listed = {m.card.model_id: m for m in await list_models(fetching)}
+        assert listed[genuine].conflicts == {"wmodel": [fake.model_id]}
+        assert listed[fake.model_id].conflicts == {"wmodel": [genuine]}

@@ -1,9 +1,11 @@
 """Joining by model name or ID with no model files, as separate processes: only the first peer
 starts with the checkpoint; two more fetch just their spans from the swarm and serve them; a thin
 client fetches just the head and generates what transformers generates; `shardnet models` lists
-the swarm; a fetch killed halfway resumes from the chunks it had verified."""
+the swarm; a peer serving another model under the name does not take it; a fetch killed halfway
+resumes from the chunks it had verified."""
 
 import json
+import re
 import signal
 import struct
 from pathlib import Path
@@ -110,6 +112,23 @@ def test_peers_join_by_name_and_id_and_a_thin_client_generates(tmp_path, monkeyp
         assert "tiny-llama" in listed[0]["names"] and listed[0]["peers"] == 2
         r = shardnet("models", "--bootstrap", boot, timeout=120)
         assert r.returncode == 0 and "tiny-llama" in r.stdout and "0-7/8" in r.stdout, r.stdout
+
+        # a peer serves another model as "tiny-llama": `shardnet models` shows the conflict, a node
+        # that never bound the name is refused in one line; the nodes here, which bound it when they
+        # joined, keep meaning the model first seen (the resumed join below fetches it, not this one)
+        impostor = init_random(tmp_path / "impostor" / "tiny-llama", "llama", layers=2, hidden=32, heads=2,
+                               kv_heads=1, vocab=300)
+        swarm.join_spans([(0, 2)], "--model", str(impostor), "--threads", "1")
+        for _ in range(20):
+            r = shardnet("models", "--bootstrap", boot, "--wait", "5", timeout=120)
+            if "conflict:" in r.stdout:
+                break
+        assert "conflict: 'tiny-llama' is claimed by 2 models: " in r.stdout, r.stdout
+        assert re.search(rf"{model_id[:12]} \(\d+ publishers: ", r.stdout), r.stdout
+        r = shardnet("generate", "--model", "tiny-llama", "--bootstrap", boot, "-n", "2", PROMPT, timeout=120,
+                     env={"HF_HUB_OFFLINE": "1", "SHARDNET_MODEL_NAMES": str(tmp_path / "fresh-names.json")})
+        assert_one_line_failure(r, rf"model name 'tiny-llama' is claimed by 2 models: .*{model_id[:12]}.*"
+                                   rf"{Checkpoint(impostor).model_id[:12]}.*give tiny-llama@ID-PREFIX")
 
         # a fetch killed halfway resumes without fetching its verified chunks again
         cache = tmp_path / "c-resume"

@@ -6,7 +6,8 @@ The card is a signed DHT value of its publisher (records.py: nobody else can wri
 points at the manifest by its hash, the model ID; the manifest itself, which for a model of
 tens of thousands of tensors is megabytes (a DHT value holds at most 64 KiB), comes from the
 serving peers over the weights protocol and is checked against that ID. So a card can be
-wrong only about the names and figures its own publisher chose to sign.
+wrong only about the names and figures its own publisher chose to sign; which model a name
+means on this node, when cards disagree, is for names.py (the first binding seen is kept).
 
 DHT keys (provider records): ``models`` (every peer publishing a card), ``model-name/<name>``
 (peers serving a model by that name), ``weights/<model ID>`` (peers serving its bytes). The
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import Counter
 from dataclasses import dataclass, field
 
 import cbor2
@@ -25,6 +25,7 @@ import trio
 
 from shardnet.errors import ShardnetError
 from shardnet.inference.claims import find_claims, live_claims
+from shardnet.inference.weights.names import NameBindings, choose, parse_model_spec
 from shardnet.transport.node import Node
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,10 @@ class SwarmModel:
     card: ModelCard
     publishers: set[str] = field(default_factory=set)
     spans: list[tuple[int, int, str, str]] = field(default_factory=list)  # start, end, peer, quant
+    #: name -> the publishers whose cards of this model give it that name
+    named_by: dict[str, set[str]] = field(default_factory=dict)
+    #: name -> the other models claiming it too (set by list_models)
+    conflicts: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def covered(self) -> list[tuple[int, int]]:
@@ -141,7 +146,8 @@ class SwarmModel:
         c = self.card
         return {"model_id": c.model_id, "names": list(c.names), "family": c.family, "num_layers": c.num_layers,
                 "bytes": c.total_bytes, "dtype": c.dtype, "covered": [list(r) for r in self.covered],
-                "peers": self.peers, "quantization": self.quant}
+                "peers": self.peers, "quantization": self.quant, "publishers": sorted(self.publishers),
+                "conflicts": {n: list(ids) for n, ids in sorted(self.conflicts.items())}}
 
 
 async def _cards_from(node: Node, key: str, model_id: str | None, *, timeout: float) -> list[tuple[str, ModelCard]]:
@@ -193,7 +199,15 @@ async def list_models(node: Node, *, timeout: float = 15.0) -> list[SwarmModel]:
     """Every model the swarm serves, with its cards' facts and its claims' coverage."""
     found: dict[str, SwarmModel] = {}
     for pid, card in await _cards_from(node, MODELS_KEY, None, timeout=timeout):
-        found.setdefault(card.model_id, SwarmModel(card)).publishers.add(pid)
+        m = found.setdefault(card.model_id, SwarmModel(card))
+        m.publishers.add(pid)
+        for n in card.names:
+            m.named_by.setdefault(n, set()).add(pid)
+    for m in found.values():
+        for n in m.named_by:
+            others = sorted(o.card.model_id for o in found.values() if o is not m and n in o.named_by)
+            if others:
+                m.conflicts[n] = others
     await _add_claims(node, list(found.values()), timeout=timeout)
     return sorted(found.values(), key=lambda m: (m.card.names[:1], m.card.model_id))
 
@@ -210,29 +224,64 @@ async def _add_claims(node: Node, models: list[SwarmModel], *, timeout: float) -
             nursery.start_soon(one, m)
 
 
-async def resolve_model(node: Node, name_or_id: str, *, timeout: float = 15.0) -> ModelCard:
-    """The card of the model the swarm serves under ``name_or_id`` (a name or a model ID), looked
-    for until ``timeout``; when a name maps to several models, the one most peers publish.
+async def resolve_model(node: Node, spec: str, *, timeout: float = 15.0,
+                        bindings: NameBindings | None = None) -> ModelCard:
+    """The card of the model the swarm serves as ``spec``: a model ID, a name, or ``NAME@ID-PREFIX``,
+    looked for until ``timeout``. A name means the model bound to it on this node, or on first
+    use the one model that claims it (names.py has the rules; NameConflict when they refuse).
     ModelNotFound names what the swarm does serve."""
+    if MODEL_ID_RE.match(spec):
+        return await _resolve_id(node, spec, timeout=timeout)
+    name, prefix = parse_model_spec(spec)
+    bindings = bindings or NameBindings()
+    kept = None if prefix else bindings.get(name)
     deadline = trio.current_time() + timeout
     while True:  # until found, or timeout: a peer that just started publishes its card within seconds
         left = max(1.0, deadline - trio.current_time())
-        if MODEL_ID_RE.match(name_or_id):
-            cards = await _cards_from(node, weights_key(name_or_id), name_or_id, timeout=left)
-        else:
-            cards = [(pid, card) for pid, card in await _cards_from(node, name_key(name_or_id), None, timeout=left)
-                     if name_or_id in card.names]
-        if cards or trio.current_time() + 1.0 >= deadline:
+        # a bound name is looked up by its model ID first: fake peers flooding the name's provider
+        # records cannot hide it
+        cards = await _cards_from(node, weights_key(kept.model_id), kept.model_id, timeout=left) if kept else []
+        if not cards:
+            cards = [(pid, card) for pid, card in await _cards_from(node, name_key(name), None, timeout=left)
+                     if name in card.names]
+        ids = {card.model_id for _, card in cards}
+        wanted = (kept is None or kept.model_id in ids) and (prefix is None or any(i.startswith(prefix) for i in ids))
+        if (cards and wanted) or trio.current_time() + 1.0 >= deadline:
             break
         await trio.sleep(1.0)
-    if not cards:
-        served = await list_models(node, timeout=timeout)
-        listing = "; ".join(f"{(m.card.names or ('?',))[0]} ({m.card.model_id[:16]}…)" for m in served[:8])
-        raise ModelNotFound(f"the swarm serves no model {name_or_id!r}"
-                            + (f" (it serves: {listing})" if listing else " (it serves no model at all)"))
-    counts = Counter(card.model_id for _, card in cards)
-    best, _ = counts.most_common(1)[0]
-    if len(counts) > 1:
-        log.warning("%d models are called %s; taking %s… (%d peers): pass a model ID to choose", len(counts),
-                    name_or_id, best[:16], counts[best])
-    return next(card for _, card in cards if card.model_id == best)
+    claims: dict[str, set[str]] = {}
+    for pid, card in cards:
+        claims.setdefault(card.model_id, set()).add(pid)
+    model_id = choose(name, prefix, claims, kept, where=bindings.path)
+    if model_id is None:
+        raise await _not_found(node, spec, timeout=timeout)
+    if kept is None:
+        old = bindings.get(name) if prefix else None
+        if old is None or old.model_id != model_id:
+            if old is not None:
+                log.warning("model name %s: bound to %s… from now on (was %s…)", name, model_id[:16],
+                            old.model_id[:16])
+            bindings.keep(name, model_id, list(claims[model_id]))
+    if len(claims) > 1:
+        log.warning("model name %s: %d other models claim it; taking %s…, the one %s", name, len(claims) - 1,
+                    model_id[:16], "pinned" if prefix else "bound on this node")
+    return next(card for _, card in cards if card.model_id == model_id)
+
+
+async def _resolve_id(node: Node, model_id: str, *, timeout: float) -> ModelCard:
+    deadline = trio.current_time() + timeout
+    while True:
+        cards = await _cards_from(node, weights_key(model_id), model_id,
+                                  timeout=max(1.0, deadline - trio.current_time()))
+        if cards:
+            return cards[0][1]
+        if trio.current_time() + 1.0 >= deadline:
+            raise await _not_found(node, model_id, timeout=timeout)
+        await trio.sleep(1.0)
+
+
+async def _not_found(node: Node, spec: str, *, timeout: float) -> ModelNotFound:
+    served = await list_models(node, timeout=timeout)
+    listing = "; ".join(f"{(m.card.names or ('?',))[0]} ({m.card.model_id[:16]}…)" for m in served[:8])
+    return ModelNotFound(f"the swarm serves no model {spec!r}"
+                         + (f" (it serves: {listing})" if listing else " (it serves no model at all)"))

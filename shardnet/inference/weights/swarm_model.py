@@ -17,6 +17,7 @@ from shardnet.inference.weights.fetcher import (
     fetch_manifest,
     find_sources,
 )
+from shardnet.inference.weights.names import model_name
 from shardnet.inference.weights.store import WeightStore
 from shardnet.transport.node import Node
 
@@ -25,8 +26,9 @@ log = logging.getLogger(__name__)
 
 async def open_from_swarm(node: Node, name_or_id: str, *, cache_root: Path | None = None,
                           progress: ProgressFn | None = None) -> tuple[Path, ModelCard]:
-    """The local directory of the model the swarm serves as ``name_or_id``, holding its manifest
-    and files (config, tokenizer) and whatever tensors earlier fetches brought."""
+    """The local directory of the model the swarm serves as ``name_or_id`` (or ``NAME@ID-PREFIX``:
+    cards.resolve_model), holding its manifest and files (config, tokenizer) and whatever
+    tensors earlier fetches brought."""
     card = await resolve_model(node, name_or_id)
     store = WeightStore(card.model_id, cache_root)
     log.info("model %s is %s… (%s, %d layers, %.1f MB); cache %s", name_or_id, card.model_id[:16], card.family,
@@ -47,7 +49,7 @@ async def open_from_swarm(node: Node, name_or_id: str, *, cache_root: Path | Non
                 await transfer.run(sources)
             finally:
                 transfer.close()
-        store.add_names([*card.names, *([] if MODEL_ID_RE.match(name_or_id) else [name_or_id])])
+        store.add_names([*card.names, *([] if MODEL_ID_RE.match(name_or_id) else [model_name(name_or_id)])])
     return store.path, card
 
 
