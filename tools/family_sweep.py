@@ -48,6 +48,18 @@ def registry() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def recorded(models_md: Path = Path(__file__).resolve().parent.parent / "docs" / "models.md"
+             ) -> dict[str, tuple[str, str]]:
+    """The sweep docs/models.md records: {model_type: (outcome, reason)}."""
+    text = models_md.read_text()
+    table = text.split("<!-- family-sweep:begin -->")[1].split("<!-- family-sweep:end -->")[0]
+    rows = {}
+    for line in table.strip().splitlines()[2:]:
+        family, outcome, reason = (c.strip() for c in line.strip().strip("|").split("|"))
+        rows[family] = outcome, reason
+    return rows
+
+
 def _one_line(e: BaseException) -> str:
     return (" ".join(str(e).split()) or type(e).__name__)[:160]
 

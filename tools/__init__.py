@@ -1,0 +1,1 @@
+"""Maintainers' scripts: run as `python tools/NAME.py`; tests import them as `tools.NAME`."""
