@@ -115,3 +115,26 @@ async def test_a_client_routes_only_through_peers_of_its_dtype(loopback_config, 
         client = Client(node, LocalModel(path), route_timeout=1.0)  # auto: bfloat16
         with pytest.raises(NoRouteError, match="computes in float32, not bfloat16"):
             await chain_token_ids(client, PROMPT, 2)
+
+
+async def test_a_peer_without_layer_0_or_the_head_checks_its_own_layer_kinds(loopback_config, tmp_path,
+                                                                               monkeypatch):
+    """A block that masked sliding layers as full ones: a peer serving layers 0:2 of a model whose
+    layer 0 is full attention would pass a first-layer check; a peer serving 2:4 (no layer 0, no
+    head) checks its own sliding layer 3 against transformers and refuses to serve it."""
+    import json
+
+    from shardnet.errors import CheckpointError
+    from shardnet.inference.server.compute_peer import serve_block
+    from shardnet.transport import open_node
+
+    path = init_random(tmp_path / "gemma2", "gemma2", layers=4, hidden=32, heads=2, kv_heads=1, vocab=128,
+                       sliding_window=6)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["layer_types"] = ["full_attention", "sliding_attention"] * 2
+    (path / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(Family, "layer_types", lambda self, config: ["full_attention"] * config.num_hidden_layers)
+    async with open_node(loopback_config()) as node:
+        with pytest.raises(CheckpointError, match=r"on layer 3 .* shardnet differs from transformers"):
+            async with serve_block(node, str(path), 2, 4):
+                pass
