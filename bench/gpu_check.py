@@ -14,14 +14,14 @@ failure in one hides none of the others; the script exits 1 if any row failed.
   so the cache rolls back under the graph every call). Passes when the graphed proposals equal
   the un-graphed ones on the same device at every call, at least 80 % of calls equal the CPU
   float32 drafter's, and the logits of a text fed one token at a time through the graph are
-  within 1e-3 of transformers' forward on the CPU in float32. Notes the time per drafted token:
-  CPU, eager on the device, graphed.
+  within tolerance (below) of transformers' forward on the CPU in float32. Notes the time per
+  drafted token: CPU, eager on the device, graphed.
 - batched block: all 8 layers of the shipped tiny-llama in float32 on the device, fed through
   ``StepBatcher`` (the peer's continuous batching) by concurrent sessions: prompts of different
   lengths (cut into chunks: ``max_tokens=32`` here), three decode steps, a verify chunk of 5.
   Reference: each session's steps one at a time through the same layers on the CPU in float32.
-  Logits (the CPU head applied to both) within 1e-3, argmax equal at 99 % of positions, and some
-  steps batched together. Notes one decode round of every session, batched vs one at a time.
+  Logits (the CPU head applied to both) within tolerance, argmax equal at 99 % of positions, and
+  some steps batched together. Notes one decode round of every session, batched vs one at a time.
 - quantized int8 / int4: the same 8 layers quantized at load (torchao, ``join --quantize``) in
   bfloat16 on the device (int4's CUDA kernel needs bfloat16), teacher-forced over the CPU float32
   model's own greedy continuations of fixed prompts (prefill, then one decode step per token).
@@ -34,9 +34,15 @@ failure in one hides none of the others; the script exits 1 if any row failed.
   processes and a bootstrap on loopback (``shardnet.testing.localswarm``), a client in this
   process whose head is on the device too (as by default on a GPU machine). Reference:
   transformers' greedy generation and last logits on the CPU in float32. Passes when the tokens
-  are identical, the last logits are within 1e-3, the route is 0:4 -> 4:8 and both peers' logs
-  say they loaded on the device.
+  are identical, the last logits are within tolerance, the route is 0:4 -> 4:8 and both peers'
+  logs say they loaded on the device.
 - kv pool: skipped, not built yet (the issue that adds it adds its row here).
+
+The float32 tolerance is 1e-3 of the reference's largest logit: float32 on two devices differs
+only in summation order, which a trained model keeps near 1e-6 of that scale (measured on the
+CPU: static cache vs transformers, tiny-llama-draft 8.6e-6 absolute on logits up to 10.6) and a
+random one amplifies layer by layer (the random llama 8x1024: 2.4e-3 on logits up to 36); a wrong
+mask, position or cache entry moves logits by far more.
 
 With ``--device cpu`` every row runs on the CPU (no graph can be captured there, so the draft row
 checks the un-graphed static cache), which proves the script itself;
@@ -59,7 +65,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-FLOAT32_LOGIT_TOL = 1e-3  # device vs CPU, both float32: only kernels' summation orders differ
+FLOAT32_REL_TOL = 1e-3  # of the reference's largest logit (see the docstring)
 MIN_DRAFT_CALLS_AS_CPU = 0.8
 MIN_BATCHED_ARGMAX = 0.99
 QUANT_LIMITS = {  # mode: (min top-1 agreement, max relative logit error, max bytes vs bf16)
@@ -121,22 +127,29 @@ def run_row(path: str, check, *args) -> Row:
                time.perf_counter() - t0, note)
 
 
+def within_tolerance(diff: float, reference: torch.Tensor) -> bool:
+    return diff <= FLOAT32_REL_TOL * float(reference.abs().max())
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
 # -- draft over a static cache, graphed -----------------------------------------------------------
-def draft_texts(drafter, steps: int, k: int, vocab: int, seed: int) -> list[list[int]]:
-    """The texts a verification loop hands the drafter: some drafts kept, then a surprise."""
+def draft_texts(drafter, steps: int, k: int, vocab: int, seed: int):
+    """The texts a verification loop hands the drafter (some drafts kept, then a surprise), the
+    drafter's proposals for each, and its seconds per drafted token."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (24,), generator=gen).tolist()
-    texts = []
+    texts, proposals, seconds = [], [], 0.0
     for step in range(steps):
         texts.append(list(ids))
-        drafts = drafter.propose(ids, k)
-        ids = ids + drafts[:step % (k + 1)] + [int(torch.randint(1, vocab, (), generator=gen))]
-    return texts
+        t0 = time.perf_counter()
+        proposals.append(drafter.propose(ids, k))
+        seconds += time.perf_counter() - t0
+        ids = ids + proposals[-1][:step % (k + 1)] + [int(torch.randint(1, vocab, (), generator=gen))]
+    return texts, proposals, seconds / (steps * k)
 
 
 def propose_all(drafter, texts: list[list[int]], k: int) -> tuple[list[list[int]], float]:
@@ -169,11 +182,10 @@ def check_draft(device: str, path: Path, steps: int, k: int) -> Outcome:
     tested.decoder.rollback(0)
     tested.fed = []
     out.max_diff = float((got - want).abs().max())
-    out.need(out.max_diff <= FLOAT32_LOGIT_TOL, f"logits differ from transformers by {out.max_diff:.2e}")
+    out.need(within_tolerance(out.max_diff, want), f"logits differ from transformers by {out.max_diff:.2e}")
 
-    texts = draft_texts(cpu, steps, k, vocab, seed=7)
+    texts, want_calls, t_cpu = draft_texts(cpu, steps, k, vocab, seed=7)
     propose_all(eager, texts[:5], k), propose_all(tested, texts[:5], k)  # warm-up
-    want_calls, t_cpu = propose_all(cpu, texts, k)
     eager_calls, t_eager = propose_all(eager, texts, k)
     got_calls, t_tested = propose_all(tested, texts, k) if graphed else (eager_calls, t_eager)
     as_cpu = sum(a == b for a, b in zip(got_calls, want_calls))
@@ -186,6 +198,16 @@ def check_draft(device: str, path: Path, steps: int, k: int) -> Outcome:
         timing += f", graphed {t_tested * 1e3:.3f} ({t_eager / t_tested:.2f}x eager)"
     out.note = timing
     return out
+
+
+def check_draft_random(device: str, steps: int, k: int) -> Outcome:
+    """The draft check on a random llama of 8 layers and hidden 1024 (made here)."""
+    from shardnet.inference.model.random_model import init_random
+
+    with tempfile.TemporaryDirectory() as d:
+        path = init_random(Path(d) / "llama", "llama", layers=8, hidden=1024, heads=16, kv_heads=4, vocab=2048,
+                           seed=3)
+        return check_draft(device, path, steps, k)
 
 
 # -- continuous batching on a block ---------------------------------------------------------------
@@ -231,17 +253,18 @@ def check_batched_block(device: str, sessions: int) -> Outcome:
                     nursery.start_soon(session, i)
 
     trio.run(all_sessions)
-    diff, same, positions = 0.0, 0, 0
+    diff, scale, same, positions = 0.0, 0.0, 0, 0
     with torch.inference_mode():
         for got_steps, want_steps in zip(got, want):
             for g, w in zip(got_steps, want_steps):
                 lg, lw = head.logits(g), head.logits(w)
                 diff = max(diff, float((lg - lw).abs().max()))
+                scale = max(scale, float(lw.abs().max()))
                 same += int((lg.argmax(-1) == lw.argmax(-1)).sum())
                 positions += lw.shape[1]
     stats = batcher.stats
     out = Outcome("same steps one at a time, CPU f32", diff, f"{same}/{positions} argmax")
-    out.need(diff <= FLOAT32_LOGIT_TOL, f"logits differ by {diff:.2e}")
+    out.need(diff <= FLOAT32_REL_TOL * scale, f"logits differ by {diff:.2e}")
     out.need(same >= MIN_BATCHED_ARGMAX * positions, f"argmax equal at {same}/{positions}")
     out.need(stats.largest > 1, "no two steps ran in one batch")
 
@@ -372,7 +395,7 @@ def check_chain(device: str, tokens: int) -> Outcome:
     same = sum(a == b for a, b in zip(got, want))
     out = Outcome("transformers generate, CPU f32", diff, f"{same}/{len(want)} tokens")
     out.need(got == want, "greedy tokens differ from transformers'")
-    out.need(diff <= FLOAT32_LOGIT_TOL, f"last logits differ by {diff:.2e}")
+    out.need(within_tolerance(diff, want_logits), f"last logits differ by {diff:.2e}")
     out.need(route == [(0, 4), (4, 8)], f"route {route}")
     out.need(loaded == [True, True], f"peers' logs say loaded on {device}: {loaded}")
     out.note = f"route {' -> '.join(f'{a}:{b}' for a, b in route)}, peers and client head on {device}"
@@ -388,6 +411,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu to check the script itself")
     ap.add_argument("--quick", action="store_true", help="fewer steps, prompts and sessions; one draft model")
     ap.add_argument("-k", type=int, default=6, help="drafts per call")
+    ap.add_argument("--only", action="append", metavar="WORDS",
+                    help="run only the rows whose path contains WORDS (repeatable), e.g. --only chain")
     args = ap.parse_args()
     device = args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -408,20 +433,18 @@ def main() -> None:
           f"transformers {transformers.__version__}, torchao {ao}; {'--quick' if args.quick else 'full'} run")
     from shardnet.models import default_draft_path
 
-    t0 = time.perf_counter()
-    rows = [run_row("draft, CUDA graph: tiny-llama-draft", check_draft, device, default_draft_path(), steps, args.k)]
+    checks = [("draft, CUDA graph: tiny-llama-draft", check_draft, (device, default_draft_path(), steps, args.k))]
     if not args.quick:
-        with tempfile.TemporaryDirectory() as d:
-            from shardnet.inference.model.random_model import init_random
-
-            big = init_random(Path(d) / "llama", "llama", layers=8, hidden=1024, heads=16, kv_heads=4,
-                              vocab=2048, seed=3)
-            rows.append(run_row("draft, CUDA graph: random llama 8x1024", check_draft, device, big, steps, args.k))
-    rows.append(run_row("batched block (StepBatcher)", check_batched_block, device, sessions))
-    for mode in QUANT_LIMITS:
-        rows.append(run_row(f"quantized {mode} (bf16)", check_quantized, device, mode, prompts, tokens))
-    rows.append(run_row("2-peer chain, one device", check_chain, device, tokens))
-    rows.append(run_row("kv pool", check_kv_pool))
+        checks.append(("draft, CUDA graph: random llama 8x1024", check_draft_random, (device, steps, args.k)))
+    checks.append(("batched block (StepBatcher)", check_batched_block, (device, sessions)))
+    checks += [(f"quantized {mode} (bf16)", check_quantized, (device, mode, prompts, tokens)) for mode in QUANT_LIMITS]
+    checks += [("2-peer chain, one device", check_chain, (device, tokens)), ("kv pool", check_kv_pool, ())]
+    if args.only:
+        checks = [c for c in checks if any(word in c[0] for word in args.only)]
+        if not checks:
+            sys.exit(f"error: no row's path contains {' or '.join(map(repr, args.only))}")
+    t0 = time.perf_counter()
+    rows = [run_row(name, check, *check_args) for name, check, check_args in checks]
     print(HEADER)
     for row in rows:
         print(row.markdown())
