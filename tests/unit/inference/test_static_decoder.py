@@ -9,7 +9,7 @@ from shardnet.inference.model.random_model import init_random
 from shardnet.inference.model.static_decoder import StaticKVDecoder, UnsupportedModel
 from shardnet.models import default_draft_path
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (see bench/cuda_draft_check.py)")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (see bench/gpu_check.py)")
 
 
 def _hf(path, device="cpu"):
