@@ -334,6 +334,7 @@ def _compare_layers(ckpt: Checkpoint, checked: list[int]) -> dict[int, str | Non
     x = torch.randn(1, CHECK_TOKENS, cfg.hidden_size, generator=generator)
     with torch.inference_mode():
         base(inputs_embeds=x, use_cache=False)
+    del model, base  # what it computed is recorded: its layers go before a block's come
     between = _between_layers(ckpt, run)
     out: dict[int, str | None] = {}
     t = CHECK_TOKENS
@@ -355,4 +356,5 @@ def _compare_layers(ckpt: Checkpoint, checked: list[int]) -> dict[int, str | Non
                   or _differs(ckpt, f"layer {i} ({kind}), batched steps",
                               torch.cat([batched[0], batched[1]], dim=1),
                               torch.cat([want[:, t - 2:t - 1], want[:, :t - 1]], dim=1), RELATIVE_TOLERANCE))
+        del block  # one layer at a time
     return out
