@@ -181,8 +181,12 @@ async def fetch_session_receipts(node: Node, peer: str, session: str, *, wait: f
 class StageRecorder:
     """Hash chains and facts of one served session, turned into a receipt when it ends."""
 
-    def __init__(self, model: str, session: bytes, layers: tuple[int, int], peer: str, device: str) -> None:
+    def __init__(self, model: str, session: bytes, layers: tuple[int, int], peer: str, device: str, *,
+                 dtype: str | None = None, quant: str | None = None, batching: bool = False) -> None:
         self.model, self.session, self.layers, self.peer, self.device = model, session, layers, peer, device
+        self.dtype, self.quant = dtype, quant
+        #: steps computed in one forward pass with other sessions' (None: this peer does not batch)
+        self.batched_steps: int | None = 0 if batching else None
         self.received = HashChain()
         self.sent = HashChain()
         self.t_start = time.time()
@@ -194,7 +198,11 @@ class StageRecorder:
                             in_chain=self.received.hex(), out_chain=self.sent.hex(), steps_in=self.received.count,
                             steps_out=self.sent.count, t_start=self.t_start, t_end=time.time(), peer=self.peer,
                             observed=self.observed, device=device_facts(self.device), version=__version__,
-                            tokens=self.tokens)
+                            tokens=self.tokens, dtype=self.dtype, quant=self.quant,
+                            batched_steps=self.batched_steps)
+
+    def step_was_batched(self) -> None:
+        self.batched_steps = (self.batched_steps or 0) + 1
 
 
 _ignored = Refusals(log, logging.INFO)

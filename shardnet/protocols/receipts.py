@@ -3,8 +3,10 @@
 A **stage receipt** is what one compute peer signs (its libp2p Ed25519 key) when a session
 ends: the model ID, session, layer range, hash chains over the exact wire bytes of every
 activation frame it received and sent, the step count, start and end times, its peer ID, the
-addresses it saw its neighbours at, its device, the shardnet version and, when it applied the
-LM head, the tokens its logits point to (argmax of each returned row). It travels as a signed
+addresses it saw its neighbours at, its device, the shardnet version, when it applied the LM
+head the tokens its logits point to (argmax of each returned row), and what a recomputation
+depends on: the dtype it computed in, its weights' quantization, and how many steps it computed in
+one forward pass with other sessions' (continuous batching rounds differently from a step alone). It travels as a signed
 CBOR envelope (``transport/envelope``), so any change to any field breaks the signature.
 
 A **run receipt** is what the client signs: the prompt's hash, the output token ids and their
@@ -25,7 +27,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from libp2p.crypto.keys import KeyPair
@@ -96,6 +98,16 @@ class StageReceipt:
     version: str
     tokens: list[int] | None = None  # argmax of each returned logits row, when it applied the head
     schema: int = SCHEMA
+    # What a recomputation of the session depends on (absent from receipts before these fields:
+    # None there, and a verifier then allows bfloat16's tolerance):
+    dtype: str | None = None  # what the block computed in ("float16", ...)
+    quant: str | None = None  # its weights' quantization ("none", "int8", ...), as its claim says
+    batched_steps: int | None = None  # steps computed in one forward pass with other sessions'
+
+
+#: the fields a stage receipt may carry beyond the first schema's, with their types; a reader
+#: ignores fields it does not know (a newer peer's), which stay covered by the signature
+OPTIONAL_FIELDS = {"dtype": str, "quant": str, "batched_steps": int}
 
 
 def encode_stage(key_pair: KeyPair, r: StageReceipt) -> bytes:
@@ -108,14 +120,16 @@ def encode_stage(key_pair: KeyPair, r: StageReceipt) -> bytes:
 def decode_stage(blob: bytes) -> StageReceipt:
     body, pk = envelope.open_envelope(blob, domain=STAGE_DOMAIN, version=SCHEMA, max_bytes=MAX_STAGE_BYTES,
                                       error=ReceiptError, what="stage receipt")
+    known = {f.name for f in fields(StageReceipt)}
     try:
-        r = StageReceipt(**body)
+        r = StageReceipt(**{k: v for k, v in body.items() if k in known})
     except TypeError as e:
         raise ReceiptError(f"stage receipt fields: {e}") from None
     ok = (isinstance(r.layers, list) and len(r.layers) == 2 and all(isinstance(x, int) for x in r.layers)
           and 0 <= r.layers[0] < r.layers[1] and isinstance(r.session, str) and isinstance(r.model, str)
           and isinstance(r.in_chain, str) and isinstance(r.out_chain, str) and isinstance(r.peer, str)
-          and (r.tokens is None or (isinstance(r.tokens, list) and all(isinstance(t, int) for t in r.tokens))))
+          and (r.tokens is None or (isinstance(r.tokens, list) and all(isinstance(t, int) for t in r.tokens)))
+          and all(getattr(r, k) is None or isinstance(getattr(r, k), t) for k, t in OPTIONAL_FIELDS.items()))
     if not ok:
         raise ReceiptError("stage receipt fields have the wrong types")
     if str(ID.from_pubkey(pk)) != r.peer:

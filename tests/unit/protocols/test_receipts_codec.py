@@ -151,3 +151,31 @@ def test_garbage_stage_receipts_raise_only_receipt_errors(blob):
 def test_garbage_run_receipts_fail_the_signature_check(doc):
     checks = rc.verify_run(doc)
     assert checks and not checks[0].ok and checks[0].name == "run signature"
+
+
+# -- the facts a recomputation depends on (optional fields) ---------------------------------------
+
+def stage_body(key, **extra) -> dict:
+    body = dict(model=MODEL, session=SESSION, layers=[0, 8], in_chain=rc.ZERO, out_chain=rc.ZERO, steps_in=1,
+                steps_out=1, t_start=1.0, t_end=2.0, peer=_pid(key), observed={}, device={"kind": "cpu"},
+                version="0.0.0", tokens=None, schema=rc.SCHEMA)
+    return body | extra
+
+
+def sealed(key, body) -> bytes:
+    from shardnet.transport import envelope
+
+    return envelope.seal(key, domain=rc.STAGE_DOMAIN, version=rc.SCHEMA, body=body, max_bytes=rc.MAX_STAGE_BYTES,
+                         error=rc.ReceiptError, what="stage receipt")
+
+
+def test_stage_receipts_record_dtype_quant_and_batching_and_older_ones_still_decode():
+    key = identity.generate()
+    r = rc.decode_stage(sealed(key, stage_body(key, dtype="float16", quant="none", batched_steps=3)))
+    assert (r.dtype, r.quant, r.batched_steps) == ("float16", "none", 3)
+    old = rc.decode_stage(sealed(key, stage_body(key)))  # written before these fields existed
+    assert (old.dtype, old.quant, old.batched_steps) == (None, None, None)
+    # a newer peer's field is ignored (the signature still covers it)
+    assert rc.decode_stage(sealed(key, stage_body(key, future_fact="x"))).dtype is None
+    with pytest.raises(rc.ReceiptError, match="wrong types"):
+        rc.decode_stage(sealed(key, stage_body(key, batched_steps="many")))
