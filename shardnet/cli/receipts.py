@@ -134,5 +134,6 @@ def receipts(listen, announce, bootstrap, quic, mdns, relays, peer_ids, get_ids,
         return
     say(f"{len(found)} receipt(s)")
     for d in found:
+        place = "".join(f"  {k} {d[k]}" for k in ("region", "gpu_uuid") if d.get(k))
         say(f"{d['id'][:16]}…  peer {d['peer'][:16]}…  layers {d['layers'][0]}:{d['layers'][1]}  "
-             f"steps {d['steps']}  session {d['session'][:8]}…")
+             f"steps {d['steps']}  session {d['session'][:8]}…{place}")

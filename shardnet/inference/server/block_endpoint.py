@@ -103,6 +103,8 @@ class ServedBlock:
     sessions_served: int = 0
     #: continuous batching of the sessions' steps (None: one forward pass at a time, in fair turns)
     batcher: StepBatcher | None = None
+    #: where the operator says this peer is (`join --region`), stated in its stage receipts
+    region: str | None = None
 
 
 class BlockEndpoint:
@@ -155,7 +157,8 @@ class BlockEndpoint:
         session = BlockSession(op, sb.block.config.hidden_size)
         rec = StageRecorder(sb.model_id, s, (sb.block.start, sb.block.end), str(self.node.peer_id),
                             str(sb.block.device), dtype=dtype_name(sb.block.dtype),
-                            quant=sb.block.quantize or "none", batching=sb.batcher is not None)
+                            quant=sb.block.quantize or "none", batching=sb.batcher is not None,
+                            region=sb.region)
         rec.received.add(op.raw)
         up.received_hash = rec.received
         rec.observed["upstream"] = up.observed()
