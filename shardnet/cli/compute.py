@@ -58,11 +58,14 @@ from .common import (
               help="Continuous batching: the steps of concurrent sessions that are ready run as one forward "
                    "pass of up to N tokens (long prompts are cut into chunks of N). 0: one step at a time, "
                    "in fair turns (the path before batching).")
+@click.option("--region", default=None, metavar="TEXT",
+              help="Where this peer is, as you declare it (e.g. eu-west): stated in every stage receipt it "
+                   "signs, next to the address its neighbours see. Not proven.")
 @click.option("--events", is_flag=True, help="JSON events on stdout, JSON commands on stdin.")
 @wrap_errors
 def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, layers, max_layers,
          rebalance_interval, dtype, quantize, device, kv_budget_mb, hold_head, threads, throughput, batch_tokens,
-         events) -> None:
+         region, events) -> None:
     """Serve a block of a model's layers to the swarm (chosen for you unless --layers).
 
     With --model naming a model the swarm serves (no files here), only the layers this peer
@@ -79,6 +82,11 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
         import torch
 
         torch.set_num_threads(threads)
+    if region is not None:
+        from shardnet.protocols.receipts import region_problem
+
+        if problem := region_problem(region):
+            fail(f"--region {region!r}: {problem}", 2)
     path = local_model(model_path, download=not bootstrap and not mdns)
     _check_device(device)
     span = None
@@ -119,7 +127,7 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
                                   rebalance_interval=rebalance_interval, on_move=moved, dtype=dtype, device=device,
                                   kv_budget_bytes=kv_budget_mb << 20, hold_head=hold_head,
                                   throughput=throughput, quantize=quantize, batch_tokens=batch_tokens,
-                                  fetch_progress=FetchProgressBar("layers", events=events)) as peer:
+                                  region=region, fetch_progress=FetchProgressBar("layers", events=events)) as peer:
                 start, end = peer.span
                 if events:
                     emit({"event": "serving", "model": peer.model_id, "layers": [start, end], "tput": peer.tput})

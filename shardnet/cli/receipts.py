@@ -18,15 +18,21 @@ from .common import fail, log, network_options, run, say, visiting, visitor_conf
 @click.option("--manifest", type=click.Path(exists=True, path_type=Path), default=None,
               help="The model's manifest (`shardnet model manifest` output) or its checkpoint directory.")
 @click.option("--recompute", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="A local copy of the model: rerun the prompt and compare the tokens.")
+              help="A local copy of the model: recompute the output. Greedy runs are checked teacher-forced "
+                   "(one forward pass over prompt + output): each token's logit must be within the dtype's "
+                   "tolerance of the best; the smallest margin is reported.")
+@click.option("--exact", is_flag=True,
+              help="With --recompute: regenerate the text and require the very same tokens (no tolerance).")
 @click.option("--prompt", default=None, help="The prompt text, when the receipt does not carry its tokens.")
 @wrap_errors
-def verify(receipt: Path, manifest: Path | None, recompute: Path | None, prompt: str | None) -> None:
+def verify(receipt: Path, manifest: Path | None, recompute: Path | None, exact: bool, prompt: str | None) -> None:
     """Check a run receipt offline: signatures, layer tiling, hash chains linking every stage,
     the output hash, the model ID; optionally recompute the output. One line per check; exit 0
     only if every check passes."""
     from shardnet.protocols import receipts as rc
 
+    if exact and recompute is None:
+        fail("--exact compares recomputed tokens: give --recompute MODEL_DIR too", 2)
     try:
         doc = json.loads(receipt.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -42,60 +48,15 @@ def verify(receipt: Path, manifest: Path | None, recompute: Path | None, prompt:
             model_id = model_id_of(m["manifest"] if isinstance(m, dict) and "manifest" in m else m)
     checks = rc.verify_run(doc, manifest_model_id=model_id)
     if recompute is not None and all(c.ok for c in checks):
-        checks.append(_recompute_check(doc, recompute, prompt))
+        from shardnet.inference.client.recompute import recompute_check
+
+        checks.append(recompute_check(doc, recompute, prompt, exact=exact))
     for c in checks:
         say(f"{'ok  ' if c.ok else 'FAIL'}  {c.name}: {c.detail}")
     bad = [c for c in checks if not c.ok]
     if bad:
         fail(f"receipt does not verify: {bad[0].name}")
     say(f"receipt verifies: {len(checks)} checks passed")
-
-
-def _recompute_check(doc: dict, path: Path, prompt: str | None):
-    from shardnet.inference.client.decode import GenerationStats, generate_on
-    from shardnet.inference.client.sampling import Randomness, SamplingParams
-    from shardnet.inference.client.speculative import NGramDrafter
-    from shardnet.inference.model.block import Block
-    from shardnet.inference.model.local_model import LocalModel
-    from shardnet.inference.model.local_session import LocalSession
-    from shardnet.protocols import receipts as rc
-
-    body = doc["body"]
-    model = LocalModel(path)
-    if model.model_id != body["model"]:
-        return rc.Check("recompute", False, f"{path} is model {model.model_id[:16]}…, the run used {body['model'][:16]}…")
-    ids = model.encode(prompt) if prompt is not None else doc.get("prompt_ids")
-    if ids is None:
-        return rc.Check("recompute", False, "the receipt carries no prompt tokens: give --prompt")
-    if rc.tokens_hash(ids) != body["prompt_sha256"]:
-        return rc.Check("recompute", False, "the prompt does not match prompt_sha256")
-    sampling = body["sampling"]
-    params = SamplingParams(sampling["temperature"], sampling["top_p"], sampling["top_k"], body.get("seed"),
-                            frequency_penalty=sampling.get("frequency_penalty", 0.0),
-                            presence_penalty=sampling.get("presence_penalty", 0.0),
-                            logit_bias=tuple((int(t), float(b)) for t, b in sampling.get("logit_bias", ())))
-    spec = body.get("speculative")
-    drafter, k, depth = None, 0, 1
-    if not params.greedy and spec:  # sampled text depends on the drafting: replay it where it is deterministic
-        if spec["drafter"] != "ngram":
-            return rc.Check("recompute", False, "a sampled run with a draft model cannot be recomputed here")
-        drafter, k, depth = NGramDrafter(), spec["k"], spec["depth"]
-    want = body["output_ids"]
-    block = Block(model.ckpt, 0, model.ckpt.num_layers, dtype=model.dtype)  # as the peers computed (auto)
-
-    async def _run() -> list[int]:
-        out: list[int] = []
-        async for tok in generate_on(LocalSession(block), model, ids, params=params, rng=Randomness(params.seed),
-                                     drafter=drafter, k=k, depth=depth, max_new=len(want), stop_at_eos=False,
-                                     stats=GenerationStats()):
-            out.append(tok.id)
-        return out
-
-    got = trio.run(_run)
-    same = got == want
-    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    return rc.Check("recompute", same, f"{len(want)} tokens recomputed locally: identical" if same
-                    else f"token {first} differs (local {got[first]}, receipt {want[first]})")
 
 
 @click.command()
@@ -173,5 +134,6 @@ def receipts(listen, announce, bootstrap, quic, mdns, relays, peer_ids, get_ids,
         return
     say(f"{len(found)} receipt(s)")
     for d in found:
+        place = "".join(f"  {k} {d[k]}" for k in ("region", "gpu_uuid") if d.get(k))
         say(f"{d['id'][:16]}…  peer {d['peer'][:16]}…  layers {d['layers'][0]}:{d['layers'][1]}  "
-             f"steps {d['steps']}  session {d['session'][:8]}…")
+             f"steps {d['steps']}  session {d['session'][:8]}…{place}")

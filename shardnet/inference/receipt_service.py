@@ -36,7 +36,8 @@ MAX_REPORTS_KEPT = rg.MAX_REPORTS_KEPT
 
 
 def device_facts(device: str) -> dict[str, str]:
-    """What the receipt says computed: the GPU's name and UUID, or the CPU model."""
+    """What the receipt says computed: the GPU's name and UUID, or the CPU model. (The CUDA
+    branch has not run on a GPU in shardnet's tests: docs/security.md.)"""
     if device.startswith("cuda"):
         import torch
 
@@ -181,8 +182,13 @@ async def fetch_session_receipts(node: Node, peer: str, session: str, *, wait: f
 class StageRecorder:
     """Hash chains and facts of one served session, turned into a receipt when it ends."""
 
-    def __init__(self, model: str, session: bytes, layers: tuple[int, int], peer: str, device: str) -> None:
+    def __init__(self, model: str, session: bytes, layers: tuple[int, int], peer: str, device: str, *,
+                 dtype: str | None = None, quant: str | None = None, batching: bool = False,
+                 region: str | None = None) -> None:
         self.model, self.session, self.layers, self.peer, self.device = model, session, layers, peer, device
+        self.dtype, self.quant, self.region = dtype, quant, region
+        #: steps computed in one forward pass with other sessions' (None: this peer does not batch)
+        self.batched_steps: int | None = 0 if batching else None
         self.received = HashChain()
         self.sent = HashChain()
         self.t_start = time.time()
@@ -190,11 +196,17 @@ class StageRecorder:
         self.tokens: list[int] | None = None
 
     def receipt(self) -> StageReceipt:
+        device = device_facts(self.device)
         return StageReceipt(model=self.model, session=self.session.hex(), layers=list(self.layers),
                             in_chain=self.received.hex(), out_chain=self.sent.hex(), steps_in=self.received.count,
                             steps_out=self.sent.count, t_start=self.t_start, t_end=time.time(), peer=self.peer,
-                            observed=self.observed, device=device_facts(self.device), version=__version__,
-                            tokens=self.tokens)
+                            observed=self.observed, device=device, version=__version__,
+                            tokens=self.tokens, dtype=self.dtype, quant=self.quant,
+                            batched_steps=self.batched_steps, region=self.region,
+                            gpu_uuid=device.get("uuid") or None)
+
+    def step_was_batched(self) -> None:
+        self.batched_steps = (self.batched_steps or 0) + 1
 
 
 _ignored = Refusals(log, logging.INFO)

@@ -9,7 +9,7 @@ with ``v`` = 1:
     request   {v, get: [receipt IDs]} | {v, session: hex} | {v, list: max} | {v, reports: max}
     response  {v, receipts: [stage receipt envelopes]} | {v, digests: [digest]}
               | {v, reports: [report envelopes heard on gossip]} | {v, error: text}
-    digest    {v, id, peer, model, session, layers: [start, end], steps, t_end}
+    digest    {v, id, peer, model, session, layers: [start, end], steps, t_end, ?region, ?gpu_uuid}
 
 A receipt's ID is the SHA-256 of its envelope bytes, so a fetched receipt is checked against
 the ID it was asked by. Sizes and counts are bounded before anything is kept.
@@ -123,8 +123,11 @@ def decode_response(data: bytes) -> dict:
 
 
 def digest_of(blob: bytes, r: StageReceipt) -> dict:
-    return {"v": VERSION, "id": receipt_id(blob), "peer": r.peer, "model": r.model, "session": r.session,
-            "layers": list(r.layers), "steps": r.steps_in, "t_end": r.t_end}
+    d = {"v": VERSION, "id": receipt_id(blob), "peer": r.peer, "model": r.model, "session": r.session,
+         "layers": list(r.layers), "steps": r.steps_in, "t_end": r.t_end}
+    # where the peer says it ran (only when stated: older digests stay as they were)
+    d |= {k: getattr(r, k) for k in ("region", "gpu_uuid") if getattr(r, k) is not None}
+    return d
 
 
 class ReceiptStore:

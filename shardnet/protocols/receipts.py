@@ -3,8 +3,10 @@
 A **stage receipt** is what one compute peer signs (its libp2p Ed25519 key) when a session
 ends: the model ID, session, layer range, hash chains over the exact wire bytes of every
 activation frame it received and sent, the step count, start and end times, its peer ID, the
-addresses it saw its neighbours at, its device, the shardnet version and, when it applied the
-LM head, the tokens its logits point to (argmax of each returned row). It travels as a signed
+addresses it saw its neighbours at, its device, the shardnet version, when it applied the LM
+head the tokens its logits point to (argmax of each returned row), and what a recomputation
+depends on: the dtype it computed in, its weights' quantization, and how many steps it computed in
+one forward pass with other sessions' (continuous batching rounds differently from a step alone). It travels as a signed
 CBOR envelope (``transport/envelope``), so any change to any field breaks the signature.
 
 A **run receipt** is what the client signs: the prompt's hash, the output token ids and their
@@ -25,7 +27,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from libp2p.crypto.keys import KeyPair
@@ -96,6 +98,31 @@ class StageReceipt:
     version: str
     tokens: list[int] | None = None  # argmax of each returned logits row, when it applied the head
     schema: int = SCHEMA
+    # What a recomputation of the session depends on (absent from receipts before these fields:
+    # None there, and a verifier then allows bfloat16's tolerance):
+    dtype: str | None = None  # what the block computed in ("float16", ...)
+    quant: str | None = None  # its weights' quantization ("none", "int8", ...), as its claim says
+    batched_steps: int | None = None  # steps computed in one forward pass with other sessions'
+    # Where it ran, as the peer states it (signed; not proven): the region its operator declared
+    # (`join --region`), and the GPU's UUID where it computed on CUDA (absent on a CPU)
+    region: str | None = None
+    gpu_uuid: str | None = None
+
+
+#: the fields a stage receipt may carry beyond the first schema's, with their types; a reader
+#: ignores fields it does not know (a newer peer's), which stay covered by the signature
+OPTIONAL_FIELDS = {"dtype": str, "quant": str, "batched_steps": int, "region": str, "gpu_uuid": str}
+MAX_REGION = 64
+
+
+def region_problem(region: str) -> str | None:
+    """Why ``region`` cannot be an operator's declared region (None when it can): printable text
+    of 1 to ``MAX_REGION`` characters, no line breaks."""
+    if not region or len(region) > MAX_REGION:
+        return f"a region is 1 to {MAX_REGION} characters"
+    if not region.isprintable():
+        return "a region is printable text on one line"
+    return None
 
 
 def encode_stage(key_pair: KeyPair, r: StageReceipt) -> bytes:
@@ -108,14 +135,17 @@ def encode_stage(key_pair: KeyPair, r: StageReceipt) -> bytes:
 def decode_stage(blob: bytes) -> StageReceipt:
     body, pk = envelope.open_envelope(blob, domain=STAGE_DOMAIN, version=SCHEMA, max_bytes=MAX_STAGE_BYTES,
                                       error=ReceiptError, what="stage receipt")
+    known = {f.name for f in fields(StageReceipt)}
     try:
-        r = StageReceipt(**body)
+        r = StageReceipt(**{k: v for k, v in body.items() if k in known})
     except TypeError as e:
         raise ReceiptError(f"stage receipt fields: {e}") from None
     ok = (isinstance(r.layers, list) and len(r.layers) == 2 and all(isinstance(x, int) for x in r.layers)
           and 0 <= r.layers[0] < r.layers[1] and isinstance(r.session, str) and isinstance(r.model, str)
           and isinstance(r.in_chain, str) and isinstance(r.out_chain, str) and isinstance(r.peer, str)
-          and (r.tokens is None or (isinstance(r.tokens, list) and all(isinstance(t, int) for t in r.tokens))))
+          and isinstance(r.observed, dict) and isinstance(r.device, dict)
+          and (r.tokens is None or (isinstance(r.tokens, list) and all(isinstance(t, int) for t in r.tokens)))
+          and all(getattr(r, k) is None or isinstance(getattr(r, k), t) for k, t in OPTIONAL_FIELDS.items()))
     if not ok:
         raise ReceiptError("stage receipt fields have the wrong types")
     if str(ID.from_pubkey(pk)) != r.peer:
@@ -202,6 +232,10 @@ def verify_run(doc: Any, *, manifest_model_id: str | None = None) -> list[Check]
             if not check(f"{where} stage {i + 1} session", st.session == sess.get("session"),
                          f"{st.session} vs {sess.get('session')}"):
                 return checks
+            seen = stages[i - 1].observed.get("downstream") if i else None
+            problem = _place_problem(st)
+            if not check(f"{where} stage {i + 1} place", problem is None, problem or _place(st, seen)):
+                return checks
         spans = [tuple(st.layers) for st in stages]
         tiled = spans[0][0] == 0 and spans[-1][1] == n_layers and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         if not check(f"{where} layer ranges", tiled, f"{spans} {'tile' if tiled else 'do not tile'} 0:{n_layers}"):
@@ -228,6 +262,27 @@ def verify_run(doc: Any, *, manifest_model_id: str | None = None) -> list[Check]
     if manifest_model_id is not None:
         check("model ID", model == manifest_model_id, f"run {str(model)[:16]}… vs manifest {manifest_model_id[:16]}…")
     return checks
+
+
+def _place_problem(st: StageReceipt) -> str | None:
+    """Whether a stage's signed statements of where it ran agree with each other."""
+    if st.region is not None and region_problem(st.region):
+        return f"region {st.region!r}: {region_problem(st.region)}"
+    kind, uuid = st.device.get("kind"), st.device.get("uuid")
+    if st.gpu_uuid is not None:
+        if kind != "cuda":
+            return f"a GPU UUID on a {kind or 'unnamed'} device"
+        if uuid and uuid != st.gpu_uuid:
+            return f"gpu_uuid {st.gpu_uuid} differs from the device's UUID {uuid}"
+    return None
+
+
+def _place(st: StageReceipt, seen: str | None) -> str:
+    """Where a stage says it ran, next to where its upstream neighbour saw it."""
+    region = f"region {st.region!r} (declared)" if st.region else "no region declared"
+    address = f"seen at {seen} by the stage before" if seen else "address not observed by a signer (first stage)"
+    gpu = f"GPU {st.gpu_uuid}" if st.gpu_uuid else f"{st.device.get('kind', '?')} {st.device.get('name', '')}".strip()
+    return f"layers {st.layers[0]}:{st.layers[1]} by {st.peer[:16]}…: {region}, {address}; {gpu}"
 
 
 def _is_consistent(head_tokens: list[int], output: list[int]) -> bool:

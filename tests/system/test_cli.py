@@ -273,6 +273,8 @@ def test_generate_without_peers_fails_in_one_line(swarm, tiny_model):
     (["--layers", "3:2"], r"outside the model's 0:4"),
     (["--layers", "0:9"], r"outside the model's 0:4"),
     (["--layers", "x"], r"not START:END"),
+    (["--region", ""], r"--region '': a region is 1 to 64 characters"),
+    (["--region", "eu\nwest"], r"a region is printable text on one line"),
 ])
 def test_join_with_bad_layers_fails_in_one_line(tiny_model, tmp_path, args, pattern):
     r = shardnet("join", "--model", str(tiny_model), "--identity", str(tmp_path / "k"), *args)

@@ -21,7 +21,7 @@ PROMPT = "def main(args):\n    "
 
 async def test_a_run_receipt_verifies_and_links_every_stage(loopback_config):
     path = default_model_path()
-    async with local_chain(loopback_config, path, [(0, 3), (3, 5), (5, 8)]) as node:
+    async with local_chain(loopback_config, path, [(0, 3), (3, 5), (5, 8)], region="lab-1") as node:
         client = Client(node, LocalModel(path))
         got = [t.id async for t in client.generate(PROMPT, max_new_tokens=12, stop_at_eos=False,
                                                     drafter=NGramDrafter(), k=4, depth=2)]
@@ -33,10 +33,48 @@ async def test_a_run_receipt_verifies_and_links_every_stage(loopback_config):
     stages = [rc.decode_stage(__import__("base64").b64decode(s)) for s in body["sessions"][-1]["stages"]]
     assert [tuple(s.layers) for s in stages] == [(0, 3), (3, 5), (5, 8)]
     assert all(s.steps_in >= 2 and s.device["kind"] == "cpu" for s in stages)
+    # where each peer says it ran: the operator's region, no GPU UUID on a CPU; verify shows the
+    # region next to the address the stage before saw the peer at
+    assert all(s.region == "lab-1" and s.gpu_uuid is None for s in stages)
+    place = next(c.detail for c in checks if c.name == "session 1 stage 2 place")
+    assert "region 'lab-1' (declared), seen at 127.0.0.1:" in place, place
     assert body["speculative"]["drafter"] == "ngram"
     # the run says how much of it was cross-checked (here: no second peer for any span)
     assert body["checks"]["rate"] == client.audit_rate and body["checks"]["checked"] == 0
     assert body["checks"]["sampled"] == body["checks"]["no_witness"]
+
+
+async def test_a_float16_run_batched_with_other_sessions_verifies_teacher_forced(loopback_config):
+    """Honest peers batching concurrent sessions round near-ties their own way (float16): the
+    receipts say so, and `verify --recompute`'s tolerant check passes every run."""
+    import trio
+
+    from shardnet.inference.client.recompute import recompute_check
+
+    path = default_model_path()
+    prompts = [PROMPT, "import os\n", "class A:\n    def f(self):", "x = [1, 2, 3]\nfor i in x:"]
+    docs: dict[str, dict] = {}
+    async with local_chain(loopback_config, path, [(0, 4), (4, 8)]) as node:
+        model = LocalModel(path)
+
+        async def one(prompt: str) -> None:
+            client = Client(node, model, audit_rate=0.0)
+            [t async for t in client.generate(prompt, max_new_tokens=16, stop_at_eos=False)]
+            docs[prompt] = await client.run_receipt()
+
+        async with trio.open_nursery() as nursery:
+            for p in prompts:
+                nursery.start_soon(one, p)
+    stages = []
+    for prompt, doc in docs.items():
+        assert all(c.ok for c in rc.verify_run(doc)), prompt
+        assert doc["body"]["dtype"] == "float16"
+        stages += [rc.decode_stage(__import__("base64").b64decode(s)) for s in doc["body"]["sessions"][-1]["stages"]]
+        check = recompute_check(doc, path, prompt)
+        assert check.ok and "teacher-forced" in check.detail and "smallest margin" in check.detail, check.detail
+    assert {(s.dtype, s.quant) for s in stages} == {("float16", "none")}
+    assert all(s.batched_steps is not None for s in stages)
+    assert sum(s.batched_steps for s in stages) > 0, "the sessions were meant to be batched together"
 
 
 async def test_the_head_peer_commits_to_its_tokens(loopback_config):
@@ -82,7 +120,7 @@ async def test_receipts_are_served_by_id_and_session_and_bad_requests_get_errors
 def test_generate_writes_a_receipt_that_shardnet_verify_checks(tmp_path):
     with LocalSwarm() as swarm:
         swarm.start_bootstrap()
-        swarm.join_spans([(0, 4), (4, 8)], "--threads", "1")
+        swarm.join_spans([(0, 4), (4, 8)], "--threads", "1", "--region", "lab-1")
         receipt = tmp_path / "run.json"
         r = subprocess.run(shardnet_argv("generate", "--bootstrap", swarm.bootstrap_addr, "-n", "8",
                                          "--speculate", "ngram", "--depth", "2", "--check-speculation",
@@ -99,6 +137,7 @@ def test_generate_writes_a_receipt_that_shardnet_verify_checks(tmp_path):
         digests = json.loads(ls.stdout)
         # two sessions (the speculative run and its plain check), each through both peers
         assert sorted(tuple(d["layers"]) for d in digests) == [(0, 4), (0, 4), (4, 8), (4, 8)], digests
+        assert {d.get("region") for d in digests} == {"lab-1"} and not any("gpu_uuid" in d for d in digests)
         one = subprocess.run(shardnet_argv("receipts", "--bootstrap", swarm.bootstrap_addr, "--get", digests[0]["id"]),
                              capture_output=True, text=True, timeout=120)
         assert one.returncode == 0 and json.loads(one.stdout)[digests[0]["id"]]["peer"] == digests[0]["peer"]
@@ -113,6 +152,11 @@ def test_generate_writes_a_receipt_that_shardnet_verify_checks(tmp_path):
                        capture_output=True, text=True, timeout=180)
     assert v.returncode == 0, v.stdout + v.stderr[-2000:]
     assert "ok    recompute" in v.stdout and "ok    run signature" in v.stdout and "ok    model ID" in v.stdout, v.stdout
+    assert "teacher-forced" in v.stdout and "smallest margin" in v.stdout, v.stdout
+    assert "region 'lab-1' (declared), seen at 127.0.0.1:" in v.stdout, v.stdout
+    exact = subprocess.run(shardnet_argv("verify", str(receipt), "--recompute", str(default_model_path()), "--exact"),
+                           capture_output=True, text=True, timeout=180)
+    assert exact.returncode == 0 and "identical (exact comparison)" in exact.stdout, exact.stdout + exact.stderr[-2000:]
     # one changed token: the signature no longer holds, and verify says so first
     doc = json.loads(receipt.read_text())
     doc["body"]["output_ids"][0] += 1

@@ -51,9 +51,13 @@ SETTLE_TIMEOUT = 15.0  # the most a finished request waits for its last checks
 MAX_QUEUED = 4  # audits waiting their turn; more samples than that are dropped (and counted)
 EVIDENCE_WAIT = 15.0
 #: the largest honest difference (max |a - b| / max |b|) between two computations of the same
-#: step, by dtype: float32 differs only in summation order (~1e-6); half precisions and int8
-#: wire quantisation in the last bits of every layer
-TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2, "int8q": 8e-2, "int8": 8e-2}
+#: step, by dtype. Measured (bench/logit_tolerance.py, docs/security.md): a step computed in a
+#: batch with other sessions' steps (continuous batching) against a witness's one-pass prefill and
+#: the step alone, on CPU: 9.7e-7 in float32, 1.4e-3 in float16, 7.8e-3 in bfloat16. float16 is
+#: set to 5e-3 (3.7x that) so that a peer scaling its output by 1 % (divergence 1e-2) is caught;
+#: bfloat16 to 3e-2 (3.9x): a 1 % error there is within honest rounding. float32 keeps 1e-3;
+#: int8 wire quantisation is not measured and keeps its earlier allowance.
+TOLERANCE = {"float32": 1e-3, "float16": 5e-3, "bfloat16": 3e-2, "int8q": 8e-2, "int8": 8e-2}
 
 
 def divergence(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -14,6 +14,7 @@ import trio
 
 from shardnet import __version__
 from shardnet.errors import ShardnetError
+from shardnet.inference.model.block import dtype_name
 from shardnet.protocols import receipts as rc
 
 if TYPE_CHECKING:
@@ -65,6 +66,9 @@ async def seal_run_receipt(client: Client, run: dict | None, *, wait: float = 10
         "sampling": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                      **params.receipt_fields()},
         "seed": params.seed, "logits_on_last": client.logits_on_last, "wire": client.wire,
+        # what the client computed in (embeddings, and the head unless logits_on_last); each stage
+        # receipt says the same of its block, and whether its steps were batched with others'
+        "dtype": dtype_name(model.dtype),
         "sessions": [{"session": sid, "sent_chain": final.up.sent_hash.hex(),
                       "received_chain": final.ret.received_hash.hex(),
                       "stages": [base64.b64encode(b).decode() for b in blobs]}],

@@ -35,15 +35,20 @@ def to_payload(t: torch.Tensor, wire: str | None = None) -> tuple[str, list[int]
 def from_message(msg: TensorMessage) -> torch.Tensor:
     """The tensor a validated step/result message carries (its byte count was checked);
     int8q comes back dequantized, in float32."""
-    shape = list(msg.shape)
-    raw = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8) if msg.payload else torch.empty(0, dtype=torch.uint8)
-    if msg.dtype == QUANTIZED:
+    return decode(msg.dtype, msg.shape, msg.payload)
+
+
+def decode(dtype_name: str, shape, payload: bytes) -> torch.Tensor:
+    """The tensor ``to_payload`` encoded (the byte count must match the shape)."""
+    shape = list(shape)
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+    if dtype_name == QUANTIZED:
         n = math.prod(shape)
         q = raw[:n].view(torch.int8).reshape(shape).float()
         scale = raw[n:].view(torch.float32).reshape(*shape[:-1], 1)
         return q * scale
-    dtype = TORCH_DTYPES[msg.dtype]
-    if not msg.payload:
+    dtype = TORCH_DTYPES[dtype_name]
+    if not payload:
         return torch.empty(shape, dtype=dtype)
     return raw.view(dtype).reshape(shape)
 

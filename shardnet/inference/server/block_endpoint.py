@@ -20,7 +20,7 @@ from prometheus_client import Histogram
 from shardnet.errors import InferenceError, ShardnetError
 from shardnet.inference.latency_buckets import STEP_BUCKETS
 from shardnet.inference.model import wire
-from shardnet.inference.model.block import Block, Head
+from shardnet.inference.model.block import Block, Head, dtype_name
 from shardnet.inference.receipt_service import ReceiptService, StageRecorder
 from shardnet.inference.router import ActivationRouter
 from shardnet.inference.server.step_batcher import StepBatcher
@@ -103,6 +103,8 @@ class ServedBlock:
     sessions_served: int = 0
     #: continuous batching of the sessions' steps (None: one forward pass at a time, in fair turns)
     batcher: StepBatcher | None = None
+    #: where the operator says this peer is (`join --region`), stated in its stage receipts
+    region: str | None = None
 
 
 class BlockEndpoint:
@@ -154,7 +156,9 @@ class BlockEndpoint:
         self.activity.sessions_total += 1
         session = BlockSession(op, sb.block.config.hidden_size)
         rec = StageRecorder(sb.model_id, s, (sb.block.start, sb.block.end), str(self.node.peer_id),
-                            str(sb.block.device))
+                            str(sb.block.device), dtype=dtype_name(sb.block.dtype),
+                            quant=sb.block.quantize or "none", batching=sb.batcher is not None,
+                            region=sb.region)
         rec.received.add(op.raw)
         up.received_hash = rec.received
         rec.observed["upstream"] = up.observed()
@@ -261,7 +265,9 @@ class BlockEndpoint:
                 cache.crop(-action.drop)
             hidden = wire.from_message(step)
             if sb.batcher is not None and cache.get_seq_length() == step.pos:
-                out, kind = await _head(sb, session, step, rec, await sb.batcher.forward(up.remote_peer, hidden, cache))
+                out = await sb.batcher.forward(up.remote_peer, hidden, cache,
+                                               on_shared=rec.step_was_batched if rec is not None else None)
+                out, kind = await _head(sb, session, step, rec, out)
             else:  # one forward pass at a time, in turns shared fairly between upstream peers
                 async with sb.compute.turn(up.remote_peer):
                     out = await trio.to_thread.run_sync(sb.block.forward, hidden, cache, step.pos)

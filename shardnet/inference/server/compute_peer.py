@@ -58,6 +58,7 @@ from shardnet.inference.weights.fetcher import ProgressFn
 from shardnet.inference.weights.server import WeightServer
 from shardnet.inference.weights.swarm_model import fetch_tensors, span_tensor_names
 from shardnet.protocols.block_claim import Claim
+from shardnet.protocols.receipts import region_problem
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
 
@@ -106,8 +107,12 @@ class ComputePeer:
                  kv_budget_bytes: int = DEFAULT_KV_BUDGET, idle_timeout: float | None = None,
                  hold_head: bool = False, throughput: float | None = None, quantize: str | None = None,
                  fetch_progress: ProgressFn | None = None, names: list[str] = (),
-                 batch_tokens: int | None = DEFAULT_MAX_TOKENS) -> None:
+                 batch_tokens: int | None = DEFAULT_MAX_TOKENS, region: str | None = None) -> None:
         self.node = node
+        #: where the operator says this peer is (stated in its stage receipts; not proven)
+        if region is not None and (problem := region_problem(region)):
+            raise ShardnetError(f"--region {region!r}: {problem}")
+        self.region = region
         #: continuous batching: the most tokens of concurrent sessions' steps one forward pass
         #: takes (0 or None: the old path, one step at a time in fair turns)
         self.batch_tokens = batch_tokens
@@ -168,7 +173,8 @@ class ComputePeer:
             self.tput = await trio.to_thread.run_sync(measure_throughput, block)
         served = ServedBlock(block, self.model_id, KvBudget(self.kv_budget_bytes), head=head,
                              idle_timeout=self.idle_timeout,
-                             batcher=StepBatcher(block, max_tokens=self.batch_tokens) if self.batch_tokens else None)
+                             batcher=StepBatcher(block, max_tokens=self.batch_tokens) if self.batch_tokens else None,
+                             region=self.region)
         BlockEndpoint.of(self.node).serve(served)
         self.served = served
         self.successor_rtts = {}
@@ -339,9 +345,10 @@ async def serve_block(node: Node, model_path: str, start: int, end: int, *, dtyp
                       device: str | None = None, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
                       idle_timeout: float | None = None, hold_head: bool = False,
                       claim_ttl: float = 120.0, quantize: str | None = None,
-                      batch_tokens: int | None = DEFAULT_MAX_TOKENS) -> AsyncIterator[ServedBlock]:
+                      batch_tokens: int | None = DEFAULT_MAX_TOKENS,
+                      region: str | None = None) -> AsyncIterator[ServedBlock]:
     """Serve exactly layers start..end (no rebalancing)."""
     async with join_swarm(node, model_path, layers=(start, end), rebalance_interval=0, claim_ttl=claim_ttl,
                           dtype=dtype, device=device, kv_budget_bytes=kv_budget_bytes, idle_timeout=idle_timeout,
-                          hold_head=hold_head, quantize=quantize, batch_tokens=batch_tokens) as peer:
+                          hold_head=hold_head, quantize=quantize, batch_tokens=batch_tokens, region=region) as peer:
         yield peer.served

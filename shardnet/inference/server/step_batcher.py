@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ class _Step:
     abandoned: bool = False  # its owner was cancelled: nothing more is computed for it
     wake: trio.Event = field(default_factory=trio.Event)
     error: BaseException | None = None
+    shared: bool = False  # some chunk of it ran in one forward pass with other sessions' steps
 
     @property
     def left(self) -> int:
@@ -69,9 +71,12 @@ class StepBatcher:
         self._arrived = 0  # steps handed in so far
         self.stats = BatchStats()
 
-    async def forward(self, peer: str, hidden: torch.Tensor, cache) -> torch.Tensor:
+    async def forward(self, peer: str, hidden: torch.Tensor, cache, *,
+                      on_shared: Callable[[], None] | None = None) -> torch.Tensor:
         """The block's output for ``hidden`` (the session's next positions), computed in a batch
-        with whatever other sessions' steps are ready."""
+        with whatever other sessions' steps are ready. ``on_shared`` is called when the step ran in
+        one forward pass with other sessions' steps (receipts count those: batched results may
+        round differently from a step computed alone)."""
         step = _Step(peer, hidden, cache)
         self._waiting.setdefault(peer, deque()).append(step)
         self._arrived += 1
@@ -96,6 +101,8 @@ class StepBatcher:
                 self._hand_over()
         if step.error is not None:
             raise step.error
+        if on_shared is not None and step.shared:
+            on_shared()
         return torch.cat(step.outputs, dim=1) if len(step.outputs) > 1 else step.outputs[0]
 
     async def _lead(self, mine: _Step) -> None:
@@ -134,6 +141,7 @@ class StepBatcher:
         self.stats.tokens += sum(n for _, n in batch)
         self.stats.largest = max(self.stats.largest, len(batch))
         for k, (s, n) in enumerate(batch):
+            s.shared = s.shared or len(batch) > 1
             if outs is not None:
                 s.outputs.append(outs[k])
                 s.done_tokens += n

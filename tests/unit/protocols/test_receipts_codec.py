@@ -19,7 +19,7 @@ def frames(tag: str, n: int) -> list[bytes]:
     return [f"{tag}-{i}".encode() * 10 for i in range(n)]
 
 
-def build_run(n_stages=3, n_layers=8, head_tokens=None, output=(5, 6, 7), salt=""):
+def build_run(n_stages=3, n_layers=8, head_tokens=None, output=(5, 6, 7), salt="", device=None, **stage_extra):
     """A consistent run: client -> stages -> client, with real keys and real hash chains."""
     keys = [identity.generate() for _ in range(n_stages)]
     client_key = identity.generate()
@@ -30,8 +30,9 @@ def build_run(n_stages=3, n_layers=8, head_tokens=None, output=(5, 6, 7), salt="
         r = rc.StageReceipt(model=MODEL, session=SESSION, layers=[bounds[i], bounds[i + 1]], in_chain=links[i],
                             out_chain=links[i + 1], steps_in=4, steps_out=4, t_start=1.0, t_end=2.0,
                             peer=_pid(k),
-                            observed={"upstream": "127.0.0.1:1"}, device={"kind": "cpu", "name": "test"},
-                            version="0.0.0", tokens=head_tokens if i == n_stages - 1 else None)
+                            observed={"upstream": "127.0.0.1:1", "downstream": f"10.0.0.{i + 2}:4001"},
+                            device=device or {"kind": "cpu", "name": "test"},
+                            version="0.0.0", tokens=head_tokens if i == n_stages - 1 else None, **stage_extra)
         stages.append(base64.b64encode(rc.encode_stage(k, r)).decode())
     body = {"schema": rc.SCHEMA, "model": MODEL, "num_layers": n_layers, "client": _pid(client_key),
             "prompt_sha256": rc.sha256_hex(b"prompt"), "output_ids": list(output),
@@ -151,3 +152,56 @@ def test_garbage_stage_receipts_raise_only_receipt_errors(blob):
 def test_garbage_run_receipts_fail_the_signature_check(doc):
     checks = rc.verify_run(doc)
     assert checks and not checks[0].ok and checks[0].name == "run signature"
+
+
+# -- the facts a recomputation depends on (optional fields) ---------------------------------------
+
+def stage_body(key, **extra) -> dict:
+    body = dict(model=MODEL, session=SESSION, layers=[0, 8], in_chain=rc.ZERO, out_chain=rc.ZERO, steps_in=1,
+                steps_out=1, t_start=1.0, t_end=2.0, peer=_pid(key), observed={}, device={"kind": "cpu"},
+                version="0.0.0", tokens=None, schema=rc.SCHEMA)
+    return body | extra
+
+
+def sealed(key, body) -> bytes:
+    from shardnet.transport import envelope
+
+    return envelope.seal(key, domain=rc.STAGE_DOMAIN, version=rc.SCHEMA, body=body, max_bytes=rc.MAX_STAGE_BYTES,
+                         error=rc.ReceiptError, what="stage receipt")
+
+
+def test_stage_receipts_record_dtype_quant_and_batching_and_older_ones_still_decode():
+    key = identity.generate()
+    r = rc.decode_stage(sealed(key, stage_body(key, dtype="float16", quant="none", batched_steps=3)))
+    assert (r.dtype, r.quant, r.batched_steps) == ("float16", "none", 3)
+    old = rc.decode_stage(sealed(key, stage_body(key)))  # written before these fields existed
+    assert (old.dtype, old.quant, old.batched_steps) == (None, None, None)
+    # a newer peer's field is ignored (the signature still covers it)
+    assert rc.decode_stage(sealed(key, stage_body(key, future_fact="x"))).dtype is None
+    with pytest.raises(rc.ReceiptError, match="wrong types"):
+        rc.decode_stage(sealed(key, stage_body(key, batched_steps="many")))
+
+
+def test_stages_state_their_region_and_gpu_next_to_the_address_seen():
+    doc, _, _ = build_run(region="eu-west")
+    checks = rc.verify_run(doc)
+    assert failed(checks) is None, checks
+    place = {c.name: c.detail for c in checks if c.name.endswith(" place")}
+    assert "region 'eu-west' (declared)" in place["session 1 stage 2 place"]
+    assert "seen at 10.0.0.2:4001 by the stage before" in place["session 1 stage 2 place"]
+    assert "first stage" in place["session 1 stage 1 place"] and "cpu test" in place["session 1 stage 1 place"]
+    gpu = {"kind": "cuda", "name": "H100", "uuid": "GPU-1234"}
+    assert failed(rc.verify_run(build_run(device=gpu, gpu_uuid="GPU-1234")[0])) is None
+    # signed, but not consistent with the rest of what the peer signed
+    assert failed(rc.verify_run(build_run(gpu_uuid="GPU-1234")[0])) == "session 1 stage 1 place"  # on a CPU
+    assert failed(rc.verify_run(build_run(device=gpu, gpu_uuid="GPU-9")[0])) == "session 1 stage 1 place"
+    assert failed(rc.verify_run(build_run(region="x" * 65)[0])) == "session 1 stage 1 place"
+    assert failed(rc.verify_run(build_run(region="a\nb")[0])) == "session 1 stage 1 place"
+    assert rc.region_problem("eu-west") is None and rc.region_problem("") is not None
+
+
+def test_a_stage_receipt_with_a_device_or_addresses_of_the_wrong_shape_is_refused():
+    key = identity.generate()
+    for bad in (dict(device=["cuda"]), dict(observed="127.0.0.1:1"), dict(region=7)):
+        with pytest.raises(rc.ReceiptError, match="wrong types"):
+            rc.decode_stage(sealed(key, stage_body(key, **bad)))
