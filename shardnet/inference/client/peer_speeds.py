@@ -5,8 +5,8 @@ drew every route (and every user's activations) before routing checked it. Routi
 claim's throughput as follows (``PeerSpeeds.routing_tput``):
 
 - a peer this client never observed counts at most as the typical peer of its layers
-  (``typical_tput``: the median claim, per layer, of the peers serving them): announcing 1000x
-  wins no first route, it ties with the typical peer at best;
+  (``typical_tput``: the median claim, per layer, of the other peers serving them): announcing
+  1000x wins no first route, it ties with the typical peer at best;
 - an observed peer counts at most as fast as it was seen to be (its claim capped by its observed
   speed, in the units claims use);
 - a peer whose claim overstates its observed speed ``OVERCLAIM_FACTOR`` times more than the
@@ -33,6 +33,7 @@ speed cannot be told from a truly faster one. Observations are this client's own
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -56,19 +57,30 @@ def _layers(c: Claim) -> int:
 
 
 def typical_tput(claims: Iterable[Claim]) -> Callable[[Claim], float]:
-    """Per claim: the throughput the typical peer of its layers claims, for a span as long as its
-    own. Per layer, the median (the lower middle one) of the serving claims' layer-tokens per
-    second (``tput`` times span length) covering it; over a claim's layers, the least of those.
-    A claim with no other claim on its layers keeps its own figure."""
+    """Per claim: the throughput the typical other peer of its layers claims, for a span as long
+    as its own. Per layer, the median (the lower middle one) of the other serving claims'
+    layer-tokens per second (``tput`` times span length) covering it; over a claim's layers, the
+    least of those. A claim with no other claim on its layers keeps its own figure."""
     by_layer: dict[int, list[float]] = {}
     for c in claims:
         if c.serving and c.tput > 0:
             for layer in range(c.start, c.end):
                 by_layer.setdefault(layer, []).append(c.tput * _layers(c))
-    typical = {layer: statistics.median_low(rates) for layer, rates in by_layer.items()}
+    for rates in by_layer.values():
+        rates.sort()
+
+    def others_median(rates: list[float], own: float | None) -> float:
+        if own is None or len(rates) < 2:
+            return rates[(len(rates) - 1) // 2]
+        mine = bisect.bisect_left(rates, own)  # (its own rate is there when it is a serving claim)
+        if mine == len(rates) or rates[mine] != own:
+            return rates[(len(rates) - 1) // 2]
+        middle = (len(rates) - 2) // 2  # the lower middle one of the others
+        return rates[middle] if middle < mine else rates[middle + 1]
 
     def prior(c: Claim) -> float:
-        rates = [typical[layer] for layer in range(c.start, c.end) if layer in typical]
+        own = c.tput * _layers(c) if c.serving and c.tput > 0 else None
+        rates = [others_median(by_layer[layer], own) for layer in range(c.start, c.end) if layer in by_layer]
         return min(rates) / _layers(c) if rates else c.tput
 
     return prior
@@ -117,9 +129,9 @@ class PeerSpeeds:
         ratio = o.overstatement / calibration
         return ratio if ratio > OVERCLAIM_FACTOR else None
 
-    def routing_tput(self, claims: Iterable[Claim]) -> Callable[[Claim], float]:
-        """The throughput routing counts for a claim, given the claims it competes with."""
-        prior = typical_tput(claims)
+    def routing_tput(self, prior: Callable[[Claim], float]) -> Callable[[Claim], float]:
+        """The throughput routing counts for a claim; ``prior``: its layers' typical throughput
+        among the claims it competes with (``typical_tput``)."""
         k, peers = self.calibration(), self.peers
 
         def tput(c: Claim) -> float:
@@ -132,14 +144,13 @@ class PeerSpeeds:
 
         return tput
 
-    def observe(self, route: list[Claim], seconds: float, transport: float, claims: Iterable[Claim]) -> None:
+    def observe(self, route: list[Claim], seconds: float, transport: float,
+                prior: Callable[[Claim], float]) -> None:
         """One step of one token through ``route`` took ``seconds``; routing estimates its round
-        trips at ``transport`` seconds; ``claims``: what the route's claims compete with (for their
-        layers' typical speed)."""
+        trips at ``transport`` seconds; ``prior``: as for ``routing_tput``."""
         route = [c for c in route if c.tput > 0]  # (one claiming no figure is charged nothing)
         if seconds <= 0 or not route:
             return
-        prior = typical_tput(claims)
         compute = [1.0 / min(c.tput, BELIEVABLE_SPREAD * prior(c)) for c in route]
         scale = seconds / (max(transport, 0.0) + sum(compute))  # how much slower than estimated it was
         now, peers = self.clock(), self.peers

@@ -58,7 +58,7 @@ class Reputation:
             "layers": report["layers"], "divergence": report["divergence"], "t": report.get("t")}
 
     def overclaiming(self, peer: str, ratio: float | None) -> None:
-        """What this client's observations now say of ``peer``'s claim (``PeerSpeeds.overclaiming``)."""
+        """What this client's observations now say of ``peer``'s claim (``PeerSpeeds.overclaims``)."""
         if ratio is not None or peer in self.peers:
             self._rec(peer).overclaim = ratio
 

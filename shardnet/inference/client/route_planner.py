@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ import trio
 from shardnet.errors import NoRouteError, ShardnetError
 from shardnet.inference.claims import CLAIM_TTL, RTT_SAMPLES
 from shardnet.inference.client.own_load import OwnLoad
-from shardnet.inference.client.peer_speeds import PeerSpeeds
+from shardnet.inference.client.peer_speeds import PeerSpeeds, typical_tput
 from shardnet.inference.client.reputation import Reputation
 from shardnet.inference.client.routing import (
     ChainCost,
@@ -82,6 +83,8 @@ class RoutePlanner:
         self.own_load = OwnLoad.of(node)
         #: how fast this client saw its peers compute, against their claims (this client's own)
         self.speeds = PeerSpeeds()
+        #: each layer's typical claimed throughput among the claims of the last route chosen
+        self._typical: Callable[[Claim], float] | None = None
         #: peer -> (until (trio time), the expiry of its claim then): failed during a request
         self._avoid: dict[str, tuple[float, float]] = {}
 
@@ -202,15 +205,21 @@ class RoutePlanner:
 
     def costs(self, kept: set[str] | frozenset = frozenset(), claims: list[Claim] | None = None) -> ChainCost:
         """What a chain costs as this client sees it now (see ``routing.ChainCost``); ``claims``:
-        those it is chosen among (default: the view's), which set each layer's typical throughput."""
-        tput = self.speeds.routing_tput(self.view.current() if claims is None else claims)
+        those it is chosen among, which set each layer's typical throughput (default: those the
+        last route was chosen among, else the view's)."""
+        tput = self.speeds.routing_tput(self._typical_tput(claims))
         return ChainCost(self.rtt, self.reputation.cost_factor, frozenset(kept), load=self.own_load.load, tput=tput)
+
+    def _typical_tput(self, claims: list[Claim] | None = None) -> Callable[[Claim], float]:
+        if claims is not None or self._typical is None:
+            self._typical = typical_tput(self.view.current() if claims is None else claims)
+        return self._typical
 
     def observe_step(self, route: list[Claim], seconds: float) -> None:
         """One decoded token's step through ``route`` took ``seconds`` (sent to result back, alone
-        in flight): noted against its peers' claims, and their standing updated."""
-        claims = self.view.current()
-        self.speeds.observe(route, seconds, self.costs(claims=claims).transport(route), claims)
+        in flight): noted against its peers' claims, and their standing updated. (Per token: it
+        reads no claims, only those of the last route chosen.)"""
+        self.speeds.observe(route, seconds, ChainCost(self.rtt).transport(route), self._typical_tput())
         overclaims = self.speeds.overclaims()
         for peer in set(overclaims) | self.reputation.overclaimers():  # (forgotten ones too)
             self.reputation.overclaiming(peer, overclaims.get(peer))
