@@ -1,7 +1,8 @@
 """Latency-aware routing on real hosts: two chains serve the model, one behind emulated WAN
 delay (bench/wan_emulator.py: the slow peers announce their proxy's address); the client
 measures round trips and routes through the fast chain every time, and peers publish their
-measured round trips to the peers after them.
+measured round trips to the peers after them. And a peer announcing a fake throughput takes no
+more first routes than its layers' honest peers, and none once the client saw its steps.
 
 No absolute time is asserted: every node runs in this one process, and on a loaded machine its
 event loop alone can add tens of ms to a round trip. The delay is large against that, and
@@ -80,3 +81,44 @@ async def test_routing_picks_the_low_latency_chain(loopback_config):
             got = [t.id async for t in client.generate("def main(", max_new_tokens=4, stop_at_eos=False)]
             assert len(got) == 4 and [names[c.peer] for c in client.last_stats.chain] == ["a1", "a2"]
         nursery.cancel_scope.cancel()
+
+
+OVER_ANNOUNCED = 100000.0  # tokens/s; the tiny model measures some hundreds on this machine's CPU
+SESSIONS = 6
+
+
+async def test_a_peer_over_announcing_its_throughput_does_not_take_most_first_routes(loopback_config):
+    """Layers 0:4 on one peer, 4:8 on two honest peers (their own measured throughput) and one
+    announcing ``OVER_ANNOUNCED`` (``join --throughput``), which believing claims made the first
+    hop after 0:4 of every route. Never observed, it counts as its layers' typical peer (a tie);
+    once a session went through it, its steps belie its claim and it is routed around."""
+    path = default_model_path()
+    async with AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(open_node(loopback_config(low_watermark=0)))
+        boot_addr = [str(boot.listen_addrs[0])]
+        names = {}
+        for name, a, b, tput in (("a", 0, 4, None), ("b", 4, 8, None), ("c", 4, 8, None),
+                                 ("liar", 4, 8, OVER_ANNOUNCED)):
+            node = await stack.enter_async_context(open_node(loopback_config(bootstrap=boot_addr, low_watermark=0)))
+            await stack.enter_async_context(join_swarm(node, str(path), layers=(a, b), throughput=tput))
+            names[str(node.peer_id)] = name
+        node = await stack.enter_async_context(open_node(loopback_config(
+            bootstrap=boot_addr, low_watermark=0, dht_mode="client")))
+        await node.wait_bootstrapped()
+        client = Client(node, LocalModel(path), audit_rate=0.0)
+        with trio.fail_after(60):  # every claim seen before the first route
+            while len(await client.usable_claims()) < 4:
+                await trio.sleep(0.2)
+        first_routes = []
+        for _ in range(SESSIONS):
+            route = await client.find_route()
+            first_routes.append([names[c.peer] for c in route])
+            got = [t.id async for t in client.generate("def main(", max_new_tokens=6, stop_at_eos=False,
+                                                       route=route)]
+            assert len(got) == 6
+        through_liar = [i for i, r in enumerate(first_routes) if "liar" in r]
+        assert len(through_liar) < SESSIONS / 2, first_routes
+        if through_liar:  # seen once, marked and routed around
+            assert {names[p] for p in client.reputation.overclaimers()} == {"liar"}, client.reputation.to_json()
+            assert through_liar == [through_liar[0]], first_routes
+        print("first routes:", first_routes)

@@ -247,7 +247,6 @@ class Client:
             raise ShardnetError("empty prompt")
         stats = GenerationStats(prompt_tokens=len(ids))
         activity = ClientActivity.of(self.node)
-        stats.speculation.on_round_trip = activity.step
         route = route or await self.find_route()
         stats.chain = route
         self.last_stats = stats
@@ -258,6 +257,18 @@ class Client:
         extra = (k + 1) * depth  # drafts may run past the end
         sess = HealingSession(self, len(ids) + max_new_tokens + extra, max_heals=self.max_heals,
                               progress=progress, heals=stats.heals)
+        heals_seen = 0
+
+        def round_trip(seconds: float, tokens: int) -> None:
+            nonlocal heals_seen
+            activity.step(seconds)
+            # a token alone in flight, through a chain that did not change on the way: what the
+            # chain's peers claim is weighed against it (peer_speeds.py)
+            if tokens == 1 and depth == 1 and len(stats.heals) == heals_seen and sess.route:
+                self.planner.observe_step(sess.route, seconds)
+            heals_seen = len(stats.heals)
+
+        stats.speculation.on_round_trip = round_trip
         out_ids: list[int] = []
         self._last_run = last_run(prompt=ids, output=out_ids, params=params, stats=stats, session=sess,
                                   drafter=drafter, k=k, depth=depth)

@@ -308,7 +308,7 @@ class _Pipeline:
         round_trip = time.perf_counter() - chunk.sent
         self.stats.round_trip_s += round_trip
         if self.stats.on_round_trip is not None:
-            self.stats.on_round_trip(round_trip)
+            self.stats.on_round_trip(round_trip, len(chunk.drafts) + 1)
         # (what the chunk's start follows: the accepted text and the drafts of the chunks before it)
         generated = self.spec[len(self.prompt):chunk.start]
         return chunk, adjusted(await self.steps.logits(result), self.params, generated, chunk.drafts)

@@ -2,13 +2,16 @@
 
 The planner owns the client's view of the swarm's claims (``ClaimsView``) and the round-trip
 probes; it knows which peers failed during a request (``forget_peer``) and which the client's
-reputation excludes, and picks the cheapest chain with ``routing.plan_route``.
+reputation excludes, and picks the cheapest chain with ``routing.plan_route``. A claim's
+throughput counts as far as this client's observations of its steps bear it out
+(``PeerSpeeds``, peer_speeds.py; ``observe_step``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,6 +20,7 @@ import trio
 from shardnet.errors import NoRouteError, ShardnetError
 from shardnet.inference.claims import CLAIM_TTL, RTT_SAMPLES
 from shardnet.inference.client.own_load import OwnLoad
+from shardnet.inference.client.peer_speeds import PeerSpeeds, typical_tput
 from shardnet.inference.client.reputation import Reputation
 from shardnet.inference.client.routing import (
     ChainCost,
@@ -77,6 +81,10 @@ class RoutePlanner:
         self.route_timeout = route_timeout
         #: KV this node's open sessions hold at each peer (shared by the node's clients)
         self.own_load = OwnLoad.of(node)
+        #: how fast this client saw its peers compute, against their claims (this client's own)
+        self.speeds = PeerSpeeds()
+        #: each layer's typical claimed throughput among the claims of the last route chosen
+        self._typical: Callable[[Claim], float] | None = None
         #: peer -> (until (trio time), the expiry of its claim then): failed during a request
         self._avoid: dict[str, tuple[float, float]] = {}
 
@@ -158,10 +166,10 @@ class RoutePlanner:
         await self.measure_rtts([c.peer for c in usable])
         usable = self.usable(claims, avoid)  # without the peers found gone
 
-        route = plan_route(usable, self.num_layers, cost=self.costs(kept))
+        costs = self.costs(kept, usable)
+        route = plan_route(usable, self.num_layers, cost=costs)
         log.info("route: %s (estimated %.1f ms per token)",
-                 " -> ".join(f"{c.peer[:12]}…[{c.start}:{c.end}]" for c in route),
-                 1000 * self.route_cost(route))
+                 " -> ".join(f"{c.peer[:12]}…[{c.start}:{c.end}]" for c in route), 1000 * costs.total(route))
         return route
 
     async def usable_claims(self) -> list[Claim]:
@@ -195,9 +203,26 @@ class RoutePlanner:
         return link_rtt(self.probes.rtts.get(peer), slow=self.probes.verdict(peer) == "slow",
                         relayed=self.node.link(peer) == "relayed")
 
-    def costs(self, kept: set[str] | frozenset = frozenset()) -> ChainCost:
-        """What a chain costs as this client sees it now (see ``routing.ChainCost``)."""
-        return ChainCost(self.rtt, self.reputation.cost_factor, frozenset(kept), load=self.own_load.load)
+    def costs(self, kept: set[str] | frozenset = frozenset(), claims: list[Claim] | None = None) -> ChainCost:
+        """What a chain costs as this client sees it now (see ``routing.ChainCost``); ``claims``:
+        those it is chosen among, which set each layer's typical throughput (default: those the
+        last route was chosen among, else the view's)."""
+        tput = self.speeds.routing_tput(self._typical_tput(claims))
+        return ChainCost(self.rtt, self.reputation.cost_factor, frozenset(kept), load=self.own_load.load, tput=tput)
+
+    def _typical_tput(self, claims: list[Claim] | None = None) -> Callable[[Claim], float]:
+        if claims is not None or self._typical is None:
+            self._typical = typical_tput(self.view.current() if claims is None else claims)
+        return self._typical
+
+    def observe_step(self, route: list[Claim], seconds: float) -> None:
+        """One decoded token's step through ``route`` took ``seconds`` (sent to result back, alone
+        in flight): noted against its peers' claims, and their standing updated. (Per token: it
+        reads no claims, only those of the last route chosen.)"""
+        self.speeds.observe(route, seconds, ChainCost(self.rtt).transport(route), self._typical_tput())
+        overclaims = self.speeds.overclaims()
+        for peer in set(overclaims) | self.reputation.overclaimers():  # (forgotten ones too)
+            self.reputation.overclaiming(peer, overclaims.get(peer))
 
     def hop_cost(self, prev: Claim | None, claim: Claim) -> float:
         return self.costs().hop(prev, claim)

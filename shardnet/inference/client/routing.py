@@ -63,31 +63,43 @@ def _claimed_load(claim: Claim) -> float:
     return claim.load
 
 
+def _claimed_tput(claim: Claim) -> float:
+    return claim.tput
+
+
 @dataclass(frozen=True)
 class ChainCost:
     """Seconds per token a chain costs, as the client estimates it. ``rtt(peer)``: the client's
     round trip to a peer (``link_rtt``); ``factor(peer)``: a multiplier (reputation);
     ``kept``: peers of a chain being healed, which cost ``KEEP_DISCOUNT`` as much. A hop's
-    compute is 1 / its claimed tokens/s, more as its ``load`` nears full."""
+    compute is 1 / its tokens/s (``tput``: as its claim says by default; a client counts what it
+    observed, see peer_speeds.py), more as its ``load`` nears full."""
 
     rtt: Callable[[str], float]
     factor: Callable[[str], float] = _one
     kept: frozenset[str] = frozenset()
     #: a peer's load as the client reckons it (default: as its claim says; see own_load.py)
     load: Callable[[Claim], float] = _claimed_load
+    #: a peer's throughput as the client reckons it (default: as its claim says; see peer_speeds.py)
+    tput: Callable[[Claim], float] = _claimed_tput
 
     def hop(self, prev: Claim | None, claim: Claim) -> float:
         """Reaching and crossing ``claim``'s hop: half the round trip from the previous hop (as
         that peer reported it; the client's as a stand-in) plus the peer's compute per token."""
+        return self._hop(self._rtt_to(prev, claim), claim)
+
+    def _rtt_to(self, prev: Claim | None, claim: Claim) -> float:
+        """The round trip from the previous hop to ``claim``'s peer: as that peer reported it, else ours."""
         reported = dict(prev.rtts).get(claim.peer) if prev is not None else None
-        return self._hop(reported if reported is not None else self.rtt(claim.peer), claim)
+        return reported if reported is not None else self.rtt(claim.peer)
 
     def _hop(self, rtt: float, claim: Claim) -> float:
         return (rtt / 2 + self.compute(claim)) * self.factor(claim.peer)
 
     def compute(self, claim: Claim) -> float:
         """The peer's compute per token as routing counts it."""
-        compute = 1.0 / claim.tput if claim.tput > 0 else 0.0
+        tput = self.tput(claim)
+        compute = 1.0 / tput if tput > 0 else 0.0
         # A peer whose KV budget is mostly taken is as slow as its batches are big, and refuses
         # new sessions once it is full (they wait in line): its compute counts 1 / (1 - load)
         # times. Without this every gateway sent every request down its one cheapest chain until
@@ -105,6 +117,12 @@ class ChainCost:
     def step(self, prev: Claim | None, claim: Claim) -> float:
         """``hop`` as routing weighs it (a kept peer discounted)."""
         return self.hop(prev, claim) * self.discount(claim.peer)
+
+    def transport(self, route: list[Claim]) -> float:
+        """The round trips' part of ``total(route)``: the halves each hop is reached by, and the
+        return (no compute, no reputation)."""
+        out = sum(self._rtt_to(prev, c) / 2 for prev, c in zip([None, *route], route))
+        return out + (self.finish(route[-1]) if route else 0.0)
 
     def total(self, route: list[Claim]) -> float:
         """Estimated seconds per token through ``route``, the return included."""

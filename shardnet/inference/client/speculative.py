@@ -151,8 +151,9 @@ class SpeculationStats:
     draft_s: float = 0.0  # time spent drafting
     wait_s: float = 0.0  # time spent waiting for results
     round_trip_s: float = 0.0  # summed send-to-result time of verified chunks
-    #: told each verified chunk's send-to-result time (a monitor's histogram)
-    on_round_trip: Callable[[float], None] | None = field(default=None, repr=False, compare=False)
+    #: told each verified chunk's send-to-result time and how many tokens it carried (a monitor's
+    #: histogram; the client's observed peer speeds)
+    on_round_trip: Callable[[float, int], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def acceptance(self) -> float:

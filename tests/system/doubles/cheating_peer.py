@@ -3,7 +3,9 @@
 MODE ``perturb:EPS`` scales every output of its block by (1 + EPS): activations slightly wrong,
 the same way every time (like a quantised or corrupted copy of the weights). MODE ``boost:TOKEN``
 (with --hold-head) makes TOKEN the largest logit of every row it returns: it picks the tokens.
-Either way it claims a throughput far above anyone else's, so clients route through it.
+Either way it claims a throughput far above anyone else's (1e6 tokens/s), which drew every route
+before clients weighed claims against what they observed (shardnet/inference/client/peer_speeds.py);
+tests now put it in the first chain themselves.
 """
 
 import sys

@@ -38,6 +38,9 @@ def test_chain_cost_hops_and_total():
     assert costs.hop(a, b) == pytest.approx(0.005 + 0.01)  # the round trip a reported
     assert costs.step(a, b) == pytest.approx(0.015 * KEEP_DISCOUNT)
     assert costs.total([a, b]) == pytest.approx(0.04 + 0.015 + 0.03)
+    assert costs.transport([a, b]) == pytest.approx(0.02 + 0.005 + 0.03)  # the round trips alone
+    # a client's own reckoning of a peer's throughput replaces its claim's
+    assert ChainCost(lambda peer: 0.0, tput=lambda c: 25.0).hop(None, a) == pytest.approx(1 / 25)
 
 
 def random_swarm(rng: random.Random, peers: int, layers: int) -> tuple[list[Claim], dict[str, float]]:

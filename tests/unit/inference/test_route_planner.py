@@ -120,14 +120,16 @@ async def test_usable_leaves_out_avoided_convicted_gone_and_forgotten_peers():
 
 
 async def test_find_route_picks_the_cheapest_chain_and_probes_its_peers():
+    # (a and b claim twice the throughput per layer that "slow" does; never observed, they count
+    # as the typical peer of their layers: what slow claims, see test_peer_speeds.py)
     claims = [claim("slow", 0, 4, tput=250.0), claim("a", 0, 2, tput=1000.0), claim("b", 2, 4, tput=1000.0)]
-    p = planner(claims, rtts={"slow": 0.001, "a": 0.001, "b": 0.001})
+    p = planner(claims, rtts={"slow": 0.005, "a": 0.001, "b": 0.001})
     route = await p.find_route()
     assert [c.peer for c in route] == ["a", "b"]
     assert p.probes.probed == [(["slow", "a", "b"], RTT_CACHE_S)]
     assert p.view.lookups == 1
     # healing: a kept peer looks cheaper (KEEP_DISCOUNT), so only the failed span changes
-    p2 = planner(claims, rtts={"slow": 0.001, "a": 0.001, "b": 0.001})
+    p2 = planner(claims, rtts={"slow": 0.005, "a": 0.001, "b": 0.001})
     assert KEEP_DISCOUNT < 1
     assert [c.peer for c in await p2.find_route(keep=[claims[0]])] == ["slow"]
 
@@ -166,3 +168,19 @@ def test_span_policy_matches_dtype_and_quantization():
     assert SpanPolicy(quantized="refuse").accepts(c())
     assert SpanPolicy(quantized="require").accepts(c(quant="int8"))
     assert not SpanPolicy(quantized="require").accepts(c())
+
+
+async def test_observed_steps_mark_an_overclaiming_peer_and_routes_avoid_it():
+    claims = [claim("a", 0, 2, tput=250.0), claim("b", 2, 4, tput=250.0), claim("c", 2, 4, tput=250.0),
+              claim("liar", 2, 4, tput=1e5)]
+    p = planner(claims, rtts={x: 0.002 for x in ("a", "b", "c", "liar")})
+    a, b, _, liar = claims
+    # the liar, never observed, counts as the typical peer of its layers: a tie with b and c
+    assert p.costs().compute(liar) == pytest.approx(1 / 250)
+    # one token through a -> liar took as long as through a -> b: the liar is no faster than b
+    for route in ([a, liar], [a, b]):
+        p.observe_step(route, 1.2 * (0.003 + 2 / 250))
+    assert p.reputation.overclaimers() == {"liar"}
+    assert p.reputation.to_json()["liar"]["overclaim"] > 3
+    for _ in range(20):
+        assert "liar" not in {c.peer for c in await p.find_route()}
