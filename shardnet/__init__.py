@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = ["DistributedModelForCausalLM", "Node", "NodeConfig", "ShardnetError", "Stream", "open_node",
            "__version__"]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import click
 
-from shardnet import __version__, logs
+from shardnet import logs
+from shardnet._version import __version__
 
 from . import compute, config_file, dashboard, demo, generate, model, overlay, receipts, serve
 from .common import make_config, network_options

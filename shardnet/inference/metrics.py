@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from shardnet import __version__
+from shardnet._version import __version__
 from shardnet.inference.client.activity import ClientActivity
 from shardnet.inference.receipt_service import ReceiptService
 from shardnet.inference.server.block_endpoint import BlockEndpoint

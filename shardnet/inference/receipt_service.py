@@ -14,7 +14,7 @@ from collections.abc import Callable
 import cbor2
 import trio
 
-from shardnet import __version__
+from shardnet._version import __version__
 from shardnet.protocols import receipt_gossip as rg
 from shardnet.protocols.receipts import (
     HashChain,

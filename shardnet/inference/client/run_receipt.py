@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from shardnet import __version__
+from shardnet._version import __version__
 from shardnet.errors import ShardnetError
 from shardnet.inference.model.block import dtype_name
 from shardnet.protocols import receipts as rc
