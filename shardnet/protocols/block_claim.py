@@ -12,6 +12,9 @@ may require or refuse quantized spans). It is signed with the peer's Ed25519 ide
 and was not altered; it travels through the DHT (a signed value plus a provider record), the
 gossipsub topic ``/shardnet/block-claim/1.0.0/<model>``, and this protocol's stream (a peer
 answers a request with its current claims).
+
+Signing and verifying use py-libp2p's keys and peer IDs, imported inside ``encode`` and ``decode``:
+importing this module (the Claim type, the ClaimTable) loads no network stack.
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-
-from libp2p.crypto.keys import KeyPair
-from libp2p.peer.id import ID
+from typing import TYPE_CHECKING
 
 from shardnet.errors import ShardnetError
-from shardnet.transport import envelope
+
+if TYPE_CHECKING:
+    from libp2p.crypto.keys import KeyPair
 
 PROTOCOL_ID = "/shardnet/block-claim/1.0.0"
 CLAIM_VERSION = 1
@@ -112,6 +115,10 @@ def _rtts(v) -> tuple[tuple[str, float], ...]:
 
 
 def encode(key_pair: KeyPair, claim: Claim) -> bytes:
+    from libp2p.peer.id import ID
+
+    from shardnet.transport import envelope
+
     if str(ID.from_pubkey(key_pair.public_key)) != claim.peer:
         raise ClaimError("a claim must be signed by the peer it names")
     return envelope.seal(key_pair, domain=SIGNING_DOMAIN, version=CLAIM_VERSION, body=_body(claim),
@@ -120,6 +127,10 @@ def encode(key_pair: KeyPair, claim: Claim) -> bytes:
 
 def decode(blob: bytes, *, now: float | None = None) -> Claim:
     """Verify and return the claim; ClaimError naming the first problem otherwise."""
+    from libp2p.peer.id import ID
+
+    from shardnet.transport import envelope
+
     body, pk = envelope.open_envelope(blob, domain=SIGNING_DOMAIN, version=CLAIM_VERSION,
                                       max_bytes=MAX_CLAIM_BYTES, error=ClaimError, what="claim")
     try:

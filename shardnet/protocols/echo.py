@@ -6,9 +6,12 @@ benchmarks. Frames are length-prefixed (see framing.py); at most 1 MiB each.
 
 from __future__ import annotations
 
-from shardnet.transport.stream import Stream
+from typing import TYPE_CHECKING
 
 from .framing import FrameDecoder, encode_frame
+
+if TYPE_CHECKING:
+    from shardnet.transport.stream import Stream
 
 PROTOCOL_ID = "/shardnet/echo/1.0.0"
 MAX_FRAME = 1 << 20

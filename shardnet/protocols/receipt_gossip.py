@@ -27,20 +27,24 @@ Receivers check every signature and that the evidence is signed by the peers it 
 is one client's word plus the peers' own signed statements of what they served; it is not a
 proof a third party can recompute (the frames are not in it), so receivers weigh it, they do
 not act on it as on their own observation.
+
+Signing and verifying reports use py-libp2p's keys and peer IDs, imported inside
+``encode_report`` and ``decode_report``: importing this module loads no network stack.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import cbor2
-from libp2p.crypto.keys import KeyPair
-from libp2p.peer.id import ID
 
 from shardnet.errors import ShardnetError
-from shardnet.transport import envelope
 
 from .receipts import MAX_STAGE_BYTES, ReceiptError, StageReceipt, decode_stage, receipt_id
+
+if TYPE_CHECKING:
+    from libp2p.crypto.keys import KeyPair
 
 PROTOCOL_ID = "/shardnet/receipt-gossip/1.0.0"
 TOPIC = f"{PROTOCOL_ID}/digests"
@@ -168,6 +172,10 @@ class ReceiptStore:
 
 def encode_report(key_pair: KeyPair, body: dict) -> bytes:
     """Sign a report body (see the module docstring); the reporter field must name the signer."""
+    from libp2p.peer.id import ID
+
+    from shardnet.transport import envelope
+
     if body.get("reporter") != str(ID.from_pubkey(key_pair.public_key)):
         raise GossipError("a report must be signed by the reporter it names")
     if len(body.get("evidence", [])) > MAX_EVIDENCE:
@@ -178,6 +186,10 @@ def encode_report(key_pair: KeyPair, body: dict) -> bytes:
 
 def decode_report(blob: bytes) -> dict:
     """The verified report body; its evidence decoded to StageReceipts under ``receipts``."""
+    from libp2p.peer.id import ID
+
+    from shardnet.transport import envelope
+
     body, pk = envelope.open_envelope(blob, domain=REPORT_DOMAIN, version=VERSION, max_bytes=MAX_REPORT_BYTES,
                                       error=GossipError, what="report")
     if body.get("reporter") != str(ID.from_pubkey(pk)):

@@ -20,6 +20,9 @@ whether greedy speculative output was checked against plain decoding. It is writ
 signature, signer and fields; that each session's layer ranges tile the model with no gap or
 overlap; that the hash chains link client -> stage 1 -> ... -> stage n -> client; the output
 hash; the head's committed tokens; the model ID against a manifest.
+
+Signing and verifying use py-libp2p's keys and peer IDs, imported inside the functions that sign
+and verify: importing this module (the receipt types, ``sha256_hex``) loads no network stack.
 """
 
 from __future__ import annotations
@@ -28,14 +31,12 @@ import base64
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
-
-from libp2p.crypto.keys import KeyPair
-from libp2p.crypto.serialization import deserialize_public_key
-from libp2p.peer.id import ID
+from typing import TYPE_CHECKING, Any
 
 from shardnet.errors import ShardnetError
-from shardnet.transport import envelope
+
+if TYPE_CHECKING:
+    from libp2p.crypto.keys import KeyPair
 
 SCHEMA = 1
 STAGE_DOMAIN = b"shardnet-stage-receipt/1"
@@ -126,6 +127,10 @@ def region_problem(region: str) -> str | None:
 
 
 def encode_stage(key_pair: KeyPair, r: StageReceipt) -> bytes:
+    from libp2p.peer.id import ID
+
+    from shardnet.transport import envelope
+
     if str(ID.from_pubkey(key_pair.public_key)) != r.peer:
         raise ReceiptError("a stage receipt must be signed by the peer it names")
     return envelope.seal(key_pair, domain=STAGE_DOMAIN, version=SCHEMA, body=asdict(r), max_bytes=MAX_STAGE_BYTES,
@@ -133,6 +138,10 @@ def encode_stage(key_pair: KeyPair, r: StageReceipt) -> bytes:
 
 
 def decode_stage(blob: bytes) -> StageReceipt:
+    from libp2p.peer.id import ID
+
+    from shardnet.transport import envelope
+
     body, pk = envelope.open_envelope(blob, domain=STAGE_DOMAIN, version=SCHEMA, max_bytes=MAX_STAGE_BYTES,
                                       error=ReceiptError, what="stage receipt")
     known = {f.name for f in fields(StageReceipt)}
@@ -171,6 +180,8 @@ class SessionRecord:
 
 def seal_run(key_pair: KeyPair, body: dict) -> dict:
     """The run receipt as a JSON-ready dict: {v, body, pk, sig} (hex)."""
+    from shardnet.transport import envelope
+
     blob = envelope.seal(key_pair, domain=RUN_DOMAIN, version=SCHEMA, body=body, max_bytes=MAX_RUN_BYTES,
                          error=ReceiptError, what="run receipt")
     import cbor2
@@ -195,6 +206,8 @@ def verify_run(doc: Any, *, manifest_model_id: str | None = None) -> list[Check]
         return bool(ok)
 
     import cbor2
+    from libp2p.crypto.serialization import deserialize_public_key
+    from libp2p.peer.id import ID
 
     try:
         body, pk_hex, sig_hex = doc["body"], doc["pk"], doc["sig"]

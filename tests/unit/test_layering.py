@@ -158,9 +158,21 @@ def modules_loaded_by(statement: str, watched: tuple[str, ...], path: Path | Non
 HEAVY = ("libp2p", "trio", "torch", "transformers", "shardnet.transport", "shardnet.inference")
 
 
+def sans_io_protocol_modules(root: Path) -> list[str]:
+    """Every module of ``root``/protocols but its ``*_io.py`` drivers (those run on trio and libp2p)."""
+    return sorted(f"shardnet.protocols.{p.stem}" for p in (root / "protocols").glob("*.py")
+                  if not p.stem.endswith("_io") and p.stem != "__init__")
+
+
 def test_importing_the_protocols_loads_no_libp2p_trio_or_torch():
-    # shardnet/__init__ resolves open_node & co. lazily: a codec user pays for no network stack
-    assert modules_loaded_by("import shardnet.protocols", HEAVY) == []
+    # Each sans-IO protocol module, not only the package: block_claim, receipts and receipt_gossip
+    # sign and verify with py-libp2p's keys and peer IDs, imported inside those functions, so a
+    # user of their types, tables and codecs pays for no network stack until it signs or verifies.
+    modules = sans_io_protocol_modules(ROOT)
+    assert {"shardnet.protocols.block_claim", "shardnet.protocols.receipts",
+            "shardnet.protocols.receipt_gossip"} <= set(modules), modules
+    assert modules_loaded_by("import " + ", ".join(modules), HEAVY) == []
+    # shardnet/__init__ resolves open_node & co. lazily
     assert modules_loaded_by("import shardnet", HEAVY) == []
 
 
