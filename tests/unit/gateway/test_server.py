@@ -72,14 +72,24 @@ async def test_an_api_key_guards_v1_and_leaves_the_probes_open(model):
         status, got, _ = await call(app, "POST", "/v1/completions", COMPLETION, [("Authorization", f"Bearer {KEY}")])
         assert (status, got["error"]["code"]) == (503, "no_route")
         assert app.requests == 1  # refused requests never reached generation
-        for path in ("/health", "/livez", "/readyz"):
-            assert (await call(app, "GET", path))[0] in (200, 503)
+        # the probes answer without the key, as without one: alive, and not ready (no peers here)
+        assert (await call(app, "GET", "/livez"))[:2] == (200, {"status": "alive"})
+        for path in ("/health", "/readyz"):
+            status, got, _ = await call(app, "GET", path)
+            assert (status, got["status"], got["missing_layers"]) == (503, "unavailable", list(range(8))), path
 
 
 async def test_without_a_key_nothing_is_asked(model):
     async with open_node(NodeConfig(dht_mode="client")) as node:
-        status, got, _ = await call(gateway(node, model), "GET", "/v1/models")
-        assert status == 200
+        app = gateway(node, model)
+        for headers in ([], [("Authorization", "Bearer anything")]):  # a key sent anyway is not checked
+            status, got, hdrs = await call(app, "GET", "/v1/models", headers=headers)
+            assert status == 200 and got["data"][0]["id"] == "tiny-llama", got
+            assert b"www-authenticate" not in hdrs
+        # a completion gets as far as routing (no peers here: 503 no_route), not refused for a key
+        status, got, _ = await call(app, "POST", "/v1/completions", COMPLETION)
+        assert (status, got["error"]["code"]) == (503, "no_route")
+        assert app.requests == 1
 
 
 async def test_livez_and_readyz(model):
