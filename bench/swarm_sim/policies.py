@@ -17,8 +17,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from bench.swarm_sim.sim import Policy
 from shardnet.inference.server.placement import (
     DEFAULT_REBALANCE_INTERVAL,
     REBALANCE_MARGIN,
@@ -31,32 +30,12 @@ from shardnet.inference.server.placement import (
     upkeep_step,
 )
 
-if TYPE_CHECKING:
-    from bench.swarm_sim.sim import Peer, Sim
-
 #: ``find_claims`` asks the DHT for this many providers (claims.py)
 VIEW_PROVIDERS = 64
 PETALS_CHECK_S = 120.0
 PETALS_BALANCE_QUALITY = 0.75
 CENTRAL_PERIOD_S = 600.0
 CENTRAL_GAIN = 0.10
-
-
-class Policy:
-    name = "?"
-    #: whether peers look the swarm up (DHT lookups, pings) to decide
-    decentralized = True
-
-    def choose(self, sim: Sim, peer: Peer) -> tuple[int, int]:
-        raise NotImplementedError
-
-    def upkeep(self, sim: Sim, peer: Peer) -> float | None:
-        """Called at the peer's upkeep time; may start a move (``sim.move``). Returns the
-        seconds until the next upkeep, or None for none."""
-        return None
-
-    def tick(self, sim: Sim) -> None:
-        """Called once a simulated minute (a central scheduler's chance to act)."""
 
 
 class Shardnet(Policy):

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 
 from bench.swarm_sim import world
 from bench.swarm_sim.models import ModelSpec
-from bench.swarm_sim.policies import Policy
 from shardnet.errors import NoRouteError
 from shardnet.inference.claims import CLAIM_TTL
 from shardnet.inference.client.own_load import OwnLoad
@@ -215,6 +214,25 @@ class Stats:
     msgs: Counter = field(default_factory=Counter)
     route_ms: list[float] = field(default_factory=list)
     uncovered_since: dict[int, tuple[float, bool]] = field(default_factory=dict)
+
+
+class Policy:
+    """A placement policy (bench/swarm_sim/policies.py): what the simulator asks of one."""
+
+    name = "?"
+    #: whether peers look the swarm up (DHT lookups, pings) to decide
+    decentralized = True
+
+    def choose(self, sim: Sim, peer: Peer) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def upkeep(self, sim: Sim, peer: Peer) -> float | None:
+        """Called at the peer's upkeep time; may start a move (``sim.move``). Returns the
+        seconds until the next upkeep, or None for none."""
+        return None
+
+    def tick(self, sim: Sim) -> None:
+        """Called once a simulated minute (a central scheduler's chance to act)."""
 
 
 class Sim:

@@ -10,7 +10,8 @@ on another (docs/embedding.md).
 
 One module per upstream subsystem holds the patches and their explanation, under the fix
 numbers the docs cite: swarm.py (1, 3, 6, 9, 12, 17), tcp.py (13), yamux.py (2, 3, 6, 10, 15, 17),
-noise.py (6), pubsub.py (4, 16), kad.py (11, 14), identify.py (7, 8), logger.py (5). The same modules
+noise.py (6), pubsub.py (4, 16), kad.py (11, 14), identify.py (7, 8), logger.py (5); naps.py holds the
+trio proxy of fix 3, which swarm.py and yamux.py both install. The same modules
 hold the small accessors through which the rest of shardnet reads py-libp2p's private state
 (``swarm.forget_failed_dial``, ``kad.providers_from_peer``, ...), so that state is touched only
 here (tests/unit/test_layering.py checks it).
@@ -39,7 +40,6 @@ from .pubsub import (  # noqa: F401
     SUBSCRIPTION_QUEUE_SIZE,
     dropped_pubsub_messages,
 )
-from .swarm import TrioWithoutCleanupNaps as _TrioWithoutCleanupNaps  # noqa: F401
 from .tcp import (  # noqa: F401
     MAX_MULTISTREAM_MESSAGE,
     MAX_TCP_READ,

@@ -7,7 +7,7 @@
    connection rate, opening bytes and handshake deadline before anything else runs).
 3. Fixed ``trio.sleep(0.1)`` calls on the disconnect path (~200 ms per disconnect). They exist
    to force a context switch, which a zero-length sleep also does (here for swarm_connection;
-   yamux.py installs the same proxy in Yamux's module).
+   yamux.py installs the same proxy, naps.py's, in Yamux's module).
 6. (data path) NetStream takes a trio.Lock around a synchronous state check on every read and
    write: a scheduler round trip each time, guarding sections that never await.
 9. A second connection to a peer (a hole-punched one next to the relayed one) makes the swarm
@@ -36,11 +36,11 @@ The accessors at the end are the only places shardnet reads the swarm's private 
 from __future__ import annotations
 
 import logging
-import types
 from typing import Any
 
 import trio
 
+from .naps import TrioWithoutCleanupNaps
 from .tcp import _drop, _opening_bytes, _remote_ip
 
 log = logging.getLogger(__name__)
@@ -128,21 +128,6 @@ async def _reset_quietly(stream: Any) -> None:
 
 
 # 3. disconnect sleeps -------------------------------------------------------------------------
-class TrioWithoutCleanupNaps(types.ModuleType):
-    """``trio`` as seen by two py-libp2p modules, minus their fixed 100 ms cleanup naps."""
-
-    def __init__(self) -> None:
-        super().__init__("trio")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(trio, name)
-
-    @staticmethod
-    async def sleep(seconds: float) -> None:
-        # 0.1 s is only ever used on their close paths "to force a context switch".
-        await trio.sleep(0 if seconds == 0.1 else seconds)
-
-
 def skip_swarm_connection_naps() -> None:
     from libp2p.network.connection import swarm_connection
 

@@ -53,7 +53,7 @@ from typing import Any
 
 import trio
 
-from .swarm import TrioWithoutCleanupNaps
+from .naps import TrioWithoutCleanupNaps
 
 log = logging.getLogger(__name__)
 
