@@ -13,7 +13,6 @@ import trio
 from . import compat, identity
 from .behaviour import Behaviour
 from .config import NodeConfig
-from .nat.relay import is_relayed
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class Keepalive(Behaviour):
                 if age is not None and age > self.timeout:
                     peer = conn.muxed_conn.peer_id
                     log.warning("connection to %s%s is dead (keepalive unanswered for %.0f s); closing it",
-                                identity.short(peer), " (relayed)" if is_relayed(conn) else "", age)
+                                identity.short(peer), " (relayed)" if compat.swarm.is_relayed(conn) else "", age)
                     self.closed += 1
                     with trio.move_on_after(5):
                         try:
