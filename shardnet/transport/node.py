@@ -31,7 +31,7 @@ from .behaviour import Behaviour, NodeBehaviour
 from .bootstrap import BootstrapSupervisor
 from .config import NodeConfig, parse_multiaddr, parse_peer_addr
 from .dht import DHT
-from .discovery import MAX_DISCOVERED, Discovery  # noqa: F401 (MAX_DISCOVERED: its old home)
+from .discovery import Discovery
 from .errors import DialError, HeldError, OverlayTimeout, ProtocolNotSupported, ShardnetError, StreamLimitError
 from .host import build_host, check_listen_ports
 from .keepalive import Keepalive
@@ -309,7 +309,7 @@ class Node:
 
     @property
     def discovered(self) -> dict[ID, float]:
-        """Peers met through discovery, oldest first, at most MAX_DISCOVERED (value: when)."""
+        """Peers met through discovery, oldest first, at most discovery.MAX_DISCOVERED (value: when)."""
         return self.discovery.discovered
 
     @property
