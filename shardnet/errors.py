@@ -87,3 +87,28 @@ class NoRouteError(ShardnetError):
     """No set of live claims covers every layer."""
 
     code = "no_route"
+
+
+class HeldError:
+    """An exception raised inside nurseries, held until they have closed and then re-raised as
+    itself (trio would hand it on wrapped in their exception groups). The body runs in ``with
+    held:`` inside the nurseries (which then close normally), ``held.reraise()`` comes after them.
+
+    Not an error itself: it lives here, beside the errors, as the one way shardnet's context
+    managers and generators hand their body's exception back to the caller unwrapped."""
+
+    def __init__(self) -> None:
+        #: the exception the body raised (cancellation and GeneratorExit included), or None
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> "HeldError":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is not None:
+            self.error = error
+        return True  # held: the nurseries around close normally
+
+    def reraise(self) -> None:
+        if self.error is not None:
+            raise self.error

@@ -138,6 +138,7 @@ class NodeControl:
                     "reservations": [str(r) for r in n.relay_client.reservations],
                     "connections": {str(p): n.connections(p) for p in n.peers()},
                     "nat": n.nat_status(),
+                    "behaviours": n.status(),
                     "streams_served": {f"{proto} {path}": count for (proto, path), count in n.streams_served.items()}}
         if op == "peers":
             return {"connected": [str(p) for p in n.peers()], "discovered": [str(p) for p in n.discovered]}

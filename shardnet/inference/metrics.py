@@ -79,7 +79,7 @@ class NodeCollector(Collector):
                                     value=len(receipts.reports))
 
     def _block(self) -> Iterator[Metric]:
-        endpoint = self.node.behaviour(BlockEndpoint)
+        endpoint = self.node.service(BlockEndpoint)
         if endpoint is None:
             return
         act = endpoint.activity
@@ -124,7 +124,7 @@ class NodeCollector(Collector):
             yield CounterMetricFamily("shardnet_weights_chunks_sent", "weight chunks served", server.chunks_sent)
 
     def _client(self) -> Iterator[Metric]:
-        act = self.node.behaviour(ClientActivity)
+        act = self.node.service(ClientActivity)
         if act is None:
             return
         yield GaugeMetricFamily("shardnet_client_sessions_active", "generations running now", act.sessions_active)
@@ -158,7 +158,7 @@ class NodeMetrics:
 
     @classmethod
     def of(cls, node: Node) -> NodeMetrics:
-        return node.ensure_behaviour(cls)
+        return node.ensure_service(cls)
 
 
 def exposition(node: Node) -> tuple[bytes, str]:

@@ -66,7 +66,7 @@ class Probes:
 
     @classmethod
     def of(cls, node: Node) -> Probes:
-        return node.ensure_behaviour(cls)
+        return node.ensure_service(cls)
 
     def forget(self, peer: str) -> None:
         """Drop ``peer``'s verdict (it published a newer claim: it may be back)."""

@@ -6,7 +6,12 @@ stream handlers and subscriptions, calls ``task_status.started()`` once it is re
 means is its own business: the relay client, for instance, once it holds its first slot), then
 serves until cancelled. The node starts each one with ``await nursery.start(...)`` in its own
 nursery, in order, and finds them by type (``node.behaviour(Cls)``). Background work a behaviour
-needs runs in its own ``run``, never in a borrowed nursery.
+needs runs in its own ``run``, never in a borrowed nursery. A behaviour may offer ``snapshot()``:
+a small frozen dataclass of what it knows, which ``Node.status`` (and ``nat_status``) read instead
+of its internals.
+
+Node-wide state with no work of its own is not a behaviour but a service
+(``Node.ensure_service``): the registry of behaviours holds only things that run.
 
 ``Behaviour`` is an optional base: its ``run`` gives the behaviour a nursery of its own
 (``spawn``) and serves forever; a subclass overrides ``attach`` (register handlers) and

@@ -3,6 +3,7 @@
 from shardnet.errors import (  # noqa: F401
     AddressError,
     DialError,
+    HeldError,
     IdentityError,
     NotStoredError,
     OverlayTimeout,

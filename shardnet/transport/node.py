@@ -1,7 +1,9 @@
-"""A running overlay node: host, DHT, gossipsub, bootstrap supervision and discovery.
+"""A running overlay node: host, DHT, gossipsub and the behaviours composed on them.
 
 ``open_node`` is the one entry point; everything it starts lives in its nursery and stops when the
-``async with`` block ends.
+``async with`` block ends. Every background duty is a behaviour (behaviour.py) with a ``snapshot()``
+of its state: the core ones every node runs (bootstrap supervision, discovery, keepalive) and the
+pluggable ones it is given (the NAT services by default, an app's own).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import asdict, dataclass
 from typing import TypeVar
 
 import trio
@@ -25,15 +27,18 @@ from libp2p.stream_muxer.exceptions import MuxedStreamReset
 from multiaddr import Multiaddr
 
 from . import allocator, compat, identity, identity_check
-from .behaviour import NodeBehaviour
+from .behaviour import Behaviour, NodeBehaviour
+from .bootstrap import BootstrapSupervisor
 from .config import NodeConfig, parse_multiaddr, parse_peer_addr
 from .dht import DHT
-from .errors import DialError, OverlayTimeout, ProtocolNotSupported, ShardnetError, StreamLimitError
+from .discovery import Discovery
+from .errors import DialError, HeldError, OverlayTimeout, ProtocolNotSupported, ShardnetError, StreamLimitError
 from .host import build_host, check_listen_ports
+from .keepalive import Keepalive
 from .limits import Limits
-from .nat.autonat import AutoNAT, Reachability
-from .nat.holepunch import HolePuncher
-from .nat.relay import RelayClient, RelayService, is_relayed, parse_circuit_addr
+from .nat.autonat import AutoNAT, AutoNATStatus
+from .nat.holepunch import HolePuncher, HolePunchStatus
+from .nat.relay import RelayClient, RelayClientStatus, RelayService, is_relayed, parse_circuit_addr
 from .pubsub import PubSub
 from .security import admission_reason
 from .stream import Stream
@@ -53,10 +58,6 @@ class PeerEvent:
     peer_id: ID
 
 
-#: How many discovered peers a node remembers (the oldest are forgotten first).
-MAX_DISCOVERED = 10_000
-
-
 class _ConnectionEvents:
     """py-libp2p network notifee that turns (dis)connections into PeerEvents."""
 
@@ -64,10 +65,10 @@ class _ConnectionEvents:
         self.node = node
 
     async def connected(self, network, conn) -> None:
-        self.node._emit(PeerEvent("connected", conn.muxed_conn.peer_id))
+        self.node.emit(PeerEvent("connected", conn.muxed_conn.peer_id))
 
     async def disconnected(self, network, conn) -> None:
-        self.node._emit(PeerEvent("disconnected", conn.muxed_conn.peer_id))
+        self.node.emit(PeerEvent("disconnected", conn.muxed_conn.peer_id))
 
     async def opened_stream(self, network, stream) -> None:
         pass
@@ -98,26 +99,29 @@ class PingResult:
 class Node:
     """The overlay as an embedding app sees it."""
 
-    def __init__(self, config: NodeConfig, key_pair: KeyPair, host, dht: DHT, pubsub: PubSub):
+    def __init__(self, config: NodeConfig, key_pair: KeyPair, host, dht: DHT, pubsub: PubSub,
+                 bootstrap: list[PeerInfo] = ()):
         self.config = config
         self.key_pair = key_pair
         self.host = host
         self.dht = dht
         self.pubsub = pubsub
-        #: Peers met through discovery, oldest first, at most MAX_DISCOVERED (value: when).
-        self.discovered: dict[ID, float] = {}
         self._peer_watchers: list[trio.MemorySendChannel[PeerEvent]] = []
-        self.discovery_kick = trio.Event()
-        #: connections closed because their keepalive went unanswered
-        self.keepalive_closed = 0
         #: streams our handlers served, by (protocol, "direct" | "relayed")
         self.streams_served: Counter[tuple[str, str]] = Counter()
-        self._bootstrap_errors: dict[ID, str] = {}
-        self._offered_to_table: set[ID] = set()  # peers offered to the DHT routing table
+        #: The core behaviours, which every node runs (open_node starts them; they are not in
+        #: ``behaviours``, the pluggable ones). Attached at once: each may use the others.
+        self.bootstrap = BootstrapSupervisor(list(bootstrap), config)
+        self.discovery = Discovery(config, lambda peer: self.emit(PeerEvent("discovered", peer)))
+        self.keepalive = Keepalive(config)
+        for core in self.core_behaviours:
+            core.attach(self)
         #: set (and replaced) whenever a connection opens or closes or a bootstrap dial fails
         self._links_changed = trio.Event()
         #: the behaviours attached to the node, in the order they were added (see behaviour.py)
         self._behaviours: list[object] = []
+        #: node-wide services with no work of their own (one per type; see ``ensure_service``)
+        self._services: dict[type, object] = {}
         self._behaviour_scopes: dict[int, trio.CancelScope] = {}
         self._closing = False
         #: the node's own nursery (set while the node runs): background work it owns
@@ -126,8 +130,13 @@ class Node:
         self.started = trio.Event()
 
     # -- behaviours --------------------------------------------------------------------------
+    @property
+    def core_behaviours(self) -> list[Behaviour]:
+        """What every node runs: bootstrap supervision, discovery, keepalive."""
+        return [self.bootstrap, self.discovery, self.keepalive]
+
     def behaviour(self, cls: type[B]) -> B | None:
-        """The node's behaviour (or node-wide service) of type ``cls``, or None."""
+        """The node's (pluggable) behaviour of type ``cls``, or None."""
         for b in self._behaviours:
             if isinstance(b, cls):
                 return b
@@ -135,6 +144,7 @@ class Node:
 
     @property
     def behaviours(self) -> list[object]:
+        """The pluggable behaviours, in the order they were added (the core ones are not here)."""
         return list(self._behaviours)
 
     async def add_behaviour(self, b: B) -> B:
@@ -152,19 +162,36 @@ class Node:
     def ensure_behaviour(self, cls: type[B], factory: Callable[[], B] | None = None) -> B:
         """The node's ``cls`` behaviour, made with ``factory`` (default ``cls(node)``) and started
         in the background if there is none yet: for callers that cannot wait (constructors). The
-        factory registers the behaviour's handlers at once; its ``run`` (if it has one) starts with
+        factory registers the behaviour's handlers at once; its ``run`` starts with
         ``nursery.start_soon``, so nothing waits for it to be ready."""
         found = self.behaviour(cls)
         if found is not None:
             return found
         b = factory() if factory is not None else cls(self)
-        if hasattr(b, "run"):
-            nursery = self._running_nursery(b)
-            self._behaviours.append(b)
-            nursery.start_soon(self._run_behaviour, b)
-        else:  # a node-wide service with no work of its own (probes, session slots): kept only
-            self._behaviours.append(b)
+        if not hasattr(b, "run"):
+            raise TypeError(f"{cls.__name__} has no run: it is a service (ensure_service), not a behaviour")
+        nursery = self._running_nursery(b)
+        self._behaviours.append(b)
+        nursery.start_soon(self._run_behaviour, b)
         return b
+
+    # -- services: node-wide state with no work of its own -----------------------------------
+    def service(self, cls: type[B]) -> B | None:
+        """The node's service of type ``cls`` (see ``ensure_service``), or None."""
+        found = self._services.get(cls)
+        if found is None:
+            found = next((s for s in self._services.values() if isinstance(s, cls)), None)
+        return found
+
+    def ensure_service(self, cls: type[B], factory: Callable[[], B] | None = None) -> B:
+        """The node's one ``cls``, made with ``factory`` (default ``cls(node)``) on first use: state
+        shared by everything on this node that has no background work (probe results, session
+        slots, counters). Unlike a behaviour it is not run, and it outlives nothing: it is kept
+        as long as the node object is."""
+        found = self.service(cls)
+        if found is None:
+            found = self._services[cls] = factory() if factory is not None else cls(self)
+        return found
 
     def remove_behaviour(self, b: object) -> None:
         """Stop ``b`` (its ``run`` is cancelled) and forget it."""
@@ -254,22 +281,41 @@ class Node:
         return "relayed" if all(is_relayed(c) for c in conns) else "direct"
 
     def nat_status(self) -> dict:
-        """Reachability, relay slots and hole punching, for ``shardnet status`` and embedding apps."""
-        autonat, relay_client, holepunch = self.autonat, self.relay_client, self.holepunch
-        r = autonat.reachability if autonat is not None else Reachability()
-        reservations = relay_client.reservations if relay_client is not None else {}
-        outcomes = holepunch.outcomes if holepunch is not None else {}
+        """Reachability, relay slots and hole punching, for ``shardnet status`` and embedding apps:
+        the NAT behaviours' snapshots (a missing behaviour reads as its empty snapshot)."""
+        autonat = self.autonat.snapshot() if self.autonat is not None else AutoNATStatus()
+        relay = self.relay_client.snapshot() if self.relay_client is not None else RelayClientStatus()
+        punch = self.holepunch.snapshot() if self.holepunch is not None else HolePunchStatus()
         return {
-            "reachability": r.status,
-            "public_addrs": [str(a) for a in r.public_addrs],
-            "checked_at": r.checked_at,
-            "autonat_answers": dict(r.answers),
-            "observed_ips": sorted(autonat.observed) if autonat is not None else [],
-            "relay_slots": {str(p): rsvp.expire for p, rsvp in reservations.items()},
-            "circuit_addrs": [str(a) for a in relay_client.circuit_addrs] if relay_client is not None else [],
-            "hole_punches": {p: vars(o) for p, o in ((str(k), v) for k, v in outcomes.items())},
-            "hole_punch_stats": dict(holepunch.stats) if holepunch is not None else {},
+            "reachability": autonat.reachability,
+            "public_addrs": autonat.public_addrs,
+            "checked_at": autonat.checked_at,
+            "autonat_answers": autonat.answers,
+            "observed_ips": autonat.observed_ips,
+            "relay_slots": relay.slots,
+            "circuit_addrs": relay.circuit_addrs,
+            "hole_punches": punch.outcomes,
+            "hole_punch_stats": punch.stats,
         }
+
+    def status(self) -> dict[str, dict]:
+        """Each behaviour's snapshot as plain data, by class name: the core ones, then those
+        of the pluggable ones that have a ``snapshot()``."""
+        out = {}
+        for b in [*self.core_behaviours, *self._behaviours]:
+            if callable(getattr(b, "snapshot", None)):
+                out.setdefault(type(b).__name__, asdict(b.snapshot()))
+        return out
+
+    @property
+    def discovered(self) -> dict[ID, float]:
+        """Peers met through discovery, oldest first, at most discovery.MAX_DISCOVERED (value: when)."""
+        return self.discovery.discovered
+
+    @property
+    def keepalive_closed(self) -> int:
+        """Connections closed because their keepalive went unanswered."""
+        return self.keepalive.closed
 
     def known_peers(self) -> list[ID]:
         """Peers we hold addresses for (connected or not), ourselves excluded."""
@@ -423,39 +469,11 @@ class Node:
                 for info in boots:
                     if info.peer_id in self.host.get_connected_peers():
                         return info.peer_id
-                if fail_fast and all(b.peer_id in self._bootstrap_errors for b in boots):
+                if fail_fast and all(b.peer_id in self.bootstrap.errors for b in boots):
                     break
                 await changed.wait()
-        reasons = "; ".join(self._bootstrap_errors.get(b.peer_id, "no answer") for b in boots)
+        reasons = "; ".join(self.bootstrap.errors.get(b.peer_id, "no answer") for b in boots)
         raise DialError(f"could not reach any bootstrap peer ({reasons})")
-
-    async def _check_identity(self, boots: list[PeerInfo], *, wait: float) -> None:
-        """Refuse (DuplicateIdentity) if a bootstrap peer holds a live connection to our peer ID
-        besides ours: asked of those connected within ``wait`` s, else of the first to connect."""
-        ids = [b.peer_id for b in boots if b.peer_id != self.peer_id]
-        if not ids:
-            return
-        with trio.move_on_after(wait):
-            while True:
-                changed = self._links_changed
-                if any(p in self.host.get_connected_peers() for p in ids) or \
-                        all(p in self._bootstrap_errors for p in ids):
-                    break
-                await changed.wait()
-        connected = [p for p in ids if p in self.host.get_connected_peers()]
-        if connected:
-            await identity_check.check_unique(self, connected)
-            return
-
-        async def later() -> None:
-            while True:
-                changed = self._links_changed
-                if connected := [p for p in ids if p in self.host.get_connected_peers()]:
-                    break
-                await changed.wait()
-            await identity_check.check_unique(self, connected)
-
-        self.nursery.start_soon(later)
 
     async def disconnect(self, peer_id: ID | str) -> None:
         with trio.move_on_after(self.config.dial_timeout):
@@ -516,137 +534,20 @@ class Node:
         it, check what you wait for, then wait on it."""
         return self._links_changed
 
-    def _note_links_changed(self) -> None:
+    def note_links_changed(self) -> None:
+        """Set ``links_changed`` (and replace it): for the behaviours that learn of a change."""
         self._links_changed.set()
         self._links_changed = trio.Event()
 
-    def _emit(self, event: PeerEvent) -> None:
+    def emit(self, event: PeerEvent) -> None:
+        """Tell the ``peer_events`` watchers (a connection event also sets ``links_changed``)."""
         if event.kind != "discovered":
-            self._note_links_changed()
+            self.note_links_changed()
         for ch in list(self._peer_watchers):
             try:
                 ch.send_nowait(event)
             except trio.WouldBlock:
                 log.warning("peer-event watcher is full; dropped %s %s", event.kind, event.peer_id)
-
-    def _note_discovered(self, peer_id: ID) -> None:
-        if peer_id == self.peer_id or peer_id in self.discovered:
-            return
-        if len(self.discovered) >= MAX_DISCOVERED:  # long-lived nodes see endless churn
-            self.discovered.pop(next(iter(self.discovered)))
-        self.discovered[peer_id] = time.time()
-        log.info("discovered peer %s", peer_id)
-        self._emit(PeerEvent("discovered", peer_id))
-
-    # -- background work ---------------------------------------------------------------------
-    async def _keep_bootstrap_connected(self, info: PeerInfo) -> None:
-        """Stay connected to one bootstrap peer: reconnect with exponential backoff."""
-        delay = self.config.reconnect_initial
-        announced_loss = False
-        while True:
-            if info.peer_id not in self.host.get_connected_peers():
-                try:
-                    await self.connect(info)
-                except ShardnetError as e:
-                    self._bootstrap_errors[info.peer_id] = str(e)
-                    self._note_links_changed()
-                    if not announced_loss:
-                        log.warning("bootstrap %s unreachable (%s); retrying with backoff", _short(info.peer_id), e)
-                        announced_loss = True
-                    await trio.sleep(delay * (0.75 + 0.5 * secrets.randbelow(1000) / 1000))
-                    delay = min(delay * 2, self.config.reconnect_max)
-                    continue
-                self._bootstrap_errors.pop(info.peer_id, None)
-                if announced_loss:
-                    log.info("reconnected to bootstrap %s", _short(info.peer_id))
-                announced_loss = False
-                delay = self.config.reconnect_initial
-                await self.dht.add_peer(info.peer_id)
-                self._note_discovered(info.peer_id)
-                self.discovery_kick.set()
-            await trio.sleep(min(1.0, self.config.reconnect_initial * 2))
-
-    async def _discover(self) -> None:
-        """Walk the DHT for peers near ourselves and near random keys; remember and dial them."""
-        while True:
-            found: list[ID] = []
-            with trio.move_on_after(self.config.dht_timeout):
-                try:
-                    found = await self.dht.closest_peers(self.peer_id.to_bytes())
-                    found += await self.dht.closest_peers(_random_peer_id().to_bytes())
-                except Exception as e:  # discovery is best effort; the next round retries
-                    log.debug("discovery round failed: %s", e)
-            for pid in found:
-                self._note_discovered(pid)
-            try:
-                await self._top_up_connections()
-            except Exception as e:  # a discovery hiccup must never take the node down
-                log.warning("connection top-up failed: %s: %s", type(e).__name__, e)
-            self.discovery_kick = trio.Event()
-            # Between network walks, pick up peers that reached us (inbound connections, DHT
-            # queries) within a second rather than at the next walk.
-            with trio.move_on_after(self.config.discovery_interval):
-                while not self.discovery_kick.is_set():
-                    connected, in_table = set(self.host.get_connected_peers()), set(self.dht.routing_table_peers())
-                    for pid in connected | in_table:
-                        self._note_discovered(pid)
-                    await self._tidy_routing_table(connected, in_table)
-                    with trio.move_on_after(1.0):
-                        await self.discovery_kick.wait()
-
-    async def _tidy_routing_table(self, connected: set[ID], in_table: set[ID]) -> None:
-        """Per identify: peers serving the DHT in the routing table, DHT clients out of it.
-
-        A server is offered once per connection (a full bucket may refuse it; asking again
-        each second would ping that bucket's oldest peer each time)."""
-        self._offered_to_table &= connected
-        store = self.host.get_peerstore()
-        for pid in connected:
-            serves = compat.serves_dht(store, pid)
-            if serves is False and pid in in_table:
-                self.dht.remove_peer(pid)
-            elif serves and pid not in in_table and pid not in self._offered_to_table:
-                self._offered_to_table.add(pid)
-                await self.dht.add_peer(pid)
-
-    async def _close_dead_connections(self) -> None:
-        """Close connections whose keepalive ping went unanswered for ``keepalive_timeout``: the
-        path died silently (NAT mapping gone, relay gone). Closing them is what lets bootstrap
-        supervision redial, relay slots be reserved again and new streams pick a live path."""
-        # py-libp2p sends the next ping 10 s + interval after an unanswered one, which resets
-        # the age we watch: a longer timeout would never fire.
-        timeout = min(self.config.keepalive_timeout, self.config.keepalive_interval + 9.0)
-        while True:
-            await trio.sleep(min(1.0, timeout / 4))
-            for conn in list(self.host.get_network().get_connections()):
-                age = compat.unanswered_ping_age(conn.muxed_conn)
-                if age is not None and age > timeout:
-                    peer = conn.muxed_conn.peer_id
-                    log.warning("connection to %s%s is dead (keepalive unanswered for %.0f s); closing it",
-                                _short(peer), " (relayed)" if is_relayed(conn) else "", age)
-                    self.keepalive_closed += 1
-                    with trio.move_on_after(5):
-                        try:
-                            await conn.close()
-                        except Exception as e:
-                            log.debug("closing a dead connection: %s", e)
-
-    async def _top_up_connections(self) -> None:
-        """Keep direct connections to discovered peers up to the low watermark, so that
-        gossip meshes and streams do not depend on any one node (the bootstrap in particular)."""
-        connected = set(self.host.get_connected_peers())
-        want = self.config.low_watermark - len(connected)
-        for pid in list(self.discovered):
-            if want <= 0:
-                break
-            addrs = self.addrs_of(pid)
-            if pid in connected or not addrs:
-                continue
-            try:
-                await self.connect(PeerInfo(pid, addrs), timeout=min(5.0, self.config.dial_timeout))
-                want -= 1
-            except ShardnetError as e:
-                log.debug("could not dial discovered peer %s: %s", _short(pid), e)
 
 
 def default_behaviours(config: NodeConfig) -> list[NodeBehaviour]:
@@ -673,80 +574,105 @@ async def open_node(config: NodeConfig | None = None,
                     behaviours: list[NodeBehaviour] | None = None) -> AsyncIterator[Node]:
     """Start a node; yield it; stop everything it started when the block ends.
 
-    ``behaviours``: what the node runs besides its core (host, DHT, gossip, bootstrap and
-    discovery), started in order, each ready before the next starts and all before the node is
-    yielded; None runs ``default_behaviours(config)``. An app that adds its own passes
-    ``[*default_behaviours(config), Mine()]`` (or calls ``node.add_behaviour`` later)."""
-    compat.apply()
+    ``behaviours``: what the node runs besides its core (host, DHT, gossip and the core
+    behaviours: bootstrap supervision, discovery, keepalive), started in order, each ready before
+    the next starts and all before the node is yielded; None runs ``default_behaviours(config)``.
+    An app that adds its own passes ``[*default_behaviours(config), Mine()]`` (or calls
+    ``node.add_behaviour`` later)."""
     config = config or NodeConfig()
-    if config.tune_allocator:
-        allocator.tune()
-    key_pair = _resolve_identity(config)
-    listen = [parse_multiaddr(a, what="--listen") for a in config.listen]
-    announce = [parse_multiaddr(a, what="--announce") for a in config.announce]
-    bootstrap = [parse_peer_addr(a, what="bootstrap address") for a in config.bootstrap]
-    behaviours = default_behaviours(config) if behaviours is None else list(behaviours)
-    check_listen_ports(listen)
-    compat.set_keepalive_interval(config.keepalive_interval)
-    host = build_host(config, key_pair, announce)
+    setup = _Setup.of(config, behaviours)  # bad input fails here, before anything starts
     # An exception from the caller's block (or from a behaviour that failed to start) is held
-    # here and re-raised once everything we started has stopped, so it reaches the caller as
-    # itself, not wrapped in the exception groups of our internal nurseries.
-    body_error: BaseException | None = None
-    async with host.run(listen):
+    # and re-raised once everything we started has stopped, so it reaches the caller as itself,
+    # not wrapped in the exception groups of our internal nurseries.
+    held = HeldError()
+    async with AsyncExitStack() as stack:
+        host = await stack.enter_async_context(_listening_host(config, setup))
+        dht = await stack.enter_async_context(DHT.start(host, config))
+        pubsub = await stack.enter_async_context(PubSub.start(host, config))
+        node = Node(config, setup.key_pair, host, dht, pubsub, setup.bootstrap)
+        host.get_network().register_notifee(_ConnectionEvents(node))
+        host.set_stream_handler(TProtocol(identity_check.PROTOCOL_ID), functools.partial(identity_check.serve, node))
+        nursery = await stack.enter_async_context(_node_nursery(node))
+        with held:
+            await _start_behaviours(node, nursery, setup.behaviours)
+            if setup.checks_identity:
+                await node.bootstrap.check_identity(wait=min(IDENTITY_CHECK_WAIT, config.dial_timeout))
+            yield node
+    held.reraise()
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What open_node makes of its config before it starts anything."""
+
+    key_pair: KeyPair
+    listen: list[Multiaddr]
+    announce: list[Multiaddr]
+    bootstrap: list[PeerInfo]
+    behaviours: list[NodeBehaviour]
+    checks_identity: bool  # ask the bootstrap peers whether our identity is live elsewhere
+
+    @classmethod
+    def of(cls, config: NodeConfig, behaviours: list[NodeBehaviour] | None) -> _Setup:
+        compat.apply()
+        if config.tune_allocator:
+            allocator.tune()
+        key_pair = _resolve_identity(config)
+        listen = [parse_multiaddr(a, what="--listen") for a in config.listen]
+        announce = [parse_multiaddr(a, what="--announce") for a in config.announce]
+        bootstrap = [parse_peer_addr(a, what="bootstrap address") for a in config.bootstrap]
+        behaviours = default_behaviours(config) if behaviours is None else list(behaviours)
+        check_listen_ports(listen)
+        persistent = config.key_pair is not None or config.identity_path is not None
+        return cls(key_pair, listen, announce, bootstrap, behaviours,
+                   checks_identity=config.check_identity and persistent and bool(bootstrap))
+
+
+@asynccontextmanager
+async def _listening_host(config: NodeConfig, setup: _Setup) -> AsyncIterator:
+    """The libp2p host, listening (or ShardnetError if it could not listen anywhere)."""
+    compat.set_keepalive_interval(config.keepalive_interval)
+    host = build_host(config, setup.key_pair, setup.announce)
+    async with host.run(setup.listen):
         try:
             if not host.get_transport_addrs():
-                raise ShardnetError(f"could not listen on any of {', '.join(map(str, listen))}")
+                raise ShardnetError(f"could not listen on any of {', '.join(map(str, setup.listen))}")
             compat.register_peerstore(host.get_peerstore())
             host.set_stream_handler(TProtocol(compat.LARGE_FRAMES_PROTOCOL), _refuse_stream)
-            async with DHT.start(host, config) as dht, PubSub.start(host, config) as pubsub:
-                node = Node(config, key_pair, host, dht, pubsub)
-                host.get_network().register_notifee(_ConnectionEvents(node))
-                host.set_stream_handler(TProtocol(identity_check.PROTOCOL_ID),
-                                        functools.partial(identity_check.serve, node))
-                async with trio.open_nursery() as nursery:
-                    node.nursery = nursery
-                    for info in bootstrap:
-                        if info.peer_id != node.peer_id:
-                            nursery.start_soon(node._keep_bootstrap_connected, info)
-                    try:
-                        for b in behaviours:
-                            await node.add_behaviour(b)
-                    except Exception as e:
-                        body_error = e  # raised before the caller ever sees the node
-                        node._closing = True
-                        nursery.cancel_scope.cancel()
-                    else:
-                        node.started.set()
-                        nursery.start_soon(node._discover)
-                        nursery.start_soon(node._close_dead_connections)
-                        log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
-                        persistent = config.key_pair is not None or config.identity_path is not None
-                        try:
-                            if config.check_identity and persistent and bootstrap:
-                                await node._check_identity(bootstrap,
-                                                           wait=min(IDENTITY_CHECK_WAIT, config.dial_timeout))
-                        except identity_check.DuplicateIdentity as e:
-                            body_error = e  # raised before the caller ever sees the node
-                            node._closing = True
-                            nursery.cancel_scope.cancel()
-                        else:
-                            try:
-                                yield node
-                            except BaseException as e:
-                                body_error = e
-                            finally:
-                                node._closing = True
-                                nursery.cancel_scope.cancel()
-                node.nursery = None
+            yield host
         finally:
             # py-libp2p's own stop path closes connections and listeners from inside a
             # cancelled scope, so the first await aborts it and the listening socket stays
             # open after the node is gone. Close the swarm explicitly, shielded and bounded.
             with trio.CancelScope(shield=True), trio.move_on_after(10):
                 await host.get_network().close()
-    if body_error is not None:
-        raise body_error
+
+
+@asynccontextmanager
+async def _node_nursery(node: Node) -> AsyncIterator[trio.Nursery]:
+    """The node's own nursery, cancelled (with every behaviour in it) when the block ends."""
+    try:
+        async with trio.open_nursery() as nursery:
+            node.nursery = nursery
+            try:
+                yield nursery
+            finally:
+                node._closing = True  # stopped behaviours stay readable (stats after the fact)
+                nursery.cancel_scope.cancel()
+    finally:
+        node.nursery = None
+
+
+async def _start_behaviours(node: Node, nursery: trio.Nursery, behaviours: list[NodeBehaviour]) -> None:
+    """Bootstrap supervision first (its dials start at once), then the pluggable behaviours in
+    order (``node.started`` once all are ready), then discovery and keepalive."""
+    await nursery.start(node.bootstrap.run, node)
+    for b in behaviours:
+        await node.add_behaviour(b)
+    node.started.set()
+    await nursery.start(node.discovery.run, node)
+    await nursery.start(node.keepalive.run, node)
+    log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
 
 
 async def _refuse_stream(raw) -> None:
@@ -760,11 +686,6 @@ def _resolve_identity(config: NodeConfig) -> KeyPair:
     if config.identity_path is not None:
         return identity.load_or_create(config.identity_path)[0]
     return identity.generate()
-
-
-def _random_peer_id() -> ID:
-    """A random point in the keyspace (the DHT only accepts peer-ID-shaped lookup keys)."""
-    return identity.peer_id_of(identity.generate())
 
 
 def _as_peer_id(peer: ID | str) -> ID:

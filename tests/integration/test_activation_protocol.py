@@ -177,4 +177,4 @@ async def test_bad_input_gets_an_error_reply_and_the_peer_keeps_serving(loopback
             client = Client(cli, LocalModel(model_dir))
             toks = [t async for t in client.generate([1, 2, 3], max_new_tokens=5, stop_at_eos=False)]
             assert len(toks) == 5
-            assert peer.behaviour(BlockEndpoint).served.kv.used == 0  # every failed session released its KV
+            assert peer.service(BlockEndpoint).served.kv.used == 0  # every failed session released its KV

@@ -170,3 +170,35 @@ async def test_the_relay_client_is_ready_once_it_holds_a_slot(loopback_config):
         async with open_node(cfg) as node:
             assert node.relay_client.circuit_addrs  # no polling: open_node waited for it
             assert relay.relay_service.reservations.get(node.peer_id)
+
+
+async def test_the_core_behaviours_run_on_every_node_and_report_their_status(loopback_config):
+    async with open_node(loopback_config(), behaviours=[]) as boot:
+        async with open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as node:
+            await node.wait_bootstrapped()
+            status = node.status()
+            assert list(status)[:3] == ["BootstrapSupervisor", "Discovery", "Keepalive"]
+            assert status["BootstrapSupervisor"]["connected"] == [str(boot.peer_id)]
+            assert {"AutoNAT", "HolePuncher", "RelayClient"} <= set(status)
+            assert status["AutoNAT"]["reachability"] == node.nat_status()["reachability"]
+            assert not any(b in node.behaviours for b in node.core_behaviours)  # the pluggable ones only
+            with trio.fail_after(10):
+                while node.discovery.snapshot().walks == 0 or boot.peer_id not in node.discovered:
+                    await trio.sleep(0.05)
+        assert list(boot.status()) == ["BootstrapSupervisor", "Discovery", "Keepalive"]
+
+
+class Tally:
+    """Node-wide state with no work of its own: a service, not a behaviour."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+
+
+async def test_services_are_kept_apart_from_behaviours(loopback_config):
+    async with open_node(loopback_config(), behaviours=[]) as node:
+        tally = node.ensure_service(Tally)
+        assert node.ensure_service(Tally) is tally and node.service(Tally) is tally
+        assert node.behaviour(Tally) is None and node.behaviours == []
+        with pytest.raises(TypeError, match="no run"):
+            node.ensure_behaviour(Tally)

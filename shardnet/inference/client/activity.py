@@ -50,7 +50,7 @@ class ClientActivity:
 
     @classmethod
     def of(cls, node: Node) -> ClientActivity:
-        return node.ensure_behaviour(cls)
+        return node.ensure_service(cls)
 
     def session_started(self, prompt_tokens: int) -> None:
         self.sessions_active += 1

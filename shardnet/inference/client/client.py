@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from shardnet.errors import InferenceError, ShardnetError
+from shardnet.errors import HeldError, InferenceError, ShardnetError
 from shardnet.inference.claims import CLAIM_TTL
 from shardnet.inference.client.activity import ClientActivity
 from shardnet.inference.client.audit import DEFAULT_AUDIT_RATE, RunAuditor
@@ -172,23 +172,21 @@ class Client:
         deadline = trio.current_time() + self.queue_timeout
         async with self.slots.hold(route[0].peer, deadline):
             sess = await self._open_when_free(route, max_len, deadline)
-            body_error: BaseException | None = None
+            held = HeldError()  # re-raised below as itself, not as an exception group
             try:
                 # routing counts this session's KV on its hops until it closes (own_load.py)
                 with self.planner.own_load.holding(route, max_len):
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(sess._watch_errors)
                         try:
-                            yield sess
-                        except BaseException as e:  # re-raised below as itself, not as an exception group
-                            body_error = e
+                            with held:
+                                yield sess
                         finally:
                             nursery.cancel_scope.cancel()
             finally:
                 with trio.CancelScope(shield=True):
                     await sess.close()
-        if body_error is not None:
-            raise body_error
+        held.reraise()
 
     async def _open_when_free(self, route: list[Claim], max_len: int, deadline: float) -> InferenceSession:
         delay = 0.1
@@ -274,7 +272,7 @@ class Client:
                                   drafter=drafter, k=k, depth=depth)
         # checks run beside the generation and end with it (the decode loop waits for those still
         # running before it finishes, so their verdicts still count for this request)
-        body_error: BaseException | None = None
+        held = HeldError()  # re-raised below as itself, not inside an exception group
         told_heals = 0
 
         def tell_heals() -> None:
@@ -299,17 +297,16 @@ class Client:
                     activity.token(made=tok.id is not None, retracted=tok.retracted)
                     tell_heals()
                     yield tok
-            except BaseException as e:  # re-raised below as itself, not inside an exception group
-                body_error = e
+            except BaseException as e:
+                held.error = e
             finally:
                 stats.chain = sess.route or stats.chain
                 tell_heals()
-                activity.session_ended(failed=body_error is not None and not isinstance(body_error, GeneratorExit)
-                                       and not isinstance(body_error, trio.Cancelled), audit=stats.audit)
+                activity.session_ended(failed=held.error is not None and not isinstance(held.error, GeneratorExit)
+                                       and not isinstance(held.error, trio.Cancelled), audit=stats.audit)
                 await sess.close()
                 audits.cancel_scope.cancel()  # checks still running when the request failed
-        if body_error is not None:
-            raise body_error
+        held.reraise()
 
 
 def _checked_bias(bias: dict[int, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:

@@ -25,7 +25,7 @@ class OwnLoad:
 
     @classmethod
     def of(cls, node) -> OwnLoad:
-        return node.ensure_behaviour(cls, cls)
+        return node.ensure_service(cls, cls)
 
     @contextmanager
     def holding(self, route: list[Claim], max_len: int) -> Iterator[None]:

@@ -196,7 +196,7 @@ class SessionSlots:
 
     @classmethod
     def of(cls, node: Node) -> SessionSlots:
-        return node.ensure_behaviour(cls, lambda: cls(node.config.limits.sessions_out_per_peer))
+        return node.ensure_service(cls, lambda: cls(node.config.limits.sessions_out_per_peer))
 
     @asynccontextmanager
     async def hold(self, peer: str, deadline: float) -> AsyncIterator[None]:

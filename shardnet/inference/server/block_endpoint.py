@@ -124,7 +124,7 @@ class BlockEndpoint:
 
     @classmethod
     def of(cls, node: Node) -> BlockEndpoint:
-        return node.ensure_behaviour(cls)  # kept in the node's registry (no work of its own)
+        return node.ensure_service(cls)  # a node service: no work of its own
 
     def serve(self, served: ServedBlock) -> None:
         self.served = served

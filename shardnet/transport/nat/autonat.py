@@ -156,6 +156,18 @@ class Reachability:
     answers: dict[str, str] = field(default_factory=dict)  # server -> "ok <addr>" or the error
 
 
+@dataclass(frozen=True)
+class AutoNATStatus:
+    """What AutoNAT knows about our reachability (``AutoNAT.snapshot``), as plain data."""
+
+    reachability: str = UNKNOWN
+    public_addrs: list[str] = field(default_factory=list)  # confirmed by dial-backs
+    checked_at: float | None = None  # Unix time
+    answers: dict[str, str] = field(default_factory=dict)  # server -> "ok <addr>" or the error
+    observed_ips: list[str] = field(default_factory=list)  # IPs peers see us at
+    stats: dict[str, int] = field(default_factory=dict)
+
+
 def _ip_of(addr: Multiaddr) -> str | None:
     for proto in ("ip4", "ip6"):
         try:
@@ -229,6 +241,11 @@ class AutoNAT(Behaviour):
     @property
     def status(self) -> str:
         return self.reachability.status
+
+    def snapshot(self) -> AutoNATStatus:
+        r = self.reachability
+        return AutoNATStatus(r.status, [str(a) for a in r.public_addrs], r.checked_at, dict(r.answers),
+                             sorted(self.observed), dict(self.stats))
 
     def _watch_observations(self) -> None:
         manager = observed_addr_manager(self.node.host)

@@ -78,6 +78,14 @@ class PunchOutcome:
     at: float  # Unix time
 
 
+@dataclass(frozen=True)
+class HolePunchStatus:
+    """What hole punching did (``HolePuncher.snapshot``), as plain data."""
+
+    outcomes: dict[str, dict] = field(default_factory=dict)  # peer -> its last PunchOutcome's fields
+    stats: dict[str, int] = field(default_factory=dict)
+
+
 class HolePuncher(Behaviour):
     """A node behaviour: both sides of DCUtR. It always answers; with ``punch`` it also starts
     an upgrade when a peer reaches us through a relay. Ready at once."""
@@ -93,6 +101,9 @@ class HolePuncher(Behaviour):
     def attach(self, node) -> None:
         self.node = node
         node.host.set_stream_handler(TProtocol(DCUTR_PROTOCOL), self._handle)
+
+    def snapshot(self) -> HolePunchStatus:
+        return HolePunchStatus({str(p): dict(vars(o)) for p, o in self.outcomes.items()}, dict(self.stats))
 
     # -- helpers -----------------------------------------------------------------------------------
     def direct(self, peer: ID):

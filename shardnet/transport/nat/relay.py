@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 from libp2p.abc import ConnectionType
@@ -119,6 +119,15 @@ def _guarded(handler):
 
 # -- the relay -----------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class RelayServiceStatus:
+    """What the relay service holds (``RelayService.snapshot``), as plain data."""
+
+    reservations: dict[str, float] = field(default_factory=dict)  # peer -> expiry (Unix time)
+    circuits: int = 0  # open now
+    stats: dict[str, int] = field(default_factory=dict)
+
+
 class RelayService(Behaviour):
     """A node behaviour: serves the hop protocol, reservations and circuits, within ``limits``."""
 
@@ -131,6 +140,10 @@ class RelayService(Behaviour):
     def attach(self, node) -> None:
         self.node = node
         node.host.set_stream_handler(TProtocol(HOP_PROTOCOL), _guarded(self._handle_hop))
+
+    def snapshot(self) -> RelayServiceStatus:
+        return RelayServiceStatus({str(p): t for p, t in self.reservations.items()},
+                                  sum(self.circuits.values()) // 2, dict(self.stats))  # counted at both ends
 
     def _limit(self) -> Limit:
         return Limit(duration=int(self.limits.circuit_duration), data=self.limits.circuit_bytes)
@@ -281,6 +294,14 @@ async def _reply(raw, msg: HopMessage, close: bool = False) -> None:
 
 # -- the client side -----------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class RelayClientStatus:
+    """The relay client's slots (``RelayClient.snapshot``), as plain data."""
+
+    slots: dict[str, float] = field(default_factory=dict)  # relay -> when our reservation expires (Unix time)
+    circuit_addrs: list[str] = field(default_factory=list)  # where others can reach us through relays
+
+
 class RelayClient(Behaviour):
     """A node behaviour: accepts circuits (stop protocol), reserves slots and dials through relays.
 
@@ -308,6 +329,10 @@ class RelayClient(Behaviour):
             return list(plain()) + [Multiaddr(f"{a}/p2p/{me}") for a in self.circuit_addrs]
 
         host.get_addrs = with_circuits  # identify and the DHT advertise what get_addrs returns
+
+    def snapshot(self) -> RelayClientStatus:
+        return RelayClientStatus({str(p): r.expire for p, r in self.reservations.items()},
+                                 [str(a) for a in self.circuit_addrs])
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         for info in self.relays:

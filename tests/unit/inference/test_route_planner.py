@@ -32,7 +32,7 @@ class FakeNode:
     def link(self, peer: str) -> str:
         return "relayed" if peer in self.relayed else "direct"
 
-    def ensure_behaviour(self, cls, factory=None):
+    def ensure_service(self, cls, factory=None):
         if not hasattr(self, "_behaviour"):
             self._behaviour = factory() if factory else cls(self)
         return self._behaviour

@@ -1,0 +1,142 @@
+"""Peer discovery: a node behaviour that walks the DHT for peers, remembers them and keeps
+direct connections to them up to the low watermark (mDNS, when enabled, runs inside py-libp2p's
+host and its peers reach us as connections, which this behaviour then notes)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from . import compat, identity
+from .behaviour import Behaviour
+from .config import NodeConfig
+from .errors import ShardnetError
+
+log = logging.getLogger(__name__)
+
+#: How many discovered peers a node remembers (the oldest are forgotten first).
+MAX_DISCOVERED = 10_000
+
+
+@dataclass(frozen=True)
+class DiscoveryStatus:
+    discovered: int  # peers remembered (at most MAX_DISCOVERED)
+    walks: int  # DHT walks done
+    last_walk_at: float | None  # Unix time of the last one
+    last_walk_found: int  # peers it returned (known ones included)
+    top_up_dials: int  # discovered peers dialled to reach the low watermark
+
+
+class Discovery(Behaviour):
+    """Walk the DHT for peers near ourselves and near random keys every ``discovery_interval``
+    (at once when ``kick``-ed), remember them (``discovered``, oldest first) and dial them up to
+    ``low_watermark`` connections; between walks, note within a second the peers that reached us.
+    Ready at once."""
+
+    def __init__(self, config: NodeConfig, on_discovered: Callable[[ID], None] | None = None) -> None:
+        self.config = config
+        self.on_discovered = on_discovered  # told of each peer once, when first noted
+        #: Peers met through discovery, oldest first, at most MAX_DISCOVERED (value: when).
+        self.discovered: dict[ID, float] = {}
+        self._kicked = trio.Event()
+        self._offered_to_table: set[ID] = set()  # peers offered to the DHT routing table
+        self.walks = 0
+        self.last_walk_at: float | None = None
+        self.last_walk_found = 0
+        self.top_up_dials = 0
+
+    def snapshot(self) -> DiscoveryStatus:
+        return DiscoveryStatus(len(self.discovered), self.walks, self.last_walk_at, self.last_walk_found,
+                               self.top_up_dials)
+
+    def kick(self) -> None:
+        """Walk the DHT now rather than at the next interval (a bootstrap peer came back)."""
+        self._kicked.set()
+
+    def note(self, peer_id: ID) -> None:
+        """Remember ``peer_id`` (once) and tell the node's peer-event watchers."""
+        node = self.node
+        if peer_id == node.peer_id or peer_id in self.discovered:
+            return
+        if len(self.discovered) >= MAX_DISCOVERED:  # long-lived nodes see endless churn
+            self.discovered.pop(next(iter(self.discovered)))
+        self.discovered[peer_id] = time.time()
+        log.info("discovered peer %s", peer_id)
+        if self.on_discovered is not None:
+            self.on_discovered(peer_id)
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        node = self.node
+        while True:
+            found: list[ID] = []
+            with trio.move_on_after(self.config.dht_timeout):
+                try:
+                    found = await node.dht.closest_peers(node.peer_id.to_bytes())
+                    found += await node.dht.closest_peers(_random_peer_id().to_bytes())
+                except Exception as e:  # discovery is best effort; the next round retries
+                    log.debug("discovery round failed: %s", e)
+            self.walks += 1
+            self.last_walk_at, self.last_walk_found = time.time(), len(found)
+            for pid in found:
+                self.note(pid)
+            try:
+                await self._top_up_connections()
+            except Exception as e:  # a discovery hiccup must never take the node down
+                log.warning("connection top-up failed: %s: %s", type(e).__name__, e)
+            self._kicked = trio.Event()
+            # Between network walks, pick up peers that reached us (inbound connections, DHT
+            # queries) within a second rather than at the next walk.
+            with trio.move_on_after(self.config.discovery_interval):
+                while not self._kicked.is_set():
+                    connected, in_table = set(node.host.get_connected_peers()), set(node.dht.routing_table_peers())
+                    for pid in connected | in_table:
+                        self.note(pid)
+                    await self._tidy_routing_table(connected, in_table)
+                    with trio.move_on_after(1.0):
+                        await self._kicked.wait()
+
+    async def _tidy_routing_table(self, connected: set[ID], in_table: set[ID]) -> None:
+        """Per identify: peers serving the DHT in the routing table, DHT clients out of it.
+
+        A server is offered once per connection (a full bucket may refuse it; asking again
+        each second would ping that bucket's oldest peer each time)."""
+        self._offered_to_table &= connected
+        dht, store = self.node.dht, self.node.host.get_peerstore()
+        for pid in connected:
+            serves = compat.serves_dht(store, pid)
+            if serves is False and pid in in_table:
+                dht.remove_peer(pid)
+            elif serves and pid not in in_table and pid not in self._offered_to_table:
+                self._offered_to_table.add(pid)
+                await dht.add_peer(pid)
+
+    async def _top_up_connections(self) -> None:
+        """Keep direct connections to discovered peers up to the low watermark, so that
+        gossip meshes and streams do not depend on any one node (the bootstrap in particular)."""
+        node = self.node
+        connected = set(node.host.get_connected_peers())
+        want = self.config.low_watermark - len(connected)
+        for pid in list(self.discovered):
+            if want <= 0:
+                break
+            addrs = node.addrs_of(pid)
+            if pid in connected or not addrs:
+                continue
+            try:
+                await node.connect(PeerInfo(pid, addrs), timeout=min(5.0, self.config.dial_timeout))
+                want -= 1
+                self.top_up_dials += 1
+            except ShardnetError as e:
+                log.debug("could not dial discovered peer %s: %s", identity.short(pid), e)
+
+
+def _random_peer_id() -> ID:
+    """A random point in the keyspace (the DHT only accepts peer-ID-shaped lookup keys)."""
+    return identity.peer_id_of(identity.generate())

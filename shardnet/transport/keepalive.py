@@ -1,0 +1,57 @@
+"""Keepalive: a node behaviour that closes connections whose keepalive ping went unanswered.
+
+py-libp2p pings every connection every ``keepalive_interval`` s (the interval is set on the host,
+``compat.set_keepalive_interval``); this behaviour watches the answers."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import trio
+
+from . import compat, identity
+from .behaviour import Behaviour
+from .config import NodeConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KeepaliveStatus:
+    timeout: float  # seconds a ping may go unanswered before its connection is closed
+    closed: int  # connections closed so far because their ping went unanswered
+
+
+class Keepalive(Behaviour):
+    """Close connections whose keepalive ping went unanswered for ``keepalive_timeout``: the
+    path died silently (NAT mapping gone, relay gone). Closing them is what lets bootstrap
+    supervision redial, relay slots be reserved again and new streams pick a live path. Ready at
+    once."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        # py-libp2p sends the next ping 10 s + interval after an unanswered one, which resets
+        # the age we watch: a longer timeout would never fire.
+        self.timeout = min(config.keepalive_timeout, config.keepalive_interval + 9.0)
+        #: connections closed because their keepalive went unanswered
+        self.closed = 0
+
+    def snapshot(self) -> KeepaliveStatus:
+        return KeepaliveStatus(self.timeout, self.closed)
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            await trio.sleep(min(1.0, self.timeout / 4))
+            for conn in list(self.node.host.get_network().get_connections()):
+                age = compat.unanswered_ping_age(conn.muxed_conn)
+                if age is not None and age > self.timeout:
+                    peer = conn.muxed_conn.peer_id
+                    log.warning("connection to %s%s is dead (keepalive unanswered for %.0f s); closing it",
+                                identity.short(peer), " (relayed)" if compat.swarm.is_relayed(conn) else "", age)
+                    self.closed += 1
+                    with trio.move_on_after(5):
+                        try:
+                            await conn.close()
+                        except Exception as e:
+                            log.debug("closing a dead connection: %s", e)
