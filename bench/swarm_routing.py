@@ -1,6 +1,6 @@
 """Latency-aware routing and mid-request healing, measured side by side in one run.
 
-    python bench/swarm_routing.py [--delay-ms 15] [--tokens 32] [--repeats 3]
+    python bench/swarm_routing.py [--delay-ms 15] [--tokens 32] [--repeats 3] [--quick]
 
 Routing: the shipped tiny-llama served twice over (layers 0:4 and 4:8 each by two peers, all
 separate ``shardnet join`` processes); one chain's peers sit behind a WAN emulator
@@ -38,7 +38,7 @@ from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.testing.localswarm import ShardnetProcess  # noqa: E402
 from shardnet.models import default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from shardnet.testing.localswarm import free_port  # noqa: E402
 
 PROMPT = "def __init__(self, name):\n        self.name = name\n        self."
 
@@ -140,6 +140,8 @@ async def main_async(args) -> None:
                         # (the killed one stays avoided: clients' dial caches remember it failing)
                         victim = names[h[-1].failed[0]]
                         peers.pop(victim)[0].stop()
+                        if i + 1 == args.repeats:
+                            continue  # no next round to serve
                         layers = "0:4" if victim.startswith(("fast0", "slow0")) else "4:8"
                         real = pub = None
                         if victim.startswith("slow"):
@@ -167,7 +169,12 @@ def main() -> int:
     ap.add_argument("--delay-ms", type=float, default=15.0)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    trio.run(main_async, ap.parse_args())
+    ap.add_argument("--quick", action="store_true",
+                    help="a short run for the tests: 12 tokens (the kill comes after 8), 1 repeat")
+    args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.repeats = 12, 1
+    trio.run(main_async, args)
     return 0
 
 
