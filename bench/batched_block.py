@@ -30,7 +30,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 1 and 4 sessions, 2 rounds, 1 thread")
+    ap.add_argument("--quick", action="store_true",
+                    help="a short run for the tests: 1 and 4 sessions, 2 rounds, 1 thread")
     args = ap.parse_args()
     if args.quick:
         args.sessions, args.context, args.rounds, args.threads = "1,4", 8, 2, 1

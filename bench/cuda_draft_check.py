@@ -2,11 +2,12 @@
 
     python bench/cuda_draft_check.py [--steps 200] [--k 6] [--cpu-only] [--quick]
 
-Needs a CUDA device (``--cpu-only``: the CPU rows alone, the CUDA ones read "not available"). For the shipped draft and for a larger random llama (a draft of a size
-where kernel launches no longer dominate), drafts k tokens at a time from a text that grows the
-way verification makes it grow (a few drafts kept, then a token the draft did not expect, so
-the static cache rolls back under the graph every call), three ways: eager on the CPU, eager on
-CUDA, graphed on CUDA. Prints whether all three proposed identical tokens at every call and the
+Needs a CUDA device (``--cpu-only``: the CPU rows alone, the CUDA ones read "not available").
+For the shipped draft and for a larger random llama (a draft of a size where kernel launches
+no longer dominate), drafts k tokens at a time from a text that grows the way verification
+makes it grow (a few drafts kept, then a token the draft did not expect, so the static cache
+rolls back under the graph every call), three ways: eager on the CPU, eager on CUDA, graphed
+on CUDA. Prints whether all three proposed identical tokens at every call and the
 time per drafted token, and exits non-zero if any token differed.
 """
 

@@ -242,10 +242,10 @@ def main() -> None:
     ap.add_argument("--chaos", action="store_true", help="kill and restart replicas meanwhile (--replicas 2)")
     ap.add_argument("--before", type=Path, default=None, help="a shardnet tree to run first, for comparison")
     ap.add_argument("--after", type=Path, default=None, help="the tree to compare it with (default: this one)")
-    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 2 users x 3 s")
+    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 2 users x 2 s")
     args = ap.parse_args()
     if args.quick:
-        args.users, args.seconds = 2, 3.0
+        args.users, args.seconds = 2, 2.0
     if args.chaos and args.replicas < 2:
         ap.error("--chaos needs --replicas 2 (or more)")
     runs = ([("before", args.before.resolve())] if args.before else []) + [

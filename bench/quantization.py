@@ -127,7 +127,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--skip-random", action="store_true", help="only the shipped model")
     p.add_argument("--quick", action="store_true",
-                   help="a short run for the tests: 2 prompts x 3 tokens, 1 thread, the random models at hidden 128 and 64")
+                   help="a short run for the tests: 2 prompts x 3 tokens, 1 thread, "
+                        "the random models at hidden 128 and 64")
     args = p.parse_args()
     llama_dims, mixtral_dims = dict(layers=8, hidden=1024, intermediate=2816), dict(layers=4, hidden=512,
                                                                                     intermediate=1024)

@@ -147,7 +147,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
             for p in procs:
                 p.stop()
             nursery.cancel_scope.cancel()
-    compute = {n: measure_compute(ckpt, ranges, model, n) for n in {m.k + 1 for m in modes}}
+    reps = 3 if args.quick else 30
+    compute = {n: measure_compute(ckpt, ranges, model, n, reps=reps) for n in {m.k + 1 for m in modes}}
     report(args, ranges, ping, modes, compute, ckpt.config.hidden_size)
 
 
@@ -233,7 +234,8 @@ def main() -> None:
     p.add_argument("--ngram-k", type=int, default=8, help="drafts per chunk for the n-gram drafter")
     p.add_argument("--depth", type=int, default=4, help="verify chunks in flight for the pipelined rows")
     p.add_argument("--quick", action="store_true",
-                   help="a short run for the tests: 2 peers, 5 ms edges, 8 tokens, 1 run, k=2, depth 2")
+                   help="a short run for the tests: 2 peers, 5 ms edges, 8 tokens, 1 run, k=2, depth 2, "
+                        "compute timed 3 times")
     args = p.parse_args()
     if args.quick:
         args.peers, args.delay_ms, args.tokens, args.repeats = 2, 5.0, 8, 1

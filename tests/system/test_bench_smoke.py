@@ -41,7 +41,7 @@ ONE_PROCESS = {
         r"^  graphed == eager CUDA: ", r"^  graphed == eager CPU: ",
         rf"^  per drafted token: CPU {NUM} ms, CUDA eager "]),
     "draft_agreement.py": (["--quick"], [
-        rf"tiny-llama-draft: greedy agreement with the target {NUM}% over 48 positions$",
+        rf"tiny-llama-draft: greedy agreement with the target {NUM}% over 16 positions$",
         rf"^n-gram drafter: proposes at \d+ positions, right at {NUM}% of them$"]),
     "quantization.py": (["--quick"], [
         r"^dtype bfloat16, 2 prompts x 3 tokens, 1 CPU threads",
@@ -91,12 +91,12 @@ MULTI_PROCESS = {
         r"^  heal 1: \S+ \[\(\d, \d\)\] failed during \w+; healed in \d+ ms",
         rf"^healing: median heal \d+ ms; a request with one failure takes [+-]{NUM} s"]),
     "gateway_load.py": (["--quick"], [
-        rf"^this: 2 users x 3 s: requests=\d+ failures=\d+ \({NUM} %\) p50={NUM} s"]),
+        rf"^this: 2 users x 2 s: requests=\d+ failures=\d+ \({NUM} %\) p50={NUM} s"]),
     "hostile_peers.py": (["--quick"], [
         r"^16 tokens per generation, medians of 1 generations before and during each attack:$",
         r"^attack +before s +during s +ratio +tokens +new peer +victim RSS \+MiB +attacker's requests$",
         *(rf"^{attack} +{NUM} +{NUM} +{NUM} +(same|CHANGED) +(ok|REFUSED) +{NUM}  "
-          for attack in ("spin", "garbage", "slowloris", "flood", "streams"))]),
+          for attack in ("spin", "garbage"))]),  # test_hostile_peers.py runs all five
     "nat_traversal.py": (["--quick"], [
         r"^first direct connection: process ready ", r"^echo throughput \(1 MiB out and back, median of 1\): ",
         *(rf"^{pair} +\d+/\d+ punches, \d+/\d+ attempts succeeded"
