@@ -52,8 +52,11 @@ def spawn(tmp: Path, name: str, boot: str, layers: str, proxy_port: int | None =
                                   "--rebalance-interval", "2"], workdir=tmp)
 
 
-def ready(p: ShardnetProcess) -> str:
-    return p.wait_event(lambda e: e.get("event") == "ready", 120)["peer_id"]
+async def ready(p: ShardnetProcess) -> str:
+    """Its peer ID once it serves, waited for in a thread: the WAN proxies run in this trio loop and
+    must go on forwarding meanwhile (a slow peer's start-up dials cross them)."""
+    ev = await trio.to_thread.run_sync(p.wait_event, lambda e: e.get("event") == "ready", 120)
+    return ev["peer_id"]
 
 
 async def decode(client: Client, tokens: int, route=None, progress=None) -> tuple[float, list[int]]:
@@ -86,7 +89,7 @@ async def main_async(args) -> None:
                     procs.append(p)
                     peers[name] = (p, "")
                 for name, (p, _) in list(peers.items()):
-                    peers[name] = (p, ready(p))
+                    peers[name] = (p, await ready(p))
                 names = {pid: name for name, (_, pid) in peers.items()}
                 cfg = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot_addr], dht_mode="client",
                                  low_watermark=0)
@@ -150,7 +153,7 @@ async def main_async(args) -> None:
                         fresh = f"{victim.split('-')[0]}-{i + 1}"
                         p = spawn(tmp, fresh, boot_addr, layers, pub, real)
                         procs.append(p)
-                        pid = ready(p)
+                        pid = await ready(p)
                         peers[fresh], names[pid] = (p, pid), fresh
                         with trio.fail_after(60):  # once its claim is found
                             while pid not in {c.peer for c in await find_claims(node, client.model.model_id)}:
