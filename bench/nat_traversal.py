@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardnet.testing import natlab  # noqa: E402
-from shardnet.testing.localswarm import ShardnetProcess  # noqa: E402
+from shardnet.testing.localswarm import ShardnetProcess, stop_processes  # noqa: E402
 
 
 def start(lab, tmp: Path, procs: list, name: str, args: list[str]) -> tuple[ShardnetProcess, str, float]:
@@ -169,8 +169,7 @@ def main() -> int:
                       + (f", failure reported after a median {statistics.median(fail_secs):.1f} s" if fail_secs
                          else ""), flush=True)
         finally:
-            for p in procs:
-                p.stop()
+            stop_processes(procs)
     print(json.dumps(results, indent=1))
     return 0
 

@@ -35,10 +35,9 @@ from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.claims import find_claims  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
-from shardnet.testing.localswarm import ShardnetProcess  # noqa: E402
+from shardnet.testing.localswarm import ShardnetProcess, free_port, stop_processes  # noqa: E402
 from shardnet.models import default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
-from shardnet.testing.localswarm import free_port  # noqa: E402
 
 PROMPT = "def __init__(self, name):\n        self.name = name\n        self."
 
@@ -163,8 +162,7 @@ async def main_async(args) -> None:
                           f"({args.tokens} tokens)", flush=True)
                 nursery.cancel_scope.cancel()
         finally:
-            for p in procs:
-                p.stop()
+            stop_processes(procs)
 
 
 def main() -> int:

@@ -46,7 +46,7 @@ from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.inference.model.layout import split_layers  # noqa: E402
 from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter, SpeculationStats  # noqa: E402
 from shardnet.inference.client.throughput import ceiling  # noqa: E402
-from shardnet.testing.localswarm import ShardnetProcess  # noqa: E402
+from shardnet.testing.localswarm import ShardnetProcess, stop_processes  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 
@@ -144,8 +144,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                         m.rates.append(st.tokens_per_s)
                         m.stats.append(st.speculation)
         finally:
-            for p in procs:
-                p.stop()
+            stop_processes(procs)
             nursery.cancel_scope.cancel()
     reps = 3 if args.quick else 30
     compute = {n: measure_compute(ckpt, ranges, model, n, reps=reps) for n in {m.k + 1 for m in modes}}
