@@ -1,6 +1,6 @@
 """One block's cost per decode step, batched vs one session at a time, side by side in one run.
 
-    python bench/batched_block.py [--sessions 1,4,16,64] [--context 32] [--rounds 10] [--threads 2]
+    python bench/batched_block.py [--sessions 1,4,16,64] [--context 32] [--rounds 10] [--threads 2] [--quick]
 
 N sessions, each with ``--context`` tokens cached, take one decode step each: once as N forward
 passes (the old one-at-a-time path), once as one ``Block.forward_batch``. Prints ms per round of
@@ -30,7 +30,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true",
+                    help="a short run for the tests: 1 and 4 sessions, 2 rounds, 1 thread")
     args = ap.parse_args()
+    if args.quick:
+        args.sessions, args.context, args.rounds, args.threads = "1,4", 8, 2, 1
     torch.set_num_threads(args.threads)
     ckpt = Checkpoint(default_model_path())
     block = Block(ckpt, 0, ckpt.num_layers, dtype=torch.float32)

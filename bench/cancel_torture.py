@@ -1,6 +1,6 @@
 """Writes cut at random points, and whether the connection they share survives them.
 
-    python bench/cancel_torture.py [--rounds 1500] [--paths direct,relayed] [--seed 1]
+    python bench/cancel_torture.py [--rounds 1500] [--paths direct,relayed] [--seed 1] [--quick]
 
 Two nodes in one process share one connection, direct or through a relay (a circuit, Noise and
 Yamux end to end, over each endpoint's connection to the relay). Several tasks at once open a
@@ -272,7 +272,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1500, help="cut writes per path")
     ap.add_argument("--paths", default="direct,relayed")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 20 cut writes per path")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds = 20
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     results = []
     for path in args.paths.split(","):

@@ -59,7 +59,7 @@ from shardnet.inference.client.head_batcher import head_batcher
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.random_model import init_random
 from shardnet.models import default_model_path
-from shardnet.testing.localswarm import ShardnetProcess
+from shardnet.testing.localswarm import ShardnetProcess, stop_processes
 from shardnet.transport import NodeConfig, open_node
 from shardnet.transport.limits import Limits
 
@@ -245,8 +245,7 @@ async def run_network(args: argparse.Namespace, network: str, counts: list[int],
                         for chain in chains:
                             rows.append(await run_sessions(client, chain, ps, args.tokens, network))
         finally:
-            for p in procs:
-                p.stop()
+            stop_processes(procs)
             nursery.cancel_scope.cancel()
     return rows
 

@@ -1,6 +1,6 @@
 """How often a draft model's greedy choice agrees with the target's, on the target's own output.
 
-    python bench/draft_agreement.py [--draft PATH ...] [--tokens 96]
+    python bench/draft_agreement.py [--draft PATH ...] [--tokens 96] [--quick]
 
 For six code prompts the target (the shipped tiny-llama) continues greedily; then, at every
 position of those continuations, the draft's argmax is compared with the target's (teacher
@@ -34,12 +34,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--draft", type=Path, action="append", help="draft checkpoint(s) (default: the shipped one)")
     p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--quick", action="store_true", help="a short run for the tests: 2 prompts x 8 tokens")
     args = p.parse_args()
+    prompts = PROMPTS
+    if args.quick:
+        prompts, args.tokens = PROMPTS[:2], 8
     model = LocalModel(default_model_path())
     target = AutoModelForCausalLM.from_pretrained(str(default_model_path()), dtype=torch.float32).eval()
     texts = []
     with torch.inference_mode():
-        for prompt in PROMPTS:
+        for prompt in prompts:
             ids = model.encode(prompt)
             out = target.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)[0]

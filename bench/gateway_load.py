@@ -1,6 +1,6 @@
 """Concurrent users through `shardnet serve`: how many requests fail, and how long they take.
 
-    python bench/gateway_load.py [--users 16] [--seconds 30] [--burst N] [--replicas 1] [--chaos]
+    python bench/gateway_load.py [--users 16] [--seconds 30] [--burst N] [--replicas 1] [--chaos] [--quick]
                                  [--before DIR [--after DIR]]
 
 A bootstrap, compute peers of the shipped model (layers 0:4 and 4:8, ``--replicas`` peers each)
@@ -242,7 +242,10 @@ def main() -> None:
     ap.add_argument("--chaos", action="store_true", help="kill and restart replicas meanwhile (--replicas 2)")
     ap.add_argument("--before", type=Path, default=None, help="a shardnet tree to run first, for comparison")
     ap.add_argument("--after", type=Path, default=None, help="the tree to compare it with (default: this one)")
+    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 2 users x 2 s")
     args = ap.parse_args()
+    if args.quick:
+        args.users, args.seconds = 2, 2.0
     if args.chaos and args.replicas < 2:
         ap.error("--chaos needs --replicas 2 (or more)")
     runs = ([("before", args.before.resolve())] if args.before else []) + [

@@ -1,6 +1,6 @@
 """What receipts and honest-compute checks cost, measured side by side in one run.
 
-    python bench/honest_compute.py [--tokens 48] [--repeats 5] [--rates 0.1,0.25]
+    python bench/honest_compute.py [--tokens 48] [--repeats 5] [--rates 0.1,0.25] [--quick]
 
 The shipped tiny-llama served twice over (layers 0:4 and 4:8 each by two ``shardnet join``
 processes, so every span has a witness). Rounds alternate between: everything off (no run
@@ -90,7 +90,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rates", default="0.1,0.25")
-    trio.run(main_async, ap.parse_args())
+    ap.add_argument("--quick", action="store_true",
+                    help="a short run for the tests: 8 tokens, 1 round, checks at rate 1 (every step)")
+    args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.repeats, args.rates = 8, 1, "1"
+    trio.run(main_async, args)
     return 0
 
 

@@ -1,6 +1,6 @@
 """An honest client's latency through a compute peer under attack, side by side in one run.
 
-    python bench/hostile_peers.py [--rounds 9] [--attacks spin,garbage,slowloris,flood,streams]
+    python bench/hostile_peers.py [--rounds 9] [--attacks spin,garbage,slowloris,flood,streams] [--quick]
 
 A bootstrap, two compute peers (the shipped model, layers 0:4 and 4:8) and an honest client
 (tests/system/doubles/honest_client.py) run as processes; the first compute peer is attacked by one
@@ -147,7 +147,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--quick", action="store_true",
+                    help="a short run for the tests: 1 generation before and during, the control and one attack "
+                         "(spin,garbage) unless --attacks says otherwise")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds = 1
+        if args.attacks == ap.get_default("attacks"):
+            args.attacks = "spin,garbage"
     with tempfile.TemporaryDirectory(prefix="shardnet-hostile-") as tmp, cpus_apart(), \
             Scenario(Path(tmp), args.rounds) as scenario:
         rows = []

@@ -1,7 +1,7 @@
 """NAT traversal in the NAT lab: time to a direct connection, hole-punch success by NAT type,
 and relayed vs direct stream throughput, measured side by side in one run.
 
-    sudo python bench/nat_traversal.py [--rounds 20] [--attempts-symmetric 20] [--mib 32] [--repeats 3]
+    sudo python bench/nat_traversal.py [--rounds 20] [--attempts-symmetric 20] [--mib 32] [--repeats 3] [--quick]
 
 Needs root (network namespaces, nftables). The lab (shardnet/testing/natlab.py): a relay on the public
 segment; targets a (cone NAT) and s (symmetric NAT) hold a slot at it; dialers b (cone) and
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardnet.testing import natlab  # noqa: E402
-from shardnet.testing.localswarm import ShardnetProcess  # noqa: E402
+from shardnet.testing.localswarm import ShardnetProcess, stop_processes  # noqa: E402
 
 
 def start(lab, tmp: Path, procs: list, name: str, args: list[str]) -> tuple[ShardnetProcess, str, float]:
@@ -78,7 +78,11 @@ def main() -> int:
                     help="coordinated dials to make for each pair with a symmetric NAT")
     ap.add_argument("--mib", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true",
+                    help="a short run for the tests: 1 punch round per pair, 1 MiB echoed once each way")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.attempts_symmetric, args.mib, args.repeats = 1, 1, 1, 1
     why = natlab.available()
     if why:
         print(f"NAT lab unavailable: {why}", file=sys.stderr)
@@ -165,8 +169,7 @@ def main() -> int:
                       + (f", failure reported after a median {statistics.median(fail_secs):.1f} s" if fail_secs
                          else ""), flush=True)
         finally:
-            for p in procs:
-                p.stop()
+            stop_processes(procs)
     print(json.dumps(results, indent=1))
     return 0
 

@@ -1,6 +1,6 @@
 """Overlay stream (TCP + Noise + Yamux) against raw trio TCP, side by side, between two processes.
 
-    python bench/overlay_stream.py [--mib 64] [--messages 1000] [--wan-rtt-ms 100]
+    python bench/overlay_stream.py [--mib 64] [--messages 1000] [--wan-rtt-ms 100] [--quick]
 
 Prints, for each transport: one-way throughput of --mib MiB in 1 MiB writes, the median round
 trip of --messages small messages, and connect time; then the ratios. With --wan-rtt-ms it also
@@ -286,7 +286,11 @@ def main() -> None:
     p.add_argument("--verbose", action="store_true", help="print every throughput pass")
     p.add_argument("--untuned", action="store_true",
                    help="measure py-libp2p's data path as shipped (shardnet's data-path fixes off)")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run for the tests: 2 MiB x 2 passes, 20 messages, 2 MiB over a 10 ms RTT path")
     args = p.parse_args()
+    if args.quick:
+        args.mib, args.repeats, args.messages, args.wan_rtt_ms, args.wan_mib = 2, 2, 20, 10.0, 2
     if args.untuned:
         os.environ["SHARDNET_UNTUNED_DATA_PATH"] = "1"  # read by both processes before any node starts
     import logging

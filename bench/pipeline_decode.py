@@ -1,6 +1,6 @@
 """Greedy decode through a chain of peers vs the same model in one process, in one run.
 
-    python bench/pipeline_decode.py [--model PATH] [--peers 3] [--tokens 64] [--repeats 3]
+    python bench/pipeline_decode.py [--model PATH] [--peers 3] [--tokens 64] [--repeats 3] [--quick]
 
 Starts a bootstrap node and --peers compute peers (``shardnet join``, separate processes on
 loopback, each serving a contiguous block), then measures, alternating so load drift hits both:
@@ -73,7 +73,10 @@ def main() -> None:
     p.add_argument("--draft", type=Path, default=default_draft_path(),
                    help="draft model for the speculative row (greedy, k drafted tokens per traversal)")
     p.add_argument("-k", type=int, default=4)
+    p.add_argument("--quick", action="store_true", help="a short run for the tests: 2 peers, 8 tokens, 1 run")
     args = p.parse_args()
+    if args.quick:
+        args.peers, args.tokens, args.repeats = 2, 8, 1
     logging.basicConfig(level=logging.ERROR)
     logging.disable(logging.CRITICAL)
     torch.set_num_threads(1)  # each peer process is single-threaded too: a like-for-like compute budget

@@ -1,7 +1,7 @@
 """What weight quantization (``join --quantize``) costs and saves: bytes per layer, greedy
 agreement with the unquantized chain, and per-token time.
 
-    python bench/quantization.py [--tokens 32] [--dtype bfloat16] [--threads 2] [--skip-random]
+    python bench/quantization.py [--tokens 32] [--dtype bfloat16] [--threads 2] [--skip-random] [--quick]
 
 For each model, a 2-block chain (layers split in half, two ``Block``s and a ``Head``, in one
 process) runs in each mode (none, int8, int4) at the same compute dtype:
@@ -88,8 +88,8 @@ def encode(ckpt: Checkpoint, text: str) -> list[int]:
     return Tokenizer.from_file(str(ckpt.path / "tokenizer.json")).encode(text).ids or [0]
 
 
-def bench_model(name: str, ckpt: Checkpoint, dtype: torch.dtype, tokens: int) -> list[str]:
-    prompts = [encode(ckpt, p) for p in PROMPTS]
+def bench_model(name: str, ckpt: Checkpoint, dtype: torch.dtype, tokens: int, texts: list[str]) -> list[str]:
+    prompts = [encode(ckpt, p) for p in texts]
     rows, base_bytes, reference, reference_logits = [], None, None, None
     variants = [(mode, dtype) for mode in MODES]
     if dtype != torch.float32:
@@ -126,24 +126,37 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--skip-random", action="store_true", help="only the shipped model")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run for the tests: 2 prompts x 3 tokens, 1 thread, "
+                        "the random models at hidden 128 and 64")
     args = p.parse_args()
+    llama_dims, mixtral_dims = dict(layers=8, hidden=1024, intermediate=2816), dict(layers=4, hidden=512,
+                                                                                    intermediate=1024)
+    prompts = PROMPTS
+    if args.quick:
+        prompts, args.tokens, args.threads = PROMPTS[:2], 3, args.threads or 1
+        llama_dims, mixtral_dims = dict(layers=2, hidden=128, intermediate=256), dict(layers=2, hidden=64,
+                                                                                      intermediate=128)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
-    print(f"dtype {args.dtype}, {len(PROMPTS)} prompts x {args.tokens} tokens, "
+    print(f"dtype {args.dtype}, {len(prompts)} prompts x {args.tokens} tokens, "
           f"{torch.get_num_threads()} CPU threads, torch {torch.__version__}")
     print("| model | quantize | bytes/layer | vs none | top-1 agreement | same text | logit error | per token |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    bench_model("tiny-llama (shipped, 8 layers, hidden 224)", Checkpoint(default_model_path()), dtype, args.tokens)
+    bench_model("tiny-llama (shipped, 8 layers, hidden 224)", Checkpoint(default_model_path()), dtype, args.tokens,
+                prompts)
     if args.skip_random:
         return
     with tempfile.TemporaryDirectory() as tmp:
-        llama = init_random(Path(tmp) / "llama", "llama", layers=8, hidden=1024, heads=16, kv_heads=4,
-                            intermediate=2816, vocab=2048, dtype=args.dtype)
-        bench_model("random llama (8 layers, hidden 1024)", Checkpoint(llama), dtype, args.tokens)
-        mixtral = init_random(Path(tmp) / "mixtral", "mixtral", layers=4, hidden=512, heads=8, kv_heads=4,
-                              intermediate=1024, vocab=2048, experts=8, active_experts=2, dtype=args.dtype)
-        bench_model("random mixtral (4 layers, hidden 512, 8 experts)", Checkpoint(mixtral), dtype, args.tokens)
+        llama = init_random(Path(tmp) / "llama", "llama", **llama_dims, heads=16, kv_heads=4, vocab=2048,
+                            dtype=args.dtype)
+        bench_model(f"random llama ({llama_dims['layers']} layers, hidden {llama_dims['hidden']})", Checkpoint(llama),
+                    dtype, args.tokens, prompts)
+        mixtral = init_random(Path(tmp) / "mixtral", "mixtral", **mixtral_dims, heads=8, kv_heads=4, vocab=2048,
+                              experts=8, active_experts=2, dtype=args.dtype)
+        bench_model(f"random mixtral ({mixtral_dims['layers']} layers, hidden {mixtral_dims['hidden']}, 8 experts)",
+                    Checkpoint(mixtral), dtype, args.tokens, prompts)
 
 
 if __name__ == "__main__":

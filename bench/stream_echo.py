@@ -1,6 +1,6 @@
 """One stream between two nodes in one process: throughput and small-message round trip.
 
-    python bench/stream_echo.py [--label NAME]
+    python bench/stream_echo.py [--label NAME] [--quick]
 
 64 MiB in 1 MiB writes (best of 4 passes) and 500 echoes of 64 bytes (median), over loopback.
 In-process, so it shows what the stream path itself costs per message (task switches, framing,
@@ -25,6 +25,7 @@ from shardnet.transport import open_node  # noqa: E402
 from shardnet.transport.config import NodeConfig  # noqa: E402
 
 MIB = 64
+PASSES = 4
 ECHOES = 500
 
 
@@ -32,13 +33,13 @@ def _config() -> NodeConfig:
     return NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], dial_timeout=5.0)
 
 
-async def measure() -> tuple[float, float]:
+async def measure(mib: int, passes: int, echoes: int) -> tuple[float, float]:
     async with open_node(_config()) as a, open_node(_config()) as b:
         got = {"n": 0}
         done = trio.Event()
 
         async def sink(s) -> None:
-            while got["n"] < MIB << 20:
+            while got["n"] < mib << 20:
                 data = await s.read_some(1 << 20, timeout=30)
                 if not data:
                     break
@@ -54,17 +55,17 @@ async def measure() -> tuple[float, float]:
         await a.connect(b.listen_addrs[0])
         chunk = b"x" * (1 << 20)
         best = 0.0
-        for _ in range(4):
+        for _ in range(passes):
             got["n"], done = 0, trio.Event()
             s = await a.new_stream(b.peer_id, "/bench/sink")
             t0 = time.perf_counter()
-            for _ in range(MIB):
+            for _ in range(mib):
                 await s.write(chunk)
             await done.wait()
-            best = max(best, MIB / (time.perf_counter() - t0))
+            best = max(best, mib / (time.perf_counter() - t0))
         s = await a.new_stream(b.peer_id, "/bench/echo")
         rtts = []
-        for _ in range(ECHOES):
+        for _ in range(echoes):
             t0 = time.perf_counter()
             await s.write(b"y" * 64)
             await s.read_exactly(64)
@@ -75,11 +76,13 @@ async def measure() -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--label", default="")
+    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 4 MiB, 2 passes, 20 echoes")
     args = ap.parse_args()
     import shardnet
 
-    tput, rtt = trio.run(measure)
-    print(f"{args.label or Path(shardnet.__file__).parent.parent}: {tput:.0f} MiB/s (best of 4), "
+    mib, passes, echoes = (4, 2, 20) if args.quick else (MIB, PASSES, ECHOES)
+    tput, rtt = trio.run(measure, mib, passes, echoes)
+    print(f"{args.label or Path(shardnet.__file__).parent.parent}: {tput:.0f} MiB/s (best of {passes}), "
           f"median 64-byte round trip {rtt * 1e3:.3f} ms")
 
 

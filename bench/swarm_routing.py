@@ -1,6 +1,6 @@
 """Latency-aware routing and mid-request healing, measured side by side in one run.
 
-    python bench/swarm_routing.py [--delay-ms 15] [--tokens 32] [--repeats 3]
+    python bench/swarm_routing.py [--delay-ms 15] [--tokens 32] [--repeats 3] [--quick]
 
 Routing: the shipped tiny-llama served twice over (layers 0:4 and 4:8 each by two peers, all
 separate ``shardnet join`` processes); one chain's peers sit behind a WAN emulator
@@ -35,10 +35,9 @@ from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.claims import find_claims  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
-from shardnet.testing.localswarm import ShardnetProcess  # noqa: E402
+from shardnet.testing.localswarm import ShardnetProcess, free_port, stop_processes  # noqa: E402
 from shardnet.models import default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
 
 PROMPT = "def __init__(self, name):\n        self.name = name\n        self."
 
@@ -52,8 +51,11 @@ def spawn(tmp: Path, name: str, boot: str, layers: str, proxy_port: int | None =
                                   "--rebalance-interval", "2"], workdir=tmp)
 
 
-def ready(p: ShardnetProcess) -> str:
-    return p.wait_event(lambda e: e.get("event") == "ready", 120)["peer_id"]
+async def ready(p: ShardnetProcess) -> str:
+    """Its peer ID once it serves, waited for in a thread: the WAN proxies run in this trio loop and
+    must go on forwarding meanwhile (a slow peer's start-up dials cross them)."""
+    ev = await trio.to_thread.run_sync(p.wait_event, lambda e: e.get("event") == "ready", 120)
+    return ev["peer_id"]
 
 
 async def decode(client: Client, tokens: int, route=None, progress=None) -> tuple[float, list[int]]:
@@ -86,7 +88,7 @@ async def main_async(args) -> None:
                     procs.append(p)
                     peers[name] = (p, "")
                 for name, (p, _) in list(peers.items()):
-                    peers[name] = (p, ready(p))
+                    peers[name] = (p, await ready(p))
                 names = {pid: name for name, (_, pid) in peers.items()}
                 cfg = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot_addr], dht_mode="client",
                                  low_watermark=0)
@@ -140,6 +142,8 @@ async def main_async(args) -> None:
                         # (the killed one stays avoided: clients' dial caches remember it failing)
                         victim = names[h[-1].failed[0]]
                         peers.pop(victim)[0].stop()
+                        if i + 1 == args.repeats:
+                            continue  # no next round to serve
                         layers = "0:4" if victim.startswith(("fast0", "slow0")) else "4:8"
                         real = pub = None
                         if victim.startswith("slow"):
@@ -148,7 +152,7 @@ async def main_async(args) -> None:
                         fresh = f"{victim.split('-')[0]}-{i + 1}"
                         p = spawn(tmp, fresh, boot_addr, layers, pub, real)
                         procs.append(p)
-                        pid = ready(p)
+                        pid = await ready(p)
                         peers[fresh], names[pid] = (p, pid), fresh
                         with trio.fail_after(60):  # once its claim is found
                             while pid not in {c.peer for c in await find_claims(node, client.model.model_id)}:
@@ -158,8 +162,7 @@ async def main_async(args) -> None:
                           f"({args.tokens} tokens)", flush=True)
                 nursery.cancel_scope.cancel()
         finally:
-            for p in procs:
-                p.stop()
+            stop_processes(procs)
 
 
 def main() -> int:
@@ -167,7 +170,12 @@ def main() -> int:
     ap.add_argument("--delay-ms", type=float, default=15.0)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    trio.run(main_async, ap.parse_args())
+    ap.add_argument("--quick", action="store_true",
+                    help="a short run for the tests: 12 tokens (the kill comes after 8), 1 repeat")
+    args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.repeats = 12, 1
+    trio.run(main_async, args)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Decode over an emulated WAN, the headline benchmark: plain vs speculative vs pipelined, one run.
 
     python bench/wan_decode.py [--peers 4] [--delay-ms 20] [--jitter-ms 1] [--mbit 100] [--tokens 96]
-                               [-k 6] [--depth 4] [--ngram-k 8] [--repeats 3]
+                               [-k 6] [--depth 4] [--ngram-k 8] [--repeats 3] [--quick]
 
 A bootstrap, ``--peers`` compute peers (``shardnet join``, separate processes, the shipped
 tiny-llama split evenly) and the client each sit behind a WAN emulator (bench/wan_emulator.py):
@@ -46,11 +46,14 @@ from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.inference.model.layout import split_layers  # noqa: E402
 from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter, SpeculationStats  # noqa: E402
 from shardnet.inference.client.throughput import ceiling  # noqa: E402
-from shardnet.testing.localswarm import ShardnetProcess  # noqa: E402
+from shardnet.testing.localswarm import ShardnetProcess, stop_processes  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 
 PROMPT = "def __init__(self, name):\n        self.name = name\n        self."
+#: the SpeculationStats fields that add up over runs
+SUMMED = ("chunks", "verified", "stale", "carried", "drafted", "accepted", "tokens", "draft_s", "wait_s",
+          "round_trip_s")
 
 
 def free_port() -> int:
@@ -71,6 +74,11 @@ class Mode:
 
     def total(self, attr: str) -> float:
         return sum(getattr(s, attr) for s in self.stats)
+
+    def summed(self) -> SpeculationStats:
+        """The runs' counts and times added up (the numeric fields only, named: a field of
+        another kind, such as a callback, is not summed)."""
+        return SpeculationStats(**{f: self.total(f) for f in SUMMED})
 
     @property
     def ring(self) -> float:
@@ -136,10 +144,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                         m.rates.append(st.tokens_per_s)
                         m.stats.append(st.speculation)
         finally:
-            for p in procs:
-                p.stop()
+            stop_processes(procs)
             nursery.cancel_scope.cancel()
-    compute = {n: measure_compute(ckpt, ranges, model, n) for n in {m.k + 1 for m in modes}}
+    reps = 3 if args.quick else 30
+    compute = {n: measure_compute(ckpt, ranges, model, n, reps=reps) for n in {m.k + 1 for m in modes}}
     report(args, ranges, ping, modes, compute, ckpt.config.hidden_size)
 
 
@@ -196,10 +204,7 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
           f"{'ceiling':>8} {'reached':>8}")
     for m in modes:
         rate = statistics.median(m.rates)
-        total = SpeculationStats()
-        for st in m.stats:
-            for f in SpeculationStats.__dataclass_fields__:
-                setattr(total, f, getattr(total, f) + getattr(st, f))
+        total = m.summed()
         chain, client = compute[m.k + 1]
         draft = total.draft_s / total.chunks
         ring = latency(m.k + 1) + chain + client  # from deciding on a chunk to having its result
@@ -227,7 +232,13 @@ def main() -> None:
     p.add_argument("-k", type=int, default=6, help="drafts per chunk for the draft model")
     p.add_argument("--ngram-k", type=int, default=8, help="drafts per chunk for the n-gram drafter")
     p.add_argument("--depth", type=int, default=4, help="verify chunks in flight for the pipelined rows")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run for the tests: 2 peers, 5 ms edges, 8 tokens, 1 run, k=2, depth 2, "
+                        "compute timed 3 times")
     args = p.parse_args()
+    if args.quick:
+        args.peers, args.delay_ms, args.tokens, args.repeats = 2, 5.0, 8, 1
+        args.k, args.ngram_k, args.depth = 2, 2, 2
     logging.disable(logging.CRITICAL)
     import tempfile
 

@@ -1,12 +1,13 @@
 """Activation compression on the wire: bytes per token per hop, and whether greedy output changes.
 
-    python bench/wire_compression.py
+    python bench/wire_compression.py [--tokens 48] [--quick]
 
 Two peers serve the shipped tiny-llama (layers 0:4, 4:8) in this process; for each wire dtype
-the client generates 48 greedy tokens from three prompts and counts how many tokens agree with
+the client generates ``--tokens`` greedy tokens from three prompts and counts how many tokens agree with
 the uncompressed (float32) run before the first difference.
 """
 
+import argparse
 import logging
 import sys
 from contextlib import AsyncExitStack
@@ -27,14 +28,13 @@ from shardnet.transport import NodeConfig, open_node  # noqa: E402
 logging.disable(logging.CRITICAL)
 P = default_model_path()
 PROMPTS = ["def __init__(self", "import os\nimport sys\n\n", "class Foo:\n    def bar(self, x):\n        return"]
-NEW = 48
 
 
 def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-async def main() -> None:
+async def run(new: int) -> None:
     async with AsyncExitStack() as st:
         boot = await st.enter_async_context(open_node(NodeConfig()))
         cfg = NodeConfig(bootstrap=[str(boot.listen_addrs[0])])
@@ -51,12 +51,20 @@ async def main() -> None:
             client = Client(node, model, wire=w, audit_rate=0)  # the wire alone
             agree = 0
             for pr in PROMPTS:
-                ids = [t.id async for t in client.generate(pr, max_new_tokens=NEW, stop_at_eos=False)]
+                ids = [t.id async for t in client.generate(pr, max_new_tokens=new, stop_at_eos=False)]
                 ref.setdefault(pr, ids)
                 agree += agreeing_prefix(ids, ref[pr])
             size = len(wire.to_payload(torch.randn(1, 1, hidden), w)[2])
-            print(f"{w:12}{size:>17}{size / (4 * hidden):>12.2f}{f'{agree}/{NEW * len(PROMPTS)}':>26}")
+            print(f"{w:12}{size:>17}{size / (4 * hidden):>12.2f}{f'{agree}/{new * len(PROMPTS)}':>26}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
+    p.add_argument("--quick", action="store_true", help="a short run for the tests: 4 tokens per prompt")
+    args = p.parse_args()
+    trio.run(run, 4 if args.quick else args.tokens)
 
 
 if __name__ == "__main__":
-    trio.run(main)
+    main()

@@ -4,7 +4,7 @@
                                   [--policies shardnet-before,shardnet,least-served,water-filling]
                                   [--load 0.3]
                                   [--seed 1] [--cohort N] [--probe-order stalest|first]
-                                  [--jobs N] [--plots DIR] [--json FILE]
+                                  [--jobs N] [--plots DIR] [--json FILE] [--quick]
 
 ``shardnet-before`` is shardnet as it was before this simulator found what it fixed (see
 docs/scale.md); ``shardnet+suffix`` and ``shardnet+full-view`` are what-ifs not in the code (a
@@ -160,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="runs simulated at once, one process each (default: one per core)")
+    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 30 peers for 15 minutes")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.peers, args.hours = 30, 0.25
     runs = [(model, policy) for model in args.models.split(",") for policy in args.policies.split(",")]
     for model, policy in runs:
         if model not in MODELS:
