@@ -56,8 +56,15 @@ def direct(p: ShardnetProcess, peer: str) -> bool:
 
 
 def punch_round(dialer, dialer_id, target, target_id, circuit: str) -> dict:
-    """Disconnect, reconnect through the relay, return the target's next punch outcome."""
-    before = target.command({"cmd": "status"})["nat"]["hole_punches"].get(dialer_id, {}).get("at", 0)
+    """Disconnect, reconnect through the relay, return this round's punch outcome: the target's
+    (it accepted the relayed connection, so it starts the upgrade), or the dialer's if the dialer
+    ran it instead (when both sides start one, only one goes on: holepunch.py's glare rule)."""
+    sides = ((target, dialer_id), (dialer, target_id))
+
+    def punches(p, peer) -> dict | None:
+        return p.command({"cmd": "status"})["nat"]["hole_punches"].get(peer)
+
+    before = [(punches(p, peer) or {}).get("at", 0) for p, peer in sides]
     dialer.command({"cmd": "disconnect", "peer": target_id})
     wait(lambda: not links(dialer, target_id) and not links(target, dialer_id), 20, "disconnect", 0.1)
     r = dialer.command({"cmd": "connect", "addr": circuit, "timeout": 20})
@@ -65,10 +72,17 @@ def punch_round(dialer, dialer_id, target, target_id, circuit: str) -> dict:
         raise RuntimeError(f"relayed connect failed: {r}")
 
     def outcome():
-        o = target.command({"cmd": "status"})["nat"]["hole_punches"].get(dialer_id)
-        return o if o and o["at"] > before else None
+        for (p, peer), at in zip(sides, before):
+            o = punches(p, peer)
+            if o and o["at"] > at:
+                return o
+        return None
 
-    return wait(outcome, 60, "punch outcome", 0.2)
+    try:
+        return wait(outcome, 60, "punch outcome", 0.2)
+    except TimeoutError:
+        seen = {p.name: {"punches": punches(p, peer), "connections": links(p, peer)} for p, peer in sides}
+        raise TimeoutError(f"no punch outcome within 60 s on either side: {seen}") from None
 
 
 def main() -> int:

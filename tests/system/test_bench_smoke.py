@@ -1,6 +1,6 @@
 """Every bench runs its whole report on a tiny setting (``--quick``) as a process and exits 0:
-each line the report prints normally (its headers, a row per mode, model, policy or attack) is
-there. What the figures say is for the benches to show, not checked here; that the report runs
+each line the report prints normally (its headers, a row per mode, model, policy or attack; of
+hostile_peers' attacks the control and one, test_hostile_peers.py runs all five) is there. What the figures say is for the benches to show, not checked here; that the report runs
 is, so that a change elsewhere (a new field, a moved helper) cannot break a bench unnoticed.
 concurrent_decode, families and weights_fetch have tests of their own (test_bench_*.py);
 tests/unit/test_bench_coverage.py fails on a bench that no test runs."""
