@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -74,12 +73,6 @@ def bench_limits() -> Limits:
                         ("session_rate_per_peer", 10000), ("session_burst_per_peer", 10000)):
         limits.set(f"{name}={value}")
     return limits
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- a compute peer (a child process) ----------------------------------------------------------

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import statistics
 import sys
 import time
@@ -54,12 +53,6 @@ PROMPT = "def __init__(self, name):\n        self.name = name\n        self."
 #: the SpeculationStats fields that add up over runs
 SUMMED = ("chunks", "verified", "stale", "carried", "drafted", "accepted", "tokens", "draft_s", "wait_s",
           "round_trip_s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
