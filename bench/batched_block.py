@@ -1,6 +1,6 @@
 """One block's cost per decode step, batched vs one session at a time, side by side in one run.
 
-    python bench/batched_block.py [--sessions 1,4,16,64] [--context 32] [--rounds 10] [--threads 2] [--quick]
+    python -m bench.batched_block [--sessions 1,4,16,64] [--context 32] [--rounds 10] [--threads 2] [--quick]
 
 N sessions, each with ``--context`` tokens cached, take one decode step each: once as N forward
 passes (the old one-at-a-time path), once as one ``Block.forward_batch``. Prints ms per round of
@@ -11,13 +11,9 @@ serving. The block: all 8 layers of the shipped tiny-llama, in float32.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardnet.inference.model.block import Block  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402

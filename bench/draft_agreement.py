@@ -1,6 +1,6 @@
 """How often a draft model's greedy choice agrees with the target's, on the target's own output.
 
-    python bench/draft_agreement.py [--draft PATH ...] [--tokens 96] [--quick]
+    python -m bench.draft_agreement [--draft PATH ...] [--tokens 96] [--quick]
 
 For six code prompts the target (the shipped tiny-llama) continues greedily; then, at every
 position of those continuations, the draft's argmax is compared with the target's (teacher
@@ -12,12 +12,9 @@ is shown too, over the positions where it proposes anything.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.inference.client.speculative import NGramDrafter  # noqa: E402

@@ -1,6 +1,6 @@
 """Every CUDA path of shardnet in one run, each against a reference, printed as one table.
 
-    python bench/gpu_check.py [--device cuda] [--quick]
+    python -m bench.gpu_check [--device cuda] [--quick]
 
 Written for the first session lent a GPU: one process, planned to finish in under 5 minutes on
 one H100 or H200 (not yet run on one), one row per path. Each check runs on its own, so a
@@ -63,7 +63,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 FLOAT32_REL_TOL = 1e-3  # of the reference's largest logit (see the docstring)
 MIN_DRAFT_CALLS_AS_CPU = 0.8

@@ -1,6 +1,6 @@
 """What receipts and honest-compute checks cost, measured side by side in one run.
 
-    python bench/honest_compute.py [--tokens 48] [--repeats 5] [--rates 0.1,0.25] [--quick]
+    python -m bench.honest_compute [--tokens 48] [--repeats 5] [--rates 0.1,0.25] [--quick]
 
 The shipped tiny-llama served twice over (layers 0:4 and 4:8 each by two ``shardnet join``
 processes, so every span has a witness). Rounds alternate between: everything off (no run
@@ -19,11 +19,8 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import trio
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardnet.inference.claims import find_claims  # noqa: E402
 from shardnet.inference.client.client import Client

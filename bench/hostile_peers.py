@@ -1,6 +1,6 @@
 """An honest client's latency through a compute peer under attack, side by side in one run.
 
-    python bench/hostile_peers.py [--rounds 9] [--attacks spin,garbage,slowloris,flood,streams] [--quick]
+    python -m bench.hostile_peers [--rounds 9] [--attacks spin,garbage,slowloris,flood,streams] [--quick]
 
 A bootstrap, two compute peers (the shipped model, layers 0:4 and 4:8) and an honest client
 (tests/system/doubles/honest_client.py) run as processes; the first compute peer is attacked by one
@@ -29,7 +29,6 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.testing.localswarm import LocalSwarm  # noqa: E402

@@ -1,7 +1,7 @@
 """NAT traversal in the NAT lab: time to a direct connection, hole-punch success by NAT type,
 and relayed vs direct stream throughput, measured side by side in one run.
 
-    sudo python bench/nat_traversal.py [--rounds 20] [--attempts-symmetric 20] [--mib 32] [--repeats 3] [--quick]
+    sudo python -m bench.nat_traversal [--rounds 20] [--attempts-symmetric 20] [--mib 32] [--repeats 3] [--quick]
 
 Needs root (network namespaces, nftables). The lab (shardnet/testing/natlab.py): a relay on the public
 segment; targets a (cone NAT) and s (symmetric NAT) hold a slot at it; dialers b (cone) and
@@ -21,8 +21,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardnet.testing import natlab  # noqa: E402
 from shardnet.testing.localswarm import ShardnetProcess, stop_processes  # noqa: E402

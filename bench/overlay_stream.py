@@ -1,6 +1,6 @@
 """Overlay stream (TCP + Noise + Yamux) against raw trio TCP, side by side, between two processes.
 
-    python bench/overlay_stream.py [--mib 64] [--messages 1000] [--wan-rtt-ms 100] [--quick]
+    python -m bench.overlay_stream [--mib 64] [--messages 1000] [--wan-rtt-ms 100] [--quick]
 
 Prints, for each transport: one-way throughput of --mib MiB in 1 MiB writes, the median round
 trip of --messages small messages, and connect time; then the ratios. With --wan-rtt-ms it also
@@ -18,12 +18,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import trio
 from libp2p.peer.id import ID
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.wan_emulator import DelayProxy  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
@@ -198,8 +195,8 @@ async def measure(sides: dict, args: argparse.Namespace) -> dict:
 
 
 async def client(args: argparse.Namespace) -> None:
-    server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ))
+    server = subprocess.Popen([sys.executable, "-m", "bench.overlay_stream", "--serve"], stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ))
     try:
         info = json.loads(server.stdout.readline())
         async with open_node(bench_config()) as node:

@@ -1,6 +1,6 @@
 """Greedy decode through a chain of peers vs the same model in one process, in one run.
 
-    python bench/pipeline_decode.py [--model PATH] [--peers 3] [--tokens 64] [--repeats 3] [--quick]
+    python -m bench.pipeline_decode [--model PATH] [--peers 3] [--tokens 64] [--repeats 3] [--quick]
 
 Starts a bootstrap node and --peers compute peers (``shardnet join``, separate processes on
 loopback, each serving a contiguous block), then measures, alternating so load drift hits both:
@@ -21,7 +21,6 @@ import argparse
 import logging
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -29,8 +28,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as shardnet.inference set
 
 import torch  # noqa: E402
 import trio
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.client.client import Client

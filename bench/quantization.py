@@ -1,7 +1,7 @@
 """What weight quantization (``join --quantize``) costs and saves: bytes per layer, greedy
 agreement with the unquantized chain, and per-token time.
 
-    python bench/quantization.py [--tokens 32] [--dtype bfloat16] [--threads 2] [--skip-random] [--quick]
+    python -m bench.quantization [--tokens 32] [--dtype bfloat16] [--threads 2] [--skip-random] [--quick]
 
 For each model, a 2-block chain (layers split in half, two ``Block``s and a ``Head``, in one
 process) runs in each mode (none, int8, int4) at the same compute dtype:
@@ -29,15 +29,11 @@ the shipped model's is the one to read.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from shardnet.inference.model.block import DTYPES, Block, Head  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402

@@ -1,6 +1,6 @@
 """Latency-aware routing and mid-request healing, measured side by side in one run.
 
-    python bench/swarm_routing.py [--delay-ms 15] [--tokens 32] [--repeats 3] [--quick]
+    python -m bench.swarm_routing [--delay-ms 15] [--tokens 32] [--repeats 3] [--quick]
 
 Routing: the shipped tiny-llama served twice over (layers 0:4 and 4:8 each by two peers, all
 separate ``shardnet join`` processes); one chain's peers sit behind a WAN emulator
@@ -28,8 +28,6 @@ import time
 from pathlib import Path
 
 import trio
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.claims import find_claims  # noqa: E402

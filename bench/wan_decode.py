@@ -1,6 +1,6 @@
 """Decode over an emulated WAN, the headline benchmark: plain vs speculative vs pipelined, one run.
 
-    python bench/wan_decode.py [--peers 4] [--delay-ms 20] [--jitter-ms 1] [--mbit 100] [--tokens 96]
+    python -m bench.wan_decode [--peers 4] [--delay-ms 20] [--jitter-ms 1] [--mbit 100] [--tokens 96]
                                [-k 6] [--depth 4] [--ngram-k 8] [--repeats 3] [--quick]
 
 A bootstrap, ``--peers`` compute peers (``shardnet join``, separate processes, the shipped
@@ -26,7 +26,6 @@ import argparse
 import logging
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +34,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import trio  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402

@@ -1,6 +1,6 @@
 """Weights over the swarm: MB/s of a span fetched from 1, 2 and 4 peers, and a joining peer's time to serve.
 
-    python bench/weights_fetch.py [--uplink-mb-per-s 25] [--layers 8] [--hidden 1024] [--quick]
+    python -m bench.weights_fetch [--uplink-mb-per-s 25] [--layers 8] [--hidden 1024] [--quick]
                                   [--join-root /tmp/shardnet-bench-1b] [--skip-join]
 
 1. Sources, side by side (real py-libp2p hosts on loopback in this process, as in
@@ -40,9 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from shardnet.inference.model.checkpoint import MANIFEST_CACHE, Checkpoint
 from shardnet.inference.model.random_model import init_random

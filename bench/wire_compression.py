@@ -1,6 +1,6 @@
 """Activation compression on the wire: bytes per token per hop, and whether greedy output changes.
 
-    python bench/wire_compression.py [--tokens 48] [--quick]
+    python -m bench.wire_compression [--tokens 48] [--quick]
 
 Two peers serve the shipped tiny-llama (layers 0:4, 4:8) in this process; for each wire dtype
 the client generates ``--tokens`` greedy tokens from three prompts and counts how many tokens agree with
@@ -9,14 +9,10 @@ the uncompressed (float32) run before the first difference.
 
 import argparse
 import logging
-import sys
 from contextlib import AsyncExitStack
-from pathlib import Path
 
 import torch
 import trio
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardnet.inference.model import wire  # noqa: E402
 from shardnet.inference.client.client import Client

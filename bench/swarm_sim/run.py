@@ -1,6 +1,6 @@
 """Simulate a shardnet swarm at scale and compare placement policies side by side.
 
-    python bench/swarm_sim/run.py [--peers 1000] [--models llama-70b,deepseek-v3] [--hours 1]
+    python -m bench.swarm_sim.run [--peers 1000] [--models llama-70b,deepseek-v3] [--hours 1]
                                   [--policies shardnet-before,shardnet,least-served,water-filling]
                                   [--load 0.3]
                                   [--seed 1] [--cohort N] [--probe-order stalest|first]
@@ -38,8 +38,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.swarm_sim.models import MODELS  # noqa: E402
 from bench.swarm_sim.policies import POLICIES, Shardnet, make  # noqa: E402

@@ -31,3 +31,35 @@ async def echo_handler(stream, *, timeout: float | None = None, until_closed: bo
             raise
     if until_closed:
         await stream.close()
+
+
+def random_prompts(n: int, *, seed: int, vocab: int, lengths: tuple[int, int]) -> list[list[int]]:
+    """``n`` prompts of random token IDs in 3..vocab-1 (past the special tokens), each of a random
+    length in ``lengths`` (inclusive); the same for the same seed."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def frame_body(frame: bytes) -> bytes:
+    """The one body in a length-prefixed protobuf frame (libp2p's relay and NAT messages),
+    asserting nothing follows it."""
+    from shardnet.transport.nat.pbwire import FrameBuffer
+
+    fb = FrameBuffer()
+    fb.feed(frame)
+    out = fb.next_body()
+    assert out is not None and fb.take_rest() == b""
+    return out
+
+
+def activation_step(*, n: int, pos: int, tokens: int, hidden: int = 8, epoch: int = 0,
+                    session: bytes | None = None):
+    """An activation ``Step`` of ``tokens`` zero float32 vectors of width ``hidden`` at position
+    ``pos``; ``session`` defaults to ``b"s"`` repeated to a session ID's length."""
+    from shardnet.protocols import activation as ap
+
+    session = b"s" * ap.SESSION_ID_BYTES if session is None else session
+    return ap.Step(session, n=n, pos=pos, dtype="float32", shape=[1, tokens, hidden],
+                   payload=bytes(4 * tokens * hidden), epoch=epoch)
