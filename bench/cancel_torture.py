@@ -19,7 +19,6 @@ tests/integration/test_cancel_safety.py runs this and asserts zero failures. Bef
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import random
@@ -30,6 +29,7 @@ from functools import partial
 
 import trio
 
+from bench._common import bench_parser  # noqa: E402
 from shardnet.testing.factories import echo_handler  # noqa: E402
 from shardnet.testing.helpers import loopback_config  # noqa: E402
 from shardnet.transport import open_node  # noqa: E402
@@ -256,11 +256,10 @@ def table(results: list[Result]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, paragraph=True, quick="a short run for the tests: 20 cut writes per path")
     ap.add_argument("--rounds", type=int, default=1500, help="cut writes per path")
     ap.add_argument("--paths", default="direct,relayed")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 20 cut writes per path")
     args = ap.parse_args()
     if args.quick:
         args.rounds = 20

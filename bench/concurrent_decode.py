@@ -49,6 +49,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import trio
 
+from bench._common import bench_parser
 from bench.wan_emulator import Link, WanProxy
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.head_batcher import head_batcher
@@ -293,7 +294,7 @@ def parse_counts(text: str) -> list[int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__, quick="a short run for the tests: 1 and 4 sessions, 8 tokens")
     p.add_argument("--sessions", type=parse_counts, default=[1, 4, 16, 64], help="session counts on loopback")
     p.add_argument("--wan-sessions", type=parse_counts, default=[1, 4, 16, 64],
                    help="session counts through the emulated WAN (empty: skip it)")
@@ -303,7 +304,6 @@ def main() -> None:
     p.add_argument("--jitter-ms", type=float, default=1.0)
     p.add_argument("--mbit", type=float, default=100.0)
     p.add_argument("--repeats", type=int, default=1, help="runs per row (medians)")
-    p.add_argument("--quick", action="store_true", help="a short run for the tests: 1 and 4 sessions, 8 tokens")
     p.add_argument("--hidden", type=int, default=None, metavar="N",
                    help="a random 8-layer llama of width N (generated here; N/64 heads) instead of "
                         "the shipped tiny-llama (width 224): how batching pays as a step's compute grows")

@@ -11,11 +11,11 @@ is shown too, over the positions where it proposes anything.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
+from bench._common import bench_parser  # noqa: E402
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.inference.client.speculative import NGramDrafter  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
@@ -28,10 +28,9 @@ PROMPTS = ["def __init__(self, name):\n        self.name = name\n        self.",
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__, quick="a short run for the tests: 2 prompts x 8 tokens")
     p.add_argument("--draft", type=Path, action="append", help="draft checkpoint(s) (default: the shipped one)")
     p.add_argument("--tokens", type=int, default=96)
-    p.add_argument("--quick", action="store_true", help="a short run for the tests: 2 prompts x 8 tokens")
     args = p.parse_args()
     prompts = PROMPTS
     if args.quick:

@@ -16,7 +16,6 @@ tests/system/test_gateway_load.py drives the helpers here.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import os
@@ -30,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench._common import bench_parser  # noqa: E402
 from shardnet.testing.helpers import openai_client  # noqa: E402
 from shardnet.testing.localswarm import LocalSwarm, ShardnetProcess  # noqa: E402
 
@@ -212,7 +212,7 @@ def scenario(users_n: int, seconds: float, replicas: int, source: Path | None, b
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, paragraph=True, quick="a short run for the tests: 2 users x 2 s")
     ap.add_argument("--users", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--burst", type=int, default=0, help="send this many requests at once instead")
@@ -220,7 +220,6 @@ def main() -> None:
     ap.add_argument("--chaos", action="store_true", help="kill and restart replicas meanwhile (--replicas 2)")
     ap.add_argument("--before", type=Path, default=None, help="a shardnet tree to run first, for comparison")
     ap.add_argument("--after", type=Path, default=None, help="the tree to compare it with (default: this one)")
-    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 2 users x 2 s")
     args = ap.parse_args()
     if args.quick:
         args.users, args.seconds = 2, 2.0

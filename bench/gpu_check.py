@@ -51,7 +51,6 @@ checks the un-graphed static cache), which proves the script itself;
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -61,6 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from bench._common import bench_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -406,9 +407,8 @@ def check_kv_pool() -> Outcome:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__, quick="fewer steps, prompts and sessions; one draft model")
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu to check the script itself")
-    ap.add_argument("--quick", action="store_true", help="fewer steps, prompts and sessions; one draft model")
     ap.add_argument("-k", type=int, default=6, help="drafts per call")
     ap.add_argument("--only", action="append", metavar="WORDS",
                     help="run only the rows whose path contains WORDS (repeatable), e.g. --only chain")

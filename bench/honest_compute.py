@@ -15,13 +15,13 @@ machines.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import trio
 
+from bench._common import bench_parser  # noqa: E402
 from shardnet.inference.claims import find_claims  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
@@ -83,12 +83,10 @@ async def main_async(args) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__, quick="a short run for the tests: 8 tokens, 1 round, checks at rate 1 (every step)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rates", default="0.1,0.25")
-    ap.add_argument("--quick", action="store_true",
-                    help="a short run for the tests: 8 tokens, 1 round, checks at rate 1 (every step)")
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.repeats, args.rates = 8, 1, "1"

@@ -28,13 +28,13 @@ the shipped model's is the one to read.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from bench._common import bench_parser  # noqa: E402
 from shardnet.inference.model.block import DTYPES, Block, Head  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.model.quantize import QUANT_MODES, weight_bytes  # noqa: E402
@@ -117,14 +117,13 @@ def bench_model(name: str, ckpt: Checkpoint, dtype: torch.dtype, tokens: int, te
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__,
+                     quick="a short run for the tests: 2 prompts x 3 tokens, 1 thread, "
+                           "the random models at hidden 128 and 64")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--skip-random", action="store_true", help="only the shipped model")
-    p.add_argument("--quick", action="store_true",
-                   help="a short run for the tests: 2 prompts x 3 tokens, 1 thread, "
-                        "the random models at hidden 128 and 64")
     args = p.parse_args()
     llama_dims, mixtral_dims = dict(layers=8, hidden=1024, intermediate=2816), dict(layers=4, hidden=512,
                                                                                     intermediate=1024)

@@ -11,13 +11,13 @@ docs/benchmarks.md does so for the single-writer change.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
 
 import trio
 
+from bench._common import bench_parser
 from shardnet.testing.helpers import loopback_config
 from shardnet.transport import open_node  # noqa: E402
 
@@ -67,9 +67,8 @@ async def measure(mib: int, passes: int, echoes: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, paragraph=True, quick="a short run for the tests: 4 MiB, 2 passes, 20 echoes")
     ap.add_argument("--label", default="")
-    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 4 MiB, 2 passes, 20 echoes")
     args = ap.parse_args()
     import shardnet
 

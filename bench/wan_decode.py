@@ -35,6 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import trio  # noqa: E402
 
+from bench._common import bench_parser  # noqa: E402
 from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.client.client import Client
@@ -212,7 +213,9 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__,
+                     quick="a short run for the tests: 2 peers, 5 ms edges, 8 tokens, 1 run, k=2, depth 2, "
+                           "compute timed 3 times")
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--delay-ms", type=float, default=20.0)
     p.add_argument("--jitter-ms", type=float, default=1.0)
@@ -222,9 +225,6 @@ def main() -> None:
     p.add_argument("-k", type=int, default=6, help="drafts per chunk for the draft model")
     p.add_argument("--ngram-k", type=int, default=8, help="drafts per chunk for the n-gram drafter")
     p.add_argument("--depth", type=int, default=4, help="verify chunks in flight for the pipelined rows")
-    p.add_argument("--quick", action="store_true",
-                   help="a short run for the tests: 2 peers, 5 ms edges, 8 tokens, 1 run, k=2, depth 2, "
-                        "compute timed 3 times")
     args = p.parse_args()
     if args.quick:
         args.peers, args.delay_ms, args.tokens, args.repeats = 2, 5.0, 8, 1

@@ -7,13 +7,13 @@ the client generates ``--tokens`` greedy tokens from three prompts and counts ho
 the uncompressed (float32) run before the first difference.
 """
 
-import argparse
 import logging
 from contextlib import AsyncExitStack
 
 import torch
 import trio
 
+from bench._common import bench_parser  # noqa: E402
 from shardnet.inference.model import wire  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
@@ -55,9 +55,8 @@ async def run(new: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__, quick="a short run for the tests: 4 tokens per prompt")
     p.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
-    p.add_argument("--quick", action="store_true", help="a short run for the tests: 4 tokens per prompt")
     args = p.parse_args()
     trio.run(run, 4 if args.quick else args.tokens)
 

@@ -30,7 +30,6 @@ docs/scale.md records runs of this and what the model leaves out.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -39,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench._common import bench_parser  # noqa: E402
 from bench.swarm_sim.models import MODELS  # noqa: E402
 from bench.swarm_sim.policies import POLICIES, Shardnet, make  # noqa: E402
 from bench.swarm_sim.sim import Sim, Stats  # noqa: E402
@@ -139,7 +139,7 @@ def simulate(model: str, policy: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, paragraph=True, quick="a short run for the tests: 30 peers for 15 minutes")
     ap.add_argument("--peers", type=int, default=1000)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--policies", default=",".join((BEFORE, *POLICIES)),
@@ -158,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="runs simulated at once, one process each (default: one per core)")
-    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 30 peers for 15 minutes")
     args = ap.parse_args(argv)
     if args.quick:
         args.peers, args.hours = 30, 0.25
