@@ -57,7 +57,7 @@ from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.random_model import init_random
 from shardnet.models import default_model_path
 from shardnet.testing.factories import random_prompts
-from shardnet.testing.localswarm import ShardnetProcess, stop_processes
+from shardnet.testing.localswarm import ShardnetProcess, free_port, stop_processes
 from shardnet.transport import NodeConfig, open_node
 from shardnet.transport.limits import Limits
 

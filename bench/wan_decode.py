@@ -43,7 +43,7 @@ from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.inference.model.layout import split_layers  # noqa: E402
 from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter, SpeculationStats  # noqa: E402
 from shardnet.inference.client.throughput import ceiling  # noqa: E402
-from shardnet.testing.localswarm import ShardnetProcess, stop_processes  # noqa: E402
+from shardnet.testing.localswarm import ShardnetProcess, free_port, stop_processes  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 
