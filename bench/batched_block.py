@@ -1,6 +1,6 @@
 """One block's cost per decode step, batched vs one session at a time, side by side in one run.
 
-    python bench/batched_block.py [--sessions 1,4,16,64] [--context 32] [--rounds 10] [--threads 2] [--quick]
+    python -m bench.batched_block [--sessions 1,4,16,64] [--context 32] [--rounds 10] [--threads 2] [--quick]
 
 N sessions, each with ``--context`` tokens cached, take one decode step each: once as N forward
 passes (the old one-at-a-time path), once as one ``Block.forward_batch``. Prints ms per round of
@@ -10,28 +10,22 @@ serving. The block: all 8 layers of the shipped tiny-llama, in float32.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench._common import bench_parser  # noqa: E402
 from shardnet.inference.model.block import Block  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.models import default_model_path  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__, quick="a short run for the tests: 1 and 4 sessions, 2 rounds, 1 thread")
     ap.add_argument("--sessions", default="1,4,16,64")
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quick", action="store_true",
-                    help="a short run for the tests: 1 and 4 sessions, 2 rounds, 1 thread")
     args = ap.parse_args()
     if args.quick:
         args.sessions, args.context, args.rounds, args.threads = "1,4", 8, 2, 1

@@ -1,6 +1,6 @@
 """Writes cut at random points, and whether the connection they share survives them.
 
-    python bench/cancel_torture.py [--rounds 1500] [--paths direct,relayed] [--seed 1] [--quick]
+    python -m bench.cancel_torture [--rounds 1500] [--paths direct,relayed] [--seed 1] [--quick]
 
 Two nodes in one process share one connection, direct or through a relay (a circuit, Noise and
 Yamux end to end, over each endpoint's connection to the relay). Several tasks at once open a
@@ -19,20 +19,19 @@ tests/integration/test_cancel_safety.py runs this and asserts zero failures. Bef
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
 import random
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
 
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
+from bench._common import bench_parser  # noqa: E402
+from shardnet.testing.factories import echo_handler  # noqa: E402
+from shardnet.testing.helpers import loopback_config  # noqa: E402
 from shardnet.transport import open_node  # noqa: E402
 from shardnet.transport.config import NodeConfig  # noqa: E402
 from shardnet.transport.limits import Limits  # noqa: E402
@@ -79,12 +78,10 @@ class _DecryptionErrors(logging.Handler):
             self.count += 1
 
 
-def _config(**kw) -> NodeConfig:
-    kw.setdefault("listen", ["/ip4/127.0.0.1/tcp/0"])
-    kw.setdefault("dial_timeout", 10.0)
+def torture_config(**kw) -> NodeConfig:
     # Hundreds of streams a second to one peer is the point here, not an attack to refuse.
-    kw.setdefault("limits", Limits(stream_rate_per_peer=1e6, stream_burst_per_peer=10**6))
-    return NodeConfig(**kw)
+    return loopback_config(dial_timeout=10.0, limits=Limits(stream_rate_per_peer=1e6, stream_burst_per_peer=10**6),
+                           **kw)
 
 
 async def _sink(stream) -> None:
@@ -93,15 +90,6 @@ async def _sink(stream) -> None:
             pass
     except Exception:
         pass
-
-
-async def _echo(stream) -> None:
-    try:
-        while data := await stream.read_some(1 << 16, timeout=60):
-            await stream.write(data)
-    except Exception:
-        pass
-    await stream.close()
 
 
 def _conns(node, peer) -> list:
@@ -201,10 +189,10 @@ async def torture(path: str, rounds: int, seed: int = 1, tasks: int = 4) -> Resu
     logging.getLogger().addHandler(errors)
     started = time.monotonic()
     try:
-        relay_cfg = _config(relay_service=RelayLimits(circuit_bytes=1 << 40, circuit_duration=3600))
-        async with open_node(relay_cfg) as relay, open_node(_config()) as a, open_node(_config()) as b:
+        relay_cfg = torture_config(relay_service=RelayLimits(circuit_bytes=1 << 40, circuit_duration=3600))
+        async with open_node(relay_cfg) as relay, open_node(torture_config()) as a, open_node(torture_config()) as b:
             for node in (a, b):
-                for h, fn in (("/t/sink", _sink), ("/t/echo", _echo)):
+                for h, fn in (("/t/sink", _sink), ("/t/echo", partial(echo_handler, timeout=60, until_closed=True))):
                     node.set_stream_handler(h, fn)
             if path == "direct":
                 target = await a.connect(b.listen_addrs[0])
@@ -268,11 +256,10 @@ def table(results: list[Result]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, paragraph=True, quick="a short run for the tests: 20 cut writes per path")
     ap.add_argument("--rounds", type=int, default=1500, help="cut writes per path")
     ap.add_argument("--paths", default="direct,relayed")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 20 cut writes per path")
     args = ap.parse_args()
     if args.quick:
         args.rounds = 20

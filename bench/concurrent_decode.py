@@ -1,6 +1,6 @@
 """Concurrent sessions through one chain: continuous batching on vs off, loopback and WAN, one run.
 
-    python bench/concurrent_decode.py [--sessions 1,4,16,64] [--wan-sessions 1,4,16] [--tokens 32]
+    python -m bench.concurrent_decode [--sessions 1,4,16,64] [--wan-sessions 1,4,16] [--tokens 32]
                                       [--batch-tokens 256] [--delay-ms 20] [--jitter-ms 1] [--mbit 100]
                                       [--repeats 1] [--quick]
 
@@ -37,8 +37,6 @@ import argparse
 import json
 import logging
 import os
-import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -51,19 +49,20 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench._common import bench_parser
 from bench.wan_emulator import Link, WanProxy
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.head_batcher import head_batcher
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.random_model import init_random
 from shardnet.models import default_model_path
-from shardnet.testing.localswarm import ShardnetProcess, stop_processes
+from shardnet.testing.factories import random_prompts
+from shardnet.testing.localswarm import ShardnetProcess, free_port, stop_processes
 from shardnet.transport import NodeConfig, open_node
 from shardnet.transport.limits import Limits
 
 SPANS = [(0, 4), (4, 8)]
+PROMPTS = {"vocab": 2000, "lengths": (8, 24)}  # random_prompts: token IDs below 2000, 8 to 24 of them
 TARGET_SESSIONS, TARGET_SPEEDUP, TARGET_LATENCY = 16, 6.0, 3.0
 
 
@@ -74,12 +73,6 @@ def bench_limits() -> Limits:
                         ("session_rate_per_peer", 10000), ("session_burst_per_peer", 10000)):
         limits.set(f"{name}={value}")
     return limits
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- a compute peer (a child process) ----------------------------------------------------------
@@ -136,11 +129,6 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 2000) for _ in range(rng.randint(8, 24))] for _ in range(n)]
 
 
 async def run_sessions(client: Client, chain: Chain, ps: list[list[int]], tokens: int, network: str) -> Row:
@@ -216,7 +204,7 @@ async def run_network(args: argparse.Namespace, network: str, counts: list[int],
                         f"{network}-{mode}-{a}-{b}",
                         ["--peer-worker", "--model", str(model.ckpt.path), "--layers", f"{a}:{b}", "--batch-tokens", str(batch),
                          "--listen-port", str(real), "--announce-port", str(pub or 0), "--bootstrap", boot_addr],
-                        workdir=workdir, program=[sys.executable, str(Path(__file__).resolve())]))
+                        workdir=workdir, program=[sys.executable, "-m", "bench.concurrent_decode"]))
                 procs.extend(chain.procs)
                 chains.append(chain)
             for chain in chains:
@@ -238,9 +226,9 @@ async def run_network(args: argparse.Namespace, network: str, counts: list[int],
                 for chain in chains:
                     chain.route = [claims[p] for p in chain.peers]
                     # warm-up: connections along the chain, lazy initialisation, a batch or two
-                    await run_sessions(client, chain, prompts(4, seed=1), 4, network)
+                    await run_sessions(client, chain, random_prompts(4, seed=1, **PROMPTS), 4, network)
                 for n in counts:
-                    ps = prompts(n, seed=n)
+                    ps = random_prompts(n, seed=n, **PROMPTS)
                     for _ in range(args.repeats):
                         for chain in chains:
                             rows.append(await run_sessions(client, chain, ps, args.tokens, network))
@@ -306,7 +294,7 @@ def parse_counts(text: str) -> list[int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__, quick="a short run for the tests: 1 and 4 sessions, 8 tokens")
     p.add_argument("--sessions", type=parse_counts, default=[1, 4, 16, 64], help="session counts on loopback")
     p.add_argument("--wan-sessions", type=parse_counts, default=[1, 4, 16, 64],
                    help="session counts through the emulated WAN (empty: skip it)")
@@ -316,7 +304,6 @@ def main() -> None:
     p.add_argument("--jitter-ms", type=float, default=1.0)
     p.add_argument("--mbit", type=float, default=100.0)
     p.add_argument("--repeats", type=int, default=1, help="runs per row (medians)")
-    p.add_argument("--quick", action="store_true", help="a short run for the tests: 1 and 4 sessions, 8 tokens")
     p.add_argument("--hidden", type=int, default=None, metavar="N",
                    help="a random 8-layer llama of width N (generated here; N/64 heads) instead of "
                         "the shipped tiny-llama (width 224): how batching pays as a step's compute grows")

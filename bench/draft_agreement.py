@@ -1,6 +1,6 @@
 """How often a draft model's greedy choice agrees with the target's, on the target's own output.
 
-    python bench/draft_agreement.py [--draft PATH ...] [--tokens 96] [--quick]
+    python -m bench.draft_agreement [--draft PATH ...] [--tokens 96] [--quick]
 
 For six code prompts the target (the shipped tiny-llama) continues greedily; then, at every
 position of those continuations, the draft's argmax is compared with the target's (teacher
@@ -11,14 +11,11 @@ is shown too, over the positions where it proposes anything.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench._common import bench_parser  # noqa: E402
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.inference.client.speculative import NGramDrafter  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
@@ -31,10 +28,9 @@ PROMPTS = ["def __init__(self, name):\n        self.name = name\n        self.",
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__, quick="a short run for the tests: 2 prompts x 8 tokens")
     p.add_argument("--draft", type=Path, action="append", help="draft checkpoint(s) (default: the shipped one)")
     p.add_argument("--tokens", type=int, default=96)
-    p.add_argument("--quick", action="store_true", help="a short run for the tests: 2 prompts x 8 tokens")
     args = p.parse_args()
     prompts = PROMPTS
     if args.quick:

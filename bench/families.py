@@ -1,6 +1,6 @@
 """Every supported family: a 2-peer chain vs transformers in one process, side by side.
 
-    python bench/families.py [--hidden 256] [--tokens 24] [--families llama,mixtral]
+    python -m bench.families [--hidden 256] [--tokens 24] [--families llama,mixtral]
 
 For each family in ``shardnet.inference.model.families.FAMILIES`` that is tested in CI, a random
 checkpoint (4 layers, ``--hidden``) is written; transformers generates ``--tokens`` greedy tokens
@@ -20,8 +20,6 @@ from pathlib import Path
 
 import torch
 import trio
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardnet.inference.client.client import Client  # noqa: E402
 from shardnet.inference.model.families import FAMILIES  # noqa: E402
@@ -52,7 +50,7 @@ def transformers_decode(path: Path, new: int) -> tuple[list[int], float]:
     return tokens, (new - 1) / max(total - one, 1e-9)
 
 
-async def chain_decode(path: Path, new: int) -> tuple[list[int], float]:
+async def two_peer_decode(path: Path, new: int) -> tuple[list[int], float]:
     """Greedy tokens and decode tokens/s through two peers (from the client's own stats)."""
     async with local_chain(loopback_config, path, [(0, 2), (2, 4)]) as node:
         client = Client(node, LocalModel(path), audit_rate=0)  # the chain alone
@@ -84,7 +82,7 @@ def main() -> None:
         for family in families:
             print(f"{family}: decoding through two peers ...", file=sys.stderr)
             path, want, hf = reference[family]
-            got, chain = trio.run(chain_decode, path, args.tokens)
+            got, chain = trio.run(two_peer_decode, path, args.tokens)
             print(f"{family:14}{'yes' if FAMILIES[family].moe else '':>5}{hf:>20.1f}{chain:>20.1f}"
                   f"{chain / hf:>10.2f}{'yes' if got == want else 'NO':>14}", flush=True)
 

@@ -1,6 +1,6 @@
 """Concurrent users through `shardnet serve`: how many requests fail, and how long they take.
 
-    python bench/gateway_load.py [--users 16] [--seconds 30] [--burst N] [--replicas 1] [--chaos] [--quick]
+    python -m bench.gateway_load [--users 16] [--seconds 30] [--burst N] [--replicas 1] [--chaos] [--quick]
                                  [--before DIR [--after DIR]]
 
 A bootstrap, compute peers of the shipped model (layers 0:4 and 4:8, ``--replicas`` peers each)
@@ -16,11 +16,9 @@ tests/system/test_gateway_load.py drives the helpers here.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -31,9 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
+from bench._common import bench_parser  # noqa: E402
+from shardnet.testing.helpers import openai_client  # noqa: E402
 from shardnet.testing.localswarm import LocalSwarm, ShardnetProcess  # noqa: E402
 
 PROMPT = "def main(args):\n    "
@@ -75,12 +72,6 @@ class Load:
                 f"p50={p50:.2f} s (failures by kind: {kinds})")
 
 
-def api(url: str):
-    import openai
-
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=170)
-
-
 def complete(client, prompt: str = PROMPT, max_tokens: int = MAX_TOKENS) -> str:
     return client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=max_tokens,
                                      temperature=0).choices[0].text
@@ -111,7 +102,7 @@ def users(url: str, n: int, seconds: float, expected: str, *, load: Load | None 
     deadline = time.monotonic() + seconds
 
     def user() -> None:
-        client = api(url)
+        client = openai_client(url, timeout=170)
         while time.monotonic() < deadline:
             one_request(client, load, expected)
 
@@ -127,7 +118,7 @@ def burst(url: str, n: int, expected: str) -> Load:
     start = threading.Barrier(n)
 
     def one() -> None:
-        client = api(url)
+        client = openai_client(url, timeout=170)
         start.wait()
         one_request(client, load, expected)
 
@@ -159,20 +150,7 @@ def replica_chaos(swarm: LocalSwarm, peers, seconds: float, events: list[str]) -
     events.append(f"{time.monotonic() - t0:.0f} s: killed {b_id[:12]}: {a_id[:12]} is the span's only peer")
 
 
-def start_gateway(swarm: LocalSwarm, *extra: str) -> str:
-    from socket import socket
-
-    with socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = ShardnetProcess("gateway", ["serve", "--bootstrap", swarm.bootstrap_addr, "--port", str(port), *extra],
-                        workdir=swarm.workdir)
-    swarm.procs.append(p)
-    line = p.wait_for_line(lambda s: "serving the OpenAI API" in s, 90)
-    return re.search(r"http://[\d.]+:\d+", line).group(0)
-
-
-def start_peers(swarm: LocalSwarm, replicas: int, *extra: str) -> list[tuple[str, ShardnetProcess, tuple[int, int]]]:
+def start_replicas(swarm: LocalSwarm, replicas: int, *extra: str) -> list[tuple[str, ShardnetProcess, tuple[int, int]]]:
     """``replicas`` peers per span, loading in parallel: (peer ID, process, span) each."""
     procs = [(swarm.spawn_node(f"p{a}-{i}", "--layers", f"{a}:{b}", "--threads", "1", *extra, command="join"),
               (a, b)) for (a, b) in SPANS for i in range(replicas)]
@@ -195,8 +173,8 @@ def swarm_with_gateway(replicas: int = 1, source: Path | None = None, join_args:
     try:
         with LocalSwarm() as swarm:
             swarm.start_bootstrap()
-            peers = start_peers(swarm, replicas, *join_args)
-            yield swarm, peers, start_gateway(swarm)
+            peers = start_replicas(swarm, replicas, *join_args)
+            yield swarm, peers, swarm.start_gateway(timeout=90)[0]
     finally:
         if source is not None:
             os.chdir(cwd)
@@ -209,7 +187,7 @@ def swarm_with_gateway(replicas: int = 1, source: Path | None = None, join_args:
 def scenario(users_n: int, seconds: float, replicas: int, source: Path | None, burst_n: int = 0,
              chaos: bool = False) -> Load:
     with swarm_with_gateway(replicas, source) as (swarm, peers, url):
-        client = api(url)
+        client = openai_client(url, timeout=170)
         expected = None
         for _ in range(60):  # the first request alone, once the gateway sees the whole model
             try:
@@ -234,7 +212,7 @@ def scenario(users_n: int, seconds: float, replicas: int, source: Path | None, b
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, paragraph=True, quick="a short run for the tests: 2 users x 2 s")
     ap.add_argument("--users", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--burst", type=int, default=0, help="send this many requests at once instead")
@@ -242,7 +220,6 @@ def main() -> None:
     ap.add_argument("--chaos", action="store_true", help="kill and restart replicas meanwhile (--replicas 2)")
     ap.add_argument("--before", type=Path, default=None, help="a shardnet tree to run first, for comparison")
     ap.add_argument("--after", type=Path, default=None, help="the tree to compare it with (default: this one)")
-    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 2 users x 2 s")
     args = ap.parse_args()
     if args.quick:
         args.users, args.seconds = 2, 2.0

@@ -1,6 +1,6 @@
 """Every CUDA path of shardnet in one run, each against a reference, printed as one table.
 
-    python bench/gpu_check.py [--device cuda] [--quick]
+    python -m bench.gpu_check [--device cuda] [--quick]
 
 Written for the first session lent a GPU: one process, planned to finish in under 5 minutes on
 one H100 or H200 (not yet run on one), one row per path. Each check runs on its own, so a
@@ -51,7 +51,6 @@ checks the un-graphed static cache), which proves the script itself;
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -62,8 +61,9 @@ from pathlib import Path
 
 import torch
 
+from bench._common import bench_parser
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 FLOAT32_REL_TOL = 1e-3  # of the reference's largest logit (see the docstring)
 MIN_DRAFT_CALLS_AS_CPU = 0.8
@@ -407,9 +407,8 @@ def check_kv_pool() -> Outcome:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__, quick="fewer steps, prompts and sessions; one draft model")
     ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu to check the script itself")
-    ap.add_argument("--quick", action="store_true", help="fewer steps, prompts and sessions; one draft model")
     ap.add_argument("-k", type=int, default=6, help="drafts per call")
     ap.add_argument("--only", action="append", metavar="WORDS",
                     help="run only the rows whose path contains WORDS (repeatable), e.g. --only chain")

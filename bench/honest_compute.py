@@ -1,6 +1,6 @@
 """What receipts and honest-compute checks cost, measured side by side in one run.
 
-    python bench/honest_compute.py [--tokens 48] [--repeats 5] [--rates 0.1,0.25] [--quick]
+    python -m bench.honest_compute [--tokens 48] [--repeats 5] [--rates 0.1,0.25] [--quick]
 
 The shipped tiny-llama served twice over (layers 0:4 and 4:8 each by two ``shardnet join``
 processes, so every span has a witness). Rounds alternate between: everything off (no run
@@ -15,16 +15,13 @@ machines.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench._common import bench_parser  # noqa: E402
 from shardnet.inference.claims import find_claims  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
@@ -86,12 +83,10 @@ async def main_async(args) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__, quick="a short run for the tests: 8 tokens, 1 round, checks at rate 1 (every step)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rates", default="0.1,0.25")
-    ap.add_argument("--quick", action="store_true",
-                    help="a short run for the tests: 8 tokens, 1 round, checks at rate 1 (every step)")
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.repeats, args.rates = 8, 1, "1"

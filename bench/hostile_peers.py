@@ -1,6 +1,6 @@
 """An honest client's latency through a compute peer under attack, side by side in one run.
 
-    python bench/hostile_peers.py [--rounds 9] [--attacks spin,garbage,slowloris,flood,streams] [--quick]
+    python -m bench.hostile_peers [--rounds 9] [--attacks spin,garbage,slowloris,flood,streams] [--quick]
 
 A bootstrap, two compute peers (the shipped model, layers 0:4 and 4:8) and an honest client
 (tests/system/doubles/honest_client.py) run as processes; the first compute peer is attacked by one
@@ -15,7 +15,6 @@ runs this and asserts the bounds.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -29,8 +28,8 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
+from bench._common import bench_parser  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.testing.localswarm import LocalSwarm  # noqa: E402
 from shardnet.models import default_model_path  # noqa: E402
@@ -144,12 +143,11 @@ def table(rows: list[Row]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, paragraph=True,
+                      quick="a short run for the tests: 1 generation before and during, the control and one attack "
+                            "(spin,garbage) unless --attacks says otherwise")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--attacks", default=",".join(ATTACKS))
-    ap.add_argument("--quick", action="store_true",
-                    help="a short run for the tests: 1 generation before and during, the control and one attack "
-                         "(spin,garbage) unless --attacks says otherwise")
     args = ap.parse_args()
     if args.quick:
         args.rounds = 1

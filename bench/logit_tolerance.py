@@ -1,6 +1,6 @@
 """How far honest computations of the same text differ, by dtype: what verification tolerates.
 
-    python bench/logit_tolerance.py [--sessions 8] [--tokens 24] [--seeds 3] [--dtypes float32,float16,bfloat16]
+    python -m bench.logit_tolerance [--sessions 8] [--tokens 24] [--seeds 3] [--dtypes float32,float16,bfloat16]
 
 The shipped tiny-llama split as the swarm serves it (layers 0:4 and 4:8). ``--sessions``
 sessions with random prompts (4 to 24 tokens) decode ``--tokens`` tokens greedily, every step of
@@ -25,11 +25,8 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardnet.inference.client.audit import divergence  # noqa: E402
 from shardnet.inference.model.block import DTYPES, Block, Head  # noqa: E402

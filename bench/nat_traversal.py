@@ -1,7 +1,7 @@
 """NAT traversal in the NAT lab: time to a direct connection, hole-punch success by NAT type,
 and relayed vs direct stream throughput, measured side by side in one run.
 
-    sudo python bench/nat_traversal.py [--rounds 20] [--attempts-symmetric 20] [--mib 32] [--repeats 3] [--quick]
+    sudo python -m bench.nat_traversal [--rounds 20] [--attempts-symmetric 20] [--mib 32] [--repeats 3] [--quick]
 
 Needs root (network namespaces, nftables). The lab (shardnet/testing/natlab.py): a relay on the public
 segment; targets a (cone NAT) and s (symmetric NAT) hold a slot at it; dialers b (cone) and
@@ -14,7 +14,6 @@ target that does not punch, over the relay.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -22,8 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench._common import bench_parser  # noqa: E402
 from shardnet.testing import natlab  # noqa: E402
 from shardnet.testing.localswarm import ShardnetProcess, stop_processes  # noqa: E402
 
@@ -86,14 +84,12 @@ def punch_round(dialer, dialer_id, target, target_id, circuit: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__, quick="a short run for the tests: 1 punch round per pair, 1 MiB echoed once each way")
     ap.add_argument("--rounds", type=int, default=20, help="punch rounds for the cone/cone pair")
     ap.add_argument("--attempts-symmetric", type=int, default=20,
                     help="coordinated dials to make for each pair with a symmetric NAT")
     ap.add_argument("--mib", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true",
-                    help="a short run for the tests: 1 punch round per pair, 1 MiB echoed once each way")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.attempts_symmetric, args.mib, args.repeats = 1, 1, 1, 1

@@ -1,6 +1,6 @@
 """Overlay stream (TCP + Noise + Yamux) against raw trio TCP, side by side, between two processes.
 
-    python bench/overlay_stream.py [--mib 64] [--messages 1000] [--wan-rtt-ms 100] [--quick]
+    python -m bench.overlay_stream [--mib 64] [--messages 1000] [--wan-rtt-ms 100] [--quick]
 
 Prints, for each transport: one-way throughput of --mib MiB in 1 MiB writes, the median round
 trip of --messages small messages, and connect time; then the ratios. With --wan-rtt-ms it also
@@ -18,13 +18,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import trio
 from libp2p.peer.id import ID
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench._common import bench_parser  # noqa: E402
 from bench.wan_emulator import DelayProxy  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 
@@ -198,8 +196,8 @@ async def measure(sides: dict, args: argparse.Namespace) -> dict:
 
 
 async def client(args: argparse.Namespace) -> None:
-    server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ))
+    server = subprocess.Popen([sys.executable, "-m", "bench.overlay_stream", "--serve"], stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ))
     try:
         info = json.loads(server.stdout.readline())
         async with open_node(bench_config()) as node:
@@ -276,7 +274,8 @@ async def measure_wan(node, addr: str, rtt_ms: float, mib: int) -> tuple[float, 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__,
+                     quick="a short run for the tests: 2 MiB x 2 passes, 20 messages, 2 MiB over a 10 ms RTT path")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5, help="throughput passes; the median is shown")
@@ -286,8 +285,6 @@ def main() -> None:
     p.add_argument("--verbose", action="store_true", help="print every throughput pass")
     p.add_argument("--untuned", action="store_true",
                    help="measure py-libp2p's data path as shipped (shardnet's data-path fixes off)")
-    p.add_argument("--quick", action="store_true",
-                   help="a short run for the tests: 2 MiB x 2 passes, 20 messages, 2 MiB over a 10 ms RTT path")
     args = p.parse_args()
     if args.quick:
         args.mib, args.repeats, args.messages, args.wan_rtt_ms, args.wan_mib = 2, 2, 20, 10.0, 2

@@ -1,6 +1,6 @@
 """Greedy decode through a chain of peers vs the same model in one process, in one run.
 
-    python bench/pipeline_decode.py [--model PATH] [--peers 3] [--tokens 64] [--repeats 3] [--quick]
+    python -m bench.pipeline_decode [--model PATH] [--peers 3] [--tokens 64] [--repeats 3] [--quick]
 
 Starts a bootstrap node and --peers compute peers (``shardnet join``, separate processes on
 loopback, each serving a contiguous block), then measures, alternating so load drift hits both:
@@ -17,11 +17,9 @@ crosses (client -> first peer -> ... -> last peer -> client).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -30,8 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as shardnet.inference set
 import torch  # noqa: E402
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench._common import bench_parser  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
@@ -65,7 +62,7 @@ async def chain_decode(client: Client, ids: list[int], tokens: int, **kw) -> tup
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__, quick="a short run for the tests: 2 peers, 8 tokens, 1 run")
     p.add_argument("--model", type=Path, default=default_model_path())
     p.add_argument("--peers", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64)
@@ -73,7 +70,6 @@ def main() -> None:
     p.add_argument("--draft", type=Path, default=default_draft_path(),
                    help="draft model for the speculative row (greedy, k drafted tokens per traversal)")
     p.add_argument("-k", type=int, default=4)
-    p.add_argument("--quick", action="store_true", help="a short run for the tests: 2 peers, 8 tokens, 1 run")
     args = p.parse_args()
     if args.quick:
         args.peers, args.tokens, args.repeats = 2, 8, 1

@@ -1,7 +1,7 @@
 """What weight quantization (``join --quantize``) costs and saves: bytes per layer, greedy
 agreement with the unquantized chain, and per-token time.
 
-    python bench/quantization.py [--tokens 32] [--dtype bfloat16] [--threads 2] [--skip-random] [--quick]
+    python -m bench.quantization [--tokens 32] [--dtype bfloat16] [--threads 2] [--skip-random] [--quick]
 
 For each model, a 2-block chain (layers split in half, two ``Block``s and a ``Head``, in one
 process) runs in each mode (none, int8, int4) at the same compute dtype:
@@ -28,17 +28,13 @@ the shipped model's is the one to read.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
+from bench._common import bench_parser  # noqa: E402
 from shardnet.inference.model.block import DTYPES, Block, Head  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.model.quantize import QUANT_MODES, weight_bytes  # noqa: E402
@@ -121,14 +117,13 @@ def bench_model(name: str, ckpt: Checkpoint, dtype: torch.dtype, tokens: int, te
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__,
+                     quick="a short run for the tests: 2 prompts x 3 tokens, 1 thread, "
+                           "the random models at hidden 128 and 64")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--skip-random", action="store_true", help="only the shipped model")
-    p.add_argument("--quick", action="store_true",
-                   help="a short run for the tests: 2 prompts x 3 tokens, 1 thread, "
-                        "the random models at hidden 128 and 64")
     args = p.parse_args()
     llama_dims, mixtral_dims = dict(layers=8, hidden=1024, intermediate=2816), dict(layers=4, hidden=512,
                                                                                     intermediate=1024)

@@ -1,40 +1,33 @@
 """One stream between two nodes in one process: throughput and small-message round trip.
 
-    python bench/stream_echo.py [--label NAME] [--quick]
+    python -m bench.stream_echo [--label NAME] [--quick]
 
 64 MiB in 1 MiB writes (best of 4 passes) and 500 echoes of 64 bytes (median), over loopback.
 In-process, so it shows what the stream path itself costs per message (task switches, framing,
 encryption) without a second process's scheduling. Run it in two trees (a ``git worktree`` of
-another commit, with ``PYTHONPATH`` set to it) to compare them; docs/benchmarks.md does so for
-the single-writer change.
+another commit: from that tree's root, with ``PYTHONPATH`` set to it) to compare them;
+docs/benchmarks.md does so for the single-writer change.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import trio
 
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # after PYTHONPATH: another tree wins
-
+from bench._common import bench_parser
+from shardnet.testing.helpers import loopback_config
 from shardnet.transport import open_node  # noqa: E402
-from shardnet.transport.config import NodeConfig  # noqa: E402
 
 MIB = 64
 PASSES = 4
 ECHOES = 500
 
 
-def _config() -> NodeConfig:
-    return NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], dial_timeout=5.0)
-
-
 async def measure(mib: int, passes: int, echoes: int) -> tuple[float, float]:
-    async with open_node(_config()) as a, open_node(_config()) as b:
+    async with open_node(loopback_config()) as a, open_node(loopback_config()) as b:
         got = {"n": 0}
         done = trio.Event()
 
@@ -74,9 +67,8 @@ async def measure(mib: int, passes: int, echoes: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, paragraph=True, quick="a short run for the tests: 4 MiB, 2 passes, 20 echoes")
     ap.add_argument("--label", default="")
-    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 4 MiB, 2 passes, 20 echoes")
     args = ap.parse_args()
     import shardnet
 

@@ -1,6 +1,6 @@
 """Latency-aware routing and mid-request healing, measured side by side in one run.
 
-    python bench/swarm_routing.py [--delay-ms 15] [--tokens 32] [--repeats 3] [--quick]
+    python -m bench.swarm_routing [--delay-ms 15] [--tokens 32] [--repeats 3] [--quick]
 
 Routing: the shipped tiny-llama served twice over (layers 0:4 and 4:8 each by two peers, all
 separate ``shardnet join`` processes); one chain's peers sit behind a WAN emulator
@@ -18,7 +18,6 @@ request over the uninterrupted one.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import statistics
@@ -29,8 +28,7 @@ from pathlib import Path
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench._common import bench_parser  # noqa: E402
 from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.claims import find_claims  # noqa: E402
 from shardnet.inference.client.client import Client
@@ -166,12 +164,10 @@ async def main_async(args) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__, quick="a short run for the tests: 12 tokens (the kill comes after 8), 1 repeat")
     ap.add_argument("--delay-ms", type=float, default=15.0)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true",
-                    help="a short run for the tests: 12 tokens (the kill comes after 8), 1 repeat")
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.repeats = 12, 1

@@ -1,6 +1,6 @@
 """Decode over an emulated WAN, the headline benchmark: plain vs speculative vs pipelined, one run.
 
-    python bench/wan_decode.py [--peers 4] [--delay-ms 20] [--jitter-ms 1] [--mbit 100] [--tokens 96]
+    python -m bench.wan_decode [--peers 4] [--delay-ms 20] [--jitter-ms 1] [--mbit 100] [--tokens 96]
                                [-k 6] [--depth 4] [--ngram-k 8] [--repeats 3] [--quick]
 
 A bootstrap, ``--peers`` compute peers (``shardnet join``, separate processes, the shipped
@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import trio  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench._common import bench_parser  # noqa: E402
 from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.client.client import Client
@@ -46,7 +43,7 @@ from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.inference.model.layout import split_layers  # noqa: E402
 from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter, SpeculationStats  # noqa: E402
 from shardnet.inference.client.throughput import ceiling  # noqa: E402
-from shardnet.testing.localswarm import ShardnetProcess, stop_processes  # noqa: E402
+from shardnet.testing.localswarm import ShardnetProcess, free_port, stop_processes  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 
@@ -54,12 +51,6 @@ PROMPT = "def __init__(self, name):\n        self.name = name\n        self."
 #: the SpeculationStats fields that add up over runs
 SUMMED = ("chunks", "verified", "stale", "carried", "drafted", "accepted", "tokens", "draft_s", "wait_s",
           "round_trip_s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -222,7 +213,9 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__,
+                     quick="a short run for the tests: 2 peers, 5 ms edges, 8 tokens, 1 run, k=2, depth 2, "
+                           "compute timed 3 times")
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--delay-ms", type=float, default=20.0)
     p.add_argument("--jitter-ms", type=float, default=1.0)
@@ -232,9 +225,6 @@ def main() -> None:
     p.add_argument("-k", type=int, default=6, help="drafts per chunk for the draft model")
     p.add_argument("--ngram-k", type=int, default=8, help="drafts per chunk for the n-gram drafter")
     p.add_argument("--depth", type=int, default=4, help="verify chunks in flight for the pipelined rows")
-    p.add_argument("--quick", action="store_true",
-                   help="a short run for the tests: 2 peers, 5 ms edges, 8 tokens, 1 run, k=2, depth 2, "
-                        "compute timed 3 times")
     args = p.parse_args()
     if args.quick:
         args.peers, args.delay_ms, args.tokens, args.repeats = 2, 5.0, 8, 1

@@ -1,6 +1,6 @@
 """Weights over the swarm: MB/s of a span fetched from 1, 2 and 4 peers, and a joining peer's time to serve.
 
-    python bench/weights_fetch.py [--uplink-mb-per-s 25] [--layers 8] [--hidden 1024] [--quick]
+    python -m bench.weights_fetch [--uplink-mb-per-s 25] [--layers 8] [--hidden 1024] [--quick]
                                   [--join-root /tmp/shardnet-bench-1b] [--skip-join]
 
 1. Sources, side by side (real py-libp2p hosts on loopback in this process, as in
@@ -27,7 +27,6 @@ Progress goes to stderr; the tables to stdout.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
@@ -41,9 +40,7 @@ from pathlib import Path
 
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
+from bench._common import bench_parser
 from shardnet.inference.model.checkpoint import MANIFEST_CACHE, Checkpoint
 from shardnet.inference.model.random_model import init_random
 from shardnet.inference.weights.fetcher import find_sources
@@ -277,7 +274,7 @@ def print_join(j: JoinRun, args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__, quick="small models in both parts (for tests)")
     ap.add_argument("--uplink-mb-per-s", type=float, default=25.0,
                     help="part 1: each source's weights_mb_per_s (a home uplink), MB/s")
     ap.add_argument("--sources", default="1,2,4", help="part 1: source counts, capped")
@@ -290,7 +287,6 @@ def main() -> None:
                     help="part 2: the full peer's weights_mb_per_s (default: the node's default)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="part 2: seconds to wait for each peer to serve")
     ap.add_argument("--skip-join", action="store_true", help="part 1 only")
-    ap.add_argument("--quick", action="store_true", help="small models in both parts (for tests)")
     args = ap.parse_args()
     args.sources = [int(s) for s in args.sources.split(",")]
     if 1 not in args.sources:

@@ -1,23 +1,19 @@
 """Activation compression on the wire: bytes per token per hop, and whether greedy output changes.
 
-    python bench/wire_compression.py [--tokens 48] [--quick]
+    python -m bench.wire_compression [--tokens 48] [--quick]
 
 Two peers serve the shipped tiny-llama (layers 0:4, 4:8) in this process; for each wire dtype
 the client generates ``--tokens`` greedy tokens from three prompts and counts how many tokens agree with
 the uncompressed (float32) run before the first difference.
 """
 
-import argparse
 import logging
-import sys
 from contextlib import AsyncExitStack
-from pathlib import Path
 
 import torch
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench._common import bench_parser  # noqa: E402
 from shardnet.inference.model import wire  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
@@ -59,9 +55,8 @@ async def run(new: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = bench_parser(__doc__, quick="a short run for the tests: 4 tokens per prompt")
     p.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
-    p.add_argument("--quick", action="store_true", help="a short run for the tests: 4 tokens per prompt")
     args = p.parse_args()
     trio.run(run, 4 if args.quick else args.tokens)
 

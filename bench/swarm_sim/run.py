@@ -1,6 +1,6 @@
 """Simulate a shardnet swarm at scale and compare placement policies side by side.
 
-    python bench/swarm_sim/run.py [--peers 1000] [--models llama-70b,deepseek-v3] [--hours 1]
+    python -m bench.swarm_sim.run [--peers 1000] [--models llama-70b,deepseek-v3] [--hours 1]
                                   [--policies shardnet-before,shardnet,least-served,water-filling]
                                   [--load 0.3]
                                   [--seed 1] [--cohort N] [--probe-order stalest|first]
@@ -30,7 +30,6 @@ docs/scale.md records runs of this and what the model leaves out.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
@@ -39,8 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
+from bench._common import bench_parser  # noqa: E402
 from bench.swarm_sim.models import MODELS  # noqa: E402
 from bench.swarm_sim.policies import POLICIES, Shardnet, make  # noqa: E402
 from bench.swarm_sim.sim import Sim, Stats  # noqa: E402
@@ -141,7 +139,7 @@ def simulate(model: str, policy: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, paragraph=True, quick="a short run for the tests: 30 peers for 15 minutes")
     ap.add_argument("--peers", type=int, default=1000)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--policies", default=",".join((BEFORE, *POLICIES)),
@@ -160,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="runs simulated at once, one process each (default: one per core)")
-    ap.add_argument("--quick", action="store_true", help="a short run for the tests: 30 peers for 15 minutes")
     args = ap.parse_args(argv)
     if args.quick:
         args.peers, args.hours = 30, 0.25

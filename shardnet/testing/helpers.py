@@ -97,6 +97,19 @@ def shardnet(*args, timeout=60, env=None):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def openai_client(url: str, *, timeout: float):
+    """The official OpenAI client for a gateway at ``url`` (no retries: a failure shows)."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+def one_line(e) -> str:
+    """An error's message, asserted to be one line (what a user would see)."""
+    assert "\n" not in str(e)
+    return str(e)
+
+
 def assert_one_line_failure(r, pattern):
     """A CLI failure as users must see it: non-zero exit, no traceback, one ``error:`` line."""
     assert r.returncode != 0, r

@@ -3,7 +3,6 @@ different prompts and lengths, plain and speculative, through a 2- and a 3-peer 
 session's greedy output equals its output alone, and the peers did run several sessions' steps
 in one forward pass."""
 
-import random
 
 import pytest
 import trio
@@ -14,15 +13,11 @@ from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.server.block_endpoint import BlockEndpoint
 from shardnet.inference.server.compute_peer import serve_block
 from shardnet.models import default_model_path
+from shardnet.testing.factories import random_prompts
 from shardnet.testing.helpers import chain_token_ids, transformers_reference
 from shardnet.transport import open_node
 
 NEW = 10
-
-
-def prompts(n: int) -> list[list[int]]:
-    rng = random.Random(7)
-    return [[rng.randrange(3, 500) for _ in range(rng.randint(2, 40))] for _ in range(n)]
 
 
 async def _chain(stack, loopback_config, ranges, batch_tokens):
@@ -46,7 +41,7 @@ async def test_concurrent_sessions_batched_equal_each_alone(loopback_config, ran
     # float32: batching changes the order of additions, which may turn a float16 near-tie (the top
     # two logits equal in float16) either way; in float32 the ties are far rarer than a test's tokens
     model = LocalModel(default_model_path(), dtype="float32")
-    ps = prompts(16)
+    ps = random_prompts(16, seed=7, vocab=500, lengths=(2, 40))
     async with AsyncExitStack() as stack:
         client_node, peers = await _chain(stack, loopback_config, ranges, batch_tokens=64)
         client = Client(client_node, model, audit_rate=0.0)

@@ -29,6 +29,7 @@ from shardnet.testing.helpers import (
     chain_last_logits,
     chain_token_ids,
     local_chain,
+    one_line,
     transformers_reference,
 )
 
@@ -61,11 +62,6 @@ def checkpoints(tmp_path_factory):
 def fp8_copy(checkpoints, tmp_path):
     """A fresh FP8 qwen3 checkpoint a test may break."""
     return quantize_checkpoint_fp8(checkpoints("qwen3")[0], tmp_path / "qwen3-fp8", block=BLOCK)
-
-
-def one_line(e):
-    assert "\n" not in str(e)
-    return str(e)
 
 
 @pytest.mark.parametrize("family", BLOCKS)

@@ -6,6 +6,7 @@ import pytest
 import trio
 
 from shardnet.protocols import echo
+from shardnet.testing.factories import echo_handler
 from shardnet.transport import open_node
 from shardnet.transport.errors import (
     AddressError,
@@ -257,7 +258,7 @@ async def test_garbage_on_a_libp2p_protocol_resets_only_that_stream(loopback_con
     """Gossipsub lets protobuf's DecodeError out of its handler on a garbage RPC, which went up
     through the connection and ended the whole node (found by the hostile-peer test)."""
     async with open_node(loopback_config()) as victim, open_node(loopback_config()) as peer:
-        victim.set_stream_handler("/t/echo", _echo)
+        victim.set_stream_handler("/t/echo", echo_handler)
         await peer.connect(f"{victim.listen_addrs[0]}/p2p/{victim.peer_id}")
         for proto in ("/meshsub/1.1.0", "/ipfs/kad/1.0.0", "/ipfs/id/push/1.0.0", "/libp2p/autonat/1.0.0"):
             s = await peer.new_stream(victim.peer_id, proto)
@@ -266,11 +267,6 @@ async def test_garbage_on_a_libp2p_protocol_resets_only_that_stream(loopback_con
         s = await peer.new_stream(victim.peer_id, "/t/echo")
         await s.write(b"still here")
         assert await s.read_some(timeout=5) == b"still here"
-
-
-async def _echo(stream):
-    while data := await stream.read_some():
-        await stream.write(data)
 
 
 async def test_pings_are_answered_in_order_and_in_batches(loopback_config):

@@ -5,6 +5,7 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import PeerInfo
 
+from shardnet.testing.factories import echo_handler
 from shardnet.transport import open_node
 from shardnet.transport.errors import DialError
 from shardnet.transport.nat.relay import RelayError, RelayLimits, is_relayed
@@ -16,11 +17,6 @@ from shardnet.transport.nat.relay_messages import (
 )
 
 
-async def _echo(stream):
-    while data := await stream.read_some():
-        await stream.write(data)
-
-
 def _info(node):
     return PeerInfo(node.peer_id, [node.listen_addrs[0]])
 
@@ -28,7 +24,7 @@ def _info(node):
 async def test_reserve_dial_and_talk_through_a_relay(loopback_config):
     async with open_node(loopback_config(relay_service=RelayLimits(reservation_ttl=60))) as relay, \
             open_node(loopback_config()) as a, open_node(loopback_config()) as b:
-        a.set_stream_handler("/t/echo", _echo)
+        a.set_stream_handler("/t/echo", echo_handler)
         rsvp = await a.relay_client.reserve(_info(relay))
         assert rsvp.expire and relay.relay_service.reservations[a.peer_id] == rsvp.expire
         circuit = f"{relay.listen_addrs[0]}/p2p-circuit/p2p/{a.peer_id}"
@@ -80,7 +76,7 @@ async def test_malformed_hop_requests_get_a_status_and_harm_nothing(loopback_con
 async def test_circuit_data_limit_ends_the_circuit(loopback_config):
     async with open_node(loopback_config(relay_service=RelayLimits(circuit_bytes=64 << 10))) as relay, \
             open_node(loopback_config()) as a, open_node(loopback_config()) as b:
-        a.set_stream_handler("/t/echo", _echo)
+        a.set_stream_handler("/t/echo", echo_handler)
         await a.relay_client.reserve(_info(relay))
         await b.connect(f"{relay.listen_addrs[0]}/p2p-circuit/p2p/{a.peer_id}")
         s = await b.new_stream(a.peer_id, "/t/echo")

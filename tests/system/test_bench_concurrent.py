@@ -9,8 +9,8 @@ from shardnet.testing.helpers import REPO_ROOT
 
 
 def test_concurrent_decode_bench_runs_and_prints_its_table():
-    r = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "concurrent_decode.py"), "--quick"],
-                       capture_output=True, text=True, timeout=180, check=False)
+    r = subprocess.run([sys.executable, "-m", "bench.concurrent_decode", "--quick"],
+                       capture_output=True, text=True, timeout=180, check=False, cwd=REPO_ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("network"))

@@ -10,15 +10,15 @@ import torch
 
 from shardnet.testing.helpers import REPO_ROOT
 
-SCRIPT = REPO_ROOT / "bench" / "gpu_check.py"
+BENCH = [sys.executable, "-m", "bench.gpu_check"]
 ROWS = ["draft, CUDA graph: tiny-llama-draft", "batched block (StepBatcher)", "quantized int8 (bf16)",
         "quantized int4 (bf16)", "2-peer chain, one device", "kv pool"]
 
 
 @pytest.mark.slow
 def test_every_row_runs_on_the_cpu():
-    r = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick"],
-                       capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run([*BENCH, "--device", "cpu", "--quick"],
+                       capture_output=True, text=True, timeout=300, check=False, cwd=REPO_ROOT)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert lines[0].startswith("device: cpu (CPU); torch "), r.stdout
@@ -37,7 +37,7 @@ def test_every_row_runs_on_the_cpu():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="there is a CUDA device here")
 def test_cuda_without_a_device_fails_in_one_line():
-    r = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=120,
-                       check=False)
+    r = subprocess.run([*BENCH, "--quick"], capture_output=True, text=True, timeout=120,
+                       check=False, cwd=REPO_ROOT)
     assert r.returncode != 0 and r.stdout == ""
     assert r.stderr.strip().splitlines()[-1].startswith("error: no CUDA device here"), r.stderr

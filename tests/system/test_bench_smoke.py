@@ -98,8 +98,9 @@ MULTI_PROCESS = {
 
 
 def run_bench(script: str, args: list[str], patterns: list[str], timeout: float) -> None:
-    r = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / script), *args], capture_output=True, text=True,
-                       timeout=timeout, check=False)
+    module = "bench." + script.removesuffix(".py").replace("/", ".")  # run as python -m bench.NAME
+    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                       timeout=timeout, check=False, cwd=REPO_ROOT)
     assert r.returncode == 0, f"{script} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     missing = [p for p in patterns if not re.search(p, r.stdout, re.MULTILINE)]
     assert not missing, f"{script}: no line matches {missing} in:\n{r.stdout}"

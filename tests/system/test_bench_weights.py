@@ -7,8 +7,9 @@ from shardnet.testing.helpers import REPO_ROOT
 
 
 def test_weights_fetch_bench_runs_and_prints_its_tables(tmp_path):
-    r = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "weights_fetch.py"), "--quick",
-                        "--join-root", str(tmp_path)], capture_output=True, text=True, timeout=240, check=False)
+    r = subprocess.run([sys.executable, "-m", "bench.weights_fetch", "--quick",
+                        "--join-root", str(tmp_path)], capture_output=True, text=True, timeout=240, check=False,
+                       cwd=REPO_ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("sources"))

@@ -6,13 +6,14 @@ import json
 import re
 import socket
 import time
+from functools import partial
 
 import openai
 import pytest
 
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.models import default_model_path
-from shardnet.testing.helpers import http_request, transformers_greedy, wait_healthy
+from shardnet.testing.helpers import http_request, openai_client, transformers_greedy, wait_healthy
 from shardnet.testing.localswarm import LocalSwarm
 
 pytestmark = pytest.mark.slow
@@ -52,8 +53,7 @@ def expected():
     return model.decode(ids[:cut]), len(model.encode(PROMPT)), cut
 
 
-def api(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+api = partial(openai_client, timeout=120)  # the official client for a gateway URL
 
 
 def test_a_completion_equals_transformers_with_usage(gateway, expected):

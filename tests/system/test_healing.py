@@ -12,7 +12,7 @@ from shardnet.inference.client.client import Client
 from shardnet.inference.client.speculative import ModelDrafter
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.models import default_draft_path, default_model_path
-from shardnet.testing.helpers import transformers_greedy
+from shardnet.testing.helpers import loopback_config, transformers_greedy
 from shardnet.testing.localswarm import LocalSwarm
 from shardnet.transport import open_node
 
@@ -54,7 +54,7 @@ def kill(table, peer):
 
 async def run(bootstrap, table, *, kill_when, drafter=None, depth=1, k=4):
     """Generate; ``kill_when(event, info, tokens_so_far, route)`` returns a peer to SIGKILL."""
-    async with open_node(_config(bootstrap)) as node:
+    async with open_node(loopback_config(bootstrap=[bootstrap], dht_mode="client")) as node:
         await node.wait_bootstrapped()
         client = Client(node, LocalModel(default_model_path()), route_timeout=20)
         route, killed, got = [], [], []
@@ -71,13 +71,6 @@ async def run(bootstrap, table, *, kill_when, drafter=None, depth=1, k=4):
             got.append(tok.id)
             progress("token", {})
         return got, client.last_stats, killed, route
-
-
-def _config(bootstrap):
-    from shardnet.transport.config import NodeConfig
-
-    return NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[bootstrap], dial_timeout=5.0,
-                      dht_mode="client")
 
 
 def _report(name, stats):
@@ -133,7 +126,7 @@ async def test_every_peer_of_a_span_gone_is_a_clear_error_within_the_bound(peers
     for peer, (_, span) in list(table.items()):
         if span == (0, 4):
             kill(table, peer)
-    async with open_node(_config(bootstrap)) as node:
+    async with open_node(loopback_config(bootstrap=[bootstrap], dht_mode="client")) as node:
         await node.wait_bootstrapped()
         client = Client(node, LocalModel(default_model_path()), route_timeout=5)
         t0 = time.monotonic()

@@ -18,6 +18,7 @@ from shardnet.inference.server.compute_peer import serve_block
 from shardnet.inference.server.turns import FairTurns
 from shardnet.protocols import activation as ap
 from shardnet.protocols.activation_io import MessageStream
+from shardnet.testing.factories import echo_handler
 from shardnet.transport import open_node
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.limits import LimitError, Limits, TokenBuckets
@@ -107,7 +108,7 @@ async def test_streams_per_peer_and_stream_rate(loopback_config):
     async with open_node(loopback_config(limits=limits(streams_per_peer=20, stream_burst_per_peer=1000))) as victim, \
             open_node(loopback_config()) as greedy, open_node(loopback_config()) as other:
         victim.set_stream_handler("/t/hold", hold)
-        victim.set_stream_handler("/t/echo", _echo)
+        victim.set_stream_handler("/t/echo", echo_handler)
         await greedy.connect(f"{victim.listen_addrs[0]}/p2p/{victim.peer_id}")
         opened, refused = [], 0
         for _ in range(40):
@@ -126,7 +127,7 @@ async def test_streams_per_peer_and_stream_rate(loopback_config):
 
     async with open_node(loopback_config(limits=limits(stream_rate_per_peer=5, stream_burst_per_peer=10))) as victim, \
             open_node(loopback_config()) as greedy:
-        victim.set_stream_handler("/t/echo", _echo)
+        victim.set_stream_handler("/t/echo", echo_handler)
         await greedy.connect(f"{victim.listen_addrs[0]}/p2p/{victim.peer_id}")
         await trio.sleep(2.5)  # identify and DHT streams of a new connection count too: let the bucket refill
         ok = 0
@@ -139,11 +140,6 @@ async def test_streams_per_peer_and_stream_rate(loopback_config):
                 pass
         assert 8 <= ok <= 14, ok  # the burst, plus what refilled during the loop
         assert victim.host.get_network().stream_gate.refusals.counts["stream_rate_per_peer"] >= 30 - ok
-
-
-async def _echo(stream):
-    while data := await stream.read_some():
-        await stream.write(data)
 
 
 async def test_dht_records_per_peer_and_in_all(loopback_config):

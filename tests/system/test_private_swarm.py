@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow
 PROMPT, NEW = "def fib(n):", 12
 
 
-def shardnet(*args, key=None, timeout=120):
+def shardnet_keyed(*args, key=None, timeout=120):
+    """The shardnet command with SHARDNET_SWARM_KEY set to ``key`` (None: unset, whatever this
+    environment says)."""
     env = {k: v for k, v in os.environ.items() if k != "SHARDNET_SWARM_KEY"}
     if key is not None:
         env["SHARDNET_SWARM_KEY"] = str(key)
@@ -29,7 +31,7 @@ def shardnet(*args, key=None, timeout=120):
 
 
 def make_key(path):
-    r = shardnet("swarm-key", str(path))
+    r = shardnet_keyed("swarm-key", str(path))
     assert r.returncode == 0 and "fingerprint" in r.stdout, r.stderr
     return path
 
@@ -60,7 +62,7 @@ def test_private_swarm_serves_members_and_refuses_everyone_else(tmp_path):
         swarm.join_spans([(0, 4), (4, 8)], "--threads", "1")
 
         # members: a generation through the private swarm equals plain transformers
-        r = shardnet("generate", "--bootstrap", boot, "-n", str(NEW), PROMPT, key=key)
+        r = shardnet_keyed("generate", "--bootstrap", boot, "-n", str(NEW), PROMPT, key=key)
         assert r.returncode == 0, r.stderr
         text = r.stdout.partition("\n-- ")[0]
         tok = Tokenizer.from_file(str(model / "tokenizer.json"))
@@ -68,26 +70,26 @@ def test_private_swarm_serves_members_and_refuses_everyone_else(tmp_path):
         assert text == want
 
         # no key: refused, and each side says why
-        err = one_line_error(shardnet("peers", "--bootstrap", boot, "--wait", "1"))
+        err = one_line_error(shardnet_keyed("peers", "--bootstrap", boot, "--wait", "1"))
         assert "is in a private swarm" in err and "this node has no swarm key" in err, err
         log_line(swarm.bootstrap, r"refused a connection from 127\.0\.0\.1:\d+: it left before the swarm-key "
                                   r"handshake finished \(a peer without the swarm key\)")
 
         # another key: both sides name the mismatch
-        err = one_line_error(shardnet("peers", "--bootstrap", boot, "--wait", "1", key=other))
+        err = one_line_error(shardnet_keyed("peers", "--bootstrap", boot, "--wait", "1", key=other))
         assert "holds another swarm key" in err, err
         log_line(swarm.bootstrap, r"refused 12D3KooW\S+ at 127\.0\.0\.1:\d+: it holds another swarm key "
                                   rf"\(this node's key: {SwarmKey.load(key).fingerprint}\)")
 
         # a member dialling a public node: refused there as a private swarm's peer
         public_boot = public.start_bootstrap()
-        err = one_line_error(shardnet("ping", public_boot, "--count", "1", key=key))
+        err = one_line_error(shardnet_keyed("ping", public_boot, "--count", "1", key=key))
         assert "refused the swarm-key handshake: it is not in this private swarm" in err, err
         log_line(public.bootstrap, r"refused a connection from 127\.0\.0\.1:\d+: it is in a private swarm .* "
                                    r"this node has no swarm key")
 
         # the members were never disturbed: the swarm still serves
-        r = shardnet("peers", "--bootstrap", boot, "--wait", "2", "--json", key=key)
+        r = shardnet_keyed("peers", "--bootstrap", boot, "--wait", "2", "--json", key=key)
         assert r.returncode == 0, r.stderr
         assert len(__import__("json").loads(r.stdout)["peers"]) >= 2
 
@@ -114,7 +116,7 @@ def test_swarm_key_files(tmp_path):
     path.chmod(0o644)
     with pytest.raises(SwarmKeyError, match="readable by others"):
         SwarmKey.load(path)
-    err = one_line_error(shardnet("node", "--swarm-key", str(path)))
+    err = one_line_error(shardnet_keyed("node", "--swarm-key", str(path)))
     assert "readable by others" in err
 
 

@@ -1,7 +1,8 @@
-"""Every bench script has a smoke test: a bench (a file under bench/ that runs as a script) is
-named, as ``"<path under bench/>"``, by one of tests/system/test_bench_*.py, which run it as a
-process on a tiny setting (docs/testing.md, "Bench smoke tests"). A new bench without one fails
-here."""
+"""Every bench script has a smoke test: a bench (a module under bench/ that runs as
+``python -m bench.NAME``) is named by one of tests/system/test_bench_*.py, which run it as a
+process on a tiny setting (docs/testing.md, "Bench smoke tests"): by its module name
+(``"bench.wan_decode"``) or, in test_bench_smoke.py's table, by its path under bench/
+(``"wan_decode.py"``). A new bench without one fails here."""
 
 from shardnet.testing.helpers import REPO_ROOT
 
@@ -13,8 +14,13 @@ def bench_scripts() -> list[str]:
                   if 'if __name__ == "__main__":' in p.read_text())
 
 
+def bench_module(script: str) -> str:
+    """``swarm_sim/run.py`` -> ``bench.swarm_sim.run``"""
+    return "bench." + script.removesuffix(".py").replace("/", ".")
+
+
 def untested(scripts: list[str], tests: str) -> list[str]:
-    return [s for s in scripts if f'"{s}"' not in tests]
+    return [s for s in scripts if f'"{s}"' not in tests and f'"{bench_module(s)}"' not in tests]
 
 
 def test_every_bench_has_a_smoke_test():
@@ -27,5 +33,6 @@ def test_every_bench_has_a_smoke_test():
 
 
 def test_a_bench_without_a_smoke_test_is_caught():
-    tests = '{"wan_decode.py": (["--quick"], [])}'
-    assert untested(["new_bench.py", "wan_decode.py"], tests) == ["new_bench.py"]
+    tests = '{"wan_decode.py": (["--quick"], [])} [sys.executable, "-m", "bench.swarm_sim.run"]'
+    assert untested(["new_bench.py", "wan_decode.py", "swarm_sim/run.py"], tests) == ["new_bench.py"]
+    assert bench_module("swarm_sim/run.py") == "bench.swarm_sim.run"

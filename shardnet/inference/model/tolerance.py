@@ -13,7 +13,7 @@ its logit is within the tolerance of the best logit at its position:
 depend on the model's logit scale). The **margin** is ``tolerance - gap``; the smallest margin of
 a run, and where, is what ``shardnet verify --recompute`` reports.
 
-The tolerances are measured, not guessed: ``python bench/logit_tolerance.py`` (docs/security.md
+The tolerances are measured, not guessed: ``python -m bench.logit_tolerance`` (docs/security.md
 has the command and its figures) computes the shipped tiny-llama's steps batched as a compute peer
 batches them and recomputes them teacher-forced in one pass, in each dtype, on a CPU.
 Each tolerance is that largest relative logit difference, times 2 (the served token's logit and

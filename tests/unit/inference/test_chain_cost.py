@@ -16,11 +16,7 @@ from shardnet.inference.client.routing import (
     plan_route,
 )
 from shardnet.protocols.block_claim import Claim
-
-
-def claim(peer: str, start: int, end: int, *, tput: float = 10.0, rtts=()) -> Claim:
-    return Claim(model="m", start=start, end=end, kv_tokens=1024, tput=tput, addrs=(), expires=2e9, peer=peer,
-                 rtts=tuple(rtts))
+from shardnet.testing.factories import claim
 
 
 def test_link_rtt():
@@ -32,8 +28,8 @@ def test_link_rtt():
 
 def test_chain_cost_hops_and_total():
     costs = ChainCost(lambda peer: {"a": 0.04, "b": 0.06}[peer], kept=frozenset({"b"}))
-    a = claim("a", 0, 2, tput=50.0, rtts=(("b", 0.01),))
-    b = claim("b", 2, 4, tput=100.0)
+    a = claim(peer="a", start=0, end=2, tput=50.0, rtts=(("b", 0.01),))
+    b = claim(peer="b", start=2, end=4, tput=100.0)
     assert costs.hop(None, a) == pytest.approx(0.02 + 0.02)
     assert costs.hop(a, b) == pytest.approx(0.005 + 0.01)  # the round trip a reported
     assert costs.step(a, b) == pytest.approx(0.015 * KEEP_DISCOUNT)
@@ -53,9 +49,9 @@ def random_swarm(rng: random.Random, peers: int, layers: int) -> tuple[list[Clai
     for peer, s, e in spans:
         after = [p for p, s2, _ in spans if s2 == e]
         reported = tuple((p, rng.uniform(0.001, 0.2)) for p in rng.sample(after, min(len(after), 4)))
-        out.append(claim(peer, s, e, tput=rng.uniform(1, 100), rtts=reported))
+        out.append(claim(peer=peer, start=s, end=e, tput=rng.uniform(1, 100), rtts=reported))
     for layer in range(layers):  # every layer served, so a route exists
-        out.append(claim(f"q{layer}", layer, layer + 1, tput=rng.uniform(1, 100)))
+        out.append(claim(peer=f"q{layer}", start=layer, end=layer + 1, tput=rng.uniform(1, 100)))
     return out, {c.peer: rng.uniform(0.001, 0.3) for c in out}
 
 
@@ -100,9 +96,9 @@ def test_a_loaded_peer_costs_more_and_a_full_one_most():
     from dataclasses import replace
 
     costs = ChainCost(lambda peer: 0.02)
-    idle = claim("a", 0, 4, tput=100.0)
+    idle = claim(peer="a", start=0, end=4, tput=100.0)
     assert costs.hop(None, replace(idle, load=0.5)) == pytest.approx(0.01 + 0.02)
     full = costs.hop(None, replace(idle, load=1.0))
     assert full == pytest.approx(0.01 + 0.01 / 0.05)
-    busy, free = replace(idle, peer="b", load=0.99), claim("c", 0, 4, tput=50.0)
+    busy, free = replace(idle, peer="b", load=0.99), claim(peer="c", start=0, end=4, tput=50.0)
     assert plan_route([busy, free], 4, cost=costs)[0].peer == "c"

@@ -10,11 +10,7 @@ from shardnet.inference.model import family_check
 from shardnet.inference.model.checkpoint import Checkpoint
 from shardnet.inference.model.families import FAMILIES, Family, family_for
 from shardnet.inference.model.random_model import init_random
-
-
-def one_line(e):
-    assert "\n" not in str(e)
-    return str(e)
+from shardnet.testing.helpers import one_line
 
 
 @pytest.mark.parametrize("config, reason", [

@@ -15,16 +15,13 @@ from shardnet.inference.client.peer_speeds import (
 from shardnet.inference.client.reputation import OVERCLAIM_COST_FACTOR, Reputation
 from shardnet.inference.client.routing import ChainCost, plan_route
 from shardnet.protocols.block_claim import Claim
+from shardnet.testing.factories import claim
 
 RTT = 0.002
 
 
-def claim(peer: str, start: int, end: int, tput: float, **kw) -> Claim:
-    return Claim(model="m", start=start, end=end, kv_tokens=1024, tput=tput, addrs=(), expires=2e9, peer=peer, **kw)
-
-
 # layers 0:4 on A; 4:8 on two honest peers and L, which announces 400 times their throughput
-A, B, C, L = claim("A", 0, 4, 250.0), claim("B", 4, 8, 250.0), claim("C", 4, 8, 250.0), claim("L", 4, 8, 1e5)
+A, B, C, L = claim(peer="A", start=0, end=4, tput=250.0), claim(peer="B", start=4, end=8, tput=250.0), claim(peer="C", start=4, end=8, tput=250.0), claim(peer="L", start=4, end=8, tput=1e5)
 SWARM = [A, B, C, L]
 PRIOR = typical_tput(SWARM)
 
@@ -44,15 +41,15 @@ def step_time(route: list[Claim], true_tput: dict[str, float], overhead: float =
 
 
 def test_typical_tput_is_the_median_claim_per_layer_of_a_claims_layers():
-    half = claim("D", 4, 6, 500.0)  # 2 layers at 500 tok/s: 1000 layer-tokens/s, as a 4-layer peer at 250
-    loading = claim("E", 4, 8, 1e9, loading=(4, 8))  # not serving yet: not counted
-    prior = typical_tput([A, B, C, L, half, loading, claim("Z", 0, 4, 0.0)])
+    half = claim(peer="D", start=4, end=6, tput=500.0)  # 2 layers at 500 tok/s: 1000 layer-tokens/s, as a 4-layer peer at 250
+    loading = claim(peer="E", start=4, end=8, tput=1e9, loading=(4, 8))  # not serving yet: not counted
+    prior = typical_tput([A, B, C, L, half, loading, claim(peer="Z", start=0, end=4, tput=0.0)])
     assert prior(L) == 250.0  # layers 4-7: [1000, 1000, 1000, 4e5] and [1000, 1000, 4e5]: the lower middle
     assert prior(half) == 500.0  # the same per layer, for a span half as long
     assert prior(A) == 250.0  # alone on its layers (Z claims no figure): its own claim
     assert typical_tput([B, L])(L) == 250.0  # the other peer's
     # the others' median: its own claim does not raise the bar (of [200, 300, 1e5], 300 would be)
-    assert typical_tput([claim("B", 4, 8, 200.0), claim("C", 4, 8, 300.0), L])(L) == 200.0
+    assert typical_tput([claim(peer="B", start=4, end=8, tput=200.0), claim(peer="C", start=4, end=8, tput=300.0), L])(L) == 200.0
     assert typical_tput([])(L) == 1e5
 
 
@@ -64,7 +61,7 @@ def test_a_peer_never_observed_counts_as_the_typical_peer_of_its_layers():
     counted = first_hops_at_4(ChainCost(lambda peer: RTT, tput=speeds.routing_tput(PRIOR)))
     assert set(counted) == {"B", "C", "L"} and counted["L"] < 150  # a tie: about a third each
     # a claim of no figure counts as the typical peer too (it used to cost nothing)
-    assert speeds.routing_tput(PRIOR)(claim("N", 4, 8, 0.0)) == 250.0
+    assert speeds.routing_tput(PRIOR)(claim(peer="N", start=4, end=8, tput=0.0)) == 250.0
 
 
 def test_a_peer_whose_steps_belie_its_claim_is_marked_and_routed_around():
@@ -87,7 +84,7 @@ def test_a_peer_whose_steps_belie_its_claim_is_marked_and_routed_around():
 
 
 def test_honest_peers_are_not_marked_and_a_faster_one_earns_its_claim_once_seen():
-    fast = claim("F", 4, 8, 750.0)  # three times the typical peer, and truly so
+    fast = claim(peer="F", start=4, end=8, tput=750.0)  # three times the typical peer, and truly so
     swarm = [A, B, C, fast]
     prior = typical_tput(swarm)
     speeds = PeerSpeeds()
@@ -100,7 +97,7 @@ def test_honest_peers_are_not_marked_and_a_faster_one_earns_its_claim_once_seen(
 
 
 def test_an_honest_chain_mate_of_a_slow_peer_recovers_its_standing():
-    slow = claim("S", 4, 8, 250.0)  # claims as the others, computes ten times slower
+    slow = claim(peer="S", start=4, end=8, tput=250.0)  # claims as the others, computes ten times slower
     swarm = [A, B, C, slow]
     prior = typical_tput(swarm)
     true = {"A": 250.0, "B": 250.0, "C": 250.0, "S": 25.0}

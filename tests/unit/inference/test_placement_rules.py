@@ -2,6 +2,7 @@
 are tests/system/test_placement.py)."""
 
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -16,12 +17,11 @@ from shardnet.inference.server.placement import (
     served_throughput,
 )
 from shardnet.models import default_model_path
-from shardnet.protocols.block_claim import Claim
+from shardnet.testing import factories
 from shardnet.transport.errors import ShardnetError
 
 
-def claim(start, end, peer, tput=10.0):
-    return Claim(model="m", start=start, end=end, kv_tokens=100, tput=tput, addrs=(), expires=4e9, peer=peer)
+claim = partial(factories.claim, kv_tokens=100, expires=4e9)
 
 
 def test_memory_decides_how_many_layers():
@@ -38,36 +38,36 @@ def test_memory_decides_how_many_layers():
 def test_a_joining_peer_takes_the_least_served_window_and_packs_against_its_neighbours():
     rng = random.Random(0)
     assert best_window([0.0] * 8, 3, rng=rng) in ((0, 3), (5, 8))  # flush with an end, never 2:5
-    served = served_throughput([claim(0, 3, "a")], 8)
+    served = served_throughput([claim(start=0, end=3, peer="a")], 8)
     for seed in range(20):  # right after the served layers, or flush with the end: no 1-layer gap
         assert best_window(served, 3, rng=random.Random(seed)) in ((3, 6), (5, 8))
-    served = served_throughput([claim(0, 3, "a"), claim(5, 8, "b")], 8)
+    served = served_throughput([claim(start=0, end=3, peer="a"), claim(start=5, end=8, peer="b")], 8)
     assert best_window(served, 2) == (3, 5)
     # all served once: the window whose weakest layers are weakest
-    served = served_throughput([claim(0, 8, "a", 10), claim(0, 4, "b", 10)], 8)
+    served = served_throughput([claim(start=0, end=8, peer="a", tput=10), claim(start=0, end=4, peer="b", tput=10)], 8)
     assert best_window(served, 4) == (4, 8)
 
 
 def test_a_peer_moves_only_when_it_raises_the_bottleneck_and_never_leaves_a_gap():
-    a, b, c = claim(0, 4, "a"), claim(4, 8, "b"), claim(0, 4, "c")
-    fixed = claim(0, 4, "fixed")
+    a, b, c = claim(start=0, end=4, peer="a"), claim(start=4, end=8, peer="b"), claim(start=0, end=4, peer="c")
+    fixed = claim(start=0, end=4, peer="fixed")
     # a is the only server of 0..3 (b and c absent): it stays whatever it would gain
     assert plan_move([a], a, 8) is None
     # 0..3 served three times, 4..7 once: a (or c) should move to 4..8
     move = plan_move([a, b, c, fixed], a, 8)
     assert (move.start, move.end) == (4, 8) and move.bottleneck_after == 2 * move.bottleneck_now
     # balanced already: moving gains nothing
-    assert plan_move([a, b, c, claim(4, 8, "d")], a, 8) is None
+    assert plan_move([a, b, c, claim(start=4, end=8, peer="d")], a, 8) is None
     # a gap (4..7 unserved) is filled by a peer whose layers others also serve
     move = plan_move([a, c], a, 8)
     assert (move.start, move.end) == (4, 8) and move.bottleneck_now == 0
     # a small gain within the margin is not worth a move
-    assert plan_move([claim(0, 4, "a", 10), claim(4, 8, "b", 9.5), claim(0, 4, "c", 10)],
-                     claim(0, 4, "a", 10), 8, margin=0.2) is None
+    assert plan_move([claim(start=0, end=4, peer="a", tput=10), claim(start=4, end=8, peer="b", tput=9.5), claim(start=0, end=4, peer="c", tput=10)],
+                     claim(start=0, end=4, peer="a", tput=10), 8, margin=0.2) is None
 
 
 def test_coverage_map():
-    rows = coverage([claim(0, 4, "a", 5), claim(2, 8, "b", 7)], 8)
+    rows = coverage([claim(start=0, end=4, peer="a", tput=5), claim(start=2, end=8, peer="b", tput=7)], 8)
     assert [len(r["peers"]) for r in rows] == [1, 1, 2, 2, 1, 1, 1, 1]
     assert rows[3]["tput"] == 12
 
@@ -112,10 +112,10 @@ def test_quantized_layers_are_planned_at_their_quantized_size(tmp_path, mode, sh
 def test_a_peer_moves_to_fill_one_of_several_gaps():
     # layers 2 and 6 are unserved: no move of one peer lifts the bottleneck off zero, but filling
     # one of them is progress (before, two far-apart gaps were never filled)
-    a = claim(0, 2, "a")
-    b = claim(0, 2, "b")
-    c = claim(3, 6, "c")
-    d = claim(7, 8, "d")
+    a = claim(start=0, end=2, peer="a")
+    b = claim(start=0, end=2, peer="b")
+    c = claim(start=3, end=6, peer="c")
+    d = claim(start=7, end=8, peer="d")
     move = plan_move([a, b, c, d], a, 8)
     assert move is not None and (move.start <= 2 < move.end or move.start <= 6 < move.end)
     assert plan_move([a, c, d], a, 8) is None  # the only server of 0:2 stays
@@ -126,26 +126,26 @@ def test_placement_counts_peers_where_they_will_be():
 
     from shardnet.inference.server.placement import fillable_gap, planned_throughput
 
-    serving = claim(0, 4, "a", 10.0)
-    moving = replace(claim(0, 4, "b", 30.0), loading=(4, 8))
-    joining = replace(claim(4, 8, "c", 0.0), loading=(4, 8))
+    serving = claim(start=0, end=4, peer="a", tput=10.0)
+    moving = replace(claim(start=0, end=4, peer="b", tput=30.0), loading=(4, 8))
+    joining = replace(claim(start=4, end=8, peer="c", tput=0.0), loading=(4, 8))
     assert served_throughput([serving, moving, joining], 8) == [40.0] * 4 + [0.0] * 4
     # the mover at its new span; the joiner, not measured yet, as the measured peers' mean (20)
     assert planned_throughput([serving, moving, joining], 8) == [10.0] * 4 + [50.0] * 4
     # a gap someone is loading is no gap to fill
-    assert fillable_gap([serving, claim(0, 4, "d")], 0, 4, 8)
-    assert not fillable_gap([serving, claim(0, 4, "d"), joining], 0, 4, 8)
+    assert fillable_gap([serving, claim(start=0, end=4, peer="d")], 0, 4, 8)
+    assert not fillable_gap([serving, claim(start=0, end=4, peer="d"), joining], 0, 4, 8)
     # the last server of a layer stays while another only loads it
-    me = claim(4, 8, "me", 10.0)
-    assert plan_move([serving, replace(claim(4, 8, "e", 0.0), loading=(4, 8)), me], me, 8) is None
+    me = claim(start=4, end=8, peer="me", tput=10.0)
+    assert plan_move([serving, replace(claim(start=4, end=8, peer="e", tput=0.0), loading=(4, 8)), me], me, 8) is None
 
 
 def test_a_peer_does_not_leave_a_layer_whose_other_server_is_moving_off_it():
     from dataclasses import replace
 
-    me = claim(0, 4, "me", 10.0)
-    other = claim(0, 4, "o", 10.0)
-    far = claim(4, 8, "f", 5.0)
+    me = claim(start=0, end=4, peer="me", tput=10.0)
+    other = claim(start=0, end=4, peer="o", tput=10.0)
+    far = claim(start=4, end=8, peer="f", tput=5.0)
     assert plan_move([other, far, me], me, 8) is not None  # 'o' stays on 0:4: we may go
     leaving = replace(other, loading=(4, 8))
     assert plan_move([leaving, far, me], me, 8) is None  # 'o' is loading 4:8: we stay

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+from functools import partial
 
 import pytest
 import trio
@@ -17,12 +17,10 @@ from shardnet.inference.client.routing import (
     UNKNOWN_RTT,
 )
 from shardnet.protocols.block_claim import Claim
+from shardnet.testing import factories
 
 
-def claim(peer: str, start: int, end: int, *, tput: float = 0.0, expires: float | None = None,
-          rtts: tuple = ()) -> Claim:
-    return Claim(model="m", start=start, end=end, kv_tokens=1000, tput=tput, addrs=(),
-                 expires=time.time() + 60 if expires is None else expires, peer=peer, rtts=rtts)
+claim = partial(factories.claim, kv_tokens=1000, tput=0.0)
 
 
 class FakeNode:
@@ -93,8 +91,8 @@ def test_rtt_measured_guessed_slow_and_relayed():
 
 def test_hop_cost_prefers_the_previous_hops_report_and_counts_compute_and_reputation():
     p = planner([], rtts={"b": 0.04})
-    a = claim("a", 0, 2, rtts=(("b", 0.01),))
-    b = claim("b", 2, 4, tput=100.0)
+    a = claim(peer="a", start=0, end=2, rtts=(("b", 0.01),))
+    b = claim(peer="b", start=2, end=4, tput=100.0)
     assert p.hop_cost(None, b) == pytest.approx(0.04 / 2 + 1 / 100)  # our own round trip
     assert p.hop_cost(a, b) == pytest.approx(0.01 / 2 + 1 / 100)  # as the previous hop reported it
     p.reputation.note_report({"accused": "b", "reporter": "x", "layers": [2, 4], "divergence": 1.0})
@@ -105,13 +103,13 @@ def test_hop_cost_prefers_the_previous_hops_report_and_counts_compute_and_reputa
 
 
 async def test_usable_leaves_out_avoided_convicted_gone_and_forgotten_peers():
-    claims = [claim(x, 0, 4) for x in "abcde"]
+    claims = [claim(peer=x, start=0, end=4) for x in "abcde"]
     p = planner(claims, verdicts={"c": "gone"})
     p.reputation.convict("b", {})
     p.forget_peer("d")
     assert [c.peer for c in p.usable(claims, {"a"})] == ["e"]
     # a peer that claimed again since it failed is back
-    newer = claim("d", 0, 4, expires=claims[3].expires + 1)
+    newer = claim(peer="d", start=0, end=4, expires=claims[3].expires + 1)
     assert [c.peer for c in p.usable([newer], frozenset())] == ["d"]
     # and so is one whose time out is over
     p.forget_peer("e", seconds=0.01)
@@ -122,7 +120,7 @@ async def test_usable_leaves_out_avoided_convicted_gone_and_forgotten_peers():
 async def test_find_route_picks_the_cheapest_chain_and_probes_its_peers():
     # (a and b claim twice the throughput per layer that "slow" does; never observed, they count
     # as the typical peer of their layers: what slow claims, see test_peer_speeds.py)
-    claims = [claim("slow", 0, 4, tput=250.0), claim("a", 0, 2, tput=1000.0), claim("b", 2, 4, tput=1000.0)]
+    claims = [claim(peer="slow", start=0, end=4, tput=250.0), claim(peer="a", start=0, end=2, tput=1000.0), claim(peer="b", start=2, end=4, tput=1000.0)]
     p = planner(claims, rtts={"slow": 0.005, "a": 0.001, "b": 0.001})
     route = await p.find_route()
     assert [c.peer for c in route] == ["a", "b"]
@@ -135,7 +133,7 @@ async def test_find_route_picks_the_cheapest_chain_and_probes_its_peers():
 
 
 async def test_find_route_names_the_missing_layers_after_its_timeout():
-    p = planner([claim("a", 0, 2)])
+    p = planner([claim(peer="a", start=0, end=2)])
     with pytest.raises(NoRouteError) as e:
         await p.find_route(timeout=0)
     assert str(e.value).startswith("after 0 s:") and e.value.code == "no_route"
@@ -144,7 +142,7 @@ async def test_find_route_names_the_missing_layers_after_its_timeout():
 
 
 async def test_a_fixed_route_is_used_as_is_until_one_of_its_peers_fails():
-    fixed = [claim("a", 0, 4)]
+    fixed = [claim(peer="a", start=0, end=4)]
     p = planner([], fixed_route=fixed)
     assert await p.find_route() is fixed
     assert p.view.lookups == 0
@@ -171,8 +169,8 @@ def test_span_policy_matches_dtype_and_quantization():
 
 
 async def test_observed_steps_mark_an_overclaiming_peer_and_routes_avoid_it():
-    claims = [claim("a", 0, 2, tput=250.0), claim("b", 2, 4, tput=250.0), claim("c", 2, 4, tput=250.0),
-              claim("liar", 2, 4, tput=1e5)]
+    claims = [claim(peer="a", start=0, end=2, tput=250.0), claim(peer="b", start=2, end=4, tput=250.0), claim(peer="c", start=2, end=4, tput=250.0),
+              claim(peer="liar", start=2, end=4, tput=1e5)]
     p = planner(claims, rtts={x: 0.002 for x in ("a", "b", "c", "liar")})
     a, b, _, liar = claims
     # the liar, never observed, counts as the typical peer of its layers: a tie with b and c

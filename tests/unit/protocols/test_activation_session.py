@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from shardnet.protocols import activation as ap
+from shardnet.testing.factories import activation_step as step
 from shardnet.protocols.activation_session import (
     BlockSession,
     ClientSession,
@@ -36,11 +37,6 @@ ME = ap.PeerRef("12D3KooWclient", ["/ip4/127.0.0.1/tcp/1"])
 def open_(chain=(), logits=False, wire=None):
     return ap.Open(SESSION, model="ab" * 32, layers=(0, 2), max_len=MAX_LEN, chain=chain, ret=ME, logits=logits,
                    wire=wire)
-
-
-def step(n, pos, tokens, epoch=0, hidden=HIDDEN, session=SESSION):
-    return ap.Step(session, n=n, pos=pos, dtype="float32", shape=[1, tokens, hidden],
-                   payload=bytes(4 * tokens * hidden), epoch=epoch)
 
 
 class BlockServer(RuleBasedStateMachine):
@@ -75,7 +71,7 @@ class BlockServer(RuleBasedStateMachine):
         if pos + tokens > MAX_LEN:
             return
         n = self.client_next + gap
-        self.queue.append(step(n, pos, tokens, self.epoch))
+        self.queue.append(step(n=n, pos=pos, tokens=tokens, epoch=self.epoch))
         self.client_next, self.client_length = n + 1, pos + tokens
 
     @precondition(lambda self: self.queue)
@@ -103,7 +99,7 @@ class BlockServer(RuleBasedStateMachine):
     def replayed(self, i):
         """A step number already used up (computed or skipped) ends the session."""
         n = self.handled[i % len(self.handled)]
-        action = self.machine.receive(step(n, 0, 1))
+        action = self.machine.receive(step(n=n, pos=0, tokens=1))
         assert isinstance(action, ReplyError) and action.code == "step_order" and action.n == n
         assert self.machine.ended
         self.fresh()
@@ -112,7 +108,7 @@ class BlockServer(RuleBasedStateMachine):
     def past_the_cache(self, ahead):
         """A step may roll back, never start past what the cache holds."""
         self.queue.clear()
-        action = self.machine.receive(step(self.far(), len(self.cache) + ahead, 1))
+        action = self.machine.receive(step(n=self.far(), pos=len(self.cache) + ahead, tokens=1))
         assert isinstance(action, ReplyError) and action.code == "position"
         self.fresh()
 
@@ -120,7 +116,7 @@ class BlockServer(RuleBasedStateMachine):
     def too_long(self, tokens):
         self.queue.clear()
         n = self.far()
-        action = self.machine.receive(step(n, len(self.cache), tokens))
+        action = self.machine.receive(step(n=n, pos=len(self.cache), tokens=tokens))
         if len(self.cache) + tokens > MAX_LEN:
             assert isinstance(action, ReplyError) and action.code == "too_long"
             self.fresh()
@@ -139,10 +135,11 @@ class BlockServer(RuleBasedStateMachine):
     def ending(self, what):
         """Whatever is not a step of this session ends it; only close (and end of stream) quietly."""
         far = self.far()
-        msg = {"other_session": step(far, 0, 1, session=OTHER), "ready": ap.Ready(SESSION), "open": open_(),
+        msg = {"other_session": step(n=far, pos=0, tokens=1, session=OTHER), "ready": ap.Ready(SESSION),
+               "open": open_(),
                "result": ap.Result(SESSION, n=far, pos=0, dtype="float32", shape=[1, 1, HIDDEN],
                                    payload=bytes(4 * HIDDEN)),
-               "wrong_hidden": step(far, 0, 1, hidden=HIDDEN + 1), "close": ap.Close(SESSION),
+               "wrong_hidden": step(n=far, pos=0, tokens=1, hidden=HIDDEN + 1), "close": ap.Close(SESSION),
                "eof": None}[what]
         action = self.machine.end_of_input() if msg is None else self.machine.receive(msg)
         expected = {"other_session": "unknown_session", "ready": "unexpected", "open": "unexpected",
@@ -154,7 +151,7 @@ class BlockServer(RuleBasedStateMachine):
             assert isinstance(action, End)  # the last hop: nothing to pass on
         assert self.machine.ended
         with pytest.raises(RuntimeError):
-            self.machine.receive(step(far + 1, 0, 1))
+            self.machine.receive(step(n=far + 1, pos=0, tokens=1))
         self.fresh()
 
     @invariant()
@@ -244,7 +241,7 @@ class Client(RuleBasedStateMachine):
     def upstream(self, what):
         """Once ready only errors travel upstream, and anything there ends the session."""
         msg = {"eof": None, "error": ap.Error(SESSION, "kv_budget", "full", peer="mid"),
-               "step": step(0, 0, 1), "ready": ap.Ready(SESSION)}[what]
+               "step": step(n=0, pos=0, tokens=1), "ready": ap.Ready(SESSION)}[what]
         got = self.machine.upstream(msg)
         want = {"eof": Failure("next_hop", "the first hop closed the stream", "first"),
                 "error": Failure("kv_budget", "full", "mid"),
@@ -279,7 +276,7 @@ def test_a_middle_hop_opens_the_rest_of_the_chain_and_passes_steps_and_close_on(
     assert first == ap.Open(SESSION, model="ab" * 32, layers=(2, 4), max_len=MAX_LEN, chain=hops[1:], ret=ME,
                             logits=True, wire="float16")
     with pytest.raises(RuntimeError):  # no step before ready
-        m.receive(step(0, 0, 1))
+        m.receive(step(n=0, pos=0, tokens=1))
     assert m.ready() == ap.Ready(SESSION)
     s = ap.Step(SESSION, n=4, pos=0, dtype="float32", shape=[1, 1, HIDDEN], payload=bytes(4 * HIDDEN),
                 logits_for=3, epoch=2)
@@ -295,7 +292,7 @@ def test_the_last_hop_attaches_to_the_client_and_returns_results():
     assert m.last and m.returns_logits
     assert m.downstream() == (ME, ap.Attach(SESSION))
     m.ready()
-    s = step(0, 0, 3)
+    s = step(n=0, pos=0, tokens=3)
     out = m.output(s, dtype="float32", shape=[1, 1, VOCAB], payload=bytes(4 * VOCAB), kind="logits")
     assert out == ap.Result(SESSION, n=0, pos=0, dtype="float32", shape=[1, 1, VOCAB], payload=bytes(4 * VOCAB),
                             kind="logits")
@@ -304,7 +301,7 @@ def test_the_last_hop_attaches_to_the_client_and_returns_results():
 @pytest.mark.parametrize("msg,action", [
     (None, ReplyError(SESSION, "next_hop", "next hop closed the stream", peer="c")),
     (ap.Error(SESSION, "kv_budget", "full", peer="d"), Relay(ap.Error(SESSION, "kv_budget", "full", peer="d"))),
-    (step(0, 0, 1), ReplyError(SESSION, "unexpected", "the next hop sent step upstream", peer="c")),
+    (step(n=0, pos=0, tokens=1), ReplyError(SESSION, "unexpected", "the next hop sent step upstream", peer="c")),
 ])
 def test_only_errors_travel_upstream_from_the_next_hop(msg, action):
     m = BlockSession(open_(chain=[ap.Hop("c", [], (2, 4))]), HIDDEN)
@@ -322,7 +319,7 @@ def test_idle_bad_frames_and_failed_sends_end_the_session_with_an_error():
     assert m.bad_frame(ap.ActivationProtocolError("shape", "bad")) == ReplyError(SESSION, "shape", "bad")
     m = BlockSession(open_(chain=[ap.Hop("c", [], (2, 4))]), HIDDEN)
     m.ready()
-    assert m.send_failed(step(7, 0, 1), "reset", "c") == ReplyError(
+    assert m.send_failed(step(n=7, pos=0, tokens=1), "reset", "c") == ReplyError(
         SESSION, "next_hop", "sending to the next hop failed: reset", n=7, peer="c")
 
 
@@ -355,7 +352,8 @@ def test_two_discarded_chunks_in_a_row_are_both_skipped():
     and is skipped too rather than refused."""
     m = BlockSession(open_(), HIDDEN)
     m.ready()
-    s0, s1, s2, s3 = step(0, 0, 4), step(1, 4, 2), step(2, 6, 2), step(3, 3, 1, epoch=1)
+    s0, s1, s2, s3 = (step(n=0, pos=0, tokens=4), step(n=1, pos=4, tokens=2), step(n=2, pos=6, tokens=2),
+                      step(n=3, pos=3, tokens=1, epoch=1))
     assert m.receive(s0, [s1, s2]) == Compute(s0, 0)  # step 3 was sent after its result
     assert m.receive(s1, [s2, s3]) == Skip(s1)
     assert m.receive(s2, [s3]) == Skip(s2)
@@ -364,4 +362,4 @@ def test_two_discarded_chunks_in_a_row_are_both_skipped():
     # a fenced step is still refused for what no step may be
     m2 = BlockSession(open_(), HIDDEN)
     m2.ready()
-    assert m2.receive(step(0, 0, 1, hidden=HIDDEN + 1), [s3]).code == "hidden_size"
+    assert m2.receive(step(n=0, pos=0, tokens=1, hidden=HIDDEN + 1), [s3]).code == "hidden_size"

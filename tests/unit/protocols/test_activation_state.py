@@ -11,14 +11,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from shardnet.protocols import activation as ap
+from shardnet.testing.factories import activation_step as step
 
 HIDDEN, VOCAB, MAX_LEN = 8, 50, 40
 SESSION = b"s" * ap.SESSION_ID_BYTES
-
-
-def step(n, pos, tokens, hidden=HIDDEN):
-    return ap.Step(SESSION, n=n, pos=pos, dtype="float32", shape=[1, tokens, hidden],
-                   payload=bytes(4 * tokens * hidden))
 
 
 class BlockServerSession(RuleBasedStateMachine):
@@ -58,12 +54,12 @@ class BlockServerSession(RuleBasedStateMachine):
     def next_step(self, gap, back, tokens, fenced):
         """A plausible step: a later number, starting at or below the cached length."""
         pos = max(0, self.cursor.length - back)
-        self.offer(step(self.cursor.next_step + gap, pos, tokens), fenced=fenced)
+        self.offer(step(n=self.cursor.next_step + gap, pos=pos, tokens=tokens), fenced=fenced)
 
     @rule(n=st.integers(0, 60), pos=st.integers(0, 60), tokens=st.integers(1, 50),
           hidden=st.sampled_from([HIDDEN, HIDDEN, 4]))
     def any_step(self, n, pos, tokens, hidden):
-        self.offer(step(n, pos, tokens, hidden))
+        self.offer(step(n=n, pos=pos, tokens=tokens, hidden=hidden))
 
     @precondition(lambda self: self.taken)
     @rule(i=st.integers(0, 1000))
@@ -177,5 +173,5 @@ def test_a_rollback_near_max_len_counts_from_its_own_position(pos, tokens, ok):
     """The cache is cut back to ``pos`` first, so only pos + tokens must fit (the check once
     added the tokens to the length before the rollback and refused steps that fit)."""
     cursor = ap.StepCursor(MAX_LEN, HIDDEN)
-    cursor.advance(step(0, 0, 39))
-    assert (cursor.check(step(1, pos, tokens)) is None) == ok
+    cursor.advance(step(n=0, pos=0, tokens=39))
+    assert (cursor.check(step(n=1, pos=pos, tokens=tokens)) is None) == ok

@@ -1,5 +1,6 @@
 import dataclasses
 import random
+from functools import partial
 
 import cbor2
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 from shardnet.errors import NoRouteError
 from shardnet.inference.client.routing import plan_route
 from shardnet.protocols import block_claim as bc
+from shardnet.testing import factories
 from shardnet.transport import identity
 
 KP = identity.generate()
@@ -16,9 +18,8 @@ ME = str(identity.peer_id_of(KP))
 MODEL = "ab" * 32
 
 
-def claim(start=0, end=4, peer=ME, expires=4e9, **kw):
-    return bc.Claim(model=MODEL, start=start, end=end, kv_tokens=kw.get("kv", 1000), tput=12.5,
-                    addrs=("/ip4/127.0.0.1/tcp/1",), expires=expires, peer=peer)
+claim = partial(factories.claim, model=MODEL, peer=ME, kv_tokens=1000, tput=12.5,
+                addrs=("/ip4/127.0.0.1/tcp/1",), expires=4e9)
 
 
 def test_roundtrip_and_signature():
@@ -72,22 +73,22 @@ def test_arbitrary_bytes_raise_only_claim_errors(blob):
 
 
 def test_route_covers_every_layer_exactly_and_names_gaps():
-    cs = [claim(0, 3, peer="a"), claim(0, 2, peer="b"), claim(3, 6, peer="c"), claim(2, 6, peer="d"),
-          claim(6, 8, peer="e")]
+    cs = [claim(start=0, end=3, peer="a"), claim(start=0, end=2, peer="b"), claim(start=3, end=6, peer="c"), claim(start=2, end=6, peer="d"),
+          claim(start=6, end=8, peer="e")]
     routes = {tuple((c.start, c.end) for c in plan_route(cs, 8, rng=random.Random(seed))) for seed in range(20)}
     assert routes == {((0, 3), (3, 6), (6, 8)), ((0, 2), (2, 6), (6, 8))}  # both 3 hops: either
     with pytest.raises(NoRouteError, match=r"serves layers 6-7 \(model has 8"):
         plan_route(cs[:4], 8)
     with pytest.raises(NoRouteError, match=r"serves layer 0 "):
-        plan_route([claim(1, 8)], 8)
+        plan_route([claim(start=1, end=8)], 8)
     with pytest.raises(NoRouteError, match="no chain of spans lines up"):
-        plan_route([claim(0, 4), claim(2, 8)], 8)
+        plan_route([claim(start=0, end=4), claim(start=2, end=8)], 8)
 
 
 def test_route_is_the_lowest_latency_chain_over_peer_to_peer_edges():
     """Dijkstra over (layer, peer): the cost of a hop depends on the peer before it."""
-    cs = [claim(0, 4, peer="a1"), claim(0, 4, peer="b1"), claim(4, 8, peer="a2"), claim(4, 8, peer="b2"),
-          claim(0, 8, peer="slow")]
+    cs = [claim(start=0, end=4, peer="a1"), claim(start=0, end=4, peer="b1"), claim(start=4, end=8, peer="a2"), claim(start=4, end=8, peer="b2"),
+          claim(start=0, end=8, peer="slow")]
     rtt = {(None, "a1"): 0.010, (None, "b1"): 0.001, ("a1", "a2"): 0.001, ("a1", "b2"): 0.050,
            ("b1", "a2"): 0.080, ("b1", "b2"): 0.040, (None, "slow"): 0.001}
     compute = {"a1": 0.002, "b1": 0.002, "a2": 0.002, "b2": 0.002, "slow": 0.5}
@@ -103,7 +104,7 @@ def test_route_is_the_lowest_latency_chain_over_peer_to_peer_edges():
 
 
 def test_route_prefers_peers_reached_directly_over_relayed_ones():
-    cs = [claim(0, 4, peer="relayed"), claim(0, 4, peer="direct"), claim(0, 4, peer="unknown"), claim(4, 8, peer="x")]
+    cs = [claim(start=0, end=4, peer="relayed"), claim(start=0, end=4, peer="direct"), claim(start=0, end=4, peer="unknown"), claim(start=4, end=8, peer="x")]
     cost = {"direct": 1.0, "unknown": 1.5, "relayed": 3.0, "x": 1.0}
     for seed in range(20):  # never a relayed or unknown peer while a direct one serves the same span
         route = plan_route(cs, 8, rng=random.Random(seed), cost=lambda prev, c: cost[c.peer])
@@ -113,9 +114,9 @@ def test_route_prefers_peers_reached_directly_over_relayed_ones():
 
 
 def test_a_claim_names_the_span_it_is_loading():
-    moving = dataclasses.replace(claim(0, 4), loading=(4, 8))
+    moving = dataclasses.replace(claim(start=0, end=4), loading=(4, 8))
     assert bc.decode(bc.encode(KP, moving)) == moving and moving.serving
-    joining = dataclasses.replace(claim(2, 6), loading=(2, 6))
+    joining = dataclasses.replace(claim(start=2, end=6), loading=(2, 6))
     assert bc.decode(bc.encode(KP, joining)) == joining and not joining.serving
     # absent from a claim that loads nothing, as in claims from before the key existed
     body = cbor2.loads(bc.encode(KP, claim()))
@@ -126,7 +127,7 @@ def test_a_claim_names_the_span_it_is_loading():
 
 
 def test_routes_never_go_through_a_peer_that_is_only_loading():
-    joining = dataclasses.replace(claim(0, 4, peer="j"), loading=(0, 4))
+    joining = dataclasses.replace(claim(start=0, end=4, peer="j"), loading=(0, 4))
     with pytest.raises(NoRouteError, match="layers 0-3"):
         plan_route([joining], 4)
-    assert plan_route([joining, claim(0, 4, peer="s")], 4)[0].peer == "s"
+    assert plan_route([joining, claim(start=0, end=4, peer="s")], 4)[0].peer == "s"

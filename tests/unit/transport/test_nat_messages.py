@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardnet.testing.factories import frame_body
 from shardnet.transport.nat.autonat_messages import (
     AutoNATMessage,
     AutoNATType,
@@ -29,19 +30,11 @@ from shardnet.transport.nat.pbwire import (
 )
 
 
-def body(frame: bytes) -> bytes:
-    fb = FrameBuffer()
-    fb.feed(frame)
-    out = fb.next_body()
-    assert out is not None and fb.take_rest() == b""
-    return out
-
-
 def test_holepunch_round_trip_and_generated_code_agree():
     pb = pytest.importorskip("libp2p.relay.circuit_v2.pb.dcutr_pb2")
     m = HolePunch(HolePunchType.CONNECT, [b"\x04\xcb\x00\x71\x65\x06\x0f\xa1", b"\x04\x7f\x00\x00\x01"])
-    assert decode_holepunch(body(encode_holepunch(m))) == m
-    theirs = pb.HolePunch.FromString(body(encode_holepunch(m)))
+    assert decode_holepunch(frame_body(encode_holepunch(m))) == m
+    theirs = pb.HolePunch.FromString(frame_body(encode_holepunch(m)))
     assert theirs.type == 100 and list(theirs.ObsAddrs) == m.addrs
     sync = pb.HolePunch(type=pb.HolePunch.SYNC).SerializeToString()
     assert decode_holepunch(sync) == HolePunch(HolePunchType.SYNC, [])
@@ -55,12 +48,12 @@ def test_autonat_matches_the_spec_field_numbers():
     # Message{type=1, dial=2{peer=1{id=1, addrs=2}}, dialResponse=3{status=1, statusText=2, addr=3}}
     peer = _pb_bytes(1, b"ID") + _pb_bytes(2, b"A1") + _pb_bytes(2, b"A2")
     dial = b"\x08\x00" + _pb_bytes(2, _pb_bytes(1, peer))
-    assert body(encode_autonat(AutoNATMessage(AutoNATType.DIAL, dial=Dial(b"ID", [b"A1", b"A2"])))) == dial
+    assert frame_body(encode_autonat(AutoNATMessage(AutoNATType.DIAL, dial=Dial(b"ID", [b"A1", b"A2"])))) == dial
     assert decode_autonat(dial).dial == Dial(b"ID", [b"A1", b"A2"])
     resp = b"\x08\x01" + _pb_bytes(3, b"\x08\x64" + _pb_bytes(2, b"no answer"))
     assert decode_autonat(resp).response == DialResponse(DialStatus.E_DIAL_ERROR, "no answer", None)
     ok = AutoNATMessage(AutoNATType.DIAL_RESPONSE, response=DialResponse(DialStatus.OK, None, b"ADDR"))
-    assert decode_autonat(body(encode_autonat(ok))) == ok
+    assert decode_autonat(frame_body(encode_autonat(ok))) == ok
 
 
 @pytest.mark.parametrize("bad", [

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardnet.testing.factories import frame_body
 from shardnet.transport.nat.relay_messages import (
     MAX_MESSAGE,
     FrameBuffer,
@@ -25,31 +26,24 @@ from shardnet.transport.nat.relay_messages import (
 )
 
 
-def body(frame: bytes) -> bytes:
-    fb = FrameBuffer()
-    fb.feed(frame)
-    out = fb.next_body()
-    assert out is not None and fb.take_rest() == b""
-    return out
-
-
 def test_round_trips():
     msgs = [HopMessage(HopType.RESERVE),
             HopMessage(HopType.CONNECT, peer=Peer(b"\x00\x24" + b"x" * 36, [b"\x04\x7f\x00\x00\x01"])),
             HopMessage(HopType.STATUS, reservation=Reservation(1_900_000_000, [b"a", b"b"], b"v"),
                        limit=Limit(120, 1 << 20), status=Status.OK)]
     for m in msgs:
-        assert decode_hop(body(encode_hop(m))) == m
+        assert decode_hop(frame_body(encode_hop(m))) == m
     s = StopMessage(StopType.CONNECT, peer=Peer(b"id"), limit=Limit(data=5))
-    assert decode_stop(body(encode_stop(s))) == s
-    assert decode_stop(body(encode_stop(StopMessage(StopType.STATUS, status=Status.NO_RESERVATION)))).status == 204
+    assert decode_stop(frame_body(encode_stop(s))) == s
+    no_reservation = StopMessage(StopType.STATUS, status=Status.NO_RESERVATION)
+    assert decode_stop(frame_body(encode_stop(no_reservation))).status == 204
 
 
 def test_agrees_with_the_generated_protobuf_code():
     pb = pytest.importorskip("libp2p.relay.circuit_v2.pb.circuit_pb2")
     ours = HopMessage(HopType.STATUS, reservation=Reservation(1234, [b"addr"], b"voucher"),
                       limit=Limit(60, 4096), status=Status.OK)
-    theirs = pb.HopMessage.FromString(body(encode_hop(ours)))
+    theirs = pb.HopMessage.FromString(frame_body(encode_hop(ours)))
     assert (theirs.type, theirs.reservation.expire, list(theirs.reservation.addrs)) == (2, 1234, [b"addr"])
     assert (theirs.limit.duration, theirs.limit.data, theirs.status) == (60, 4096, 100)
     msg = pb.HopMessage(type=pb.HopMessage.CONNECT)
