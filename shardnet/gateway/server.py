@@ -45,6 +45,7 @@ from shardnet.inference.client.client import Client
 from shardnet.inference.client.routing import format_layers, uncovered_layers
 from shardnet.inference.metrics import exposition
 from shardnet.inference.swarm_status import swarm_report
+from shardnet.protocols.activation import ErrorCode
 
 from . import dashboard
 from . import openai_api as oa
@@ -258,7 +259,7 @@ class Gateway:
                             text, stopped = text[:cut], True
                             break
             except ShardnetError as e:
-                if e.code == "busy":  # waited in line past the client's queue timeout
+                if e.code == ErrorCode.BUSY:  # waited in line past the client's queue timeout
                     raise oa.ApiError(503, f"the swarm is busy: {e}", type="server_error", code="busy") from None
                 raise oa.ApiError(502, f"the swarm failed during generation: {e}", type="server_error",
                                   code="swarm_error") from None

@@ -40,6 +40,7 @@ import trio
 from shardnet.errors import InferenceError, NoRouteError
 from shardnet.inference.receipt_service import ReceiptService, fetch_session_receipts
 from shardnet.protocols import receipt_gossip as rg
+from shardnet.protocols.activation import ErrorCode
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.errors import ShardnetError
 
@@ -259,7 +260,7 @@ class RunAuditor:
                 out = await s.forward(job.hidden, pos=job.pos, logits_for=job.logits_for)
                 return out, s.session.hex()
         except NoRouteError as e:
-            raise InferenceError("no_route", str(e)) from None
+            raise InferenceError(ErrorCode.NO_ROUTE, str(e)) from None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -42,6 +42,7 @@ from shardnet.inference.probes import Probes
 from shardnet.inference.receipt_service import ReceiptService
 from shardnet.inference.router import ActivationRouter
 from shardnet.protocols import activation as ap
+from shardnet.protocols.activation import ErrorCode
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.node import Node
 
@@ -203,7 +204,7 @@ class Client:
                 if not _busy(e):
                     raise
                 if trio.current_time() + delay >= deadline:
-                    raise InferenceError("busy", f"the chain stayed busy for {self.queue_timeout:g} s: {e}",
+                    raise InferenceError(ErrorCode.BUSY, f"the chain stayed busy for {self.queue_timeout:g} s: {e}",
                                          e.peer) from None
                 log.info("chain busy (%s); trying again in %.1f s", e, delay)
             except BaseException:

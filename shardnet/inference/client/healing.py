@@ -35,13 +35,14 @@ from shardnet.errors import InferenceError
 from shardnet.inference.client.audit import AuditJob
 from shardnet.inference.client.timing import NAMED_ERROR_WAIT, PROBE_TIMEOUT
 from shardnet.inference.probes import Probes
+from shardnet.protocols.activation import ErrorCode
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.errors import ShardnetError
 
 log = logging.getLogger(__name__)
 
 #: error codes that mean "this chain broke", which another chain can fix
-HEALABLE = frozenset({"next_hop", "timeout", "idle", "unknown_session"})
+HEALABLE = frozenset({ErrorCode.NEXT_HOP, ErrorCode.TIMEOUT, ErrorCode.IDLE, ErrorCode.UNKNOWN_SESSION})
 #: how long a peer blamed only for answering a probe late is routed around (seconds)
 SLOW_AVOID_S = 10.0
 
@@ -209,7 +210,7 @@ class HealingSession:
         n = await self.send(hidden, pos=pos, logits_for=logits_for)
         got, out = await self.receive()
         if got != n:
-            raise InferenceError("unexpected", f"expected result {n}, got {got}")
+            raise InferenceError(ErrorCode.UNEXPECTED, f"expected result {n}, got {got}")
         return out
 
     # -- healing ---------------------------------------------------------------------------------

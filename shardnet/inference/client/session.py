@@ -4,7 +4,6 @@ wait in for a session slot at a first hop (``SessionSlots``)."""
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -16,17 +15,17 @@ from shardnet.errors import InferenceError
 from shardnet.inference.model import wire
 from shardnet.inference.router import ActivationRouter
 from shardnet.protocols import activation as ap
-from shardnet.protocols.activation import new_session_id
+from shardnet.protocols.activation import ErrorCode, new_session_id
 from shardnet.protocols.activation_io import (
     FOREVER,
     OPEN_TIMEOUT,
     STEP_TIMEOUT,
     MessageStream,
+    open_hop,
 )
 from shardnet.protocols.activation_session import ClientSession, Failure
 from shardnet.protocols.block_claim import Claim
 from shardnet.protocols.receipts import HashChain
-from shardnet.transport.config import peer_info
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
 
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: refusals that mean "not now": the request waits and tries again (see ``Client.session``)
-BUSY = frozenset({"too_many_sessions", "rate_limited", "kv_budget"})
+BUSY = frozenset({ErrorCode.TOO_MANY_SESSIONS, ErrorCode.RATE_LIMITED, ErrorCode.KV_BUDGET})
 
 
 class InferenceSession:
@@ -69,29 +68,21 @@ class InferenceSession:
         ep = ActivationRouter.of(node)
         returns = ep.expect_return(s, route[-1].peer)
         first = route[0]
+        me = ap.PeerRef(str(node.peer_id), [str(a) for a in node.listen_addrs])
+        op = ap.Open(s, model=self.client.model.model_id, layers=(first.start, first.end), max_len=self.max_len,
+                     chain=[ap.Hop(c.peer, c.addrs, (c.start, c.end)) for c in route[1:]],
+                     ret=me, logits=self.client.logits_on_last, wire=self.client.wire)
         try:
-            try:
-                await node.connect(peer_info(first.peer, first.addrs))
-                self.up = MessageStream(await node.new_stream(first.peer, ap.PROTOCOL_ID))
-                self.up.sent_hash = HashChain()  # the client's side of the first hop's receipt
-            except ShardnetError as e:
-                raise InferenceError("next_hop", f"cannot reach {first.peer[:16]}…: {e}", first.peer) from None
-            me = ap.PeerRef(str(node.peer_id), [str(a) for a in node.listen_addrs])
-            await self.up.send(ap.Open(
-                s, model=self.client.model.model_id, layers=(first.start, first.end), max_len=self.max_len,
-                chain=[ap.Hop(c.peer, c.addrs, (c.start, c.end)) for c in route[1:]],
-                ret=me, logits=self.client.logits_on_last, wire=self.client.wire))
-            failure = self.machine.opened(await self.up.recv(OPEN_TIMEOUT * len(route)))
+            # the client's side of the first hop's receipt hashes what it sends
+            self.up, reply = await open_hop(node, first.peer, first.addrs, op, reply_timeout=OPEN_TIMEOUT * len(route),
+                                            sent_hash=HashChain())
+            failure = self.machine.opened(reply)
             if failure is not None:
                 raise _error(failure)
             with trio.fail_after(OPEN_TIMEOUT):
                 self.ret = await returns.receive()
         except trio.TooSlowError:
-            raise InferenceError("timeout", "the chain did not become ready in time") from None
-        except (InferenceError, ap.ActivationProtocolError):
-            raise  # a bad frame from the first hop is not a lost connection
-        except ShardnetError as e:  # the first hop went away while opening (a reset, its connection lost)
-            raise InferenceError("next_hop", f"{first.peer[:16]}… failed: {e}", first.peer) from None
+            raise InferenceError(ErrorCode.TIMEOUT, "the chain did not become ready in time") from None
         finally:
             ep.forget_return(s)
 
@@ -115,7 +106,7 @@ class InferenceSession:
         n = await self.send(hidden, pos=pos, logits_for=logits_for)
         got, out = await self.receive()
         if got != n:
-            raise InferenceError("unexpected", f"expected result {n}, got {got}")
+            raise InferenceError(ErrorCode.UNEXPECTED, f"expected result {n}, got {got}")
         return out
 
     async def send(self, hidden: torch.Tensor, *, pos: int | None = None, logits_for: int = 1,
@@ -132,7 +123,7 @@ class InferenceSession:
         except ap.ActivationProtocolError:
             raise  # the step cannot be encoded (too large): not the first hop's fault
         except ShardnetError as e:
-            raise self.error or InferenceError("next_hop", f"sending to the first hop failed: {e}",
+            raise self.error or InferenceError(ErrorCode.NEXT_HOP, f"sending to the first hop failed: {e}",
                                                self.route[0].peer) from None
         self.machine.sent(step)
         return step.n
@@ -146,7 +137,7 @@ class InferenceSession:
                 if self.error is None:
                     msg = await self.ret.recv(STEP_TIMEOUT)
         except trio.TooSlowError:
-            raise self.error or InferenceError("timeout", f"no result within {STEP_TIMEOUT:g} s") from None
+            raise self.error or InferenceError(ErrorCode.TIMEOUT, f"no result within {STEP_TIMEOUT:g} s") from None
         except ap.ActivationProtocolError:
             raise  # a bad frame on the return stream, as it is
         except ShardnetError:
@@ -174,15 +165,18 @@ class InferenceSession:
 
 
 def _error(failure: Failure) -> InferenceError:
-    return InferenceError(failure.code, failure.message, failure.peer)
+    return InferenceError(failure.code, failure.message, failure.peer, need_bytes=failure.need_bytes,
+                          limit_bytes=failure.limit_bytes, retry_after_s=failure.retry_after_s)
 
 
 def _busy(e: InferenceError) -> bool:
-    """Whether a refusal goes away by waiting (a KV budget too small for the session never does)."""
+    """Whether a refusal goes away by waiting: a KV budget too small for the session never does.
+    A refusal without its figures (from an older peer) is taken as one that does."""
     if e.code not in BUSY:
         return False
-    m = re.search(r"needs (\d+) bytes of KV cache; \d+ of (\d+) are free", str(e))
-    return e.code != "kv_budget" or m is None or int(m[1]) <= int(m[2])
+    if e.code != ErrorCode.KV_BUDGET or e.need_bytes is None or e.limit_bytes is None:
+        return True
+    return e.need_bytes <= e.limit_bytes
 
 
 class SessionSlots:
@@ -207,7 +201,7 @@ class SessionSlots:
             with trio.move_on_at(deadline) as waited:
                 await sem.acquire()
             if waited.cancelled_caught:
-                raise InferenceError("busy", f"no session slot at {peer[:16]}… within the queue timeout "
+                raise InferenceError(ErrorCode.BUSY, f"no session slot at {peer[:16]}… within the queue timeout "
                                      f"({self.per_peer} sessions per peer, sessions_out_per_peer)", peer)
             try:
                 yield
