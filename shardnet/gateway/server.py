@@ -130,7 +130,7 @@ class Gateway:
         num_layers = self.model.ckpt.num_layers
         claims = None
         with trio.move_on_after(HEALTH_WAIT):
-            claims = await self.client.usable_claims()
+            claims = await self.client.planner.usable_claims()
         missing = list(range(num_layers)) if claims is None else uncovered_layers(claims, num_layers)
         body = {"status": "unavailable" if missing else "ok", "model": self.name, "model_id": self.model.model_id,
                 "peer_id": str(node.peer_id), "connected_peers": len(node.peers()), "requests": self.requests,
@@ -202,7 +202,7 @@ class Gateway:
 
     async def _route(self):
         try:
-            return await self.client.find_route(timeout=self.route_timeout)
+            return await self.client.planner.find_route(timeout=self.route_timeout)
         except NoRouteError as e:
             raise oa.ApiError(503, f"the swarm cannot serve the model now: {e}", type="server_error",
                               code="no_route") from None

@@ -117,7 +117,7 @@ async def test_missing_layers_are_named(loopback_config, checkpoints):
     async with swarm(loopback_config, path, [(0, 2)]) as node:
         client = Client(node, LocalModel(path))
         with pytest.raises(NoRouteError, match=r"no live peer serves layers 2-3 \(model has 4 layers"):
-            await client.find_route(timeout=3)
+            await client.planner.find_route(timeout=3)
 
 
 def test_block_loads_only_its_tensors(checkpoints, monkeypatch):

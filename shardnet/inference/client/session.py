@@ -1,17 +1,19 @@
-"""One open chain session seen from the client (``InferenceSession``), and the line requests
-wait in for a session slot at a first hop (``SessionSlots``)."""
+"""One open chain session seen from the client (``InferenceSession``), how a request opens one
+(``open_session``: waiting in line while the chain is busy), and the line requests wait in for a
+session slot at a first hop (``SessionSlots``)."""
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
 
 import torch
 import trio
 
 from shardnet.errors import InferenceError
+from shardnet.inference.client.request import RequestContext
 from shardnet.inference.model import wire
 from shardnet.inference.router import ActivationRouter
 from shardnet.protocols import activation as ap
@@ -29,25 +31,22 @@ from shardnet.protocols.receipts import HashChain
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
 
-if TYPE_CHECKING:
-    from shardnet.inference.client.client import Client
-
 log = logging.getLogger(__name__)
 
-#: refusals that mean "not now": the request waits and tries again (see ``Client.session``)
+#: refusals that mean "not now": the request waits and tries again (see ``open_session``)
 BUSY = frozenset({ErrorCode.TOO_MANY_SESSIONS, ErrorCode.RATE_LIMITED, ErrorCode.KV_BUDGET})
 
 
 class InferenceSession:
     """One open chain: feed hidden states (or token ids) in order, get outputs back."""
 
-    def __init__(self, client: Client, route: list[Claim], max_len: int) -> None:
-        self.client, self.route, self.max_len = client, route, max_len
+    def __init__(self, request: RequestContext, route: list[Claim], max_len: int) -> None:
+        self.request, self.route, self.max_len = request, route, max_len
         self.session = new_session_id()
-        config = client.model.ckpt.config
+        config = request.model.ckpt.config
         #: the protocol's rules for this session: the open handshake, steps in flight, results
         self.machine = ClientSession(self.session, first_peer=route[0].peer, last_peer=route[-1].peer,
-                                     kind="logits" if client.logits_on_last else "hidden",
+                                     kind="logits" if request.logits_on_last else "hidden",
                                      hidden_size=config.hidden_size, vocab=config.vocab_size)
         self.up: MessageStream | None = None
         self.ret: MessageStream | None = None
@@ -64,14 +63,14 @@ class InferenceSession:
         return self.machine.step_no
 
     async def _open(self) -> None:
-        node, route, s = self.client.node, self.route, self.session
+        node, route, s = self.request.node, self.route, self.session
         ep = ActivationRouter.of(node)
         returns = ep.expect_return(s, route[-1].peer)
         first = route[0]
         me = ap.PeerRef(str(node.peer_id), [str(a) for a in node.listen_addrs])
-        op = ap.Open(s, model=self.client.model.model_id, layers=(first.start, first.end), max_len=self.max_len,
+        op = ap.Open(s, model=self.request.model.model_id, layers=(first.start, first.end), max_len=self.max_len,
                      chain=[ap.Hop(c.peer, c.addrs, (c.start, c.end)) for c in route[1:]],
-                     ret=me, logits=self.client.logits_on_last, wire=self.client.wire)
+                     ret=me, logits=self.request.logits_on_last, wire=self.request.wire)
         try:
             # the client's side of the first hop's receipt hashes what it sends
             self.up, reply = await open_hop(node, first.peer, first.addrs, op, reply_timeout=OPEN_TIMEOUT * len(route),
@@ -115,7 +114,7 @@ class InferenceSession:
         step number. Results come back in order through ``receive``."""
         if self.error:
             raise self.error
-        dtype, shape, payload = wire.to_payload(hidden, self.client.wire)
+        dtype, shape, payload = wire.to_payload(hidden, self.request.wire)
         step = self.machine.step(dtype=dtype, shape=shape, payload=payload, pos=pos, logits_for=logits_for,
                                  epoch=epoch)
         try:
@@ -155,13 +154,73 @@ class InferenceSession:
                 await self.up.send(ap.Close(self.session))
                 await self.up.close()
         if self.ret is not None:
-            if self.client.receipts and self.error is None:
+            if self.request.receipts and self.error is None:
                 # results still in flight (speculation past the end) are part of the last hop's
                 # receipt: read the return stream to its end so both sides hashed the same frames
                 with trio.move_on_after(5), _quiet():
                     while await self.ret.recv(FOREVER) is not None:
                         pass
             getattr(self.ret, "done", trio.Event()).set()
+
+
+@asynccontextmanager
+async def open_session(request: RequestContext, max_len: int,
+                       route: list[Claim] | None = None) -> AsyncIterator[InferenceSession]:
+    """An open chain session (through ``route``, else one the planner finds). Over
+    ``sessions_out_per_peer`` sessions at the first hop, or refused as busy by a hop (its
+    ``sessions_per_peer``, session rate or KV budget), the request waits in line and tries again,
+    up to ``queue_timeout``; then InferenceError "busy". Queueing is what a user of an overloaded
+    server expects (requests take longer, none fail); failing at once would hand every caller a
+    retry loop of its own, and retrying without a line would let the last comer overtake those
+    waiting. Slots are kept here, where the requests are (the client knows its own sessions; a
+    peer only sees that one upstream peer holds too many), and a hop's refusal further down the
+    chain, which no client-side count can foresee, is waited out with a jittered backoff."""
+    route = route or await request.planner.find_route()
+    deadline = trio.current_time() + request.queue_timeout
+    async with SessionSlots.of(request.node).hold(route[0].peer, deadline):
+        sess = await _open_when_free(request, route, max_len, deadline)
+        body_error: BaseException | None = None
+        try:
+            # routing counts this session's KV on its hops until it closes (own_load.py)
+            with request.planner.own_load.holding(route, max_len):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(sess._watch_errors)
+                    try:
+                        yield sess
+                    except BaseException as e:  # re-raised below as itself, not as an exception group
+                        body_error = e
+                    finally:
+                        nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await sess.close()
+    if body_error is not None:
+        raise body_error
+
+
+async def _open_when_free(request: RequestContext, route: list[Claim], max_len: int,
+                          deadline: float) -> InferenceSession:
+    delay = 0.1
+    while True:
+        sess = InferenceSession(request, route, max_len)
+        try:
+            await sess._open()
+            return sess
+        except InferenceError as e:
+            with trio.CancelScope(shield=True):
+                await sess.close()
+            if not _busy(e):
+                raise
+            if trio.current_time() + delay >= deadline:
+                raise InferenceError(ErrorCode.BUSY, f"the chain stayed busy for {request.queue_timeout:g} s: {e}",
+                                     e.peer) from None
+            log.info("chain busy (%s); trying again in %.1f s", e, delay)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await sess.close()
+            raise
+        await trio.sleep(delay * random.uniform(0.5, 1.5))
+        delay = min(2.0, delay * 2)
 
 
 def _error(failure: Failure) -> InferenceError:
