@@ -219,7 +219,7 @@ async def run_network(args: argparse.Namespace, network: str, counts: list[int],
                 client = Client(node, model, route_timeout=60, audit_rate=0)  # decode alone
                 with trio.fail_after(60):  # every peer's claim seen
                     while True:
-                        claims = {c.peer: c for c in await client.usable_claims()}
+                        claims = {c.peer: c for c in await client.planner.usable_claims()}
                         if all(p in claims for chain in chains for p in chain.peers):
                             break
                         await trio.sleep(0.5)

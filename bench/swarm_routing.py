@@ -57,7 +57,7 @@ async def ready(p: ShardnetProcess) -> str:
 
 
 async def decode(client: Client, tokens: int, route=None, progress=None) -> tuple[float, list[int]]:
-    client.fixed_route = route
+    client.planner.fixed_route = route
     t0 = time.perf_counter()
     ids = [t.id async for t in client.generate(PROMPT, max_new_tokens=tokens, stop_at_eos=False,
                                                   progress=progress)]

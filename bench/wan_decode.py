@@ -121,7 +121,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
             async with open_node(cfg) as node:
                 await node.wait_bootstrapped(60)
                 client = Client(node, model, route_timeout=60, audit_rate=0)  # decode alone
-                route = await client.find_route()
+                route = await client.planner.find_route()
                 ping = await node.ping(route[0].peer)  # shows the emulated edge: ~2 x delay
                 for m in modes:  # warm-up: connections along the ring, lazy initialisation
                     [t async for t in client.generate(PROMPT, max_new_tokens=8, stop_at_eos=False,

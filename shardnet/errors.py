@@ -67,13 +67,23 @@ class NotStoredError(ShardnetError):
 
 
 class InferenceError(ShardnetError):
-    """A chain failed or refused: ``code`` says how, ``peer`` (when known) which peer failed."""
+    """A chain failed or refused: ``code`` says how (an activation ``ErrorCode``), ``peer`` (when
+    known) which peer failed. A busy refusal may give its figures: ``need_bytes`` and
+    ``limit_bytes`` (a KV budget), ``retry_after_s`` (a session rate)."""
 
-    def __init__(self, code: str, message: str, peer: str | None = None) -> None:
+    def __init__(self, code: str, message: str, peer: str | None = None, *, need_bytes: int | None = None,
+                 limit_bytes: int | None = None, retry_after_s: float | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.peer = peer
+        self.need_bytes, self.limit_bytes, self.retry_after_s = need_bytes, limit_bytes, retry_after_s
+
+    @property
+    def figures(self) -> dict[str, int | float]:
+        """The figures given, by their wire names (for an ``error`` message)."""
+        return {k: v for k, v in (("need_bytes", self.need_bytes), ("limit_bytes", self.limit_bytes),
+                                  ("retry_after_s", self.retry_after_s)) if v is not None}
 
 
 class CheckpointError(ShardnetError):

@@ -260,7 +260,7 @@ class Sim:
         #: serves exactly its claimed span), leaving at its end
         self.suffix_entry = suffix_entry
         #: what if a request refused for want of KV room routed around the full peers instead
-        #: of waiting for the same chain (``Client.session`` waits; the simulation says waiting
+        #: of waiting for the same chain (``open_session`` waits; the simulation says waiting
         #: is better under overload: a re-routed request takes a slower chain, holds its KV
         #: cache longer, and more requests fail)
         self.reroute_busy = reroute_busy

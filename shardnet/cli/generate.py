@@ -157,7 +157,7 @@ async def _write_receipt(client, path: Path, *, with_prompt: bool, check: bool) 
 
 async def _stream_generation(client, prompt: str, **kw) -> None:
     log.info("finding peers for model %s…", client.model.model_id[:16])
-    route = await client.find_route()  # its status lines come before the text, not inside it
+    route = await client.planner.find_route()  # its status lines come before the text, not inside it
     sys.stdout.write(prompt)
     ids: list[int] = []
     with _log_held_while_streaming():

@@ -45,6 +45,7 @@ from shardnet.inference.client.client import Client
 from shardnet.inference.client.routing import format_layers, uncovered_layers
 from shardnet.inference.metrics import exposition
 from shardnet.inference.swarm_status import swarm_report
+from shardnet.protocols.activation import ErrorCode
 
 from . import dashboard
 from . import openai_api as oa
@@ -129,7 +130,7 @@ class Gateway:
         num_layers = self.model.ckpt.num_layers
         claims = None
         with trio.move_on_after(HEALTH_WAIT):
-            claims = await self.client.usable_claims()
+            claims = await self.client.planner.usable_claims()
         missing = list(range(num_layers)) if claims is None else uncovered_layers(claims, num_layers)
         body = {"status": "unavailable" if missing else "ok", "model": self.name, "model_id": self.model.model_id,
                 "peer_id": str(node.peer_id), "connected_peers": len(node.peers()), "requests": self.requests,
@@ -201,7 +202,7 @@ class Gateway:
 
     async def _route(self):
         try:
-            return await self.client.find_route(timeout=self.route_timeout)
+            return await self.client.planner.find_route(timeout=self.route_timeout)
         except NoRouteError as e:
             raise oa.ApiError(503, f"the swarm cannot serve the model now: {e}", type="server_error",
                               code="no_route") from None
@@ -258,7 +259,7 @@ class Gateway:
                             text, stopped = text[:cut], True
                             break
             except ShardnetError as e:
-                if e.code == "busy":  # waited in line past the client's queue timeout
+                if e.code == ErrorCode.BUSY:  # waited in line past the client's queue timeout
                     raise oa.ApiError(503, f"the swarm is busy: {e}", type="server_error", code="busy") from None
                 raise oa.ApiError(502, f"the swarm failed during generation: {e}", type="server_error",
                                   code="swarm_error") from None

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from shardnet.protocols import activation as ap
+from shardnet.protocols.activation import ErrorCode
 from shardnet.protocols.activation_io import MessageStream, reply_error
 from shardnet.protocols.receipts import HashChain
 from shardnet.transport.behaviour import Behaviour
@@ -53,7 +54,7 @@ class ActivationRouter(Behaviour):
         try:
             first = await ms.recv(self.limits.first_frame_s)
         except trio.TooSlowError:
-            await reply_error(ms, b"\0" * ap.SESSION_ID_BYTES, "timeout",
+            await reply_error(ms, b"\0" * ap.SESSION_ID_BYTES, ErrorCode.TIMEOUT,
                               f"no complete first frame within {self.limits.first_frame_s:g} s")
             return
         except ap.ActivationProtocolError as e:
@@ -65,16 +66,17 @@ class ActivationRouter(Behaviour):
             await self._accept_return(ms, first)
         elif isinstance(first, ap.Open):
             if self.on_open is None:
-                await reply_error(ms, first.session, "no_block", "this peer serves no block")
+                await reply_error(ms, first.session, ErrorCode.NO_BLOCK, "this peer serves no block")
                 return
             await self.on_open(ms, first)
         else:
-            await reply_error(ms, first.session, "unexpected", f"a session starts with open, not {first.type}")
+            await reply_error(ms, first.session, ErrorCode.UNEXPECTED, f"a session starts with open, not {first.type}")
 
     async def _accept_return(self, ms: MessageStream, first: ap.Attach) -> None:
         entry = self._returns.get(first.session)
         if entry is None or entry[0] != ms.remote_peer:
-            await reply_error(ms, first.session, "unknown_session", "no session of ours expects this return stream")
+            await reply_error(ms, first.session, ErrorCode.UNKNOWN_SESSION,
+                              "no session of ours expects this return stream")
             return
         ms.received_hash = HashChain()  # the client's side of the last hop's receipt
         ms.received_hash.add(first.raw)
@@ -83,6 +85,6 @@ class ActivationRouter(Behaviour):
         try:
             entry[1].send_nowait(ms)
         except (trio.WouldBlock, trio.ClosedResourceError):
-            await reply_error(ms, first.session, "unknown_session", "return stream already attached")
+            await reply_error(ms, first.session, ErrorCode.UNKNOWN_SESSION, "return stream already attached")
             return
         await done.wait()  # keep the handler (and so the stream) alive while the client reads it

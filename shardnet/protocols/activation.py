@@ -22,8 +22,13 @@ and ``s`` (16-byte session ID), plus per type:
             a peer drops a chunk when a step of a newer epoch is already queued behind it
     result  n, pos, dtype, shape, kind ("hidden" | "logits")      + tensor bytes
     close   -
-    error   code, msg, n (optional), peer (optional: the peer that failed, named by the hop
-            that saw it fail, so a client can replace exactly that peer)
+    error   code (an ``ErrorCode`` value), msg, n (optional), peer (optional: the peer that failed,
+            named by the hop that saw it fail, so a client can replace exactly that peer); a
+            refusal that waiting may cure also carries (optional) need_bytes and limit_bytes
+            (kv_budget: the session's KV cache and the block's whole budget) or retry_after_s
+            (rate_limited: when the peer's session rate lets another in). A peer that leaves
+            them out (an older one) is read as giving no figures; a field of the wrong type
+            is ignored like an unknown one
 
 Tensors are never pickled: a dtype name, a shape, and the little-endian element bytes, whose
 length must equal prod(shape) * itemsize. Everything is checked before a message is returned;
@@ -38,6 +43,7 @@ frames). The session rules live in ``activation_session.py``; the trio driver in
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import struct
@@ -65,10 +71,47 @@ RESULT_KINDS = ("hidden", "logits")
 _HDR = struct.Struct(">I")
 
 
+class ErrorCode(enum.StrEnum):
+    """The ``code`` of an ``error``: every reason a hop refuses or ends a session, and the
+    client-side failures (``busy``, ``no_route``) reported with the same codes. A StrEnum: each
+    is its wire string and compares equal to it; a code this peer does not know still decodes
+    (as a plain string)."""
+
+    # the frame itself (ActivationProtocolError)
+    MALFORMED = "malformed"
+    TOO_LARGE = "too_large"
+    VERSION = "version"
+    UNKNOWN_TYPE = "unknown_type"
+    DTYPE = "dtype"
+    SHAPE = "shape"
+    # a step the session cannot take (StepCursor)
+    HIDDEN_SIZE = "hidden_size"
+    STEP_ORDER = "step_order"
+    POSITION = "position"
+    TOO_LONG = "too_long"
+    # the session and the chain
+    UNKNOWN_SESSION = "unknown_session"
+    UNEXPECTED = "unexpected"
+    IDLE = "idle"
+    NEXT_HOP = "next_hop"
+    TIMEOUT = "timeout"
+    # what a block server refuses at open
+    NO_BLOCK = "no_block"
+    WRONG_MODEL = "wrong_model"
+    LAYERS = "layers"
+    NO_HEAD = "no_head"
+    TOO_MANY_SESSIONS = "too_many_sessions"
+    RATE_LIMITED = "rate_limited"
+    KV_BUDGET = "kv_budget"
+    # the client's own verdicts (never sent by a peer)
+    BUSY = "busy"
+    NO_ROUTE = "no_route"
+
+
 class ActivationProtocolError(ShardnetError, ValueError):
     """A frame that breaks the protocol; ``code`` names the rule (it goes back in an ``error``)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
@@ -228,7 +271,9 @@ class Result(_Message):
 
 @dataclass(frozen=True)
 class Error(_Message):
-    """A refusal or failure; ``peer`` names the peer that failed, when the hop that saw it knows."""
+    """A refusal or failure; ``peer`` names the peer that failed, when the hop that saw it knows.
+    ``code`` is an ``ErrorCode`` (or, from a newer peer, a code this one does not know);
+    ``need_bytes``/``limit_bytes`` and ``retry_after_s`` are the figures of a busy refusal."""
 
     type: ClassVar[str] = "error"
     session: bytes
@@ -236,17 +281,27 @@ class Error(_Message):
     msg: str
     n: int | None = None
     peer: str | None = None
+    need_bytes: int | None = None
+    limit_bytes: int | None = None
+    retry_after_s: float | None = None
     raw: bytes = field(default=b"", compare=False, repr=False)
 
     @property
     def fields(self) -> dict[str, Any]:
-        f: dict[str, Any] = {"code": self.code, "msg": self.msg}
+        f: dict[str, Any] = {"code": str(self.code), "msg": self.msg}
         if self.n is not None:
             f["n"] = self.n
         if self.peer is not None:
             f["peer"] = self.peer
+        for key in ERROR_FIGURES:
+            if getattr(self, key) is not None:
+                f[key] = getattr(self, key)
         return f
 
+
+#: the optional figures of an ``error`` (a busy refusal's), with the types they must have
+ERROR_FIGURES: dict[str, type | tuple[type, ...]] = {"need_bytes": int, "limit_bytes": int,
+                                                     "retry_after_s": (int, float)}
 
 Message = Open | Ready | Attach | Step | Result | Close | Error
 TensorMessage = Step | Result
@@ -268,7 +323,7 @@ def encode(msg: Message, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
     try:
         return encode_frame(_HDR.pack(len(header)) + header + msg.payload, max_frame)
     except FrameError as e:
-        raise ActivationProtocolError("too_large", str(e)) from None
+        raise ActivationProtocolError(ErrorCode.TOO_LARGE, str(e)) from None
 
 
 class ActivationDecoder:
@@ -281,7 +336,7 @@ class ActivationDecoder:
         try:
             frames = self.frames.feed(data)
         except FrameError as e:
-            raise ActivationProtocolError("too_large", str(e)) from None
+            raise ActivationProtocolError(ErrorCode.TOO_LARGE, str(e)) from None
         return [decode_frame(f) for f in frames]
 
     @property
@@ -292,105 +347,106 @@ class ActivationDecoder:
 def decode_frame(frame: bytes) -> Message:
     """The validated message in ``frame`` (without its length prefix); ``raw`` is the frame."""
     if len(frame) < _HDR.size:
-        raise ActivationProtocolError("malformed", "frame shorter than its header length")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, "frame shorter than its header length")
     (hlen,) = _HDR.unpack_from(frame)
     if hlen > len(frame) - _HDR.size:
-        raise ActivationProtocolError("malformed", f"header length {hlen} exceeds the frame")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"header length {hlen} exceeds the frame")
     try:
         header = cbor2.loads(frame[_HDR.size:_HDR.size + hlen])
     except Exception as e:
-        raise ActivationProtocolError("malformed", f"header is not CBOR ({e})") from None
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"header is not CBOR ({e})") from None
     if not isinstance(header, dict):
-        raise ActivationProtocolError("malformed", "header is not a CBOR map")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, "header is not a CBOR map")
     payload = frame[_HDR.size + hlen:]
     version = header.pop("v", None)
     if version != MESSAGE_VERSION:
-        raise ActivationProtocolError("version", f"unsupported message version {version!r} (speak {MESSAGE_VERSION})")
+        raise ActivationProtocolError(ErrorCode.VERSION,
+                                      f"unsupported message version {version!r} (speak {MESSAGE_VERSION})")
     mtype = header.pop("t", None)
     if mtype not in MESSAGE_TYPES:
-        raise ActivationProtocolError("unknown_type", f"unknown message type {mtype!r}")
+        raise ActivationProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {mtype!r}")
     session = header.pop("s", None)
     if not isinstance(session, bytes) or len(session) != SESSION_ID_BYTES:
-        raise ActivationProtocolError("malformed", f"session ID must be {SESSION_ID_BYTES} bytes")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"session ID must be {SESSION_ID_BYTES} bytes")
     _VALIDATORS[mtype](mtype, header, payload)
     if mtype not in ("step", "result") and payload:
-        raise ActivationProtocolError("malformed", f"{mtype} carries {len(payload)} unexpected payload bytes")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"{mtype} carries {len(payload)} unexpected payload bytes")
     return _BUILDERS[mtype](session, header, payload, frame)
 
 
 def _need(mtype: str, h: dict, key: str, typ: type) -> Any:
     v = h.get(key)
     if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-        raise ActivationProtocolError("malformed", f"{mtype}.{key} missing or of the wrong type")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"{mtype}.{key} missing or of the wrong type")
     return v
 
 
 def _layers(v: Any, where: str) -> tuple[int, int]:
     if (not isinstance(v, list) or len(v) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in v)
             or not 0 <= v[0] < v[1]):
-        raise ActivationProtocolError("malformed", f"{where} must be [start, end] with 0 <= start < end")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"{where} must be [start, end] with 0 <= start < end")
     return v[0], v[1]
 
 
 def _peer_ref(v: Any, where: str) -> None:
     if not isinstance(v, dict) or not isinstance(v.get("peer"), str) or not isinstance(v.get("addrs"), list) \
             or not all(isinstance(a, str) for a in v["addrs"]):
-        raise ActivationProtocolError("malformed", f"{where} must be {{peer: str, addrs: [str]}}")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"{where} must be {{peer: str, addrs: [str]}}")
 
 
 def _v_open(mtype: str, h: dict, payload: bytes) -> None:
     model = _need(mtype, h, "model", str)
     if len(model) != 64 or any(c not in "0123456789abcdef" for c in model):
-        raise ActivationProtocolError("malformed", "open.model must be a 64-digit hex model ID")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, "open.model must be a 64-digit hex model ID")
     _layers(h.get("layers"), "open.layers")
     max_len = _need(mtype, h, "max_len", int)
     if max_len <= 0:
-        raise ActivationProtocolError("malformed", "open.max_len must be positive")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, "open.max_len must be positive")
     chain = _need(mtype, h, "chain", list)
     if len(chain) > 256:
-        raise ActivationProtocolError("malformed", "open.chain is longer than 256 hops")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, "open.chain is longer than 256 hops")
     for i, hop in enumerate(chain):
         _peer_ref(hop, f"open.chain[{i}]")
         _layers(hop.get("layers"), f"open.chain[{i}].layers")
     _peer_ref(h.get("ret"), "open.ret")
     if not isinstance(h.get("logits", False), bool):
-        raise ActivationProtocolError("malformed", "open.logits must be a boolean")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, "open.logits must be a boolean")
     if h.get("wire", "float32") not in WIRE_DTYPES:
-        raise ActivationProtocolError("dtype", f"unsupported wire dtype {h.get('wire')!r}")
+        raise ActivationProtocolError(ErrorCode.DTYPE, f"unsupported wire dtype {h.get('wire')!r}")
 
 
 def _v_tensor(mtype: str, h: dict, payload: bytes) -> None:
     for key in ("n", "pos"):
         if _need(mtype, h, key, int) < 0:
-            raise ActivationProtocolError("malformed", f"{mtype}.{key} must be >= 0")
+            raise ActivationProtocolError(ErrorCode.MALFORMED, f"{mtype}.{key} must be >= 0")
     dtype = h.get("dtype")
     if dtype not in WIRE_DTYPES:
-        raise ActivationProtocolError("dtype", f"unsupported dtype {dtype!r} (use {', '.join(WIRE_DTYPES)})")
+        raise ActivationProtocolError(ErrorCode.DTYPE, f"unsupported dtype {dtype!r} (use {', '.join(WIRE_DTYPES)})")
     shape = h.get("shape")
     if (not isinstance(shape, list) or not 1 <= len(shape) <= 4
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        raise ActivationProtocolError("shape", f"shape must be 1 to 4 non-negative integers, got {shape!r}")
+        raise ActivationProtocolError(ErrorCode.SHAPE, f"shape must be 1 to 4 non-negative integers, got {shape!r}")
     if dtype == QUANTIZED and not shape[-1]:
-        raise ActivationProtocolError("shape", "int8q needs a non-empty last axis")
+        raise ActivationProtocolError(ErrorCode.SHAPE, "int8q needs a non-empty last axis")
     expected = payload_size(dtype, shape)
     if expected != len(payload):
         raise ActivationProtocolError(
             "shape", f"shape {shape} of {dtype} needs {expected} bytes, the frame carries {len(payload)}")
     if mtype == "result" and h.get("kind") not in RESULT_KINDS:
-        raise ActivationProtocolError("malformed", f"result.kind must be one of {RESULT_KINDS}")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"result.kind must be one of {RESULT_KINDS}")
     lf = h.get("logits_for", 1)
     if not isinstance(lf, int) or isinstance(lf, bool) or lf < 1:
-        raise ActivationProtocolError("malformed", f"{mtype}.logits_for must be a positive integer")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"{mtype}.logits_for must be a positive integer")
     ep = h.get("e", 0)
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 0:
-        raise ActivationProtocolError("malformed", f"{mtype}.e must be a non-negative integer")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"{mtype}.e must be a non-negative integer")
 
 
 def _v_error(mtype: str, h: dict, payload: bytes) -> None:
     _need(mtype, h, "code", str)
     _need(mtype, h, "msg", str)
     if not isinstance(h.get("peer", ""), str):
-        raise ActivationProtocolError("malformed", "error.peer must be a peer ID string")
+        raise ActivationProtocolError(ErrorCode.MALFORMED, "error.peer must be a peer ID string")
 
 
 def _v_none(mtype: str, h: dict, payload: bytes) -> None:
@@ -421,8 +477,11 @@ def _b_result(s: bytes, h: dict, payload: bytes, raw: bytes) -> Result:
 
 def _b_error(s: bytes, h: dict, payload: bytes, raw: bytes) -> Error:
     n = h.get("n")  # never checked: an error's step number is informative only
+    # nor are the figures: one of the wrong type is left out, like a field this peer does not know
+    figures = {k: h[k] for k, typ in ERROR_FIGURES.items()
+               if isinstance(h.get(k), typ) and not isinstance(h[k], bool) and h[k] >= 0}
     return Error(s, code=h["code"], msg=h["msg"], n=n if isinstance(n, int) and not isinstance(n, bool) else None,
-                 peer=h.get("peer"), raw=raw)
+                 peer=h.get("peer"), raw=raw, **figures)
 
 
 _BUILDERS = {"open": _b_open, "ready": lambda s, h, p, raw: Ready(s, raw=raw),
@@ -449,15 +508,15 @@ class StepCursor:
         """(code, message) when the validated step ``msg`` may not be taken now."""
         shape = list(msg.shape)
         if len(shape) != 3 or shape[0] != 1 or shape[1] < 1:
-            return "shape", f"hidden states must be [1, tokens, {self.hidden_size}], got {shape}"
+            return ErrorCode.SHAPE, f"hidden states must be [1, tokens, {self.hidden_size}], got {shape}"
         if shape[2] != self.hidden_size:
-            return "hidden_size", f"hidden size {shape[2]} does not match the model's {self.hidden_size}"
+            return ErrorCode.HIDDEN_SIZE, f"hidden size {shape[2]} does not match the model's {self.hidden_size}"
         if msg.n < self.next_step:
-            return "step_order", f"step {msg.n} arrived after step {self.next_step - 1}"
+            return ErrorCode.STEP_ORDER, f"step {msg.n} arrived after step {self.next_step - 1}"
         if msg.pos > self.length:
-            return "position", f"step starts at position {msg.pos}, past the {self.length} the KV cache holds"
+            return ErrorCode.POSITION, f"step starts at position {msg.pos}, past the {self.length} the KV cache holds"
         if msg.pos + shape[1] > self.max_len:
-            return "too_long", f"{msg.pos + shape[1]} tokens exceed the session's max_len {self.max_len}"
+            return ErrorCode.TOO_LONG, f"{msg.pos + shape[1]} tokens exceed the session's max_len {self.max_len}"
         return None
 
     def skip(self, msg: Step) -> None:

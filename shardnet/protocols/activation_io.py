@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import logging
 
+from collections.abc import Sequence
+
 import trio
 
+from shardnet.errors import InferenceError
 from shardnet.protocols import activation as ap
+from shardnet.protocols.activation import ErrorCode
 from shardnet.protocols.activation_session import ReplyError
 from shardnet.protocols.receipts import HashChain
+from shardnet.transport.config import peer_info
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.limits import Refusals
+from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream
 
 log = logging.getLogger(__name__)
@@ -77,13 +83,47 @@ class MessageStream:
         await self.stream.close()
 
 
+async def open_hop(node: Node, peer: str, addrs: Sequence[str], first: ap.Message, *,
+                   reply_timeout: float | None, sent_hash: HashChain | None = None
+                   ) -> tuple[MessageStream, ap.Message | None]:
+    """A stream to the next hop of a chain: dial ``peer``, open an activation stream, send
+    ``first`` (an ``open`` for the rest of the chain, or a last hop's ``attach``) and, unless
+    ``reply_timeout`` is None, read the reply (None: the stream ended first). ``sent_hash``
+    hashes the frames sent, for a receipt.
+
+    A peer that cannot be reached, or goes away meanwhile (a reset, its connection lost), raises
+    InferenceError ``next_hop`` naming it; a bad frame from it raises ActivationProtocolError and
+    no reply in time trio.TooSlowError, as they are (they are not a lost connection). On any of
+    these the stream is closed. Whether the reply is ``ready`` is the caller's session machine's
+    to say."""
+    try:
+        await node.connect(peer_info(peer, list(addrs)))
+        ms = MessageStream(await node.new_stream(peer, ap.PROTOCOL_ID))
+    except ShardnetError as e:
+        raise InferenceError(ErrorCode.NEXT_HOP, f"cannot reach {peer[:16]}…: {e}", peer) from None
+    ms.sent_hash = sent_hash
+    try:
+        await ms.send(first)
+        return ms, (None if reply_timeout is None else await ms.recv(reply_timeout))
+    except BaseException as e:
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            try:
+                await ms.close()
+            except ShardnetError:
+                pass
+        if isinstance(e, ShardnetError) and not isinstance(e, ap.ActivationProtocolError):
+            raise InferenceError(ErrorCode.NEXT_HOP, f"{peer[:16]}… failed: {e}", peer) from None
+        raise
+
+
 async def reply_error(ms: MessageStream, session: bytes, code: str, msg: str, n: int | None = None,
-                       peer: str | None = None) -> None:
-    """Send an ``error`` on ``ms``, best effort (the stream may already be gone)."""
+                      peer: str | None = None, **figures: int | float) -> None:
+    """Send an ``error`` on ``ms``, best effort (the stream may already be gone). ``figures``:
+    a busy refusal's ``need_bytes``, ``limit_bytes``, ``retry_after_s`` (see ``ap.Error``)."""
     _error_replies.note(code, ms.remote_peer, f"error reply to {ms.remote_peer[:16]}: {code}: {msg}")
     with trio.move_on_after(5):
         try:
-            await ms.send(ap.Error(session, code, msg, n, peer))
+            await ms.send(ap.Error(session, code, msg, n, peer, **figures))
         except ShardnetError:
             pass
 

@@ -27,6 +27,7 @@ from .activation import (
     Attach,
     Close,
     Error,
+    ErrorCode,
     Hop,
     Message,
     Open,
@@ -100,6 +101,16 @@ class Failure:
     code: str
     message: str
     peer: str | None = None
+    #: a busy refusal's figures, when the hop that refused gave them (see ``Error``)
+    need_bytes: int | None = None
+    limit_bytes: int | None = None
+    retry_after_s: float | None = None
+
+    @classmethod
+    def reported(cls, error: Error) -> Failure:
+        """The failure an ``error`` message reports, with its figures."""
+        return cls(error.code, error.msg, error.peer, need_bytes=error.need_bytes, limit_bytes=error.limit_bytes,
+                   retry_after_s=error.retry_after_s)
 
 
 def answer_to_open(reply: Message | None, *, who: str, closed: Failure) -> Failure | None:
@@ -108,16 +119,16 @@ def answer_to_open(reply: Message | None, *, who: str, closed: Failure) -> Failu
     if reply is None:
         return closed
     if isinstance(reply, Error):
-        return Failure(reply.code, reply.msg, reply.peer)
+        return Failure.reported(reply)
     if not isinstance(reply, Ready):
-        return Failure("unexpected", f"{who} answered {reply.type}")
+        return Failure(ErrorCode.UNEXPECTED, f"{who} answered {reply.type}")
     return None
 
 
 # -- the block server's side ---------------------------------------------------------------------
 #: checks about where a step's positions fall: they do not apply to a step that is skipped (the
 #: second of two discarded chunks starts past the cache, since the first was never computed)
-_NOT_FOR_SKIPPED = frozenset({"position", "too_long"})
+_NOT_FOR_SKIPPED = frozenset({ErrorCode.POSITION, ErrorCode.TOO_LONG})
 
 class BlockSession:
     """One session a block server has accepted (``open`` passed its checks).
@@ -173,11 +184,11 @@ class BlockSession:
         """What to do with ``msg`` from upstream; ``queued``: messages already read behind it."""
         self._expect("stepping")
         if msg.session != self.session:
-            return self._end(ReplyError(msg.session, "unknown_session", "this stream carries another session"))
+            return self._end(ReplyError(msg.session, ErrorCode.UNKNOWN_SESSION, "this stream carries another session"))
         if isinstance(msg, Close):
             return self._end(End() if self.last else ForwardClose(Close(self.session)))
         if not isinstance(msg, Step):
-            return self._end(ReplyError(self.session, "unexpected", f"expected step or close, got {msg.type}"))
+            return self._end(ReplyError(self.session, ErrorCode.UNEXPECTED, f"expected step or close, got {msg.type}"))
         problem = self.cursor.check(msg)
         fenced = any(isinstance(m, Step) and m.epoch > msg.epoch for m in queued)
         if problem and not (fenced and problem[0] in _NOT_FOR_SKIPPED):
@@ -198,7 +209,7 @@ class BlockSession:
 
     def idle(self, timeout: float) -> ReplyError:
         """No message from upstream within ``timeout`` seconds."""
-        return self._end(ReplyError(self.session, "idle", f"no step for {timeout:g} s; session expired"))
+        return self._end(ReplyError(self.session, ErrorCode.IDLE, f"no step for {timeout:g} s; session expired"))
 
     # -- what goes on ---------------------------------------------------------------------------
     def output(self, step: Step, *, dtype: str, shape: list[int], payload: bytes, kind: str) -> Step | Result:
@@ -212,7 +223,7 @@ class BlockSession:
     def send_failed(self, step: Step, detail: str, peer: str) -> ReplyError:
         """Passing ``step`` on failed: name the peer that failed, or the hop before us would
         blame us when we close."""
-        return self._end(ReplyError(self.session, "next_hop", f"sending to the next hop failed: {detail}",
+        return self._end(ReplyError(self.session, ErrorCode.NEXT_HOP, f"sending to the next hop failed: {detail}",
                                     n=step.n, peer=peer))
 
     # -- from downstream ------------------------------------------------------------------------
@@ -222,14 +233,14 @@ class BlockSession:
         Either way the session is over: the driver stops its step loop (which may be taking a
         step at this moment, so the machine's own state is left to that loop)."""
         if msg is None:
-            return ReplyError(self.session, "next_hop", "next hop closed the stream", peer=peer)
+            return ReplyError(self.session, ErrorCode.NEXT_HOP, "next hop closed the stream", peer=peer)
         if isinstance(msg, Error):
             return Relay(msg)
-        return ReplyError(self.session, "unexpected", f"the next hop sent {msg.type} upstream", peer=peer)
+        return ReplyError(self.session, ErrorCode.UNEXPECTED, f"the next hop sent {msg.type} upstream", peer=peer)
 
     def downstream_broken(self, detail: str, peer: str) -> ReplyError:
         """Reading from the next hop failed (a reset, a bad frame); over, as ``from_downstream``."""
-        return ReplyError(self.session, "next_hop", f"next hop failed: {detail}", peer=peer)
+        return ReplyError(self.session, ErrorCode.NEXT_HOP, f"next hop failed: {detail}", peer=peer)
 
     def _expect(self, state: str) -> None:
         if self.state != state:
@@ -265,7 +276,7 @@ class ClientSession:
         """The first hop's reply to ``open``: None when the chain is ready."""
         self._expect("opening")
         failure = answer_to_open(reply, who="first hop", closed=Failure(
-            "next_hop", f"{self.first_peer[:16]}… closed the stream", self.first_peer))
+            ErrorCode.NEXT_HOP, f"{self.first_peer[:16]}… closed the stream", self.first_peer))
         if failure is not None:
             return self._fail(failure)
         self.state = "ready"
@@ -291,27 +302,27 @@ class ClientSession:
         """The next message of the return stream (None: it ended): the result, or why not. A
         refused result does not end the session by itself (the caller gives it up)."""
         if msg is None:
-            return Failure("next_hop", "the return stream closed")
+            return Failure(ErrorCode.NEXT_HOP, "the return stream closed")
         if isinstance(msg, Error):
-            return Failure(msg.code, msg.msg, msg.peer)
+            return Failure.reported(msg)
         if not isinstance(msg, Result):
-            return Failure("unexpected", f"expected a result, got {msg.type}", self.last_peer)
+            return Failure(ErrorCode.UNEXPECTED, f"expected a result, got {msg.type}", self.last_peer)
         problem = self.pending.answer(msg, kind=self.kind, hidden_size=self.hidden_size, vocab=self.vocab)
         if problem:
-            return Failure("unexpected", problem, self.last_peer)
+            return Failure(ErrorCode.UNEXPECTED, problem, self.last_peer)
         return msg
 
     def upstream(self, msg: Message | None) -> Failure:
         """A message on the first hop's stream once ready (None: it ended): only errors travel
         upstream, and anything there ends the session."""
         if msg is None:
-            return self._fail(Failure("next_hop", "the first hop closed the stream", self.first_peer))
+            return self._fail(Failure(ErrorCode.NEXT_HOP, "the first hop closed the stream", self.first_peer))
         if isinstance(msg, Error):
-            return self._fail(Failure(msg.code, msg.msg, msg.peer))
-        return self._fail(Failure("unexpected", f"the first hop sent {msg.type} upstream", self.first_peer))
+            return self._fail(Failure.reported(msg))
+        return self._fail(Failure(ErrorCode.UNEXPECTED, f"the first hop sent {msg.type} upstream", self.first_peer))
 
     def upstream_broken(self, detail: str) -> Failure:
-        return self._fail(Failure("next_hop", detail, self.first_peer))
+        return self._fail(Failure(ErrorCode.NEXT_HOP, detail, self.first_peer))
 
     def _expect(self, state: str) -> None:
         if self.state != state:

@@ -152,4 +152,4 @@ async def chain_last_logits(client, seq: list[int]):
     async with client.session(len(seq) + 1) as sess:
         await sess.forward(client.model.head.embed(torch.tensor([seq[:-2]])))
         out = await sess.forward(client.model.head.embed(torch.tensor([seq[-2:-1]])))
-    return out[0, -1].float() if client.logits_on_last else client.model.head.logits(out)[0, -1]
+    return out[0, -1].float() if client.request.logits_on_last else client.model.head.logits(out)[0, -1]

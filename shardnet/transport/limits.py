@@ -132,6 +132,16 @@ class TokenBuckets:
         self._buckets[key] = (tokens - 1.0, now)
         return True
 
+    def retry_after(self, key: object, now: float | None = None) -> float | None:
+        """Seconds until ``key``'s bucket holds a token again (0: it does now; None: it never
+        refills, at a rate of 0)."""
+        now = time.monotonic() if now is None else now
+        tokens, last = self._buckets.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        if tokens >= 1.0:
+            return 0.0
+        return (1.0 - tokens) / self.rate if self.rate > 0 else None
+
     def _prune(self, now: float) -> None:
         # a bucket that has refilled completely carries no state worth keeping
         full = [k for k, (t, last) in self._buckets.items() if t + (now - last) * self.rate >= self.burst]

@@ -42,15 +42,15 @@ async def test_concurrent_requests_share_one_view_and_one_probe_per_peer(loopbac
     async with chain(loopback_config, [(0, 4), (4, 8)]) as (peers, node):
         model = LocalModel(PATH)
         client = Client(node, model)
-        await client.find_route()
-        view, probes = client.view, client.probes
-        assert Client(node, model).view is view and Client(node, model).probes is probes
+        await client.planner.find_route()
+        view, probes = client.planner.view, client.planner.probes
+        assert Client(node, model).planner.view is view and Client(node, model).planner.probes is probes
         probes.results.clear()  # every peer needs probing again
         sent, lookups = probes.sent, view.lookups
         routes = []
 
         async def route():
-            routes.append(await client.find_route())
+            routes.append(await client.planner.find_route())
 
         async with trio.open_nursery() as nursery:
             for _ in range(32):
@@ -63,26 +63,26 @@ async def test_concurrent_requests_share_one_view_and_one_probe_per_peer(loopbac
         known = sorted(c.peer for c in view.current())
         await view.lookup(timeout=0.0)
         assert view.last_lookup_error and sorted(c.peer for c in view.current()) == known
-        assert [c.peer for c in await client.find_route(timeout=1)] == [str(p.peer_id) for p in peers]
+        assert [c.peer for c in await client.planner.find_route(timeout=1)] == [str(p.peer_id) for p in peers]
 
 
 async def test_a_failed_peer_that_claims_again_is_routed_through(loopback_config):
     async with chain(loopback_config, [(0, 4), (4, 8)]) as (peers, node):
         client = Client(node, LocalModel(PATH))
         first = str(peers[0].peer_id)
-        assert (await client.find_route())[0].peer == first
-        client.forget_peer(first)  # as healing does when it failed during a request
+        assert (await client.planner.find_route())[0].peer == first
+        client.planner.forget_peer(first)  # as healing does when it failed during a request
         with pytest.raises(NoRouteError, match="layers 0-3"):
-            await client.find_route(timeout=1)
+            await client.planner.find_route(timeout=1)
         # it signs a newer claim (as after a restart) and publishes it as a publisher does
-        old = client.view.get(first)
+        old = client.planner.view.get(first)
         blob = bc.encode(peers[0].key_pair, dataclasses.replace(old, expires=old.expires + 1))
         await peers[0].dht.put(claim_record_name(old.model), blob)
         await peers[0].pubsub.publish(bc.topic(old.model), blob)
         with trio.fail_after(30):
-            route = await client.find_route(timeout=25)
-        assert route[0].peer == first and client.view.get(first).expires == old.expires + 1
-        print(f"claims taken from gossip: {client.view.from_gossip}, lookups: {client.view.lookups}")
+            route = await client.planner.find_route(timeout=25)
+        assert route[0].peer == first and client.planner.view.get(first).expires == old.expires + 1
+        print(f"claims taken from gossip: {client.planner.view.from_gossip}, lookups: {client.planner.view.lookups}")
 
 
 async def test_sessions_over_the_per_peer_slots_wait_in_line(loopback_config):
@@ -90,7 +90,7 @@ async def test_sessions_over_the_per_peer_slots_wait_in_line(loopback_config):
     lim.set("sessions_out_per_peer=2")
     async with chain(loopback_config, [(0, 8)], limits=lim) as (_, node):
         client = Client(node, LocalModel(PATH), audit_rate=0.0)
-        route = await client.find_route()
+        route = await client.planner.find_route()
         opened = trio.Event()
 
         async def third() -> None:

@@ -103,8 +103,10 @@ async def test_kv_budget_is_an_error_reply_not_a_crash(loopback_config, checkpoi
     per_token = Block(Checkpoint(path), 0, 4).kv_bytes_per_token()
     async with swarm(loopback_config, path, [(0, 4)], kv_budget_bytes=per_token * 30) as node:
         client = Client(node, LocalModel(path))
-        with pytest.raises(InferenceError, match="kv_budget"):
+        with pytest.raises(InferenceError, match="kv_budget") as refused:
             await generate_ids(client, new=40)  # 7 + 40 tokens > 30
+        # the refusal's figures came on the wire: more than the whole budget, so no use waiting
+        assert refused.value.limit_bytes == per_token * 30 < refused.value.need_bytes
         assert len(await generate_ids(client, new=10)) == 10  # still serving
 
 
@@ -115,7 +117,7 @@ async def test_missing_layers_are_named(loopback_config, checkpoints):
     async with swarm(loopback_config, path, [(0, 2)]) as node:
         client = Client(node, LocalModel(path))
         with pytest.raises(NoRouteError, match=r"no live peer serves layers 2-3 \(model has 4 layers"):
-            await client.find_route(timeout=3)
+            await client.planner.find_route(timeout=3)
 
 
 def test_block_loads_only_its_tensors(checkpoints, monkeypatch):

@@ -69,15 +69,15 @@ async def test_routing_picks_the_low_latency_chain(loopback_config):
             assert not claims[peers["a2"]].rtts  # the last span has no successors
 
             for _ in range(5):  # a random choice would take the fast chain 1 time in 4
-                route = await client.find_route()
+                route = await client.planner.find_route()
                 assert [names[c.peer] for c in route] == ["a1", "a2"], (
-                    [names[c.peer] for c in route], {n: client.rtt(p) for n, p in peers.items()},
-                    {names.get(p, p): t for p, t in client._avoid.items()})
-            slow = client.rtt(peers["b1"])
+                    [names[c.peer] for c in route], {n: client.planner.rtt(p) for n, p in peers.items()},
+                    {names.get(p, p): t for p, t in client.planner._avoid.items()})
+            slow = client.planner.rtt(peers["b1"])
             assert slow >= 2 * DELAY  # the emulator's floor
             # (a1's round trip to b2 is not checked: a connection b2 opened towards a1 crosses
             # a1's side, with no delay, since the emulator delays traffic on the callee's side only)
-            assert client.rtt(peers["a1"]) < slow and 0 < reported["a2"] < slow, (reported, slow)
+            assert client.planner.rtt(peers["a1"]) < slow and 0 < reported["a2"] < slow, (reported, slow)
             got = [t.id async for t in client.generate("def main(", max_new_tokens=4, stop_at_eos=False)]
             assert len(got) == 4 and [names[c.peer] for c in client.last_stats.chain] == ["a1", "a2"]
         nursery.cancel_scope.cancel()
@@ -107,11 +107,11 @@ async def test_a_peer_over_announcing_its_throughput_does_not_take_most_first_ro
         await node.wait_bootstrapped()
         client = Client(node, LocalModel(path), audit_rate=0.0)
         with trio.fail_after(60):  # every claim seen before the first route
-            while len(await client.usable_claims()) < 4:
+            while len(await client.planner.usable_claims()) < 4:
                 await trio.sleep(0.2)
         first_routes = []
         for _ in range(SESSIONS):
-            route = await client.find_route()
+            route = await client.planner.find_route()
             first_routes.append([names[c.peer] for c in route])
             got = [t.id async for t in client.generate("def main(", max_new_tokens=6, stop_at_eos=False,
                                                        route=route)]

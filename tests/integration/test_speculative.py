@@ -273,7 +273,7 @@ async def test_speculation_across_emulated_wan_edges(loopback_config, reference_
             await node.wait_bootstrapped()
             model = LocalModel(path)
             client = Client(node, model)
-            route = await client.find_route()
+            route = await client.planner.find_route()
             assert await node.ping(route[0].peer) >= 0.02  # two delayed edges: really through the WAN
             drafter = ModelDrafter(default_draft_path(), vocab_size=model.ckpt.config.vocab_size)
             got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,

@@ -72,7 +72,7 @@ async def generate_with_cheater(bootstrap, cheater, honest_peer, other_witnesses
 
         # the cheater's claimed throughput (1e6 tokens/s) no longer draws the route (routing
         # counts it as its layers' typical peer: peer_speeds.py): its first chain is chosen here
-        route = await client.find_route(avoid=other_witnesses)
+        route = await client.planner.find_route(avoid=other_witnesses)
         results = 0
         async for tok in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False, progress=progress,
                                          route=route):

@@ -38,8 +38,11 @@ import torch
 import trio
 
 from shardnet.errors import InferenceError, NoRouteError
+from shardnet.inference.client.request import RequestContext
+from shardnet.inference.client.session import open_session
 from shardnet.inference.receipt_service import ReceiptService, fetch_session_receipts
 from shardnet.protocols import receipt_gossip as rg
+from shardnet.protocols.activation import ErrorCode
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.errors import ShardnetError
 
@@ -132,8 +135,9 @@ class RunAuditor:
     audits run in ``nursery`` one at a time; ``take_convicted`` hands the decode loop the peers
     to route around; ``settle`` waits for the audits still running."""
 
-    def __init__(self, client, nursery: trio.Nursery, rate: float, *, rng: random.Random | None = None) -> None:
-        self.client, self.nursery = client, nursery
+    def __init__(self, request: RequestContext, nursery: trio.Nursery, rate: float, *,
+                 rng: random.Random | None = None) -> None:
+        self.request, self.nursery = request, nursery
         self.rng = rng or random.Random()
         self.schedule = AuditSchedule(rate, self.rng)
         self.stats = AuditStats()
@@ -185,10 +189,10 @@ class RunAuditor:
                 self._idle.set()
 
     async def _audit(self, job: AuditJob) -> None:
-        if self.client.reputation.excluded() & {c.peer for c in job.route}:
+        if self.request.reputation.excluded() & {c.peer for c in job.route}:
             self.stats.superseded += 1
             return
-        claims = await self.client.usable_claims()
+        claims = await self.request.planner.usable_claims()
         in_chain = {c.peer for c in job.route}
         # a witness computes as the target claims to (same dtype, same quantization): an int4 peer
         # differs from a plain one by more than any honest tolerance
@@ -206,20 +210,20 @@ class RunAuditor:
         pool = list(witnesses[k])
         self.rng.shuffle(pool)
         witness = pool.pop()
-        tol = tolerance(self.client.wire or _dtype_name(self.client.model.dtype), target.dtype, witness.dtype)
+        tol = tolerance(self.request.wire or _dtype_name(self.request.model.dtype), target.dtype, witness.dtype)
         self.stats.checked += 1
         w_out, w_session = await self._rerun(job, k, witness)
         d_real = divergence(job.out, w_out)
         if d_real <= tol:
             self.stats.agreed += 1
-            self.client.reputation.passed(target.peer, witness.peer)
+            self.request.reputation.passed(target.peer, witness.peer)
             log.debug("audit of layers %d:%d agreed (%.2g <= %.2g)", target.start, target.end, d_real, tol)
             return
         log.warning("audit of layers %d:%d: %s… and %s… disagree (%.3g > %.2g)", target.start, target.end,
                     target.peer[:12], witness.peer[:12], d_real, tol)
         if not pool:
             self.stats.disputes += 1
-            self.client.reputation.dispute(target.peer, witness.peer)
+            self.request.reputation.dispute(target.peer, witness.peer)
             log.warning("no third peer serves layers %d:%d: dispute recorded, nobody excluded",
                         target.start, target.end)
             return
@@ -235,48 +239,48 @@ class RunAuditor:
             honest = [(target, job.session, d_real), (referee, r_session, divergence(w_out, r_out))]
         else:
             self.stats.disputes += 1
-            self.client.reputation.dispute(target.peer, witness.peer, referee.peer)
+            self.request.reputation.dispute(target.peer, witness.peer, referee.peer)
             log.warning("the referee agrees with neither side: dispute recorded, nobody excluded")
             return
         self.stats.convictions += 1
         evidence = {"layers": [accused.start, accused.end], "session": session, "step_pos": job.pos,
                     "divergence": min(h[2] for h in honest), "tolerance": tol,
                     "witnesses": [{"peer": c.peer, "session": s, "divergence": d} for c, s, d in honest]}
-        self.client.reputation.convict(accused.peer, evidence)
+        self.request.reputation.convict(accused.peer, evidence)
         self._convicted.append(accused.peer)
         log.warning("peer %s… computed layers %d:%d wrong (off by %.3g; tolerance %.2g): excluded",
                     accused.peer[:16], accused.start, accused.end, evidence["divergence"], tol)
         # the report outlives this run (it waits for receipts): it runs in the node's receipt service
-        ReceiptService.of(self.client.node).spawn(publish_report, self.client, accused.peer, evidence)
+        ReceiptService.of(self.request.node).spawn(publish_report, self.request, accused.peer, evidence)
 
     async def _rerun(self, job: AuditJob, k: int, peer: Claim) -> tuple[torch.Tensor, str]:
         """The step's output through the real chain with span ``k`` served by ``peer``."""
         route = job.route[:k] + [peer] + job.route[k + 1:]
         try:
-            async with self.client.session(job.max_len, route) as s:
+            async with open_session(self.request, job.max_len, route) as s:
                 if job.prefix is not None:
                     await s.forward(job.prefix, pos=0)
                 out = await s.forward(job.hidden, pos=job.pos, logits_for=job.logits_for)
                 return out, s.session.hex()
         except NoRouteError as e:
-            raise InferenceError("no_route", str(e)) from None
+            raise InferenceError(ErrorCode.NO_ROUTE, str(e)) from None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-async def publish_report(client, accused: str, evidence: dict) -> None:
+async def publish_report(request: RequestContext, accused: str, evidence: dict) -> None:
     """Gather the signed receipts of the sessions involved and gossip the report (best effort:
     runs in the node's nursery, so nothing may escape)."""
     try:
-        await _publish_report(client, accused, evidence)
+        await _publish_report(request, accused, evidence)
     except Exception:
         log.exception("report on %s… failed", accused[:16])
 
 
-async def _publish_report(client, accused: str, evidence: dict) -> None:
-    node = client.node
+async def _publish_report(request: RequestContext, accused: str, evidence: dict) -> None:
+    node = request.node
     sessions = [(accused, evidence["session"])] + [(w["peer"], w["session"]) for w in evidence["witnesses"]]
     blobs: list[bytes | None] = [None] * len(sessions)
 
@@ -288,7 +292,7 @@ async def _publish_report(client, accused: str, evidence: dict) -> None:
             nursery.start_soon(one, i, peer, session)
     if blobs[0] is None:
         log.info("peer %s… withheld its receipt for session %s…", accused[:16], evidence["session"][:8])
-    body = dict(evidence, schema=1, model=client.model.model_id, accused=accused, reporter=str(node.peer_id),
+    body = dict(evidence, schema=1, model=request.model.model_id, accused=accused, reporter=str(node.peer_id),
                 evidence=[b for b in blobs if b is not None], t=time.time())
     body["divergence"], body["tolerance"] = float(body["divergence"]), float(body["tolerance"])
     try:

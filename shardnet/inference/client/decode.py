@@ -28,6 +28,7 @@ from shardnet.inference.client.speculative import (
     accept_greedy,
     accept_sampled,
 )
+from shardnet.protocols.activation import ErrorCode
 from shardnet.protocols.block_claim import Claim
 
 if TYPE_CHECKING:
@@ -195,7 +196,7 @@ class _Steps:
         """The result of step ``n``, which must be the next to come back."""
         got, result = await self.sess.receive()
         if got != n:
-            raise InferenceError("unexpected", f"expected result {n}, got {got}")
+            raise InferenceError(ErrorCode.UNEXPECTED, f"expected result {n}, got {got}")
         return result
 
     async def logits(self, result: torch.Tensor, rows: int | None = None) -> torch.Tensor:
@@ -304,7 +305,7 @@ class _Pipeline:
         self.stats.wait_s += time.perf_counter() - t_wait
         chunk = self.inflight.popleft()
         if chunk.n != n:
-            raise InferenceError("unexpected", f"result {n} does not match step {chunk.n}")
+            raise InferenceError(ErrorCode.UNEXPECTED, f"result {n} does not match step {chunk.n}")
         round_trip = time.perf_counter() - chunk.sent
         self.stats.round_trip_s += round_trip
         if self.stats.on_round_trip is not None:

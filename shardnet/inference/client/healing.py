@@ -33,15 +33,18 @@ import trio
 
 from shardnet.errors import InferenceError
 from shardnet.inference.client.audit import AuditJob
+from shardnet.inference.client.request import RequestContext
+from shardnet.inference.client.session import open_session
 from shardnet.inference.client.timing import NAMED_ERROR_WAIT, PROBE_TIMEOUT
 from shardnet.inference.probes import Probes
+from shardnet.protocols.activation import ErrorCode
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.errors import ShardnetError
 
 log = logging.getLogger(__name__)
 
 #: error codes that mean "this chain broke", which another chain can fix
-HEALABLE = frozenset({"next_hop", "timeout", "idle", "unknown_session"})
+HEALABLE = frozenset({ErrorCode.NEXT_HOP, ErrorCode.TIMEOUT, ErrorCode.IDLE, ErrorCode.UNKNOWN_SESSION})
 #: how long a peer blamed only for answering a probe late is routed around (seconds)
 SLOW_AVOID_S = 10.0
 
@@ -78,11 +81,11 @@ class _Sent:
 class HealingSession:
     """``send``/``receive`` like ``InferenceSession``, over a chain that is replaced as peers fail.
 
-    ``client`` provides ``session(max_len, route)`` (an async context manager yielding an
-    ``InferenceSession``), ``find_route(avoid=...)``, ``node`` and ``forget_peer(peer)``.
+    ``request`` gives the node and the chain's settings (sessions are opened with
+    ``open_session``); its planner finds the replacement chains and avoids the failed peers.
     """
 
-    client: object
+    request: RequestContext
     max_len: int
     max_heals: int = 5
     progress: object = None  # callable(event: str, info: dict) or None
@@ -116,7 +119,7 @@ class HealingSession:
 
     async def _enter(self, route: list[Claim]) -> None:
         self.route = route
-        cm = self.client.session(self.max_len, route)
+        cm = open_session(self.request, self.max_len, route)
         self.inner = await cm.__aenter__()  # on failure it has cleaned up after itself
         self._cm = cm
         self.entered.append((self.inner, route))
@@ -196,8 +199,8 @@ class HealingSession:
         self._unanswered.clear()
         self._outer_of.clear()
         self.length = 0
-        await self.open(await self.client.find_route(avoid=set(peers),
-                                                     keep=[c for c in old_route if c.peer not in peers]))
+        await self.open(await self.request.planner.find_route(
+            avoid=set(peers), keep=[c for c in old_route if c.peer not in peers]))
         heal = Heal(list(peers), [(c.start, c.end) for c in old_route if c.peer in peers], "audit", 0, 0,
                     time.perf_counter() - t0, [c.peer for c in self.route], "computed wrong (honest-compute check)")
         self.heals.append(heal)
@@ -209,7 +212,7 @@ class HealingSession:
         n = await self.send(hidden, pos=pos, logits_for=logits_for)
         got, out = await self.receive()
         if got != n:
-            raise InferenceError("unexpected", f"expected result {n}, got {got}")
+            raise InferenceError(ErrorCode.UNEXPECTED, f"expected result {n}, got {got}")
         return out
 
     # -- healing ---------------------------------------------------------------------------------
@@ -228,12 +231,12 @@ class HealingSession:
                 raise InferenceError(error.code, f"{error} (gave up after {self.max_heals} heals)", error.peer)
             for p in failed:
                 if p in self._only_slow:
-                    self.client.forget_peer(p, SLOW_AVOID_S)
+                    self.request.planner.forget_peer(p, SLOW_AVOID_S)
                 else:
-                    self.client.forget_peer(p)
+                    self.request.planner.forget_peer(p)
             # the old chain with each failed span replaced (a whole new chain if that cannot be done)
-            route = await self.client.find_route(avoid=set(failed),
-                                                 keep=[c for c in old_route if c.peer not in failed])
+            route = await self.request.planner.find_route(
+                avoid=set(failed), keep=[c for c in old_route if c.peer not in failed])
             try:
                 await self._enter(route)
                 replayed = await self._replay()
@@ -266,11 +269,11 @@ class HealingSession:
                     await trio.sleep(0.02)
             if self.inner.error and self.inner.error.peer:
                 error = self.inner.error
-        me = str(self.client.node.peer_id)
+        me = str(self.request.node.peer_id)
         if error.peer is not None and error.peer != me:
             return [error.peer]
         # (a last hop that could not open its return stream to us names us: we are not the problem)
-        probes = await Probes.of(self.client.node).probe([c.peer for c in self.route], max_age=0,
+        probes = await Probes.of(self.request.node).probe([c.peer for c in self.route], max_age=0,
                                                          timeout=PROBE_TIMEOUT)
         gone = [peer for peer, p in probes.items() if p.verdict == "gone"]
         if gone:

@@ -2,7 +2,7 @@
 (bench/swarm_sim) models healing and queueing with the same numbers (this module imports
 nothing heavy, so the simulator runs without torch)."""
 
-#: how long a request waits in line for a busy chain before failing "busy" (``Client.session``)
+#: how long a request waits in line for a busy chain before failing "busy" (``session.open_session``)
 QUEUE_TIMEOUT = 60.0
 #: a chain whose peer failed: how long the probes that find the failed peer may take
 PROBE_TIMEOUT = 3.0

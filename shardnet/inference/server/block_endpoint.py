@@ -26,10 +26,12 @@ from shardnet.inference.router import ActivationRouter
 from shardnet.inference.server.step_batcher import StepBatcher
 from shardnet.inference.server.turns import FairTurns
 from shardnet.protocols import activation as ap
+from shardnet.protocols.activation import ErrorCode
 from shardnet.protocols.activation_io import (
     FOREVER,
     OPEN_TIMEOUT,
     MessageStream,
+    open_hop,
     reply_error,
     send_reply,
 )
@@ -43,7 +45,6 @@ from shardnet.protocols.activation_session import (
     Skip,
     answer_to_open,
 )
-from shardnet.transport.config import peer_info
 from shardnet.transport.limits import PeerCounts, Refusals, TokenBuckets
 from shardnet.transport.node import Node
 
@@ -59,8 +60,9 @@ class KvBudget:
 
     def reserve(self, session: bytes, nbytes: int) -> None:
         if self.used + nbytes > self.limit:
-            raise InferenceError("kv_budget", f"session needs {nbytes} bytes of KV cache; "
-                                 f"{self.limit - self.used} of {self.limit} are free")
+            raise InferenceError(ErrorCode.KV_BUDGET, f"session needs {nbytes} bytes of KV cache; "
+                                 f"{self.limit - self.used} of {self.limit} are free",
+                                 need_bytes=nbytes, limit_bytes=self.limit)
         self.sessions[session] = nbytes
         self.used += nbytes
 
@@ -136,20 +138,20 @@ class BlockEndpoint:
         sb = self.served
         try:
             if sb is None:
-                raise InferenceError("no_block", "this peer serves no block")
+                raise InferenceError(ErrorCode.NO_BLOCK, "this peer serves no block")
             if op.model != sb.model_id:
-                raise InferenceError("wrong_model", f"this peer serves model {sb.model_id[:16]}…, "
+                raise InferenceError(ErrorCode.WRONG_MODEL, f"this peer serves model {sb.model_id[:16]}…, "
                                      f"not {op.model[:16]}…")
             start, end = op.layers
             if (start, end) != (sb.block.start, sb.block.end):
-                raise InferenceError("layers", f"layers {start}:{end} requested; this peer serves exactly "
+                raise InferenceError(ErrorCode.LAYERS, f"layers {start}:{end} requested; this peer serves exactly "
                                      f"{sb.block.start}:{sb.block.end} of {sb.block.ckpt.num_layers}")
             if op.logits and not op.chain and sb.head is None:
-                raise InferenceError("no_head", "this peer does not hold the LM head")
+                raise InferenceError(ErrorCode.NO_HEAD, "this peer does not hold the LM head")
             self._admit_session(up.remote_peer)
             sb.kv.reserve(s, op.max_len * sb.block.kv_bytes_per_token())
         except InferenceError as e:
-            await reply_error(up, s, e.code, e.message)
+            await reply_error(up, s, e.code, e.message, **e.figures)
             return
         self.sessions_by_peer[up.remote_peer] += 1
         sb.sessions_served += 1
@@ -170,7 +172,7 @@ class BlockEndpoint:
                 down = await self._open_next(session, rec)
                 rec.observed["downstream"] = down.observed()
             except InferenceError as e:
-                await reply_error(up, s, e.code, e.message, peer=e.peer)
+                await reply_error(up, s, e.code, e.message, peer=e.peer, **e.figures)
                 return
             await up.send(session.ready())
             async with trio.open_nursery() as nursery:
@@ -199,41 +201,29 @@ class BlockEndpoint:
         if held >= limits.sessions_per_peer:
             self.refusals.note("sessions_per_peer", peer,
                                f"limit sessions_per_peer: {peer[:16]} holds {held} sessions; refusing another")
-            raise InferenceError("too_many_sessions", f"you hold {held} sessions here, "
+            raise InferenceError(ErrorCode.TOO_MANY_SESSIONS, f"you hold {held} sessions here, "
                                  f"the most this peer allows one peer (sessions_per_peer)")
         if not self._session_rate.take(peer):
             self.refusals.note("session_rate_per_peer", peer, f"limit session_rate_per_peer: {peer[:16]} opens "
                                                               f"sessions faster than {limits.session_rate_per_peer:g}/s")
-            raise InferenceError("rate_limited", f"more than {limits.session_rate_per_peer:g} new sessions per "
-                                 f"second (session_rate_per_peer); try again shortly")
+            raise InferenceError(ErrorCode.RATE_LIMITED, f"more than {limits.session_rate_per_peer:g} new sessions "
+                                 f"per second (session_rate_per_peer); try again shortly",
+                                 retry_after_s=self._session_rate.retry_after(peer))
 
     async def _open_next(self, session: BlockSession, rec: StageRecorder | None = None) -> MessageStream:
         """Open the next hop with the rest of the chain, or the return stream to the client."""
         target, first = session.downstream()
-        try:
-            await self.node.connect(peer_info(target.peer, list(target.addrs)))
-            stream = await self.node.new_stream(target.peer, ap.PROTOCOL_ID)
-        except ShardnetError as e:
-            raise InferenceError("next_hop", f"cannot reach {target.peer[:16]}…: {e}", target.peer) from None
-        ms = MessageStream(stream)
-        if rec is not None:
-            ms.sent_hash = rec.sent
-        try:
-            await ms.send(first)
-            reply = await ms.recv(OPEN_TIMEOUT) if not session.last else None
-        except InferenceError:
-            raise
-        except ap.ActivationProtocolError:
-            raise  # a bad frame from the next hop is not a lost connection: the session just ends
-        except ShardnetError as e:  # the next hop went away (a reset, its connection lost)
-            raise InferenceError("next_hop", f"{target.peer[:16]}… failed: {e}", target.peer) from None
+        ms, reply = await open_hop(self.node, target.peer, target.addrs, first,
+                                   reply_timeout=None if session.last else OPEN_TIMEOUT,
+                                   sent_hash=rec.sent if rec is not None else None)
         if not session.last:
             failure = answer_to_open(reply, who="next hop",
-                                     closed=Failure("next_hop", "next hop closed the stream", target.peer))
+                                     closed=Failure(ErrorCode.NEXT_HOP, "next hop closed the stream", target.peer))
             if failure is not None:
                 if reply is None or isinstance(reply, ap.Error):
                     await ms.close()
-                raise InferenceError(failure.code, failure.message, failure.peer)
+                raise InferenceError(failure.code, failure.message, failure.peer, need_bytes=failure.need_bytes,
+                                     limit_bytes=failure.limit_bytes, retry_after_s=failure.retry_after_s)
         return ms
 
     async def _step_loop(self, sb: ServedBlock, session: BlockSession, up: MessageStream, down: MessageStream,
