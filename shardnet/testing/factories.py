@@ -63,3 +63,13 @@ def activation_step(*, n: int, pos: int, tokens: int, hidden: int = 8, epoch: in
     session = b"s" * ap.SESSION_ID_BYTES if session is None else session
     return ap.Step(session, n=n, pos=pos, dtype="float32", shape=[1, tokens, hidden],
                    payload=bytes(4 * tokens * hidden), epoch=epoch)
+
+
+def activation_frame(header: dict, payload: bytes = b"", *, prefixed: bool = True) -> bytes:
+    """An activation-protocol frame as any peer may send it: a CBOR header (length-prefixed) and
+    raw payload bytes, the whole with its own length prefix unless ``prefixed=False``."""
+    import cbor2
+
+    h = cbor2.dumps(header)
+    body = len(h).to_bytes(4, "big") + h + payload
+    return len(body).to_bytes(4, "big") + body if prefixed else body

@@ -3,7 +3,6 @@
 import os
 import struct
 
-import cbor2
 import pytest
 import trio
 from hypothesis import given, settings
@@ -17,6 +16,7 @@ from shardnet.inference.server.block_endpoint import BlockEndpoint
 from shardnet.inference.server.compute_peer import serve_block
 from shardnet.protocols import activation as ap
 from shardnet.protocols.activation_io import MessageStream
+from shardnet.testing.factories import activation_frame
 from shardnet.transport import open_node
 
 SID = b"s" * 16
@@ -42,12 +42,6 @@ def test_roundtrip_of_every_message_type():
            [(m.type, m.session, m.fields, m.payload) for m in msgs]
 
 
-def frame(header: dict, payload: bytes = b"") -> bytes:
-    h = cbor2.dumps(header)
-    body = struct.pack(">I", len(h)) + h + payload
-    return struct.pack(">I", len(body)) + body
-
-
 @pytest.mark.parametrize("header,payload,code", [
     ({"v": 2, "t": "ready", "s": SID}, b"", "version"),
     ({"v": 1, "t": "teleport", "s": SID}, b"", "unknown_type"),
@@ -65,7 +59,7 @@ def frame(header: dict, payload: bytes = b"") -> bytes:
 ])
 def test_bad_frames_are_named(header, payload, code):
     with pytest.raises(ap.ActivationProtocolError) as e:
-        ap.ActivationDecoder().feed(frame(header, payload))
+        ap.ActivationDecoder().feed(activation_frame(header, payload))
     assert e.value.code == code
 
 
@@ -94,7 +88,7 @@ def test_arbitrary_bytes_raise_only_protocol_errors(data):
        st.binary(max_size=64))
 def test_arbitrary_headers_raise_only_protocol_errors(header, payload):
     try:
-        ap.ActivationDecoder().feed(frame(header, payload))
+        ap.ActivationDecoder().feed(activation_frame(header, payload))
     except ap.ActivationProtocolError:
         pass
 
@@ -159,8 +153,8 @@ async def test_bad_input_gets_an_error_reply_and_the_peer_keeps_serving(loopback
             assert "int64" in await expect_error(
                 "dtype", ap.encode(ap.Open(sid, model=model_id, layers=(0, 2), max_len=16, chain=[],
                                                ret=me)),
-                frame({"v": 1, "t": "step", "s": sid, "n": 0, "pos": 0, "dtype": "int64", "shape": [1, 1, 32]},
-                      bytes(256)))
+                activation_frame({"v": 1, "t": "step", "s": sid, "n": 0, "pos": 0, "dtype": "int64",
+                                  "shape": [1, 1, 32]}, bytes(256)))
             sid = os.urandom(16)
             await expect_error("unknown_session",
                                ap.encode(ap.Open(sid, model=model_id, layers=(0, 2), max_len=16, chain=[],
@@ -171,7 +165,7 @@ async def test_bad_input_gets_an_error_reply_and_the_peer_keeps_serving(loopback
             await expect_error("malformed", ap.encode(ap.Open(sid, model=model_id, layers=(0, 2), max_len=16,
                                                                   chain=[], ret=me)), cut[:len(cut) // 2],
                                half_close=True)
-            await expect_error("version", frame({"v": 9, "t": "open", "s": os.urandom(16)}))
+            await expect_error("version", activation_frame({"v": 9, "t": "open", "s": os.urandom(16)}))
 
             # after all that, the peer still serves a real generation
             client = Client(cli, LocalModel(model_dir))

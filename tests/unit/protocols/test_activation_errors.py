@@ -6,14 +6,9 @@ import pytest
 
 from shardnet.protocols import activation as ap
 from shardnet.protocols.activation import ErrorCode
+from shardnet.testing.factories import activation_frame
 
 SESSION = bytes(range(16))
-
-
-def frame(header: dict) -> bytes:
-    """A frame (without its length prefix) with this header and no payload, as any peer may send."""
-    h = cbor2.dumps(header)
-    return len(h).to_bytes(4, "big") + h
 
 
 def roundtrip(msg: ap.Message) -> ap.Message:
@@ -53,16 +48,18 @@ def test_an_error_without_figures_encodes_as_before():
 
 
 def test_an_older_peers_error_decodes_without_figures():
-    got = ap.decode_frame(frame({"v": 1, "t": "error", "s": SESSION, "code": "kv_budget",
-                                 "msg": "session needs 9000 bytes of KV cache; 8192 of 8192 are free"}))
+    old = {"v": 1, "t": "error", "s": SESSION, "code": "kv_budget",
+           "msg": "session needs 9000 bytes of KV cache; 8192 of 8192 are free"}
+    got = ap.decode_frame(activation_frame(old, prefixed=False))
     assert isinstance(got, ap.Error) and got.code == ErrorCode.KV_BUDGET
     assert (got.need_bytes, got.limit_bytes, got.retry_after_s) == (None, None, None)
 
 
 def test_unknown_fields_and_codes_are_ignored():
     """A newer peer's extra fields, and a code this peer does not know, still decode."""
-    got = ap.decode_frame(frame({"v": 1, "t": "error", "s": SESSION, "code": "brand_new", "msg": "m",
-                                 "need_bytes": 10, "limit_bytes": 20, "queue_position": 4}))
+    newer = {"v": 1, "t": "error", "s": SESSION, "code": "brand_new", "msg": "m",
+             "need_bytes": 10, "limit_bytes": 20, "queue_position": 4}
+    got = ap.decode_frame(activation_frame(newer, prefixed=False))
     assert (got.code, got.need_bytes, got.limit_bytes) == ("brand_new", 10, 20)
     assert "queue_position" not in ap.encode(got).decode("latin-1")
 
@@ -70,7 +67,8 @@ def test_unknown_fields_and_codes_are_ignored():
 @pytest.mark.parametrize("bad", [{"need_bytes": "lots"}, {"need_bytes": True}, {"limit_bytes": -1},
                                  {"retry_after_s": [1]}, {"retry_after_s": None}])
 def test_a_figure_of_the_wrong_type_is_left_out(bad):
-    got = ap.decode_frame(frame({"v": 1, "t": "error", "s": SESSION, "code": "kv_budget", "msg": "m", **bad}))
+    got = ap.decode_frame(activation_frame({"v": 1, "t": "error", "s": SESSION, "code": "kv_budget", "msg": "m", **bad},
+                                           prefixed=False))
     assert (got.need_bytes, got.limit_bytes, got.retry_after_s) == (None, None, None)
 
 
