@@ -6,11 +6,11 @@ each need the other. An edge goes from the importing module to the module it nam
 ``__init__`` runs). Importing ``a.b.c`` also runs ``a`` and ``a.b``: those implicit edges are not
 counted (every package's ``__init__`` importing its own submodules would be a cycle)."""
 
-import ast
 import sys
 from pathlib import Path
 
 from shardnet.testing.helpers import REPO_ROOT
+from shardnet.testing.imports import import_statements
 
 PACKAGES = ("shardnet", "bench")
 
@@ -39,18 +39,11 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[in
         return mod or None
 
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, known(a.name)) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            for a in node.names:
-                sub = f"{mod}.{a.name}"
-                out.append((node.lineno, sub if sub in modules else known(mod)))
+    for line, mod, names in import_statements(path, package):
+        if names is None:
+            out.append((line, known(mod)))
+        else:
+            out += [(line, f"{mod}.{n}" if f"{mod}.{n}" in modules else known(mod)) for n in names]
     return [(line, m) for line, m in out if m is not None and m != name]
 
 

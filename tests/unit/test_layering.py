@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from shardnet.testing.helpers import REPO_ROOT
+from shardnet.testing.imports import import_statements
 
 ROOT = REPO_ROOT / "shardnet"
 FORBIDDEN = {
@@ -32,20 +33,11 @@ FORBIDDEN = {
 def imported_modules(path: Path) -> list[tuple[int, str]]:
     """(line, module) for every import in ``path``, relative ones resolved. ``from a import b``
     yields both ``a`` and ``a.b``: b may be a module (``from .. import server``)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
     package = "shardnet." + ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
     out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            out.append((node.lineno, mod))
-            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names if a.name != "*"]
+    for line, mod, names in import_statements(path, package):
+        out.append((line, mod))
+        out += [(line, f"{mod}.{n}") for n in names or () if n != "*"]
     return out
 
 
