@@ -32,14 +32,14 @@ def test_64_concurrent_requests_get_the_texts_they_get_alone(join_args):
     rest wait in line instead of failing, and every text is the one-by-one text; with the peers
     batching concurrent sessions' steps (continuous batching) as without."""
     with swarm_with_gateway(replicas=1, join_args=join_args) as (_, _, url):
-        client = openai_client(url)
+        client = openai_client(url, timeout=170)
         alone = {p: complete(client, p) for p in PROMPTS}  # one by one
         load = Load()
         start = threading.Barrier(64)
         t0 = time.monotonic()
 
         def one(i: int) -> None:
-            c = openai_client(url)
+            c = openai_client(url, timeout=170)
             start.wait()
             one_request(c, load, alone[PROMPTS[i % len(PROMPTS)]], PROMPTS[i % len(PROMPTS)])
 
@@ -65,7 +65,7 @@ def test_16_users_for_two_minutes_while_replicas_die_and_come_back():
     layers anew). Not one request may fail."""
     seconds = 120.0
     with swarm_with_gateway(replicas=2) as (swarm, peers, url):
-        expected = complete(openai_client(url))
+        expected = complete(openai_client(url, timeout=170))
         events: list[str] = []
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             chaos = pool.submit(replica_chaos, swarm, peers, seconds, events)
@@ -77,5 +77,5 @@ def test_16_users_for_two_minutes_while_replicas_die_and_come_back():
         assert load.failures == 0, (load.summary(), load.examples)
         # and the restarted peer alone serves its span now
         last = Load()
-        one_request(openai_client(url), last, expected)
+        one_request(openai_client(url, timeout=170), last, expected)
         assert last.failures == 0, last.examples
