@@ -311,12 +311,12 @@ def _compare_head(ckpt: Checkpoint) -> str | None:
     transformers' forward with every layer a pass-through."""
     from shardnet.inference.model.block import Head
 
+    head = Head(ckpt)  # first: a model without the standard stack is refused by its shell, in its words
     cfg = check_config(ckpt)
     model, _, run = _reference(ckpt, cfg, [], with_head=True)
     ids = _check_ids(ckpt)
     with torch.inference_mode():
         theirs = model(input_ids=ids, use_cache=False).logits
-    head = Head(ckpt)
     last = max(run.outputs)
     return (_between_layers(ckpt, run)
             or _differs(ckpt, "its embeddings", head.embed(ids), run.inputs[0], RELATIVE_TOLERANCE)
