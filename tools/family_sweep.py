@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shardnet.errors import ShardnetError  # noqa: E402
+from shardnet.testing.helpers import transformers_reference  # noqa: E402
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64, 5, 301, 23, 8]
 NEW_TOKENS = 10
@@ -77,16 +78,6 @@ def make(family: str, out: Path) -> Path:
     return init_random(out, family, layers=LAYERS, hidden=64, heads=4, kv_heads=2, vocab=512, seed=1)
 
 
-def transformers_tokens(path: Path) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
-
-
 def shardnet_tokens(path: Path) -> list[int]:
     """Greedy tokens as a client with the head and two peers (0:3, 3:6) compute them, each
     having passed the family check for what it holds."""
@@ -127,7 +118,7 @@ def sweep_one(family: str) -> tuple[str, str]:
         except ShardnetError as e:
             return "refused", _one_line(e)
         try:
-            want = transformers_tokens(path)
+            want = transformers_reference(path, PROMPT, NEW_TOKENS)[0]
         except Exception as e:  # noqa: BLE001
             return "not constructible", f"transformers cannot run it: {_one_line(e)}"
         if got != want:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from shardnet.errors import CheckpointError
+from shardnet.inference.model.families import FAMILIES
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +65,6 @@ def _family_extras(family: str, *, layers: int, hidden: int, heads: int, interme
     }.get(family, {})
 
 
-_EXPLICIT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "olmo2", "granite",
-                      "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe")
-
-
 def make_config(family: str, *, layers: int, hidden: int, heads: int, kv_heads: int | None,
                 intermediate: int | None, vocab: int, max_positions: int = 2048,
                 sliding_window: int | None = None, experts: int = 4, active_experts: int = 2):
@@ -83,17 +80,17 @@ def make_config(family: str, *, layers: int, hidden: int, heads: int, kv_heads: 
         # weights make every prompt continue with one repeated token, a weak test)
         initializer_range=0.25,
     )
-    extras = _family_extras(family, layers=layers, hidden=hidden, heads=heads, intermediate=intermediate,
-                            sliding_window=sliding_window, experts=experts, active_experts=active_experts)
-    kw.update(extras)
+    kw.update(_family_extras(family, layers=layers, hidden=hidden, heads=heads, intermediate=intermediate,
+                             sliding_window=sliding_window, experts=experts, active_experts=active_experts))
     try:
         config = AutoConfig.for_model(family, **kw)
     except ValueError as e:
         if "Unrecognized model identifier" in str(e):
             raise CheckpointError(f"model_type {family!r}: the installed transformers has no such model") from None
         raise
-    if family not in _EXPLICIT_FAMILIES:
-        # a family without shapes of its own here: its config's other sizes made small as well
+    if not (family in FAMILIES and FAMILIES[family].tested):
+        # a family without shapes of its own here (_family_extras covers the tested ones): its
+        # config's other sizes made small as well
         small = _generic_small(config, hidden=hidden, heads=heads, intermediate=intermediate, experts=experts,
                                active_experts=active_experts, sliding_window=sliding_window)
         if small:
@@ -101,7 +98,6 @@ def make_config(family: str, *, layers: int, hidden: int, heads: int, kv_heads: 
     return config
 
 
-#: sizes a config may name besides the common ones, and the small value a random model takes
 def _generic_small(config, *, hidden: int, heads: int, intermediate: int, experts: int, active_experts: int,
                    sliding_window: int | None) -> dict:
     """Small values for the size attributes ``config`` has beyond the common ones (expert counts
