@@ -8,13 +8,24 @@ builds the masks the family's model would build, applies what its adapter declar
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
 from shardnet.inference.model.checkpoint import Checkpoint, CheckpointError
+from shardnet.inference.model.kv_cache import (
+    LayerKvShape,
+    Rows,
+    RowsKv,
+    SessionKv,
+    TransformedCache,
+    rows_context,
+    rowwise_attention,
+)
 from shardnet.inference.model.shell import ModelShell
 
 log = logging.getLogger(__name__)
@@ -105,25 +116,49 @@ class Block:
         self.rotary = shell.take(shell.base.rotary_emb, "model.rotary_emb.", device).to(device)
         self.layer_types = self.family.layer_types(self.config)[start:end]
         self.load_report = LoadReport(n_tensors, n_bytes, time.perf_counter() - t0)
-        self._kv_bytes: int | None = None
+        self._kv_layout: list[LayerKvShape | None] | None = None
+        #: one forward pass at a time (a batched pass swaps the attention implementation)
+        self._pass = threading.Lock()
+        #: the configs the attention modules read their implementation from, and what it is
+        self._attn_configs = list({id(m.config): m.config for layer in self.layers for m in layer.modules()
+                                   if "Attention" in type(m).__name__ and hasattr(m, "config")}.values())
+        self._attn_inner = self.config._attn_implementation or "eager"
+        #: layers whose attention runs row by row in a batched step (kv_cache.TransformedCache)
+        self._rowwise_layers: set[int] = set()
 
     @property
     def num_layers(self) -> int:
         return self.end - self.start
 
+    def kv_layout(self) -> list[LayerKvShape | None]:
+        """Per layer, the shape and dtype of one token's cached keys and values, measured once by a
+        forward on one token (so MLA's wider keys, per-layer head counts and any family's cache
+        layout count as they are); None for a layer that caches nothing."""
+        if self._kv_layout is None:
+            from transformers import DynamicCache
+
+            probe = DynamicCache()
+            self.forward(torch.zeros(1, 1, self.config.hidden_size, dtype=self.dtype), probe, 0)
+            layout: list[LayerKvShape | None] = []
+            for idx in range(self.num_layers):
+                layer = probe.layers[idx] if idx < len(probe.layers) else None
+                k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+                if not isinstance(k, torch.Tensor) or k.numel() == 0:
+                    layout.append(None)
+                    continue
+                layout.append(LayerKvShape((k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]), k.dtype))
+            self._kv_layout = layout
+        return self._kv_layout
+
     def kv_bytes_per_token(self) -> int:
-        """Bytes the KV cache of this block grows by per token, measured once on one token (so
-        MLA's wider keys, per-layer head counts and any family's cache layout count as they are)."""
-        if self._kv_bytes is None:
-            cache = self.new_cache()
-            self.forward(torch.zeros(1, 1, self.config.hidden_size, dtype=self.dtype), cache, 0)
-            self._kv_bytes = cache_bytes(cache)
-        return self._kv_bytes
+        """Bytes a session's KV cache on this block holds per position (what ``new_cache`` allocates
+        per position of its length)."""
+        return sum(s.bytes_per_token for s in self.kv_layout() if s is not None)
 
-    def new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache()
+    def new_cache(self, max_len: int | None = None) -> SessionKv:
+        """A session's KV cache: ``max_len`` positions allocated now, written in place by its
+        steps (without a length it grows by doubling: local use, not a peer's served path)."""
+        return SessionKv(self.kv_layout(), max_len, self.device)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, cache, start_pos: int) -> torch.Tensor:
@@ -144,97 +179,67 @@ class Block:
         if "sliding_attention" in self.layer_types:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kw)
         pos_emb = self.family.position_embeddings(self.rotary, hidden, position_ids, self.layer_types)
-        for layer, kind in zip(self.layers, self.layer_types):
-            hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids, cache=cache,
-                           use_cache=True, position_embeddings=pos_emb[kind])
+        with self._pass:
+            for layer, kind in zip(self.layers, self.layer_types):
+                hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids, cache=cache,
+                               use_cache=True, position_embeddings=pos_emb[kind])
         return hidden
 
-
     @torch.inference_mode()
-    def forward_batch(self, steps: list[tuple[torch.Tensor, object]]) -> list[torch.Tensor]:
+    def forward_batch(self, steps: list[tuple[torch.Tensor, SessionKv]]) -> list[torch.Tensor]:
         """Several sessions' steps as one forward pass: ``steps`` is (hidden [1, T_i, hidden_size],
         the session's own cache) each, every session at the position its cache has reached, with
         any T_i (prefill chunks next to single decode positions and verify chunks). Returns each
         session's output and extends each cache as ``forward`` would: results equal running the
         steps one at a time, within the dtype's tolerance.
 
-        The sessions' caches are gathered into one, each row's past left-padded to the longest and
-        its new tokens right-padded to the most; one mask per attention type says, per row, which
-        keys are real, causal and (sliding layers) within the window, in the row's own positions."""
-        from transformers import DynamicCache
-
-        if len(steps) == 1:  # nothing to gather: the plain path, without the padding's overhead
+        Projections, norms and MLP run on the rows padded to the most new positions; each row's
+        keys and values are written into its own cache and attention runs per row over that cache
+        where it lies (kv_cache.rows_attention): no session's past is copied."""
+        if len(steps) == 1:  # the plain path, without the padding
             h, cache = steps[0]
             return [self.forward(h, cache, cache.get_seq_length())]
         lengths = [cache.get_seq_length() for _, cache in steps]
         news = [h.shape[1] for h, _ in steps]
-        b, past, new = len(steps), max(lengths), max(news)
+        b, new = len(steps), max(news)
         hidden = torch.zeros(b, new, self.config.hidden_size, dtype=self.dtype, device=self.device)
         for row, (h, _) in enumerate(steps):
             hidden[row, :news[row]] = h[0].to(device=self.device, dtype=self.dtype)
-        batch_cache = DynamicCache()
-        if past:
-            for idx in range(self.num_layers):
-                ks, vs = [], []
-                for (_, cache), length in zip(steps, lengths):
-                    layer = cache.layers[idx] if length else None
-                    ks.append(self._left_pad(layer.keys if layer else None, past, steps, idx, "keys"))
-                    vs.append(self._left_pad(layer.values if layer else None, past, steps, idx, "values"))
-                batch_cache.update(torch.cat(ks), torch.cat(vs), idx)
-        lengths_t = torch.tensor(lengths, device=self.device)
-        news_t = torch.tensor(news, device=self.device)
-        position_ids = lengths_t[:, None] + torch.arange(new, device=self.device)[None, :]
-        masks = {kind: self._batch_mask(lengths_t, news_t, past, new, kind) for kind in set(self.layer_types)}
+        position_ids = (torch.tensor(lengths, device=self.device)[:, None]
+                        + torch.arange(new, device=self.device)[None, :])
         pos_emb = self.family.position_embeddings(self.rotary, hidden, position_ids, self.layer_types)
-        for layer, kind in zip(self.layers, self.layer_types):
-            hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids, cache=batch_cache,
-                           use_cache=True, position_embeddings=pos_emb[kind])
-        for row, (_, cache) in enumerate(steps):
-            for idx in range(self.num_layers):
-                layer = batch_cache.layers[idx]
-                cache.update(layer.keys[row:row + 1, :, past:past + news[row]],
-                             layer.values[row:row + 1, :, past:past + news[row]], idx)
-        return [hidden[row:row + 1, :news[row]] for row in range(b)]
+        caches = [cache for _, cache in steps]
+        while True:
+            rows = Rows(caches, lengths, news, list(self.layer_types), getattr(self.config, "sliding_window", None),
+                        self._attn_inner, self.dtype, rowwise=frozenset(self._rowwise_layers))
+            try:
+                out = self._batched_pass(hidden, position_ids, pos_emb, rows)
+            except TransformedCache as e:  # learnt once per block: rewind, run that layer row by row
+                if e.idx in self._rowwise_layers:
+                    raise
+                for cache, length in zip(caches, lengths):
+                    cache.crop(length - cache.get_seq_length())
+                self._rowwise_layers.add(e.idx)
+                continue
+            return [out[row:row + 1, :news[row]] for row in range(b)]
 
-    def _left_pad(self, t: torch.Tensor | None, past: int, steps, idx: int, which: str) -> torch.Tensor:
-        """One row's cached keys or values, zeros in front up to ``past`` positions."""
-        if t is None:  # a session with nothing cached yet: shape from one that has
-            like = next(getattr(c.layers[idx], which) for _, c in steps if c.get_seq_length())
-            return like.new_zeros(1, *like.shape[1:-2], past, like.shape[-1])
-        if t.shape[-2] == past:
-            return t
-        pad = t.new_zeros(*t.shape[:-2], past - t.shape[-2], t.shape[-1])
-        return torch.cat([pad, t], dim=-2)
+    def _batched_pass(self, hidden, position_ids, pos_emb, rows: Rows) -> torch.Tensor:
+        batch_cache = RowsKv(rows, self.num_layers)
+        with self._pass, rows_context(self._attn_configs, rows):
+            for idx, (layer, kind) in enumerate(zip(self.layers, self.layer_types)):
+                with contextlib.ExitStack() as stack:
+                    if idx in rows.rowwise:
+                        stack.enter_context(rowwise_attention(self._attention_of(layer), rows, idx))
+                    hidden = layer(hidden, attention_mask=None, position_ids=position_ids, cache=batch_cache,
+                                   use_cache=True, position_embeddings=pos_emb[kind])
+        return hidden
 
-    def _batch_mask(self, lengths: torch.Tensor, news: torch.Tensor, past: int, new: int, kind: str):
-        """[rows, 1, new, past + new]: which keys each row's query may see, in its own positions."""
-        j = torch.arange(past + new, device=self.device)[None, :]
-        in_past = j < past
-        key_pos = torch.where(in_past, j - (past - lengths[:, None]), lengths[:, None] + (j - past))
-        key_real = torch.where(in_past, j >= past - lengths[:, None], (j - past) < news[:, None])
-        t = torch.arange(new, device=self.device)[None, :]
-        q_pos = lengths[:, None] + t
-        allowed = key_real[:, None, :] & (key_pos[:, None, :] <= q_pos[:, :, None])
-        window = getattr(self.config, "sliding_window", None)
-        if kind == "sliding_attention" and window:
-            allowed &= (q_pos[:, :, None] - key_pos[:, None, :]) < window
-        # a padding query sees only itself (an all-masked row would give NaNs)
-        padding_q = t >= news[:, None]
-        allowed |= padding_q[:, :, None] & (j[:, None, :] == past + t[:, :, None])
-        allowed = allowed[:, None]
-        if getattr(self.config, "_attn_implementation", "sdpa") == "sdpa":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(
-            ~allowed, torch.finfo(self.dtype).min)
-
-
-def cache_bytes(cache) -> int:
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    @staticmethod
+    def _attention_of(layer):
+        for name in ("self_attn", "attention", "attn"):
+            if isinstance(getattr(layer, name, None), torch.nn.Module):
+                return getattr(layer, name)
+        raise CheckpointError(f"{type(layer).__name__} has no attention module shardnet can find")
 
 
 class Head:
