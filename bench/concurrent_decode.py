@@ -5,11 +5,11 @@
                                       [--repeats 1] [--quick]
 
 Two chains of the shipped tiny-llama, each of 2 compute peers (layers 0:4 and 4:8): one batching
-(``--batch-tokens``: StepBatcher, ready steps of concurrent sessions run as one forward pass), one
-not (the old path: one forward pass at a time, in fair turns). Every peer is a process of its own
+(``--batch-tokens N``: the block scheduler runs ready steps of concurrent sessions as one forward
+pass), one not (``--batch-tokens 0``: one step per forward pass, in fair turns). Every peer is a process of its own
 with one torch thread, serving its block exactly as ``shardnet join --layers a:b --threads 1
 [--batch-tokens N]`` does (``serve_block``, the library call under ``join``), started by this
-script so that it can read the batcher's counters (``--peer-worker``); nothing else differs.
+script so that it can read the scheduler's counters (``--peer-worker``); nothing else differs.
 
 ONE client process (this one) runs N concurrent ``client.generate`` tasks on one Client, as a
 gateway does: greedy, a different prompt each, ``--tokens`` new tokens each. Per row: aggregate
@@ -78,7 +78,7 @@ def bench_limits() -> Limits:
 # -- a compute peer (a child process) ----------------------------------------------------------
 async def peer_worker(args: argparse.Namespace) -> None:
     """``shardnet join --layers a:b --threads 1 [--batch-tokens N]``'s serving, answering JSON
-    ``stats`` commands on stdin with the batcher's counters."""
+    ``stats`` commands on stdin with the block scheduler's counters (none when it does not batch)."""
     from shardnet.inference.server.compute_peer import serve_block
 
     torch.set_num_threads(1)
@@ -93,7 +93,7 @@ async def peer_worker(args: argparse.Namespace) -> None:
             print(json.dumps({"event": "ready", "peer": str(node.peer_id)}), flush=True)
             while line := await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
                 cmd = json.loads(line)
-                stats = asdict(served.batcher.stats) if served.batcher is not None else {}
+                stats = asdict(served.scheduler.stats) if served.scheduler.batching else {}
                 print(json.dumps({"event": "result", "id": cmd["id"], **stats}), flush=True)
 
 
@@ -157,7 +157,7 @@ async def run_sessions(client: Client, chain: Chain, ps: list[list[int]], tokens
     wall = time.perf_counter() - start
     cpu = time.process_time() + sum(cpu_seconds(p.pid) for p in chain.procs) - cpu_before
     after = await chain.batch_stats()
-    mean_batch = [(a["steps"] - b["steps"]) / max(1, a["batches"] - b["batches"])
+    mean_batch = [(a["steps"] - b["steps"]) / max(1, a["passes"] - b["passes"])
                   for a, b in zip(after, before) if "steps" in a]
     q = statistics.quantiles(gaps, n=20) if len(gaps) >= 2 else [gaps[0] if gaps else 0.0] * 19
     tokens_out = sum(map(len, outputs))
@@ -242,7 +242,7 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
     name = f"a random 8-layer llama of width {args.hidden} ({args.hidden_dtype})" if args.hidden else "tiny-llama"
     print(f"{name} over 2 peers {SPANS}, each a process with 1 torch thread; one client process, one Client, "
           f"N concurrent greedy generate tasks, different prompts, {args.tokens} new tokens each")
-    print(f"batched: --batch-tokens {args.batch_tokens}; one-at-a-time: the old path (fair turns); "
+    print(f"batched: --batch-tokens {args.batch_tokens}; one-at-a-time: --batch-tokens 0 (fair turns); "
           f"wan: {args.delay_ms:g} ms one way (+ up to {args.jitter_ms:g} ms jitter), {args.mbit:g} Mbit/s per edge, "
           f"3 edges a traversal; {os.cpu_count()} cores")
     print(f"target: {TARGET_SESSIONS} sessions >= {TARGET_SPEEDUP:g}x the aggregate tok/s of 1, "

@@ -17,7 +17,7 @@ failure in one hides none of the others; the script exits 1 if any row failed.
   within tolerance (below) of transformers' forward on the CPU in float32. Notes the time per
   drafted token: CPU, eager on the device, graphed.
 - batched block: all 8 layers of the shipped tiny-llama in float32 on the device, fed through
-  ``StepBatcher`` (the peer's continuous batching) by concurrent sessions: prompts of different
+  ``BlockScheduler`` (the peer's continuous batching) by concurrent sessions: prompts of different
   lengths (cut into chunks: ``max_tokens=32`` here), three decode steps, a verify chunk of 5.
   Reference: each session's steps one at a time through the same layers on the CPU in float32.
   Logits (the CPU head applied to both) within tolerance, argmax equal at 99 % of positions, and
@@ -216,7 +216,7 @@ def check_batched_block(device: str, sessions: int) -> Outcome:
 
     from shardnet.inference.model.block import Block, Head
     from shardnet.inference.model.checkpoint import Checkpoint
-    from shardnet.inference.server.step_batcher import StepBatcher
+    from shardnet.inference.server.scheduler import BlockScheduler
     from shardnet.models import default_model_path
 
     ckpt = Checkpoint(default_model_path())
@@ -237,14 +237,15 @@ def check_batched_block(device: str, sessions: int) -> Outcome:
                 pos += len(ids)
             want.append(outs)
 
-    batcher = StepBatcher(block, max_tokens=32)
+    scheduler = BlockScheduler(block, max_tokens=32)
     got: list[list[torch.Tensor]] = [[] for _ in plans]
     caches = [block.new_cache() for _ in plans]
 
     async def session(i: int) -> None:
         for ids in plans[i]:
             hidden = head.embed(ids[None])
-            got[i].append((await batcher.forward(f"upstream-{i % 2}", hidden, caches[i])).float().cpu())
+            got[i].append((await scheduler.forward(f"upstream-{i % 2}", hidden, caches[i],
+                                                   caches[i].get_seq_length())).float().cpu())
 
     async def all_sessions() -> None:
         with trio.fail_after(120):
@@ -262,7 +263,7 @@ def check_batched_block(device: str, sessions: int) -> Outcome:
                 scale = max(scale, float(lw.abs().max()))
                 same += int((lg.argmax(-1) == lw.argmax(-1)).sum())
                 positions += lw.shape[1]
-    stats = batcher.stats
+    stats = scheduler.stats
     out = Outcome("same steps one at a time, CPU f32", diff, f"{same}/{positions} argmax")
     out.need(diff <= FLOAT32_REL_TOL * scale, f"logits differ by {diff:.2e}")
     out.need(same >= MIN_BATCHED_ARGMAX * positions, f"argmax equal at {same}/{positions}")
@@ -282,7 +283,7 @@ def check_batched_block(device: str, sessions: int) -> Outcome:
     step = head.embed(torch.tensor([[1]]))
     batched = best_ms(lambda: block.forward_batch([(step, c) for c in caches]))
     alone = best_ms(lambda: [block.forward(step, c, c.get_seq_length()) for c in caches])
-    out.note = (f"{stats.steps} steps in {stats.batches} batches (largest {stats.largest}); "
+    out.note = (f"{stats.steps} steps in {stats.passes} passes (largest {stats.largest}); "
                 f"a decode step of all {sessions} sessions: batched {batched:.2f} ms, one at a time {alone:.2f} ms")
     return out
 
@@ -435,7 +436,7 @@ def main() -> None:
     checks = [("draft, CUDA graph: tiny-llama-draft", check_draft, (device, default_draft_path(), steps, args.k))]
     if not args.quick:
         checks.append(("draft, CUDA graph: random llama 8x1024", check_draft_random, (device, steps, args.k)))
-    checks.append(("batched block (StepBatcher)", check_batched_block, (device, sessions)))
+    checks.append(("batched block (BlockScheduler)", check_batched_block, (device, sessions)))
     checks += [(f"quantized {mode} (bf16)", check_quantized, (device, mode, prompts, tokens)) for mode in QUANT_LIMITS]
     checks += [("2-peer chain, one device", check_chain, (device, tokens)), ("kv pool", check_kv_pool, ())]
     if args.only:

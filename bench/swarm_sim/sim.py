@@ -67,7 +67,7 @@ from shardnet.transport.config import NodeConfig
 
 TICK_S = 2.0
 KEEPALIVE = NodeConfig()
-#: the most tokens one forward pass of a peer's step batcher takes (step_batcher.DEFAULT_MAX_TOKENS,
+#: the most tokens one forward pass of a peer's block scheduler takes (scheduler.DEFAULT_MAX_TOKENS,
 #: not imported: that module needs torch); more sessions take more passes
 BATCH_TOKENS = 256
 #: a typical round trip between peers when sizing the request load (the simulation measures

@@ -53,11 +53,11 @@ from .common import (
               help="Advertise this many tokens/s for the block instead of measuring it (default: measured "
                    "when loaded). Placement and routing weigh peers by it; a fixed figure keeps them steady "
                    "where a measurement would wobble, e.g. several peers on one busy machine.")
-@click.option("--batch-tokens", type=click.IntRange(min=0), default=256, show_default=True,  # step_batcher's default
+@click.option("--batch-tokens", type=click.IntRange(min=0), default=256, show_default=True,  # the scheduler's default
               metavar="N",
               help="Continuous batching: the steps of concurrent sessions that are ready run as one forward "
-                   "pass of up to N tokens (long prompts are cut into chunks of N). 0: one step at a time, "
-                   "in fair turns (the path before batching).")
+                   "pass of up to N tokens, decode steps first, then chunks of long prompts in what is left. "
+                   "0: one session's step per pass, in fair turns between upstream peers.")
 @click.option("--region", default=None, metavar="TEXT",
               help="Where this peer is, as you declare it (e.g. eu-west): stated in every stage receipt it "
                    "signs, next to the address its neighbours see. Not proven.")

@@ -95,12 +95,12 @@ class NodeCollector(Collector):
             kv.add_metric(["used"], sb.kv.used)
             kv.add_metric(["limit"], sb.kv.limit)
             yield kv
-            if sb.batcher is not None:  # (since this span was loaded: a peer that moves starts a new one)
-                st = sb.batcher.stats
-                yield CounterMetricFamily("shardnet_block_batches", "forward passes of the continuous batcher",
-                                          st.batches)
-                yield CounterMetricFamily("shardnet_block_batched_steps", "steps run in those batches", st.steps)
-                yield GaugeMetricFamily("shardnet_block_batch_largest", "most steps in one batch so far", st.largest)
+            # the block scheduler's passes (since this span was loaded: a peer that moves starts anew)
+            st = sb.scheduler.stats
+            yield CounterMetricFamily("shardnet_block_batches", "forward passes of the block scheduler", st.passes)
+            yield CounterMetricFamily("shardnet_block_batched_steps", "steps (and prompt chunks) run in those passes",
+                                      st.steps)
+            yield GaugeMetricFamily("shardnet_block_batch_largest", "most steps in one pass so far", st.largest)
         yield GaugeMetricFamily("shardnet_block_sessions_open", "sessions open at this block now",
                                 value=sum(endpoint.sessions_by_peer.values()))
         yield CounterMetricFamily("shardnet_block_sessions", "sessions opened at this block", act.sessions_total)

@@ -58,6 +58,6 @@ async def test_concurrent_sessions_batched_equal_each_alone(loopback_config, ran
         # each equals the model run alone on its prompt, in one process
         for i, p in enumerate(ps):
             assert got[i] == transformers_reference(default_model_path(), p, NEW)[0], i
-        stats = [BlockEndpoint.of(n).served.batcher.stats for n in peers]
+        stats = [BlockEndpoint.of(n).served.scheduler.stats for n in peers]
         assert all(s.largest > 1 for s in stats), stats  # steps of several sessions ran together
-        assert all(s.tokens <= s.batches * 64 for s in stats)  # within the token budget
+        assert all(s.tokens <= s.passes * 64 for s in stats)  # within the token budget

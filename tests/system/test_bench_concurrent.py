@@ -29,7 +29,7 @@ def test_concurrent_decode_bench_runs_and_prints_its_table():
         if row[1] == "batched":
             assert [float(x) >= 1.0 for x in row[9].split("/")] == [True, True], row  # one mean per peer
         else:
-            assert row[9] == "-", row  # the old path keeps no batches
+            assert row[9] == "-", row  # --batch-tokens 0: no batches to count
     # 4 concurrent sessions through a batching chain: some steps ran together
     assert any(float(x) > 1.0 for row in rows if row[1:3] == ["batched", "4"] for x in row[9].split("/")), r.stdout
     assert any(line.startswith("greedy output differs batched vs one-at-a-time in ") for line in lines), r.stdout

@@ -11,7 +11,7 @@ import torch
 from shardnet.testing.helpers import REPO_ROOT
 
 BENCH = [sys.executable, "-m", "bench.gpu_check"]
-ROWS = ["draft, CUDA graph: tiny-llama-draft", "batched block (StepBatcher)", "quantized int8 (bf16)",
+ROWS = ["draft, CUDA graph: tiny-llama-draft", "batched block (BlockScheduler)", "quantized int8 (bf16)",
         "quantized int4 (bf16)", "2-peer chain, one device", "kv pool"]
 
 

@@ -15,7 +15,6 @@ from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.random_model import init_random
 from shardnet.inference.server.compute_peer import serve_block
-from shardnet.inference.server.turns import FairTurns
 from shardnet.protocols import activation as ap
 from shardnet.protocols.activation_io import MessageStream
 from shardnet.testing.factories import echo_handler
@@ -58,46 +57,6 @@ def test_token_buckets_refill_and_stay_bounded():
     for i in range(10_000):  # a flood of new keys (peer IDs) keeps the table bounded
         b.take(i, now=1.0 + i * 1e-4)
     assert len(b._buckets) <= 100
-
-
-async def test_fair_turns_go_round_the_peers():
-    turns, order = FairTurns(), []
-
-    async def step(peer, i):
-        async with turns.turn(peer):
-            order.append(f"{peer}{i}")
-            await trio.sleep(0.01)
-
-    async with trio.open_nursery() as n:
-        for i in range(6):  # a greedy peer queues six steps before the modest one queues one
-            n.start_soon(step, "greedy", i)
-            await trio.sleep(0)
-        n.start_soon(step, "modest", 0)
-    assert order.index("modest0") <= 2, order  # a FIFO lock would make it last
-    assert [x for x in order if x.startswith("greedy")] == [f"greedy{i}" for i in range(6)]
-
-
-async def test_a_cancelled_waiter_passes_its_turn_on():
-    turns, got = FairTurns(), []
-    async with trio.open_nursery() as n:
-        async def hold():
-            async with turns.turn("a"):
-                await trio.sleep(0.05)
-
-        async def wait_then_give_up():
-            with trio.move_on_after(0.01):
-                async with turns.turn("b"):
-                    got.append("b")
-
-        async def patient():
-            async with turns.turn("c"):
-                got.append("c")
-
-        n.start_soon(hold)
-        await trio.sleep(0)
-        n.start_soon(wait_then_give_up)
-        n.start_soon(patient)
-    assert got == ["c"] and turns.waiting == 0
 
 
 # -- against real peers ----------------------------------------------------------------------------

@@ -1,3 +1,3 @@
-"""The compute peer: serving a block of layers to sessions, placement, turns, KV budget, claims.
+"""The compute peer: serving a block of layers to sessions, placement, the block scheduler, KV budget, claims.
 
 Never imported by ``inference/client`` (tests/unit/test_layering.py)."""

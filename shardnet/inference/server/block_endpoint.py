@@ -2,9 +2,10 @@
 
 Per session a block server: checks the model ID, layer range and KV budget; opens the next hop
 (or the return stream to the client, if it is last); answers ``ready`` upstream; then for each
-``step`` runs its layers (in a worker thread, one forward at a time per block) and passes the
-output on. Errors go back upstream as ``error`` messages, relayed hop by hop to the client; a
-failing session never affects the others. The router (``inference/router.py``) hands it the
+``step`` runs its layers (in a worker thread, in the forward pass the block's one scheduler,
+``scheduler.py``, puts it in, maybe with other sessions' steps) and passes the output on. Errors
+go back upstream as ``error`` messages, relayed hop by hop to the client; a failing session never
+affects the others. The router (``inference/router.py``) hands it the
 streams that start with ``open``.
 """
 
@@ -23,8 +24,7 @@ from shardnet.inference.model import wire
 from shardnet.inference.model.block import Block, Head, dtype_name
 from shardnet.inference.receipt_service import ReceiptService, StageRecorder
 from shardnet.inference.router import ActivationRouter
-from shardnet.inference.server.step_batcher import StepBatcher
-from shardnet.inference.server.turns import FairTurns
+from shardnet.inference.server.scheduler import DEFAULT_MAX_TOKENS, BlockScheduler
 from shardnet.protocols import activation as ap
 from shardnet.protocols.activation import ErrorCode
 from shardnet.protocols.activation_io import (
@@ -101,12 +101,16 @@ class ServedBlock:
     kv: KvBudget
     head: Head | None = None  # present when this peer may apply norm + LM head (last block)
     idle_timeout: float = 300.0
-    compute: FairTurns = field(default_factory=FairTurns)
     sessions_served: int = 0
-    #: continuous batching of the sessions' steps (None: one forward pass at a time, in fair turns)
-    batcher: StepBatcher | None = None
+    #: the token budget of a forward pass over several sessions' steps (0: one step per pass)
+    batch_tokens: int = DEFAULT_MAX_TOKENS
     #: where the operator says this peer is (`join --region`), stated in its stage receipts
     region: str | None = None
+    #: what every forward pass of the block holds, for every session's steps
+    scheduler: BlockScheduler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scheduler = BlockScheduler(self.block, max_tokens=self.batch_tokens)
 
 
 class BlockEndpoint:
@@ -159,7 +163,7 @@ class BlockEndpoint:
         session = BlockSession(op, sb.block.config.hidden_size)
         rec = StageRecorder(sb.model_id, s, (sb.block.start, sb.block.end), str(self.node.peer_id),
                             str(sb.block.device), dtype=dtype_name(sb.block.dtype),
-                            quant=sb.block.quantize or "none", batching=sb.batcher is not None,
+                            quant=sb.block.quantize or "none", batching=sb.scheduler.batching,
                             region=sb.region)
         rec.received.add(op.raw)
         up.received_hash = rec.received
@@ -254,14 +258,9 @@ class BlockEndpoint:
                 # Rollback: the client rejected speculated tokens; forget everything from pos on.
                 cache.crop(-action.drop)
             hidden = wire.from_message(step)
-            if sb.batcher is not None and cache.get_seq_length() == step.pos:
-                out = await sb.batcher.forward(up.remote_peer, hidden, cache,
-                                               on_shared=rec.step_was_batched if rec is not None else None)
-                out, kind = await _head(sb, session, step, rec, out)
-            else:  # one forward pass at a time, in turns shared fairly between upstream peers
-                async with sb.compute.turn(up.remote_peer):
-                    out = await trio.to_thread.run_sync(sb.block.forward, hidden, cache, step.pos)
-                    out, kind = await _head(sb, session, step, rec, out)
+            out = await sb.scheduler.forward(up.remote_peer, hidden, cache, step.pos,
+                                             on_shared=rec.step_was_batched if rec is not None else None)
+            out, kind = await _head(sb, session, step, rec, out)
             # hidden states go on in the session's wire dtype (default: as they came); logits in float32
             dtype, shape, payload = wire.to_payload(out, None if kind == "logits" else session.open.wire or step.dtype)
             try:

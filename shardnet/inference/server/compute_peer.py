@@ -53,7 +53,7 @@ from shardnet.inference.server.placement import (
     planned_throughput,
     upkeep_step,
 )
-from shardnet.inference.server.step_batcher import DEFAULT_MAX_TOKENS, StepBatcher
+from shardnet.inference.server.scheduler import DEFAULT_MAX_TOKENS
 from shardnet.inference.weights.fetcher import ProgressFn
 from shardnet.inference.weights.server import WeightServer
 from shardnet.inference.weights.swarm_model import fetch_tensors, span_tensor_names
@@ -114,7 +114,7 @@ class ComputePeer:
             raise ShardnetError(f"--region {region!r}: {problem}")
         self.region = region
         #: continuous batching: the most tokens of concurrent sessions' steps one forward pass
-        #: takes (0 or None: the old path, one step at a time in fair turns)
+        #: takes (0 or None: one session's step per pass, in fair turns between upstream peers)
         self.batch_tokens = batch_tokens
         #: called as the tensors of a span are fetched (a checkpoint the swarm fills)
         self.fetch_progress = fetch_progress
@@ -173,7 +173,7 @@ class ComputePeer:
             self.tput = await trio.to_thread.run_sync(measure_throughput, block)
         served = ServedBlock(block, self.model_id, KvBudget(self.kv_budget_bytes), head=head,
                              idle_timeout=self.idle_timeout,
-                             batcher=StepBatcher(block, max_tokens=self.batch_tokens) if self.batch_tokens else None,
+                             batch_tokens=self.batch_tokens or 0,
                              region=self.region)
         BlockEndpoint.of(self.node).serve(served)
         self.served = served

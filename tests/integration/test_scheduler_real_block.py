@@ -1,6 +1,7 @@
-"""``StepBatcher`` with a real block: ready steps run together, turns go round the peers within
-the token budget, a long prompt is cut into chunks that interleave with decode steps, and a
-cancelled session never stalls the others."""
+"""``BlockScheduler`` with a real block: ready steps run together and equal ``Block.forward``, a long
+prompt is cut into chunks that interleave with decode steps and still equals its forward, and a
+cancelled session never stalls the others. (The order of passes, with a recording fake block, is
+in tests/unit/inference/test_block_scheduler.py.)"""
 
 import time
 
@@ -10,14 +11,19 @@ import trio
 from shardnet.inference.model.block import Block
 from shardnet.inference.model.checkpoint import Checkpoint
 from shardnet.inference.model.random_model import init_random
-from shardnet.inference.server.step_batcher import StepBatcher
+from shardnet.inference.server.scheduler import BlockScheduler
 
 
 class RecordingBlock:
-    """The real block, recording which sessions (by cache) and how many tokens each batch held."""
+    """The real block, recording which sessions (by cache) and how many tokens each pass held."""
 
     def __init__(self, block, pause_s: float = 0.0):
         self.block, self.batches, self.pause_s = block, [], pause_s
+
+    def forward(self, hidden, cache, pos):
+        self.batches.append([(id(cache), hidden.shape[1])])
+        time.sleep(self.pause_s)
+        return self.block.forward(hidden, cache, pos)
 
     def forward_batch(self, steps):
         self.batches.append([(id(cache), h.shape[1]) for h, cache in steps])
@@ -41,12 +47,12 @@ def hidden(n, seed=0):
 async def test_steps_ready_together_run_as_one_batch_and_equal_forward(tmp_path):
     block = make_block(tmp_path)
     rec = RecordingBlock(block)
-    batcher = StepBatcher(rec, max_tokens=64)
+    scheduler = BlockScheduler(rec, max_tokens=64)
     caches = [block.new_cache() for _ in range(4)]
     results = {}
 
     async def step(i):
-        results[i] = await batcher.forward(f"peer{i % 2}", hidden(3 + i, i), caches[i])
+        results[i] = await scheduler.forward(f"peer{i % 2}", hidden(3 + i, i), caches[i], 0)
 
     async with trio.open_nursery() as nursery:
         for i in range(4):
@@ -59,44 +65,21 @@ async def test_steps_ready_together_run_as_one_batch_and_equal_forward(tmp_path)
         assert caches[i].get_seq_length() == 3 + i
 
 
-async def test_turns_go_round_the_peers_within_the_budget(tmp_path):
-    """A peer with many sessions cannot fill a batch at the expense of a peer with one."""
-    block = make_block(tmp_path)
-    rec = RecordingBlock(block)
-    batcher = StepBatcher(rec, max_tokens=20)
-    busy = [block.new_cache() for _ in range(6)]
-    lone = block.new_cache()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(batcher.forward, "first", hidden(1), block.new_cache())  # leads
-        await trio.sleep(0)
-        for c in busy:
-            nursery.start_soon(batcher.forward, "busy", hidden(8), c)
-        await trio.sleep(0)
-        nursery.start_soon(batcher.forward, "lone", hidden(2), lone)
-    # the steps arrived in one burst, which the leader waits out: one batch takes a turn of each
-    # peer, so the lone peer's step goes in the first, not after the busy peer's 48 tokens
-    first = rec.batches[0]
-    assert (id(lone), 2) in first, first
-    assert sum(1 for c, _ in first if c in {id(b) for b in busy}) < len(busy), first
-    assert all(sum(n for _, n in b) <= 20 for b in rec.batches)
-
-
 async def test_a_long_prompt_is_chunked_and_decode_steps_go_between(tmp_path):
     block = make_block(tmp_path)
     rec = RecordingBlock(block)
-    batcher = StepBatcher(rec, max_tokens=16)
+    scheduler = BlockScheduler(rec, max_tokens=16)
     long_cache, short_cache = block.new_cache(), block.new_cache()
     block.forward(hidden(4, 9), short_cache, 0)
     done = []
 
     async def long_prompt():
-        out = await batcher.forward("a", hidden(100, 1), long_cache)
+        out = await scheduler.forward("a", hidden(100, 1), long_cache, 0)
         done.append(("long", out))
 
     async def decode_steps():
         for k in range(3):
-            await batcher.forward("b", hidden(1, 10 + k), short_cache)
+            await scheduler.forward("b", hidden(1, 10 + k), short_cache, 4 + k)
             done.append(("short", k))
 
     async with trio.open_nursery() as nursery:
@@ -111,15 +94,15 @@ async def test_a_long_prompt_is_chunked_and_decode_steps_go_between(tmp_path):
 
 
 async def test_a_cancelled_leader_hands_over_and_the_others_finish(tmp_path):
-    """The session running batches (a long prompt) is cancelled between two of its chunks: a
-    waiting session takes over, finishes, and the batcher serves new steps afterwards."""
+    """The session running passes (a long prompt) is cancelled between two of its chunks: a
+    waiting session takes over, finishes, and the scheduler serves new steps afterwards."""
     block = make_block(tmp_path)
     rec = RecordingBlock(block, pause_s=0.2)
-    batcher = StepBatcher(rec, max_tokens=8)
+    scheduler = BlockScheduler(rec, max_tokens=8)
     results = {}
 
     async def step(name, n, cache):
-        results[name] = await batcher.forward(name, hidden(n), cache)
+        results[name] = await scheduler.forward(name, hidden(n), cache, 0)
 
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
@@ -134,4 +117,4 @@ async def test_a_cancelled_leader_hands_over_and_the_others_finish(tmp_path):
         assert "leader" not in results and results["waiting"].shape[1] == 1
         await step("later", 3, block.new_cache())
     assert results["later"].shape[1] == 3
-    assert not batcher._running and not batcher._waiting
+    assert not scheduler._running and not scheduler.waiting
