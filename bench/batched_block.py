@@ -1,44 +1,130 @@
 """One block's cost per decode step, batched vs one session at a time, side by side in one run.
 
-    python -m bench.batched_block [--sessions 1,4,16,64] [--context 32] [--rounds 10] [--threads 2] [--quick]
+    python -m bench.batched_block [--sessions 1,4,16] [--context 32,2048,8192] [--hidden 2048]
+                                  [--rounds 5] [--threads 2] [--concat-path] [--quick]
 
-N sessions, each with ``--context`` tokens cached, take one decode step each: once as N forward
-passes (the old one-at-a-time path), once as one ``Block.forward_batch``. Prints ms per round of
-steps, the speedup, and the fit c(b) = c0 + b * c_tok that docs/performance.md uses for batched
-serving. The block: all 8 layers of the shipped tiny-llama, in float32.
+N sessions, each with ``--context`` positions cached, take one decode step each: once as N forward
+passes (one at a time), once as one ``Block.forward_batch``. Prints ms per round of steps, the
+speedup, and per context the fit c(b) = c0 + b * c_tok that docs/performance.md uses for batched
+serving. The block: all 8 layers of the shipped tiny-llama in float32, or with ``--hidden N`` the
+first 4 of the 8 layers of the random llama of that width that bench.concurrent_decode uses (one
+peer's block of its 2-peer chain; float32 here). Caches are filled with random keys and values
+(what they hold does not change a step's cost) in the session caches a peer allocates
+(``Block.new_cache(max_len)``). ``--concat-path``: also time the path before the KV pool (each
+session a growing ``DynamicCache``, a batched step gathering every session's past into one padded
+cache), for the comparison in docs/benchmarks.md only.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from bench._common import bench_parser  # noqa: E402
-from shardnet.inference.model.block import Block  # noqa: E402
-from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
-from shardnet.models import default_model_path  # noqa: E402
+from bench._common import bench_parser, print_table
+from shardnet.inference.model.block import Block
+from shardnet.inference.model.checkpoint import Checkpoint
+from shardnet.inference.model.kv_cache import SlabLayer
+from shardnet.models import default_model_path
+
+#: decode steps each session may still take after its context (the caches' max_len)
+HEADROOM = 64
+
+
+def random_llama(root: Path, hidden: int) -> Path:
+    from shardnet.inference.model.random_model import init_random
+
+    return init_random(root / f"llama-{hidden}", "llama", layers=8, hidden=hidden, heads=hidden // 64,
+                       kv_heads=max(1, hidden // 256), intermediate=hidden * 8 // 3 // 64 * 64, vocab=512,
+                       dtype="float32", seed=1)
+
+
+def filled_pool_cache(block: Block, context: int):
+    cache = block.new_cache(context + HEADROOM)
+    for layer in cache.layers:
+        if isinstance(layer, SlabLayer):
+            (hk, dk), (hv, dv) = layer.shape.key, layer.shape.value
+            layer.write(torch.randn(1, hk, context, dk, dtype=block.dtype),
+                        torch.randn(1, hv, context, dv, dtype=block.dtype))
+    return cache
+
+
+def filled_dynamic_cache(block: Block, context: int):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for idx, shape in enumerate(block.kv_layout()):
+        (hk, dk), (hv, dv) = shape.key, shape.value
+        cache.update(torch.randn(1, hk, context, dk, dtype=block.dtype),
+                     torch.randn(1, hv, context, dv, dtype=block.dtype), idx)
+    return cache
+
+
+@torch.inference_mode()
+def concat_forward_batch(block: Block, steps):
+    """The batched step before the KV pool (issue 35's "today's path"), kept here only to measure
+    against: every session's past left-padded and concatenated into one cache, then the new
+    positions copied back into each session's growing cache."""
+    from transformers import DynamicCache
+
+    lengths = [cache.get_seq_length() for _, cache in steps]
+    b, past = len(steps), max(lengths)
+    hidden = torch.cat([h for h, _ in steps]).to(block.dtype)
+    batch_cache = DynamicCache()
+    for idx in range(block.num_layers):
+        ks, vs = [], []
+        for (_, cache), length in zip(steps, lengths):
+            k, v = cache.layers[idx].keys, cache.layers[idx].values
+            if length < past:
+                k = torch.cat([k.new_zeros(*k.shape[:-2], past - length, k.shape[-1]), k], dim=-2)
+                v = torch.cat([v.new_zeros(*v.shape[:-2], past - length, v.shape[-1]), v], dim=-2)
+            ks.append(k)
+            vs.append(v)
+        batch_cache.update(torch.cat(ks), torch.cat(vs), idx)
+    lengths_t = torch.tensor(lengths)
+    position_ids = lengths_t[:, None]
+    j = torch.arange(past + 1)[None, :]
+    allowed = (j >= past - lengths_t[:, None])[:, None, None, :]
+    pos_emb = block.family.position_embeddings(block.rotary, hidden, position_ids, block.layer_types)
+    for layer, kind in zip(block.layers, block.layer_types):
+        hidden = layer(hidden, attention_mask=allowed, position_ids=position_ids, cache=batch_cache,
+                       use_cache=True, position_embeddings=pos_emb[kind])
+    for row, (_, cache) in enumerate(steps):
+        for idx in range(block.num_layers):
+            layer = batch_cache.layers[idx]
+            cache.update(layer.keys[row:row + 1, :, past:past + 1], layer.values[row:row + 1, :, past:past + 1], idx)
+    return [hidden[row:row + 1] for row in range(b)]
 
 
 def main() -> None:
-    ap = bench_parser(__doc__, quick="a short run for the tests: 1 and 4 sessions, 2 rounds, 1 thread")
-    ap.add_argument("--sessions", default="1,4,16,64")
-    ap.add_argument("--context", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=10)
+    ap = bench_parser(__doc__, quick="a short run for the tests: 1 and 4 sessions at 8 and 40 positions, "
+                                     "2 rounds, 1 thread, the old path too")
+    ap.add_argument("--sessions", default="1,4,16")
+    ap.add_argument("--context", default="32,2048,8192", help="positions cached per session (comma-separated)")
+    ap.add_argument("--hidden", type=int, default=None, metavar="N",
+                    help="the 8-layer random llama of this width (its first 4 layers), not tiny-llama")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--concat-path", action="store_true", help="also time the path before the KV pool")
     args = ap.parse_args()
     if args.quick:
-        args.sessions, args.context, args.rounds, args.threads = "1,4", 8, 2, 1
+        args.sessions, args.context, args.rounds, args.threads, args.concat_path = "1,4", "8,40", 2, 1, True
     torch.set_num_threads(args.threads)
-    ckpt = Checkpoint(default_model_path())
-    block = Block(ckpt, 0, ckpt.num_layers, dtype=torch.float32)
-    width = block.config.hidden_size
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.hidden:
+            ckpt = Checkpoint(random_llama(Path(tmp), args.hidden))
+            block, name = Block(ckpt, 0, 4), f"layers 0:4 of the 8-layer random llama of width {args.hidden}"
+        else:
+            ckpt = Checkpoint(default_model_path())
+            block, name = Block(ckpt, 0, ckpt.num_layers), f"all {ckpt.num_layers} layers of tiny-llama"
+        run(block, name, args)
 
-    def primed(n):
-        caches = [block.new_cache() for _ in range(n)]
-        for c in caches:
-            block.forward(torch.randn(1, args.context, width), c, 0)
-        return caches
+
+def run(block: Block, name: str, args) -> None:
+    width = block.config.hidden_size
+    step = torch.randn(1, 1, width)
 
     def best(fn, caches) -> float:
         times = []
@@ -50,23 +136,41 @@ def main() -> None:
 
     def one_at_a_time(caches):
         for c in caches:
-            block.forward(torch.randn(1, 1, width), c, c.get_seq_length())
+            block.forward(step, c, c.get_seq_length())
 
     def batched(caches):
-        block.forward_batch([(torch.randn(1, 1, width), c) for c in caches])
+        block.forward_batch([(step, c) for c in caches])
 
-    print(f"one decode step of each of N sessions ({args.context} tokens cached), all {ckpt.num_layers} layers of "
-          f"tiny-llama, float32, {args.threads} threads; best of {args.rounds} rounds")
-    print(f"{'N':>4} {'one at a time ms':>17} {'batched ms':>11} {'speedup':>8} {'batched tok/s':>14}")
-    rows = []
-    for n in [int(x) for x in args.sessions.split(",")]:
-        alone, together = best(one_at_a_time, primed(n)), best(batched, primed(n))
-        rows.append((n, together))
-        print(f"{n:>4} {alone:>17.2f} {together:>11.2f} {alone / together:>7.2f}x {n / together * 1000:>14.0f}")
-    if len(rows) >= 2:
-        (n0, c0), (n1, c1) = rows[0], rows[-1]
-        tok = (c1 - c0) / (n1 - n0)
-        print(f"fit: c(b) = {c0 - n0 * tok:.2f} ms + b * {tok:.3f} ms")
+    def concat(caches):
+        concat_forward_batch(block, [(step, c) for c in caches])
+
+    print(f"one decode step of each of N sessions, {name}, float32, {args.threads} threads; "
+          f"best of {args.rounds} rounds (ms per round of N steps)")
+    header = ["context", "N", "one at a time", "batched", "speedup", "batched tok/s"]
+    if args.concat_path:
+        header += ["old: one at a time", "old: batched", "old speedup", "pool batched vs old batched"]
+    rows, fits = [], []
+    for context in [int(x) for x in args.context.split(",")]:
+        points = []
+        for n in [int(x) for x in args.sessions.split(",")]:
+            alone = best(one_at_a_time, [filled_pool_cache(block, context) for _ in range(n)])
+            together = best(batched, [filled_pool_cache(block, context) for _ in range(n)])
+            points.append((n, together))
+            row = [context, n, f"{alone:.2f}", f"{together:.2f}", f"{alone / together:.2f}x",
+                   f"{n / together * 1000:.0f}"]
+            if args.concat_path:
+                old_alone = best(one_at_a_time, [filled_dynamic_cache(block, context) for _ in range(n)])
+                old_together = best(concat, [filled_dynamic_cache(block, context) for _ in range(n)])
+                row += [f"{old_alone:.2f}", f"{old_together:.2f}", f"{old_alone / old_together:.2f}x",
+                        f"{old_together / together:.2f}x"]
+            rows.append(row)
+        if len(points) >= 2:
+            (n0, c0), (n1, c1) = points[0], points[-1]
+            tok = (c1 - c0) / (n1 - n0)
+            fits.append(f"context {context}: c(b) = {c0 - n0 * tok:.2f} ms + b * {tok:.3f} ms")
+    print_table(None, header, rows)
+    for fit in fits:
+        print("fit:", fit)
 
 
 if __name__ == "__main__":

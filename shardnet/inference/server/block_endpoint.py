@@ -232,7 +232,9 @@ class BlockEndpoint:
 
     async def _step_loop(self, sb: ServedBlock, session: BlockSession, up: MessageStream, down: MessageStream,
                          rec: StageRecorder | None = None) -> None:
-        cache = sb.block.new_cache()
+        # allocated now at the session's length, exactly what sb.kv reserved for it; freed when the
+        # session ends (the last reference goes: a pass still running its step holds one until done)
+        cache = sb.block.new_cache(session.open.max_len)
         while True:
             try:
                 msg = await up.recv(sb.idle_timeout)
