@@ -144,8 +144,10 @@ async def metrics_if_asked(node, ctx_meta: dict):
         yield
         return
     from shardnet.gateway.metrics_endpoint import metrics_served
+    from shardnet.inference.services import inference_services
 
-    async with metrics_served(node, ctx_meta.get("shardnet.metrics_host") or "127.0.0.1", port) as url:
+    host = ctx_meta.get("shardnet.metrics_host") or "127.0.0.1"
+    async with metrics_served(inference_services(node).metrics, host, port) as url:
         click.echo(f"metrics at {url}", err=True)  # (stderr: stdout may carry --events' JSON)
         yield
 

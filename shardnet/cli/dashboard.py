@@ -25,6 +25,7 @@ def dashboard(identity, listen, announce, bootstrap, quic, mdns, relays, host, p
     from shardnet.errors import ShardnetError
     from shardnet.gateway.dashboard import SwarmModels, dashboard_app
     from shardnet.gateway.http import serve_asgi
+    from shardnet.inference.services import inference_services
     from shardnet.transport import open_node
 
     if not bootstrap and not mdns:
@@ -36,7 +37,7 @@ def dashboard(identity, listen, announce, bootstrap, quic, mdns, relays, host, p
         async with open_node(cfg) as n:
             log.info("joining the swarm…")
             await n.wait_bootstrapped()
-            app = dashboard_app(n, SwarmModels(n, tuple(models)))
+            app = dashboard_app(n, SwarmModels(n, tuple(models)), inference_services(n).activity)
             async with trio.open_nursery() as nursery:
                 urls = await nursery.start(functools.partial(serve_asgi, app, host=host, port=port))
                 say(f"swarm dashboard on {urls[0]}/dashboard")

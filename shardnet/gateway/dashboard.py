@@ -40,8 +40,9 @@ class ShownModel:
     num_layers: int
 
 
-async def dashboard_state(node: Node, models: list[ShownModel]) -> dict:
-    """What the page shows, as data: each model's swarm report, and this node's client activity."""
+async def dashboard_state(node: Node, models: list[ShownModel], activity: ClientActivity) -> dict:
+    """What the page shows, as data: each model's swarm report, and this node's client activity
+    (the node's ``ClientActivity``, from its ``InferenceServices``)."""
     reports: list[dict] = [{}] * len(models)
 
     async def one(i: int, m: ShownModel) -> None:
@@ -56,7 +57,7 @@ async def dashboard_state(node: Node, models: list[ShownModel]) -> dict:
         for i, m in enumerate(models):
             nursery.start_soon(one, i, m)
     return {"node": str(node.peer_id), "time": time.time(), "models": reports,
-            "activity": ClientActivity.of(node).to_json()}
+            "activity": activity.to_json()}
 
 
 def _short(peer: str) -> str:
@@ -176,14 +177,15 @@ PATHS = ("/dashboard", "/dashboard/view", "/dashboard/state")
 
 
 class DashboardPages:
-    """Answers the dashboard's paths for a node; ``models()`` says which models to show."""
+    """Answers the dashboard's paths for a node; ``models()`` says which models to show,
+    ``activity`` is what the node's clients did."""
 
-    def __init__(self, node: Node, models) -> None:
-        self.node, self.models = node, models
+    def __init__(self, node: Node, models, activity: ClientActivity) -> None:
+        self.node, self.models, self.activity = node, models, activity
 
     async def page(self, path: str) -> tuple[bytes, str]:
         """The body and content type of ``path`` (one of PATHS)."""
-        state = await dashboard_state(self.node, await self.models())
+        state = await dashboard_state(self.node, await self.models(), self.activity)
         if path == "/dashboard/state":
             return json.dumps(state).encode(), "application/json"
         text = render_view(state) if path == "/dashboard/view" else render_page(state)
@@ -214,10 +216,10 @@ class SwarmModels:
         return self._cached[1]
 
 
-def dashboard_app(node: Node, models):
+def dashboard_app(node: Node, models, activity: ClientActivity):
     """The dashboard alone as an ASGI app (``shardnet dashboard``): its paths, ``/`` redirecting
     to it, 404 elsewhere."""
-    pages = DashboardPages(node, models)
+    pages = DashboardPages(node, models, activity)
 
     @http_app
     async def app(scope, receive, send) -> None:

@@ -43,7 +43,6 @@ import trio
 from shardnet.errors import NoRouteError, ShardnetError
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.routing import format_layers, uncovered_layers
-from shardnet.inference.metrics import exposition
 from shardnet.inference.swarm_status import swarm_report
 from shardnet.protocols.activation import ErrorCode
 
@@ -85,7 +84,7 @@ class Gateway:
         self.requests = 0  # completion requests (not probes)
         self._swarm_models: tuple[float, list[dict]] | None = None
         shown = [dashboard.ShownModel(self.model.model_id, name, self.model.ckpt.num_layers)]
-        self.dashboard = dashboard.DashboardPages(client.node, lambda: _value(shown))
+        self.dashboard = dashboard.DashboardPages(client.node, lambda: _value(shown), client.services.activity)
 
     # -- ASGI ----------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
@@ -103,7 +102,7 @@ class Gateway:
             if (method, path) in routes:
                 await _json(send, *await routes[(method, path)]())
             elif (method, path) == ("GET", "/metrics"):
-                body, content_type = exposition(self.client.node)
+                body, content_type = self.client.services.metrics.exposition()
                 await respond(send, 200, body, content_type)
             elif method == "GET" and path in (*dashboard.PATHS, "/"):
                 await respond(send, 200, *await self.dashboard.page("/dashboard" if path == "/" else path))

@@ -3,9 +3,11 @@ anyway (connections, the DHT store, the served block and its batcher, weight tra
 clients' activity, refusals), so serving metrics costs nothing between scrapes and no code
 path carries a metrics object around.
 
-``NodeMetrics.of(node).registry`` is the node's own registry (not prometheus_client's global
-one: tests and embedding apps run several nodes in one process). ``exposition(node)`` is what
-the gateway's ``/metrics`` and ``--metrics-port`` serve.
+``NodeMetrics`` (one per node, in its ``InferenceServices``) keeps the node's own registry (not
+prometheus_client's global one: tests and embedding apps run several nodes in one process); it
+reads the clients' activity it was given and the block endpoint the node's ``ComputePeer`` hands
+it (``watch_block``). Its ``exposition()`` is what the gateway's ``/metrics`` and
+``--metrics-port`` serve.
 
 Names follow Prometheus' conventions: ``shardnet_`` prefix, ``_total`` counters, base units
 (seconds, bytes). Refusals and fetched weight bytes are counted per process (one node per
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -25,18 +28,24 @@ from prometheus_client.registry import Collector
 from shardnet._version import __version__
 from shardnet.inference.client.activity import ClientActivity
 from shardnet.inference.receipt_service import ReceiptService
-from shardnet.inference.server.block_endpoint import BlockEndpoint
 from shardnet.inference.weights.fetcher import FETCHED
 from shardnet.inference.weights.server import WeightServer
 from shardnet.transport.limits import REFUSED
 from shardnet.transport.node import Node
 
+if TYPE_CHECKING:
+    from shardnet.inference.server.block_endpoint import BlockEndpoint
+
 
 class NodeCollector(Collector):
-    """Every metric of one node, collected when scraped."""
+    """Every metric of one node, collected when scraped: the overlay's, the node's clients'
+    (``activity``) and, while it has one, its block endpoint's."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, activity: ClientActivity) -> None:
         self.node = node
+        self.activity = activity
+        #: the block this node serves (set by its ComputePeer; None: it serves none)
+        self.block_endpoint: BlockEndpoint | None = None
         self.started = time.time()
 
     def collect(self) -> Iterator[Metric]:
@@ -79,7 +88,7 @@ class NodeCollector(Collector):
                                     value=len(receipts.reports))
 
     def _block(self) -> Iterator[Metric]:
-        endpoint = self.node.service(BlockEndpoint)
+        endpoint = self.block_endpoint
         if endpoint is None:
             return
         act = endpoint.activity
@@ -124,9 +133,7 @@ class NodeCollector(Collector):
             yield CounterMetricFamily("shardnet_weights_chunks_sent", "weight chunks served", server.chunks_sent)
 
     def _client(self) -> Iterator[Metric]:
-        act = self.node.service(ClientActivity)
-        if act is None:
-            return
+        act = self.activity
         yield GaugeMetricFamily("shardnet_client_sessions_active", "generations running now", act.sessions_active)
         yield CounterMetricFamily("shardnet_client_sessions", "generations started", act.sessions_total)
         yield CounterMetricFamily("shardnet_client_sessions_failed", "generations that ended in an error",
@@ -150,17 +157,17 @@ class NodeCollector(Collector):
 
 
 class NodeMetrics:
-    """The node's metrics registry (a node-wide service with no work of its own)."""
+    """The node's metrics registry (one per node, in its ``InferenceServices``)."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, activity: ClientActivity) -> None:
+        self.collector = NodeCollector(node, activity)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(NodeCollector(node))
+        self.registry.register(self.collector)
 
-    @classmethod
-    def of(cls, node: Node) -> NodeMetrics:
-        return node.ensure_service(cls)
+    def watch_block(self, endpoint: BlockEndpoint) -> None:
+        """Report ``endpoint``'s block from now on (the node's ComputePeer calls it)."""
+        self.collector.block_endpoint = endpoint
 
-
-def exposition(node: Node) -> tuple[bytes, str]:
-    """The node's metrics in Prometheus' text format, and its content type."""
-    return generate_latest(NodeMetrics.of(node).registry), CONTENT_TYPE_LATEST
+    def exposition(self) -> tuple[bytes, str]:
+        """The node's metrics in Prometheus' text format, and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -52,8 +52,7 @@ class Probe:
 
 
 class Probes:
-    """The node's probes (``Probes.of(node)``; a node-wide service in its behaviour registry,
-    with no work of its own)."""
+    """The node's probes (one per node, in its ``InferenceServices``: no work of its own)."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -63,10 +62,6 @@ class Probes:
         self.rtts: dict[str, float] = {}
         self._inflight: dict[str, trio.Event] = {}
         self.sent = 0  # probes run (not the ones shared)
-
-    @classmethod
-    def of(cls, node: Node) -> Probes:
-        return node.ensure_service(cls)
 
     def forget(self, peer: str) -> None:
         """Drop ``peer``'s verdict (it published a newer claim: it may be back)."""

@@ -10,8 +10,9 @@ needs runs in its own ``run``, never in a borrowed nursery. A behaviour may offe
 a small frozen dataclass of what it knows, which ``Node.status`` (and ``nat_status``) read instead
 of its internals.
 
-Node-wide state with no work of its own is not a behaviour but a service
-(``Node.ensure_service``): the registry of behaviours holds only things that run.
+Node-wide state with no work of its own is not a behaviour: the registry of behaviours holds
+only things that run (the inference layer keeps its node-wide state in ``Node.inference``,
+assembled by ``shardnet/inference/services.py``).
 
 ``Behaviour`` is an optional base: its ``run`` gives the behaviour a nursery of its own
 (``spawn``) and serves forever; a subclass overrides ``attach`` (register handlers) and

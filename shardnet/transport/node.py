@@ -120,8 +120,10 @@ class Node:
         self._links_changed = trio.Event()
         #: the behaviours attached to the node, in the order they were added (see behaviour.py)
         self._behaviours: list[object] = []
-        #: node-wide services with no work of their own (one per type; see ``ensure_service``)
-        self._services: dict[type, object] = {}
+        #: the inference layer's node-wide services (``shardnet.inference.services.InferenceServices``,
+        #: made once by ``inference_services(node)`` and shared by the compute peer and the clients
+        #: on this node); transport never reads it, and keeps no other registry of services
+        self.inference: object | None = None
         self._behaviour_scopes: dict[int, trio.CancelScope] = {}
         self._closing = False
         #: the node's own nursery (set while the node runs): background work it owns
@@ -169,29 +171,11 @@ class Node:
             return found
         b = factory() if factory is not None else cls(self)
         if not hasattr(b, "run"):
-            raise TypeError(f"{cls.__name__} has no run: it is a service (ensure_service), not a behaviour")
+            raise TypeError(f"{cls.__name__} has no run: it is not a behaviour")
         nursery = self._running_nursery(b)
         self._behaviours.append(b)
         nursery.start_soon(self._run_behaviour, b)
         return b
-
-    # -- services: node-wide state with no work of its own -----------------------------------
-    def service(self, cls: type[B]) -> B | None:
-        """The node's service of type ``cls`` (see ``ensure_service``), or None."""
-        found = self._services.get(cls)
-        if found is None:
-            found = next((s for s in self._services.values() if isinstance(s, cls)), None)
-        return found
-
-    def ensure_service(self, cls: type[B], factory: Callable[[], B] | None = None) -> B:
-        """The node's one ``cls``, made with ``factory`` (default ``cls(node)``) on first use: state
-        shared by everything on this node that has no background work (probe results, session
-        slots, counters). Unlike a behaviour it is not run, and it outlives nothing: it is kept
-        as long as the node object is."""
-        found = self.service(cls)
-        if found is None:
-            found = self._services[cls] = factory() if factory is not None else cls(self)
-        return found
 
     def remove_behaviour(self, b: object) -> None:
         """Stop ``b`` (its ``run`` is cancelled) and forget it."""

@@ -12,7 +12,6 @@ from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.random_model import init_random
 from shardnet.inference.router import ActivationRouter
-from shardnet.inference.server.block_endpoint import BlockEndpoint
 from shardnet.inference.server.compute_peer import serve_block
 from shardnet.protocols import activation as ap
 from shardnet.protocols.activation_io import MessageStream
@@ -105,7 +104,7 @@ async def test_bad_input_gets_an_error_reply_and_the_peer_keeps_serving(loopback
 
     model_id = Checkpoint(model_dir).model_id
     async with open_node(loopback_config()) as peer, open_node(loopback_config()) as cli:
-        async with serve_block(peer, str(model_dir), 0, 2):
+        async with serve_block(peer, str(model_dir), 0, 2) as served:
             await cli.connect(peer.listen_addrs[0])
             ActivationRouter.of(cli)  # the client side accepts return streams (and refuses strangers')
             me = ap.PeerRef(str(cli.peer_id), [str(a) for a in cli.listen_addrs])
@@ -171,4 +170,4 @@ async def test_bad_input_gets_an_error_reply_and_the_peer_keeps_serving(loopback
             client = Client(cli, LocalModel(model_dir))
             toks = [t async for t in client.generate([1, 2, 3], max_new_tokens=5, stop_at_eos=False)]
             assert len(toks) == 5
-            assert peer.service(BlockEndpoint).served.kv.used == 0  # every failed session released its KV
+            assert served.kv.used == 0  # every failed session released its KV

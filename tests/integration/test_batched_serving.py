@@ -10,7 +10,6 @@ import trio
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.speculative import NGramDrafter
 from shardnet.inference.model.local_model import LocalModel
-from shardnet.inference.server.block_endpoint import BlockEndpoint
 from shardnet.inference.server.compute_peer import serve_block
 from shardnet.models import default_model_path
 from shardnet.testing.factories import random_prompts
@@ -23,15 +22,14 @@ NEW = 10
 async def _chain(stack, loopback_config, ranges, batch_tokens):
     boot = await stack.enter_async_context(open_node(loopback_config()))
     cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
-    peers = []
+    served = []
     for a, b in ranges:
         node = await stack.enter_async_context(open_node(cfg))
-        await stack.enter_async_context(serve_block(node, str(default_model_path()), a, b, dtype="float32",
-                                                    batch_tokens=batch_tokens))
-        peers.append(node)
+        served.append(await stack.enter_async_context(serve_block(node, str(default_model_path()), a, b,
+                                                                  dtype="float32", batch_tokens=batch_tokens)))
     client_node = await stack.enter_async_context(open_node(cfg))
     await client_node.wait_bootstrapped()
-    return client_node, peers
+    return client_node, served
 
 
 @pytest.mark.parametrize("ranges", [[(0, 4), (4, 8)], [(0, 3), (3, 5), (5, 8)]])
@@ -43,7 +41,7 @@ async def test_concurrent_sessions_batched_equal_each_alone(loopback_config, ran
     model = LocalModel(default_model_path(), dtype="float32")
     ps = random_prompts(16, seed=7, vocab=500, lengths=(2, 40))
     async with AsyncExitStack() as stack:
-        client_node, peers = await _chain(stack, loopback_config, ranges, batch_tokens=64)
+        client_node, served = await _chain(stack, loopback_config, ranges, batch_tokens=64)
         client = Client(client_node, model, audit_rate=0.0)
         got: dict[int, list[int]] = {}
 
@@ -58,6 +56,6 @@ async def test_concurrent_sessions_batched_equal_each_alone(loopback_config, ran
         # each equals the model run alone on its prompt, in one process
         for i, p in enumerate(ps):
             assert got[i] == transformers_reference(default_model_path(), p, NEW)[0], i
-        stats = [BlockEndpoint.of(n).served.scheduler.stats for n in peers]
+        stats = [s.scheduler.stats for s in served]
         assert all(s.largest > 1 for s in stats), stats  # steps of several sessions ran together
         assert all(s.tokens <= s.passes * 64 for s in stats)  # within the token budget

@@ -189,16 +189,14 @@ async def test_the_core_behaviours_run_on_every_node_and_report_their_status(loo
 
 
 class Tally:
-    """Node-wide state with no work of its own: a service, not a behaviour."""
+    """Node-wide state with no work of its own: not a behaviour."""
 
     def __init__(self, node) -> None:
         self.node = node
 
 
-async def test_services_are_kept_apart_from_behaviours(loopback_config):
+async def test_the_behaviour_registry_holds_only_what_runs(loopback_config):
     async with open_node(loopback_config(), behaviours=[]) as node:
-        tally = node.ensure_service(Tally)
-        assert node.ensure_service(Tally) is tally and node.service(Tally) is tally
-        assert node.behaviour(Tally) is None and node.behaviours == []
         with pytest.raises(TypeError, match="no run"):
             node.ensure_behaviour(Tally)
+        assert node.behaviour(Tally) is None and node.behaviours == []

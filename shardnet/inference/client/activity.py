@@ -1,7 +1,7 @@
 """What a node's clients have done, for monitors: sessions open and run, tokens made (and the
 rate over the last minute), heals and convictions, and the round trip of each chain step.
 
-One per node (``ClientActivity.of(node)``), shared by every ``Client`` of it, so a gateway's
+One per node (in its ``InferenceServices``, inference/services.py), shared by every ``Client`` of it, so a gateway's
 many concurrent requests add up in one place. The gateway's dashboard and the Prometheus
 metrics read it; nothing here changes what a client does.
 """
@@ -15,7 +15,6 @@ from prometheus_client import Histogram
 
 from shardnet.inference.client.audit import AuditStats
 from shardnet.inference.latency_buckets import STEP_BUCKETS
-from shardnet.transport.node import Node
 
 #: the window tokens/s is measured over (seconds)
 RATE_WINDOW = 60.0
@@ -29,8 +28,7 @@ RECENT_EVENTS = 50
 class ClientActivity:
     """Counters of the node's generations (a node-wide service with no work of its own)."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self) -> None:
         self.sessions_active = 0
         self.sessions_total = 0
         self.sessions_failed = 0
@@ -47,10 +45,6 @@ class ClientActivity:
         self.step_seconds = Histogram("shardnet_client_step_seconds", "a chain step's round trip: sent "
                                       "to its result back", registry=None, buckets=STEP_BUCKETS)
         self._stamps: deque[float] = deque()  # monotonic time of each token in the window
-
-    @classmethod
-    def of(cls, node: Node) -> ClientActivity:
-        return node.ensure_service(cls)
 
     def session_started(self, prompt_tokens: int) -> None:
         self.sessions_active += 1

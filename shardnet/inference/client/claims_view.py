@@ -25,7 +25,7 @@ LOOKUP_TIMEOUT = 15.0
 
 class ClaimsView:
     """The claims for one model as this process knows them, kept fresh in the background
-    (``ClaimsView.of(node, model_id)``; one per node and model, shared by every client).
+    (``ClaimsView.of(node, model_id, probes)``; one per node and model, shared by every client).
 
     A request reads the view instead of looking the claims up itself: lookups cost DHT requests
     that compute peers rate-limit per peer (``dht_requests_per_peer``), so a request per lookup
@@ -36,10 +36,11 @@ class ClaimsView:
     one (later expiry) and dropped when it expires, so a refused or failed lookup keeps the last
     known view. Whether a claim's peer is alive is the prober's business (probes.py); a newer
     claim from a peer clears its probe verdict (a peer that restarted and claimed again is
-    probed afresh, not taken for dead)."""
+    probed afresh, not taken for dead): ``probes`` are the node's."""
 
-    def __init__(self, node: Node, model_id: str, owner: ClaimsViews | None = None) -> None:
+    def __init__(self, node: Node, model_id: str, probes: Probes, owner: ClaimsViews | None = None) -> None:
         self.node, self.model_id = node, model_id
+        self.probes = probes
         self._owner = owner  # whose nursery the background work runs in
         self._table = bc.ClaimTable(model_id)  # which claims are kept: the protocol's rules
         self.lookups = 0  # finished
@@ -52,8 +53,9 @@ class ClaimsView:
         self._running = False
 
     @classmethod
-    def of(cls, node: Node, model_id: str) -> ClaimsView:
-        return node.ensure_behaviour(ClaimsViews, lambda: ClaimsViews(node)).view(model_id)
+    def of(cls, node: Node, model_id: str, probes: Probes) -> ClaimsView:
+        """The node's view of ``model_id`` (its ``ClaimsViews`` behaviour, made on first use)."""
+        return node.ensure_behaviour(ClaimsViews, lambda: ClaimsViews(node, probes)).view(model_id)
 
     def start(self) -> None:
         """Start the background work, in the node's ``ClaimsViews`` behaviour (no-op if running
@@ -79,7 +81,7 @@ class ClaimsView:
         if not self._table.note(claim, time.time()):
             return False
         if known:
-            Probes.of(self.node).forget(claim.peer)
+            self.probes.forget(claim.peer)
         self._changed.set()
         self._changed = trio.Event()
         return True
@@ -149,14 +151,16 @@ class ClaimsView:
 
 class ClaimsViews(Behaviour):
     """A node behaviour: the node's claims views, one per model; their background lookups and
-    gossip subscriptions run in its nursery."""
+    gossip subscriptions run in its nursery. ``probes``: the node's, which every view tells of
+    newer claims."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, probes: Probes) -> None:
         self.node = node
+        self.probes = probes
         self.views: dict[str, ClaimsView] = {}
 
     def view(self, model_id: str) -> ClaimsView:
         v = self.views.get(model_id)
         if v is None:
-            v = self.views[model_id] = ClaimsView(self.node, model_id, self)
+            v = self.views[model_id] = ClaimsView(self.node, model_id, self.probes, self)
         return v

@@ -11,8 +11,10 @@ applies the final norm and LM head and returns logits (for clients too thin to h
 ``Client`` ties the pieces to one request: which chain (its ``planner``, route_planner.py), a
 session through it that heals (healing.py), the decode loop (decode.py), honest-compute checks
 (audit.py) and the run receipt of the last request (run_receipt.py). Those get the client's
-``request`` (``RequestContext``, request.py: the node, the model, the planner and the chain's
-settings), never the client itself. Routing is asked of ``client.planner`` directly.
+``request`` (``RequestContext``, request.py: the node, the model, the planner, the node's session
+slots and the chain's settings), never the client itself. Routing is asked of ``client.planner``
+directly. What every client of a node shares (probes, session slots, own load, activity, metrics)
+is the node's ``InferenceServices`` (inference/services.py), taken once here and handed on.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ from shardnet.inference.client.speculative import Drafter
 from shardnet.inference.client.timing import QUEUE_TIMEOUT
 from shardnet.inference.model.block import dtype_name
 from shardnet.inference.model.local_model import LocalModel
-from shardnet.inference.probes import Probes
 from shardnet.inference.receipt_service import ReceiptService
 from shardnet.inference.router import ActivationRouter
+from shardnet.inference.services import inference_services
 from shardnet.protocols import activation as ap
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.node import Node
@@ -60,6 +62,9 @@ class Client:
         if wire is not None and wire not in ap.WIRE_DTYPES:
             raise ShardnetError(f"unknown wire dtype {wire!r} (choose from {', '.join(ap.WIRE_DTYPES)})")
         self.max_heals = max_heals
+        #: what this node's clients (and its compute peer) share: probes, session slots, own load,
+        #: activity counters and metrics (made with the first client, which monitors see from then on)
+        self.services = services = inference_services(node)
         #: share of results re-run on other peers of a span (honest-compute checks; see ``audit``)
         self.audit_rate = audit_rate
         #: what this client saw of each peer's honesty; convicted peers are never routed through
@@ -72,21 +77,21 @@ class Client:
         self.last_stats: GenerationStats | None = None
         #: the swarm's claims for this model, shared by every request and client of this node
         #: (kept fresh in the background from now on, unless this client has a fixed route)
-        view = ClaimsView.of(node, model.model_id)
+        view = ClaimsView.of(node, model.model_id, services.probes)
         if route is None:
             view.start()
-        #: which peers to route through (owns the claims view and the round-trip probes, shared
-        #: likewise: one probe per peer at a time, results reused); ask it for routes directly
-        self.planner = RoutePlanner(node, model.ckpt.num_layers, view=view, probes=Probes.of(node),
-                                    reputation=self.reputation, fixed_route=route, route_timeout=route_timeout,
+        #: which peers to route through (holds the claims view, the round-trip probes and the own
+        #: load, shared likewise: one probe per peer at a time, results reused); ask it for routes
+        self.planner = RoutePlanner(node, model.ckpt.num_layers, view=view, probes=services.probes,
+                                    own_load=services.own_load, reputation=self.reputation, fixed_route=route,
+                                    route_timeout=route_timeout,
                                     policy=SpanPolicy(dtype=dtype_name(model.dtype), quantized=quantized))
         #: what sessions, healing, checks and receipts need of this client (``wire``: how hidden
         #: states travel between hops, None for the model's dtype; ``receipts``: keep what a run
         #: receipt needs; ``queue_timeout``: how long a request waits in line for a busy chain)
-        self.request = RequestContext(node, model, self.planner, wire=wire, logits_on_last=logits_on_last,
-                                      receipts=receipts, queue_timeout=queue_timeout)
+        self.request = RequestContext(node, model, self.planner, services.session_slots, wire=wire,
+                                      logits_on_last=logits_on_last, receipts=receipts, queue_timeout=queue_timeout)
         ActivationRouter.of(node)  # accept the chain's direct return
-        ClientActivity.of(node)  # (monitors see this node's client counters from the start)
 
     async def run_receipt(self, *, wait: float = 10.0) -> dict:
         """The last ``generate``'s run receipt, signed by this node's key: JSON-ready (see
@@ -133,7 +138,7 @@ class Client:
         # drafts may run past the end
         sess = HealingSession(self.request, len(ids) + max_new_tokens + (k + 1) * depth, max_heals=self.max_heals,
                               progress=progress, heals=stats.heals)
-        activity = ClientActivity.of(self.node)
+        activity = self.services.activity
         stats.speculation.on_round_trip = _RoundTrips(activity, self.planner, stats, sess, depth)
         out_ids: list[int] = []
         self._last_run = last_run(prompt=ids, output=out_ids, params=params, stats=stats, session=sess,

@@ -36,7 +36,6 @@ from shardnet.inference.client.audit import AuditJob
 from shardnet.inference.client.request import RequestContext
 from shardnet.inference.client.session import open_session
 from shardnet.inference.client.timing import NAMED_ERROR_WAIT, PROBE_TIMEOUT
-from shardnet.inference.probes import Probes
 from shardnet.protocols.activation import ErrorCode
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.errors import ShardnetError
@@ -273,8 +272,7 @@ class HealingSession:
         if error.peer is not None and error.peer != me:
             return [error.peer]
         # (a last hop that could not open its return stream to us names us: we are not the problem)
-        probes = await Probes.of(self.request.node).probe([c.peer for c in self.route], max_age=0,
-                                                         timeout=PROBE_TIMEOUT)
+        probes = await self.request.probes.probe([c.peer for c in self.route], max_age=0, timeout=PROBE_TIMEOUT)
         gone = [peer for peer, p in probes.items() if p.verdict == "gone"]
         if gone:
             return gone

@@ -17,15 +17,11 @@ from shardnet.protocols.block_claim import Claim
 
 
 class OwnLoad:
-    """Per peer, KV tokens held by this node's open sessions (``OwnLoad.of(node)``: one per node,
-    shared by every client, like the claims view)."""
+    """Per peer, KV tokens held by this node's open sessions (one per node, in its
+    ``InferenceServices``: shared by every client, like the claims view)."""
 
     def __init__(self) -> None:
         self.tokens: Counter[str] = Counter()
-
-    @classmethod
-    def of(cls, node) -> OwnLoad:
-        return node.ensure_service(cls, cls)
 
     @contextmanager
     def holding(self, route: list[Claim], max_len: int) -> Iterator[None]:

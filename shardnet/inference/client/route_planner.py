@@ -1,10 +1,11 @@
 """Route planning: which peers a client routes through, and what each hop costs.
 
-The planner owns the client's view of the swarm's claims (``ClaimsView``) and the round-trip
-probes; it knows which peers failed during a request (``forget_peer``) and which the client's
-reputation excludes, and picks the cheapest chain with ``routing.plan_route``. A claim's
-throughput counts as far as this client's observations of its steps bear it out
-(``PeerSpeeds``, peer_speeds.py; ``observe_step``).
+The planner holds the client's view of the swarm's claims (``ClaimsView``), the node's round-trip
+probes and what the node's own sessions hold at each peer (``OwnLoad``), all three shared by the
+node's clients and handed over by the ``Client``. It knows which peers failed during a request
+(``forget_peer``) and which the client's reputation excludes, and picks the cheapest chain with
+``routing.plan_route``. A claim's throughput counts as far as this client's observations of its
+steps bear it out (``PeerSpeeds``, peer_speeds.py; ``observe_step``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import trio
 
 from shardnet.errors import NoRouteError, ShardnetError
 from shardnet.inference.claims import CLAIM_TTL, RTT_SAMPLES
-from shardnet.inference.client.own_load import OwnLoad
 from shardnet.inference.client.peer_speeds import PeerSpeeds, typical_tput
 from shardnet.inference.client.reputation import Reputation
 from shardnet.inference.client.routing import (
@@ -32,6 +32,7 @@ from shardnet.protocols.block_claim import Claim
 
 if TYPE_CHECKING:
     from shardnet.inference.client.claims_view import ClaimsView
+    from shardnet.inference.client.own_load import OwnLoad
     from shardnet.inference.probes import Probes
     from shardnet.transport.node import Node
 
@@ -67,7 +68,7 @@ class RoutePlanner:
     """Chains over ``num_layers`` layers through the peers in ``view``. ``fixed_route``: always
     this chain (no lookups), unless one of its peers is to be avoided."""
 
-    def __init__(self, node: Node, num_layers: int, *, view: ClaimsView, probes: Probes,
+    def __init__(self, node: Node, num_layers: int, *, view: ClaimsView, probes: Probes, own_load: OwnLoad,
                  reputation: Reputation, fixed_route: list[Claim] | None = None,
                  route_timeout: float = 30.0, policy: SpanPolicy = SpanPolicy()) -> None:
         self.node, self.num_layers = node, num_layers
@@ -80,7 +81,7 @@ class RoutePlanner:
         self.fixed_route = fixed_route
         self.route_timeout = route_timeout
         #: KV this node's open sessions hold at each peer (shared by the node's clients)
-        self.own_load = OwnLoad.of(node)
+        self.own_load = own_load
         #: how fast this client saw its peers compute, against their claims (this client's own)
         self.speeds = PeerSpeeds()
         #: each layer's typical claimed throughput among the claims of the last route chosen

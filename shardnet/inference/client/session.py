@@ -1,6 +1,5 @@
-"""One open chain session seen from the client (``InferenceSession``), how a request opens one
-(``open_session``: waiting in line while the chain is busy), and the line requests wait in for a
-session slot at a first hop (``SessionSlots``)."""
+"""One open chain session seen from the client (``InferenceSession``), and how a request opens one
+(``open_session``: waiting in line while the chain is busy, in the node's ``SessionSlots``)."""
 
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ from shardnet.protocols.activation_session import ClientSession, Failure
 from shardnet.protocols.block_claim import Claim
 from shardnet.protocols.receipts import HashChain
 from shardnet.transport.errors import ShardnetError
-from shardnet.transport.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +175,7 @@ async def open_session(request: RequestContext, max_len: int,
     chain, which no client-side count can foresee, is waited out with a jittered backoff."""
     route = route or await request.planner.find_route()
     deadline = trio.current_time() + request.queue_timeout
-    async with SessionSlots.of(request.node).hold(route[0].peer, deadline):
+    async with request.session_slots.hold(route[0].peer, deadline):
         sess = await _open_when_free(request, route, max_len, deadline)
         held = HeldError()  # re-raised below as itself, not as an exception group
         try:
@@ -234,39 +232,6 @@ def _busy(e: InferenceError) -> bool:
     if e.code != ErrorCode.KV_BUDGET or e.need_bytes is None or e.limit_bytes is None:
         return True
     return e.need_bytes <= e.limit_bytes
-
-
-class SessionSlots:
-    """Sessions this node holds open per first hop, at most ``sessions_out_per_peer`` each
-    (``SessionSlots.of(node)``, shared by every client of the node). More wait in line, first
-    come first served (a trio.Semaphore wakes its waiters in order)."""
-
-    def __init__(self, per_peer: int) -> None:
-        self.per_peer = per_peer
-        self._sems: dict[str, trio.Semaphore] = {}
-
-    @classmethod
-    def of(cls, node: Node) -> SessionSlots:
-        return node.ensure_service(cls, lambda: cls(node.config.limits.sessions_out_per_peer))
-
-    @asynccontextmanager
-    async def hold(self, peer: str, deadline: float) -> AsyncIterator[None]:
-        sem = self._sems.get(peer)
-        if sem is None:
-            sem = self._sems[peer] = trio.Semaphore(self.per_peer)
-        try:
-            with trio.move_on_at(deadline) as waited:
-                await sem.acquire()
-            if waited.cancelled_caught:
-                raise InferenceError(ErrorCode.BUSY, f"no session slot at {peer[:16]}… within the queue timeout "
-                                     f"({self.per_peer} sessions per peer, sessions_out_per_peer)", peer)
-            try:
-                yield
-            finally:
-                sem.release()
-        finally:
-            if sem.value == self.per_peer and not sem.statistics().tasks_waiting:
-                self._sems.pop(peer, None)
 
 
 class _quiet:

@@ -114,7 +114,8 @@ class ServedBlock:
 
 
 class BlockEndpoint:
-    """Serves this node's block to sessions the activation router hands over (``open``)."""
+    """Serves this node's block to sessions the activation router hands over (``open``); its
+    ``ComputePeer`` owns it (one per node: it takes the router's ``on_open``)."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -127,10 +128,6 @@ class BlockEndpoint:
         #: what this peer's block did, for monitors
         self.activity = BlockActivity()
         ActivationRouter.of(node).on_open = self._serve_session
-
-    @classmethod
-    def of(cls, node: Node) -> BlockEndpoint:
-        return node.ensure_service(cls)  # a node service: no work of its own
 
     def serve(self, served: ServedBlock) -> None:
         self.served = served

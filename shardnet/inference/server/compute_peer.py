@@ -54,6 +54,7 @@ from shardnet.inference.server.placement import (
     upkeep_step,
 )
 from shardnet.inference.server.scheduler import DEFAULT_MAX_TOKENS
+from shardnet.inference.services import inference_services
 from shardnet.inference.weights.fetcher import ProgressFn
 from shardnet.inference.weights.server import WeightServer
 from shardnet.inference.weights.swarm_model import fetch_tensors, span_tensor_names
@@ -142,6 +143,12 @@ class ComputePeer:
         self.moves: list[Move] = []
         #: the span being loaded (claimed as such, so that other peers choose around it)
         self.loading: tuple[int, int] | None = None
+        #: what this node's parts share (its clients too, if it runs any): the metrics report our block
+        self.services = inference_services(node)
+        #: serves the loaded block to the sessions the node's activation router hands over (until
+        #: the first load it answers that this peer serves no block)
+        self.endpoint = BlockEndpoint(node)
+        self.services.metrics.watch_block(self.endpoint)
 
     @property
     def span(self) -> tuple[int, int]:
@@ -175,7 +182,7 @@ class ComputePeer:
                              idle_timeout=self.idle_timeout,
                              batch_tokens=self.batch_tokens or 0,
                              region=self.region)
-        BlockEndpoint.of(self.node).serve(served)
+        self.endpoint.serve(served)
         self.served = served
         self.successor_rtts = {}
         return served

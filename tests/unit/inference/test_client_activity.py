@@ -23,7 +23,7 @@ def clock(monkeypatch):
 
 
 def test_tokens_per_second_counts_the_last_minute_only(clock):
-    a = ClientActivity(node=None)
+    a = ClientActivity()
     for _ in range(120):
         a.token()
         clock.now += 0.5  # two a second for a minute
@@ -37,14 +37,14 @@ def test_tokens_per_second_counts_the_last_minute_only(clock):
 
 
 def test_a_retraction_is_counted_and_makes_no_token(clock):
-    a = ClientActivity(node=None)
+    a = ClientActivity()
     a.token()
     a.token(made=False, retracted=1)
     assert (a.tokens_total, a.retracted_total) == (1, 1)
 
 
 def test_sessions_heals_convictions_and_audits_add_up():
-    a = ClientActivity(node=None)
+    a = ClientActivity()
     a.session_started(5)
     a.session_started(7)
     assert (a.sessions_active, a.sessions_total, a.prompt_tokens_total) == (2, 2, 12)
@@ -61,7 +61,7 @@ def test_sessions_heals_convictions_and_audits_add_up():
 
 
 def test_recent_events_are_bounded():
-    a = ClientActivity(node=None)
+    a = ClientActivity()
     for i in range(act.RECENT_EVENTS + 10):
         a.healed({"phase": "decode", "failed": [f"p{i}"]})
     assert len(a.events) == act.RECENT_EVENTS and a.events[-1]["failed"] == [f"p{act.RECENT_EVENTS + 9}"]
@@ -69,7 +69,7 @@ def test_recent_events_are_bounded():
 
 
 def test_step_round_trips_land_in_the_shared_buckets():
-    a = ClientActivity(node=None)
+    a = ClientActivity()
     for s in (0.001, 0.03, 0.03, 20.0):
         a.step(s)
     got = {s.labels.get("le"): s.value for m in a.step_seconds.collect() for s in m.samples

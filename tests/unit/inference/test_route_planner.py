@@ -8,6 +8,7 @@ import pytest
 import trio
 
 from shardnet.errors import NoRouteError
+from shardnet.inference.client.own_load import OwnLoad
 from shardnet.inference.client.reputation import Reputation
 from shardnet.inference.client.route_planner import RTT_CACHE_S, RoutePlanner
 from shardnet.inference.client.routing import (
@@ -29,11 +30,6 @@ class FakeNode:
 
     def link(self, peer: str) -> str:
         return "relayed" if peer in self.relayed else "direct"
-
-    def ensure_service(self, cls, factory=None):
-        if not hasattr(self, "_behaviour"):
-            self._behaviour = factory() if factory else cls(self)
-        return self._behaviour
 
 
 class FakeProbes:
@@ -78,7 +74,7 @@ class FakeView:
 def planner(claims: list[Claim], *, rtts=None, verdicts=None, relayed=frozenset(), layers: int = 4,
             fixed_route=None) -> RoutePlanner:
     return RoutePlanner(FakeNode(relayed), layers, view=FakeView(claims), probes=FakeProbes(rtts, verdicts),
-                        reputation=Reputation(), fixed_route=fixed_route, route_timeout=0.5)
+                        own_load=OwnLoad(), reputation=Reputation(), fixed_route=fixed_route, route_timeout=0.5)
 
 
 def test_rtt_measured_guessed_slow_and_relayed():
