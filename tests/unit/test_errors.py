@@ -20,6 +20,7 @@ INTERNAL = {
     "WriterClosed": "transport/conn_writer: compat's yamux patch turns it into py-libp2p's connection errors",
     "NotMultistream": "transport/compat: raised and handled inside the patched inbound-connection path",
     "RequestRateExceeded": "transport/compat: raised inside the patched DHT handler, which resets the stream",
+    "TransformedCache": "model/kv_cache: raised inside Block.forward_batch, which rewinds and reruns that layer row by row",
 }
 
 #: Modules whose import has effects beyond defining things.
