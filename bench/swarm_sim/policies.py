@@ -17,7 +17,7 @@
 
 from __future__ import annotations
 
-from bench.swarm_sim.sim import Policy
+from bench.swarm_sim.swarm import Policy
 from shardnet.inference.server.placement import (
     DEFAULT_REBALANCE_INTERVAL,
     REBALANCE_MARGIN,
@@ -44,57 +44,58 @@ class Shardnet(Policy):
     def __init__(self, *, view: int = VIEW_PROVIDERS) -> None:
         self.view = view
 
-    def choose(self, sim, peer):
-        claims = sim.view_of(peer, self.view)
-        return best_window(planned_throughput(claims, sim.model.num_layers), peer.n_layers, rng=sim.rng)
+    def choose(self, swarm, peer):
+        claims = swarm.view_of(peer, self.view)
+        return best_window(planned_throughput(claims, swarm.model.num_layers), peer.n_layers, rng=swarm.rng)
 
-    def upkeep(self, sim, peer):
+    def upkeep(self, swarm, peer):
         if peer.span is None:
             return None
-        claims = sim.view_of(peer, self.view)
-        sim.count_lookup(peer)
-        me = sim.claim_of(peer)
-        gap = fillable_gap(claims, *peer.span, sim.model.num_layers)
-        settling = sim.now < peer.settle_until
+        claims = swarm.view_of(peer, self.view)
+        swarm.count_lookup(peer)
+        me = swarm.claim_of(peer)
+        gap = fillable_gap(claims, *peer.span, swarm.model.num_layers)
+        settling = swarm.now < peer.settle_until
         step = upkeep_step(DEFAULT_REBALANCE_INTERVAL, gap=gap, settling=settling)
         if not peer.moving:
-            move = plan_move(claims, me, sim.model.num_layers, margin=REBALANCE_MARGIN, rng=sim.rng)
+            move = plan_move(claims, me, swarm.model.num_layers, margin=REBALANCE_MARGIN, rng=swarm.rng)
             if move is not None:
                 same = sorted({c.peer for c in claims if (c.start, c.end) == peer.span} | {peer.id})
-                delay = move_turn_delay(same.index(peer.id), step, sim.rng)
-                sim.later(delay, lambda: self._confirm(sim, peer))
-        return step * sim.rng.uniform(*UPKEEP_JITTER)
+                delay = move_turn_delay(same.index(peer.id), step, swarm.rng)
+                swarm.clock.later(delay, lambda: self._confirm(swarm, peer))
+        return step * swarm.rng.uniform(*UPKEEP_JITTER)
 
-    def _confirm(self, sim, peer):
+    def _confirm(self, swarm, peer):
         if peer.gone or peer.moving or peer.span is None:
             return
-        claims = sim.view_of(peer, self.view)
-        sim.count_lookup(peer)
-        move = plan_move(claims, sim.claim_of(peer), sim.model.num_layers, margin=REBALANCE_MARGIN, rng=sim.rng)
+        claims = swarm.view_of(peer, self.view)
+        swarm.count_lookup(peer)
+        move = plan_move(claims, swarm.claim_of(peer), swarm.model.num_layers, margin=REBALANCE_MARGIN,
+                         rng=swarm.rng)
         if move is not None:
-            sim.move(peer, (move.start, move.end))
+            swarm.move(peer, (move.start, move.end))
 
 
 class LeastServed(Policy):
     name = "least-served"
 
-    def choose(self, sim, peer):
+    def choose(self, swarm, peer):
         # Petals sees every server, and counts those still joining where they are going (its
         # JOINING state) at the throughput they announce
-        return _petals_start(sim.planned_served(without=peer), peer.n_layers)
+        return _petals_start(swarm.planned_served(without=peer), peer.n_layers)
 
-    def upkeep(self, sim, peer):
+    def upkeep(self, swarm, peer):
         if peer.span is not None and not peer.moving:
-            others = sim.planned_served(without=peer)
-            sim.count_lookup(peer)
+            others = swarm.planned_served(without=peer)
+            swarm.count_lookup(peer)
             start, end = peer.span
             now = min(_plus(others, start, end, peer.tput))
             new = _petals_start(others, end - start)
             after = min(_plus(others, *new, peer.tput))
             if new != peer.span and (now <= 0 < after or now < PETALS_BALANCE_QUALITY * after):
                 if all(others[i] > 0 for i in range(start, end)):
-                    sim.move(peer, new)
-        return PETALS_CHECK_S * sim.rng.uniform(0.5, 1.5)
+                    swarm.move(peer, new)
+        return PETALS_CHECK_S * swarm.rng.uniform(0.5, 1.5)
 
 
 def _petals_start(served: list[float], n: int) -> tuple[int, int]:
@@ -114,26 +115,26 @@ class WaterFilling(Policy):
     def __init__(self) -> None:
         self.next_pour = CENTRAL_PERIOD_S
 
-    def choose(self, sim, peer):
-        return best_window(sim.planned_served(without=peer), peer.n_layers, rng=sim.rng)
+    def choose(self, swarm, peer):
+        return best_window(swarm.planned_served(without=peer), peer.n_layers, rng=swarm.rng)
 
-    def tick(self, sim):
-        if sim.now < self.next_pour:
+    def tick(self, swarm):
+        if swarm.now < self.next_pour:
             return
-        self.next_pour = sim.now + CENTRAL_PERIOD_S
-        peers = sorted((p for p in sim.peers.values() if p.span is not None),
+        self.next_pour = swarm.now + CENTRAL_PERIOD_S
+        peers = sorted((p for p in swarm.peers.values() if p.span is not None),
                        key=lambda p: -p.tput * p.n_layers)
-        served = [0.0] * sim.model.num_layers
+        served = [0.0] * swarm.model.num_layers
         plan = {}
         for p in peers:
-            s, e = best_window(served, p.n_layers, rng=sim.rng)
+            s, e = best_window(served, p.n_layers, rng=swarm.rng)
             plan[p.id] = (s, e)
             for i in range(s, e):
                 served[i] += p.tput_at(s, e)
-        if min(served) > min(sim.planned_served()) * (1 + CENTRAL_GAIN):
+        if min(served) > min(swarm.planned_served()) * (1 + CENTRAL_GAIN):
             for p in peers:
                 if plan[p.id] != p.target:
-                    sim.move(p, plan[p.id])
+                    swarm.move(p, plan[p.id])
 
 
 POLICIES = {p.name: p for p in (Shardnet, LeastServed, WaterFilling)}

@@ -41,7 +41,8 @@ from pathlib import Path
 from bench._common import bench_parser  # noqa: E402
 from bench.swarm_sim.models import MODELS  # noqa: E402
 from bench.swarm_sim.policies import POLICIES, Shardnet, make  # noqa: E402
-from bench.swarm_sim.sim import Sim, Stats  # noqa: E402
+from bench.swarm_sim.sim import Sim  # noqa: E402
+from bench.swarm_sim.stats import Stats  # noqa: E402
 
 
 def percentile(values: list[float], q: float, weights: list[int] | None = None) -> float:
@@ -66,7 +67,7 @@ def summarize(sim: Sim, stats: Stats, wall: float) -> dict:
     long_gaps = [g for g, _ in stats.gaps if g > 60]
     return {
         "model": sim.model.name, "policy": sim.policy.name, "peers": sim.target_peers,
-        "peers_mean": mean("peers"), "cohort": sim.cohort, "offered": sim.offered,
+        "peers_mean": mean("peers"), "cohort": sim.traffic.cohort, "offered": sim.traffic.offered,
         "covered": stats.covered_s / stats.observed_s if stats.observed_s else 0.0,
         "gaps_over_60s": len(long_gaps), "longest_gap_s": max((g for g, _ in stats.gaps), default=0.0),
         "gaps": stats.gaps,

@@ -24,9 +24,9 @@ def healing_bound(sim: Sim) -> float:
     """The longest a layer may stay unserved while spare capacity exists: a look at the swarm
     (the upkeep interval, jittered by up to 25%), a turn behind the peers on the same span, and
     the slowest load of the new layers at the slowest downlink."""
-    slowest = min(p.downlink_mbs for p in sim.peers.values())
+    slowest = min(p.downlink_mbs for p in sim.swarm.peers.values())
     load = max(sim.model.layer_bytes(i) for i in range(sim.model.num_layers)) * max(
-        p.n_layers for p in sim.peers.values()) / (slowest * 1e6) + 5.0
+        p.n_layers for p in sim.swarm.peers.values()) / (slowest * 1e6) + 5.0
     return 1.25 * DEFAULT_REBALANCE_INTERVAL * 3 + load
 
 
@@ -57,7 +57,7 @@ def test_every_policy_meets_the_same_world():
     def world(policy: str) -> tuple:
         sim = Sim(model=MODELS["llama-70b"], policy=make(policy), peers=60, hours=0.25, seed=3, load=0.3)
         sim.run()
-        peers = sorted((p.id, p.gpu.name, p.city.name, p.joined, p.leaves_at) for p in sim.peers.values())
-        return peers, sim.stats.joins, sim.stats.leaves, sim.requests_rng.random()
+        peers = sorted((p.id, p.gpu.name, p.city.name, p.joined, p.leaves_at) for p in sim.swarm.peers.values())
+        return peers, sim.stats.joins, sim.stats.leaves, sim.traffic.requests_rng.random()
 
     assert world("shardnet") == world("least-served") == world("water-filling")

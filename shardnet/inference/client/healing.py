@@ -33,6 +33,7 @@ import trio
 
 from shardnet.errors import InferenceError
 from shardnet.inference.client.audit import AuditJob
+from shardnet.inference.client.heal_plan import plan_heal
 from shardnet.inference.client.request import RequestContext
 from shardnet.inference.client.session import open_session
 from shardnet.inference.client.timing import NAMED_ERROR_WAIT, PROBE_TIMEOUT
@@ -198,9 +199,9 @@ class HealingSession:
         self._unanswered.clear()
         self._outer_of.clear()
         self.length = 0
-        await self.open(await self.request.planner.find_route(
-            avoid=set(peers), keep=[c for c in old_route if c.peer not in peers]))
-        heal = Heal(list(peers), [(c.start, c.end) for c in old_route if c.peer in peers], "audit", 0, 0,
+        plan = plan_heal(old_route, peers)
+        await self.open(await self.request.planner.find_route(avoid=plan.avoid, keep=plan.keep))
+        heal = Heal(list(peers), plan.replace, "audit", 0, 0,
                     time.perf_counter() - t0, [c.peer for c in self.route], "computed wrong (honest-compute check)")
         self.heals.append(heal)
         log.warning("left %s (computed wrong): chain now %s", ", ".join(p[:16] + "…" for p in peers),
@@ -234,8 +235,8 @@ class HealingSession:
                 else:
                     self.request.planner.forget_peer(p)
             # the old chain with each failed span replaced (a whole new chain if that cannot be done)
-            route = await self.request.planner.find_route(
-                avoid=set(failed), keep=[c for c in old_route if c.peer not in failed])
+            plan = plan_heal(old_route, failed)
+            route = await self.request.planner.find_route(avoid=plan.avoid, keep=plan.keep)
             try:
                 await self._enter(route)
                 replayed = await self._replay()
@@ -249,7 +250,7 @@ class HealingSession:
                 await self._exit_inner()
                 self.heals.append(Heal(failed, [], phase, in_flight, 0, time.perf_counter() - t0,
                                        [c.peer for c in route], f"{e} (while healing)"))
-        lost = [(c.start, c.end) for c in old_route if c.peer in blamed]
+        lost = plan_heal(old_route, blamed).replace
         heal = Heal(blamed, lost, phase, in_flight, replayed, time.perf_counter() - t0,
                     [c.peer for c in route], str(error))
         self.heals.append(heal)

@@ -1,0 +1,536 @@
+"""The simulated swarm: compute peers that join, choose and claim spans, move and leave, and what
+their publications and lookups cost in messages.
+
+Placement is the policy's (bench/swarm_sim/policies.py: ``shardnet`` is
+``shardnet.inference.server.placement`` called as a compute peer calls it); a peer's claim is a
+real ``Claim`` (its span, the one it is loading, tokens/s, load, free KV tokens, its successors'
+round trips), published on joining, at every upkeep and every ``REPUBLISH_S``.
+
+- Peers arrive as a Poisson process that keeps the swarm at its size, each for a Weibull
+  session (bench/swarm_sim/world.py), and leave closing their connections (``graceful``) or
+  vanishing; who comes, when, with what and for how long draws on its own random stream, so
+  every policy meets the same peers.
+- A joining peer looks the swarm up (DHT hops, then the providers' claims and pings), waits
+  (``RECHECK_DELAY``), looks again and chooses; it loads its span from disk or its downlink,
+  then serves and claims it. A move loads the new span while the old one serves.
+- DHT and gossip messages are counted, not sent: estimated from the protocols' parameters
+  (``DHT_ALPHA``, ``DHT_K``, ``GOSSIP_D``) for each publication and lookup.
+
+A peer's departure is handed to ``on_leave`` (the traffic's: requests through it heal).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import zlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bench.swarm_sim import world
+from bench.swarm_sim.events import EventLoop
+from bench.swarm_sim.models import ModelSpec
+from bench.swarm_sim.stats import Stats
+from shardnet.inference.claims import CLAIM_TTL
+from shardnet.inference.server.placement import (
+    DEFAULT_REBALANCE_INTERVAL,
+    MEMORY_USE,
+    SETTLE_S,
+    UPKEEP_JITTER,
+    layers_fitting,
+    upkeep_step,
+)
+from shardnet.protocols.block_claim import MAX_RTTS, Claim
+
+#: the most tokens one forward pass of a peer's block scheduler takes (scheduler.DEFAULT_MAX_TOKENS,
+#: not imported: that module needs torch); more sessions take more passes
+BATCH_TOKENS = 256
+#: the claim publisher republishes every third of the TTL (claim_publisher.py)
+REPUBLISH_S = CLAIM_TTL / 3
+#: compute_peer.RECHECK_DELAY
+RECHECK_DELAY = (0.5, 2.5)
+#: Kademlia: py-libp2p's concurrency (kad_dht/common.py ALPHA) and replication (BUCKET_SIZE)
+DHT_ALPHA, DHT_K = 10, 20
+#: gossipsub mesh degree (transport/pubsub.py)
+GOSSIP_D = 6
+HUBS = ("Ashburn", "San Francisco", "Frankfurt", "London", "Singapore", "Tokyo", "Sao Paulo", "Mumbai", "Sydney")
+
+
+@dataclass(eq=False)
+class Peer:
+    id: str
+    gpu: world.Gpu
+    city: world.City
+    access: float  # one-way access latency (s)
+    nat: bool  # behind a NAT that blocks inbound connections
+    punch_ok: float  # this peer's share of successful hole punches with other NATed peers
+    relay: world.City | None
+    joined: float
+    leaves_at: float
+    graceful: bool
+    downlink_mbs: float
+    cached: bool
+    n_layers: int
+    model: ModelSpec
+    kv_bytes: int
+    span: tuple[int, int] | None = None  # the span it serves (claimed)
+    target: tuple[int, int] | None = None  # the span it is loading or serves
+    moving: bool = False
+    settle_until: float = 0.0
+    gone: bool = False
+    sessions: int = 0
+    kv_used: int = 0
+    #: open sessions per span: after a move, sessions opened on the old span finish on it
+    #: (the old block stays loaded until they do, as compute_peer does)
+    open_spans: Counter = field(default_factory=Counter)
+    rtts: tuple = ()
+    since: float = 0.0
+    _steps: dict = field(default_factory=dict)
+    _tput: dict = field(default_factory=dict)
+
+    @property
+    def tput(self) -> float:
+        return self.tput_at(*self.span) if self.span else 0.0
+
+    def tput_at(self, start: int, end: int) -> float:
+        key = (start, end)
+        if key not in self._tput:
+            self._tput[key] = 1.0 / self.model.step_seconds(self.gpu, start, end, 1)
+        return self._tput[key]
+
+    def step(self, batch: int) -> float:
+        """Seconds per decode step of the current span at ``batch`` sessions: full passes of
+        BATCH_TOKENS and one of the rest (cached; the rest rounded up)."""
+        full, rest = divmod(max(1, batch), BATCH_TOKENS)
+        if rest >= 16:
+            rest = -(-rest // 8) * 8  # the step time is smooth in the batch: rounded up, never down
+        return full * self._pass(BATCH_TOKENS) + (self._pass(rest) if rest else 0.0)
+
+    def _pass(self, batch: int) -> float:
+        t = self._steps.get(batch)
+        if t is None:
+            t = self._steps[batch] = self.model.step_seconds(self.gpu, *self.span, batch)
+        return t
+
+    def capacity(self) -> float:
+        """Tokens/s the span gives at full batches: the most it can carry however requests are
+        routed (no batch does better: see ``capacity_at``)."""
+        return capacity_at(self, *self.span) if self.span else 0.0
+
+
+def capacity_at(peer: Peer, start: int, end: int) -> float:
+    """A span's tokens/s at full batches. batch / step(batch) grows with the batch (a step's
+    time is its weight reads, concave in the batch, plus FLOPs linear in it) up to one full
+    pass, and more passes only repeat it, so this bounds every batch."""
+    return BATCH_TOKENS / peer.model.step_seconds(peer.gpu, start, end, BATCH_TOKENS)
+
+
+class Policy:
+    """A placement policy (bench/swarm_sim/policies.py): what the swarm asks of one."""
+
+    name = "?"
+    #: whether peers look the swarm up (DHT lookups, pings) to decide
+    decentralized = True
+
+    def choose(self, swarm: Swarm, peer: Peer) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def upkeep(self, swarm: Swarm, peer: Peer) -> float | None:
+        """Called at the peer's upkeep time; may start a move (``swarm.move``). Returns the
+        seconds until the next upkeep, or None for none."""
+        return None
+
+    def tick(self, swarm: Swarm) -> None:
+        """Called once a simulated minute (a central scheduler's chance to act)."""
+
+
+class Swarm:
+    """The peers of one model's swarm on ``clock``, placed by ``policy``; ``world_rng`` draws the
+    peers (who comes, when, with what, for how long), ``rng`` the decisions of the code under test."""
+
+    def __init__(self, *, model: ModelSpec, policy: Policy, target_peers: int, clock: EventLoop, stats: Stats,
+                 world_rng: random.Random, rng: random.Random, warmup_s: float, announce_loading: bool = True,
+                 load_step: float | None = None) -> None:
+        self.model, self.policy, self.target_peers = model, policy, target_peers
+        self.clock, self.stats = clock, stats
+        self.world_rng, self.rng = world_rng, rng
+        self.warmup_s = warmup_s
+        #: peers claim the span they are loading (``Claim.loading``), as shardnet peers do now
+        self.announce_loading = announce_loading
+        #: what if a peer republished its claim whenever its load crossed a multiple of this
+        #: (None: only at its upkeep and every REPUBLISH_S, as shardnet does)
+        self.load_step = load_step
+        self.peers: dict[str, Peer] = {}
+        self.claims: dict[str, Claim] = {}  # peers' claims, in the order they first claimed
+        self.claim_ids = SampleSet()  # the same peers, to draw a lookup's providers from
+        self.by_start: dict[int, dict[str, None]] = {}  # claims by first layer, in claim order
+        self._planned = [0.0] * model.num_layers
+        self._planned_by: dict[str, tuple[int, int, float]] = {}
+        self.layer_count = [0] * model.num_layers
+        self._peer_ids = itertools.count()
+        self._rtt_cache: dict[tuple[str, str], float] = {}
+        self.mean_session = self._mean_session()
+        #: called with each peer that leaves, once it is gone from the swarm
+        self.on_leave: Callable[[Peer], None] = lambda p: None
+
+    @property
+    def now(self) -> float:
+        return self.clock.now
+
+    # -- the world -------------------------------------------------------------------------------
+    def _mean_session(self) -> float:
+        dc = sum(g.share for g in world.GPUS if g.datacenter)
+        home = 1 - dc
+        g = math.gamma(1 + 1 / world.CHURN_SHAPE) / math.log(2) ** (1 / world.CHURN_SHAPE)
+        return g * (home * world.HOME_MEDIAN_S + dc * world.DC_MEDIAN_S)
+
+    def new_peer(self, t: float) -> Peer:
+        """The next peer of the world, joining at ``t`` (not yet joined)."""
+        rng = self.world_rng
+        gpu = world.pick(rng, world.GPUS)
+        city = world.pick(rng, world.CITIES)
+        dc = gpu.datacenter
+        nat = (not dc) and rng.random() < world.HOME_NAT_SHARE
+        session = world.weibull_with_median(rng, world.DC_MEDIAN_S if dc else world.HOME_MEDIAN_S)
+        mem = int(gpu.memory_gib * 2**30)
+        kv = int(mem * world.KV_SHARE)
+        budget = int(mem * MEMORY_USE) - kv
+        n = layers_fitting(self.model.layer_sizes(), budget)
+        relay = min((world.city(h) for h in HUBS), key=lambda h: world.great_circle_km(h, city)) if nat else None
+        return Peer(id=f"p{next(self._peer_ids)}", gpu=gpu, city=city,
+                    access=rng.uniform(*(world.DC_ACCESS_S if dc else world.HOME_ACCESS_S)), nat=nat,
+                    punch_ok=world.HOLE_PUNCH_SUCCESS, relay=relay, joined=t, leaves_at=t + session,
+                    graceful=rng.random() < world.GRACEFUL_SHARE,
+                    downlink_mbs=world.DC_DOWNLINK_MBS if dc else rng.uniform(*world.HOME_DOWNLINK_MBS),
+                    cached=rng.random() < world.WEIGHTS_CACHED, n_layers=n, model=self.model, kv_bytes=kv)
+
+    def relayed(self, a: Peer, b: Peer) -> bool:
+        """Two NATed peers connect directly when a hole punch works (decided once per pair)."""
+        if not (a.nat and b.nat):
+            return False
+        h = zlib.crc32(f"{min(a.id, b.id)}|{max(a.id, b.id)}".encode()) % 1000 / 1000  # not hash(): salted per process
+        return h >= world.HOLE_PUNCH_SUCCESS
+
+    def rtt(self, a: Peer, b: Peer) -> float:
+        key = (a.id, b.id) if a.id < b.id else (b.id, a.id)
+        r = self._rtt_cache.get(key)
+        if r is None:
+            if self.relayed(a, b):
+                r = (world.path_rtt(a.city, a.relay) + world.path_rtt(a.relay, b.city)
+                     + 2 * (a.access + b.access + world.DC_ACCESS_S[1]))
+            else:
+                r = world.path_rtt(a.city, b.city) + 2 * (a.access + b.access)
+            self._rtt_cache[key] = r
+        return r
+
+    # -- peers -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """The swarm assembles over its first five minutes; then arrivals keep it at its size."""
+        for _ in range(self.target_peers):
+            self.clock.at(self.world_rng.uniform(0, 300), self.join)
+        self.clock.at(self.world_rng.expovariate(self.target_peers / self.mean_session), self.arrival_of_peer)
+
+    def arrival_of_peer(self) -> None:
+        self.join()
+        self.clock.later(self.world_rng.expovariate(self.target_peers / self.mean_session), self.arrival_of_peer)
+
+    def tick(self, dt: float) -> None:
+        """Account ``dt`` simulated seconds: peer-hours, and (after the warm-up) whether every
+        layer was served."""
+        self.stats.peers_hours += len(self.peers) * dt / 3600
+        if self.now >= self.warmup_s:
+            self.stats.observed_s += dt
+            if min(self.layer_count) > 0:
+                self.stats.covered_s += dt
+
+    def join(self) -> None:
+        p = self.new_peer(self.now)
+        if p.n_layers < 1:
+            return  # not even one layer fits: it cannot join (the real peer exits with an error)
+        self.peers[p.id] = p
+        self.stats.joins += 1
+        self.clock.at(p.leaves_at, lambda: self.leave(p))
+        decide = 0.0
+        if self.policy.decentralized:
+            # a lookup (DHT hops, then the claims and pings of the providers), a random wait, a
+            # second look (compute_peer.choose_span and recheck_span)
+            decide = 2 * self.lookup_seconds(p) + self.rng.uniform(*RECHECK_DELAY)
+            self.count_lookup(p, 2)
+        self.clock.later(decide, lambda: self._chosen(p))
+
+    def lookup_seconds(self, p: Peer) -> float:
+        hops = max(1, math.ceil(math.log2(max(2, len(self.peers))) / 3))
+        return hops * 0.1 + 0.3  # a hop is a round trip to a peer ~0.1 s away; then pings
+
+    def _chosen(self, p: Peer) -> None:
+        if p.gone:
+            return
+        span = self.policy.choose(self, p)
+        p.target = span
+        self._replan(p)
+        if self.announce_loading:
+            self._put_claim(p)  # a claim of the span it loads (not routable)
+            self.count_publish()
+        self.clock.later(self.load_seconds(p, span, held=None), lambda: self._loaded(p, span, first=True))
+
+    def load_seconds(self, p: Peer, span: tuple[int, int], held: tuple[int, int] | None) -> float:
+        need = [i for i in range(*span) if held is None or not held[0] <= i < held[1]]
+        nbytes = sum(self.model.layer_bytes(i) for i in need)
+        speed = world.DISK_MBS if (p.cached and held is None) else p.downlink_mbs
+        return nbytes / (speed * 1e6) + 5.0  # + loading into GPU memory, measuring throughput
+
+    def _loaded(self, p: Peer, span: tuple[int, int], *, first: bool) -> None:
+        if p.gone or p.target != span:
+            return
+        if first:
+            self.stats.placed_s.append(self.now - p.joined)
+            p.since = self.now
+            self.clock.later(self.rng.uniform(0, REPUBLISH_S), lambda: self._republish(p))
+            # the first look comes soon, as a peer that only just chose its span looks (maintain)
+            first_look = upkeep_step(DEFAULT_REBALANCE_INTERVAL, gap=False, settling=True)
+            self.clock.later(first_look * self.rng.uniform(*UPKEEP_JITTER), lambda: self._upkeep(p))
+        self._set_span(p, span)
+        p.moving = False
+        p.settle_until = self.now + SETTLE_S
+        self.publish(p)
+
+    def _upkeep(self, p: Peer) -> None:
+        if p.gone:
+            return
+        self.measure_successors(p)
+        self.publish(p)  # upkeep ends with publisher.refresh()
+        nxt = self.policy.upkeep(self, p)
+        if nxt is not None:
+            self.clock.later(nxt, lambda: self._upkeep(p))
+
+    def _republish(self, p: Peer) -> None:
+        if p.gone:
+            return
+        self.publish(p)
+        self.clock.later(REPUBLISH_S, lambda: self._republish(p))
+
+    def move(self, p: Peer, span: tuple[int, int]) -> None:
+        """Load ``span`` (the old one served meanwhile), then switch to it."""
+        if p.gone or span == p.target:
+            return
+        held = p.span
+        p.target, p.moving = span, True
+        self.stats.moves += 1
+        self._replan(p)
+        self.publish(p)  # the claim names the span being loaded
+        self.clock.later(self.load_seconds(p, span, held), lambda: self._loaded(p, span, first=False))
+
+    def _set_span(self, p: Peer, span: tuple[int, int] | None) -> None:
+        if p.span is not None:
+            for i in range(*p.span):
+                self.layer_count[i] -= 1
+                if self.layer_count[i] == 0:
+                    self.stats.uncovered_since[i] = (self.now, self.spare_capacity())
+        p.span = span
+        if span is not None:
+            p._steps.clear()
+            for i in range(*span):
+                self.layer_count[i] += 1
+                if self.layer_count[i] == 1 and i in self.stats.uncovered_since:
+                    since, spare = self.stats.uncovered_since.pop(i)
+                    if since >= self.warmup_s:
+                        self.stats.gaps.append((self.now - since, spare))
+            self._put_claim(p)
+        else:
+            self._drop_claim(p)
+        self._replan(p)
+
+    def close_gaps(self) -> None:
+        for i, (since, spare) in list(self.stats.uncovered_since.items()):
+            if since >= self.warmup_s:
+                self.stats.gaps.append((self.clock.end - since, spare))
+
+    def spare_capacity(self) -> bool:
+        """Whether some serving peer could move without leaving a layer unserved."""
+        return any(all(self.layer_count[i] >= 2 for i in range(*p.span))
+                   for p in self.peers.values() if p.span is not None and not p.gone)
+
+    def leave(self, p: Peer) -> None:
+        if p.gone:
+            return
+        p.gone = True
+        self.stats.leaves += 1
+        self._set_span(p, None)
+        self._drop_claim(p)
+        self._replan(p)
+        self.peers.pop(p.id, None)
+        self.on_leave(p)
+
+    # -- claims ----------------------------------------------------------------------------------
+    def claim_of(self, p: Peer) -> Claim:
+        """The claim the peer publishes now (``ComputePeer.claim``): its span, and the one it is
+        loading; before its first span is in, the one it is loading only."""
+        loading = p.target if p.target != p.span and self.announce_loading else None
+        s, e = p.span or p.target
+        load = min(1.0, p.kv_used / p.kv_bytes)
+        free = max(0, p.kv_bytes - p.kv_used) // (self.model.kv_bytes_per_token * (e - s))
+        return Claim(model=self.model.name, start=s, end=e, kv_tokens=free if p.span else 0,
+                     tput=p.tput_at(s, e) if p.span else 0.0,
+                     addrs=(), expires=self.now + CLAIM_TTL, peer=p.id, reach="private" if p.nat else "public",
+                     load=load, rtts=p.rtts, loading=loading)
+
+    def publish(self, p: Peer) -> None:
+        """A claim publication: a DHT put and provide, and a gossip message."""
+        if p.span is None:
+            return
+        self._put_claim(p)
+        self.count_publish()
+
+    def load_changed(self, q: Peer) -> None:
+        """``q``'s KV use changed: republish if ``load_step`` says so."""
+        if self.load_step and q.span is not None and q.id in self.claims:
+            published = self.claims[q.id].load
+            if int(published / self.load_step) != int(min(1.0, q.kv_used / q.kv_bytes) / self.load_step):
+                self.publish(q)
+
+    def _put_claim(self, p: Peer) -> None:
+        old = self.claims.get(p.id)
+        c = self.claims[p.id] = self.claim_of(p)  # a newer claim keeps the peer's place in the view
+        if old is not None and old.start != c.start:
+            self.by_start.get(old.start, {}).pop(p.id, None)
+        self.claim_ids.add(p.id)
+        self.by_start.setdefault(c.start, {})[p.id] = None
+
+    def _drop_claim(self, p: Peer) -> None:
+        old = self.claims.pop(p.id, None)
+        if old is not None:
+            self.by_start.get(old.start, {}).pop(p.id, None)
+        self.claim_ids.discard(p.id)
+
+    def count_publish(self) -> None:
+        n = max(2, len(self.peers))
+        self.stats.msgs["dht"] += 2 * (DHT_ALPHA * math.ceil(math.log2(n)) + DHT_K)
+        self.stats.msgs["gossip"] += GOSSIP_D * n  # every subscriber hears it from its mesh
+
+    def count_lookup(self, p: Peer, times: int = 1) -> None:
+        n = max(2, len(self.peers))
+        self.stats.msgs["dht"] += times * (DHT_ALPHA * math.ceil(math.log2(n)) + 2 * min(64, len(self.claims)))
+
+    def measure_successors(self, p: Peer) -> None:
+        """Round trips to the peers serving the layers after its own, reported in its claim."""
+        if p.span is None:
+            return
+        nxt = [self.peers[q] for q in itertools.islice(self.by_start.get(p.span[1], ()), 32) if q in self.peers]
+        p.rtts = tuple((q.id, self.rtt(p, q)) for q in nxt[:MAX_RTTS])
+        self.stats.msgs["ping"] += len(nxt)
+
+    def view_of(self, p: Peer, most: int | None) -> list[Claim]:
+        """The live claims a peer's lookup finds (``most`` providers; None: all), not its own."""
+        if most is None:
+            return [c for peer, c in self.claims.items() if peer != p.id]
+        picked = self.claim_ids.sample(self.rng, most + 1)
+        return [self.claims[peer] for peer in picked if peer != p.id][:most]
+
+    # -- placement -------------------------------------------------------------------------------
+    def planned_served(self, without: Peer | None = None) -> list[float]:
+        """Per layer, the tokens/s of every peer serving or loading it (a central view; kept up
+        to date as peers change, not recounted)."""
+        if without is None or without.id not in self._planned_by:
+            return list(self._planned)
+        s, e, t = self._planned_by[without.id]
+        return [x - t if s <= i < e else x for i, x in enumerate(self._planned)]
+
+    def _replan(self, p: Peer) -> None:
+        """Move ``p``'s share of the planned vector to where it is going (or out, once gone)."""
+        old = self._planned_by.pop(p.id, None)
+        if old is not None:
+            for i in range(old[0], old[1]):
+                self._planned[i] -= old[2]
+        span = None if p.gone else (p.target or p.span)
+        if span:
+            t = p.tput_at(*span)
+            self._planned_by[p.id] = (*span, t)
+            for i in range(*span):
+                self._planned[i] += t
+
+
+class SampleSet:
+    """A set that draws random members in O(k) (a list with an index)."""
+
+    def __init__(self) -> None:
+        self._items: list[str] = []
+        self._at: dict[str, int] = {}
+
+    def add(self, x: str) -> None:
+        if x not in self._at:
+            self._at[x] = len(self._items)
+            self._items.append(x)
+
+    def discard(self, x: str) -> None:
+        i = self._at.pop(x, None)
+        if i is not None:
+            last = self._items.pop()
+            if i < len(self._items):
+                self._items[i] = last
+                self._at[last] = i
+
+    def sample(self, rng: random.Random, k: int) -> list[str]:
+        return rng.sample(self._items, min(k, len(self._items)))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_LAYER_CAPACITY: dict[tuple[str, str, int], float] = {}
+
+
+def layer_capacity(p: Peer) -> float:
+    """The most layer-tokens per second a peer can give: over the span lengths it can hold, the
+    span's capacity times its length."""
+    key = (p.model.name, p.gpu.name, p.n_layers)
+    if key not in _LAYER_CAPACITY:
+        L = p.model.num_layers
+        # per length, the window with the most light (dense) layers first or last is the fastest
+        _LAYER_CAPACITY[key] = max(k * capacity_at(p, s, s + k) for k in range(1, p.n_layers + 1)
+                                   for s in (0, L - k))
+    return _LAYER_CAPACITY[key]
+
+
+def lp_bound(peers: list[Peer], num_layers: int) -> float:
+    """An upper bound on any placement's throughput over these peers (tokens/s): every token
+    needs ``num_layers`` layer-computations, and no peer gives more layer-tokens per second than
+    ``layer_capacity`` (the LP relaxation of placement with every span length allowed)."""
+    return sum(layer_capacity(p) for p in peers) / num_layers
+
+
+def placement_flow(peers: list[Peer], num_layers: int, *, suffix_entry: bool = False) -> float:
+    """The max flow through the spans as placed (tokens/s): what perfect routing could carry.
+
+    A peer that moved serves its old span too while sessions opened on it remain: its capacity
+    is split between its spans in proportion to their sessions (the current span takes the
+    rest), since one GPU computes both (the simulation runs every session of a peer at the
+    current span's step time, so no span gets more than that share). With ``suffix_entry`` a
+    span can be entered at any of its layers."""
+    import networkx as nx
+
+    g = nx.DiGraph()
+    g.add_nodes_from(range(num_layers + 1))
+    for p in peers:
+        if p.span is None:
+            continue
+        cap = p.capacity()
+        total = sum(p.open_spans.values())
+        shares = {span: n / total for span, n in p.open_spans.items() if span != p.span and total}
+        shares[p.span] = max(0.0, 1.0 - sum(shares.values()))
+        for (s, e), share in shares.items():
+            if share <= 0:
+                continue
+            if suffix_entry:
+                node = ("span", p.id, s, e)
+                g.add_edge(node, e, capacity=cap * share)
+                for b in range(s, e):
+                    g.add_edge(b, node)  # no capacity: unbounded
+            elif g.has_edge(s, e):
+                g[s][e]["capacity"] += cap * share
+            else:
+                g.add_edge(s, e, capacity=cap * share)
+    if not nx.has_path(g, 0, num_layers):
+        return 0.0
+    return float(nx.maximum_flow_value(g, 0, num_layers, flow_func=nx.algorithms.flow.edmonds_karp))
