@@ -46,9 +46,13 @@ from .common import (
                    "probes stay open. Default: $SHARDNET_API_KEY, else no key.")
 @click.option("--chat-template", type=click.Path(path_type=Path), default=None, metavar="FILE",
               help="A Jinja chat template file used instead of the model's own (tokenizer_config.json).")
+@click.option("--prefix-reuse", default="private", type=click.Choice(["private", "shared", "off"]), show_default=True,
+              help="Let every peer reuse the keys and values it computed for a prompt's start already sent "
+                   "(a chat's earlier turns): private to this gateway (its users share it), shared with "
+                   "every client, or off (docs/security.md).")
 @wrap_errors
 def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, host, port, name, logits_on_last,
-          dtype, route_timeout, audit_rate, quantized, api_key, chat_template) -> None:
+          dtype, route_timeout, audit_rate, quantized, api_key, chat_template, prefix_reuse) -> None:
     """Serve an OpenAI-compatible HTTP API (completions, chat, streaming) backed by the swarm."""
     from shardnet.errors import ShardnetError
     from shardnet.gateway.server import read_chat_template, serve_gateway
@@ -78,7 +82,8 @@ def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path,
                                            cache_dir=cache_dir)
             shown = name or (path.name if path else model_name(model_path))
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout,
-                            quantized=quantized, **({} if audit_rate is None else {"audit_rate": audit_rate}))
+                            quantized=quantized, prefix={"off": None, "private": "gateway"}.get(prefix_reuse, prefix_reuse),
+                            **({} if audit_rate is None else {"audit_rate": audit_rate}))
             async with trio.open_nursery() as nursery:
                 # a port in use: PortInUseError, one line like the libp2p port's
                 urls = await nursery.start(functools.partial(

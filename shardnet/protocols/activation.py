@@ -11,7 +11,10 @@ and ``s`` (16-byte session ID), plus per type:
             (the hops after the receiver), ret {peer, addrs} (where the last hop returns),
             logits (bool: the last hop applies norm + LM head and returns logits),
             wire (optional: dtype every hop sends hidden states in: float32, float16, bfloat16,
-            or int8q = int8 with a float32 scale per position)
+            or int8q = int8 with a float32 scale per position),
+            prefix (optional: a scope of at most 64 characters; each hop may reuse the keys and
+            values it cached for the same inputs in that scope instead of computing them again:
+            "shared" is one scope for every client, any other value is private to ``ret.peer``)
     ready   -                        (sent upstream once the rest of the chain is ready)
     attach  -                        (last hop -> client, first frame of the return stream)
     step    n (step number), pos (first position), dtype, shape   + tensor bytes
@@ -59,6 +62,8 @@ from .framing import FrameDecoder, FrameError, encode_frame
 PROTOCOL_ID = "/shardnet/activation/1.0.0"
 MESSAGE_VERSION = 1
 SESSION_ID_BYTES = 16
+#: the longest prefix reuse scope an open may name
+MAX_PREFIX_SCOPE = 64
 DEFAULT_MAX_FRAME = 256 << 20
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -173,6 +178,8 @@ class Open(_Message):
     ret: PeerRef
     logits: bool = False
     wire: str | None = None
+    #: prefix reuse scope (None: no reuse); see the module docstring
+    prefix: str | None = None
     raw: bytes = field(default=b"", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -185,6 +192,8 @@ class Open(_Message):
              "chain": [h.to_wire() for h in self.chain], "ret": self.ret.to_wire(), "logits": self.logits}
         if self.wire is not None:
             f["wire"] = self.wire
+        if self.prefix is not None:
+            f["prefix"] = self.prefix
         return f
 
 
@@ -413,6 +422,10 @@ def _v_open(mtype: str, h: dict, payload: bytes) -> None:
         raise ActivationProtocolError(ErrorCode.MALFORMED, "open.logits must be a boolean")
     if h.get("wire", "float32") not in WIRE_DTYPES:
         raise ActivationProtocolError(ErrorCode.DTYPE, f"unsupported wire dtype {h.get('wire')!r}")
+    prefix = h.get("prefix")
+    if prefix is not None and (not isinstance(prefix, str) or not 0 < len(prefix) <= MAX_PREFIX_SCOPE):
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"open.prefix must be a scope of 1 to "
+                                      f"{MAX_PREFIX_SCOPE} characters")
 
 
 def _v_tensor(mtype: str, h: dict, payload: bytes) -> None:
@@ -462,7 +475,8 @@ def _b_open(s: bytes, h: dict, payload: bytes, raw: bytes) -> Open:
     ret = h["ret"]
     return Open(s, model=h["model"], layers=tuple(h["layers"]), max_len=h["max_len"],
                 chain=tuple(Hop(c["peer"], c["addrs"], c["layers"]) for c in h["chain"]),
-                ret=PeerRef(ret["peer"], ret["addrs"]), logits=h.get("logits", False), wire=h.get("wire"), raw=raw)
+                ret=PeerRef(ret["peer"], ret["addrs"]), logits=h.get("logits", False), wire=h.get("wire"),
+                prefix=h.get("prefix"), raw=raw)
 
 
 def _b_step(s: bytes, h: dict, payload: bytes, raw: bytes) -> Step:

@@ -171,7 +171,7 @@ class BlockSession:
             return op.ret, Attach(self.session)
         nxt = op.chain[0]
         return nxt, Open(self.session, model=op.model, layers=nxt.layers, max_len=op.max_len, chain=op.chain[1:],
-                         ret=op.ret, logits=op.logits, wire=op.wire)
+                         ret=op.ret, logits=op.logits, wire=op.wire, prefix=op.prefix)
 
     def ready(self) -> Ready:
         """The rest of the chain is ready: steps may come."""

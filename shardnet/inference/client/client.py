@@ -19,6 +19,9 @@ is the node's ``InferenceServices`` (inference/services.py), taken once here and
 
 from __future__ import annotations
 
+import dataclasses
+from types import EllipsisType
+
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
@@ -51,16 +54,23 @@ from shardnet.transport.node import Node
 QUANTIZED_CHOICES = ("allow", "require", "refuse")
 
 
+def _checked_prefix(prefix: str | None) -> str | None:
+    if prefix is not None and not 0 < len(prefix) <= ap.MAX_PREFIX_SCOPE:
+        raise ShardnetError(f"a prefix scope has 1 to {ap.MAX_PREFIX_SCOPE} characters")
+    return prefix
+
+
 class Client:
     def __init__(self, node: Node, model: LocalModel, *, logits_on_last: bool = False,
                  route: list[Claim] | None = None, route_timeout: float = 30.0, wire: str | None = None,
                  max_heals: int = 5, receipts: bool = True, audit_rate: float = DEFAULT_AUDIT_RATE,
-                 queue_timeout: float = QUEUE_TIMEOUT, quantized: str = "allow") -> None:
+                 queue_timeout: float = QUEUE_TIMEOUT, quantized: str = "allow", prefix: str | None = None) -> None:
         self.node, self.model = node, model
         if quantized not in QUANTIZED_CHOICES:
             raise ShardnetError(f"unknown quantized policy {quantized!r} (choose from {', '.join(QUANTIZED_CHOICES)})")
         if wire is not None and wire not in ap.WIRE_DTYPES:
             raise ShardnetError(f"unknown wire dtype {wire!r} (choose from {', '.join(ap.WIRE_DTYPES)})")
+        _checked_prefix(prefix)
         self.max_heals = max_heals
         #: what this node's clients (and its compute peer) share: probes, session slots, own load,
         #: activity counters and metrics (made with the first client, which monitors see from then on)
@@ -90,7 +100,8 @@ class Client:
         #: states travel between hops, None for the model's dtype; ``receipts``: keep what a run
         #: receipt needs; ``queue_timeout``: how long a request waits in line for a busy chain)
         self.request = RequestContext(node, model, self.planner, services.session_slots, wire=wire,
-                                      logits_on_last=logits_on_last, receipts=receipts, queue_timeout=queue_timeout)
+                                      logits_on_last=logits_on_last, receipts=receipts, queue_timeout=queue_timeout,
+                                      prefix=prefix)
         ActivationRouter.of(node)  # accept the chain's direct return
 
     async def run_receipt(self, *, wait: float = 10.0) -> dict:
@@ -110,7 +121,8 @@ class Client:
                        logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
                        stop_at_eos: bool = True,
                        drafter: Drafter | None = None, k: int = 4, depth: int = 1,
-                       progress=None, route: list[Claim] | None = None) -> AsyncIterator[Token]:
+                       progress=None, route: list[Claim] | None = None,
+                       prefix: str | None | EllipsisType = ...) -> AsyncIterator[Token]:
         """Yield generated tokens one at a time (text in, text out).
 
         With a ``drafter`` each chain traversal verifies up to ``k`` drafted tokens: greedy output is
@@ -127,6 +139,7 @@ class Client:
         ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` ({token: bias}) adjust the
         logits before each choice as OpenAI defines them (sampling.adjusted). With ``logprobs``
         (a number of alternatives, 0 for none) each token carries its log-probability and theirs.
+        ``prefix``: this request's prefix reuse scope (default: the client's; see ``RequestContext``).
         """
         params = SamplingParams(temperature, top_p, top_k, seed, frequency_penalty, presence_penalty,
                                 _checked_bias(logit_bias, self.model.ckpt.config.vocab_size))
@@ -136,7 +149,8 @@ class Client:
         if drafter is None:
             k, depth = 0, 1
         # drafts may run past the end
-        sess = HealingSession(self.request, len(ids) + max_new_tokens + (k + 1) * depth, max_heals=self.max_heals,
+        request = self.request if prefix is ... else dataclasses.replace(self.request, prefix=_checked_prefix(prefix))
+        sess = HealingSession(request, len(ids) + max_new_tokens + (k + 1) * depth, max_heals=self.max_heals,
                               progress=progress, heals=stats.heals)
         activity = self.services.activity
         stats.speculation.on_round_trip = _RoundTrips(activity, self.planner, stats, sess, depth)

@@ -42,6 +42,9 @@ class RequestContext:
     receipts: bool = True
     #: how long a request waits in line for a busy chain before failing "busy" (``open_session``)
     queue_timeout: float = QUEUE_TIMEOUT
+    #: prefix reuse on every hop (server/prefix_store.py): None for none, "shared" for the scope
+    #: every client shares (public prompts), any other scope name private to this node
+    prefix: str | None = None
 
     @property
     def reputation(self) -> Reputation:

@@ -68,7 +68,7 @@ class InferenceSession:
         me = ap.PeerRef(str(node.peer_id), [str(a) for a in node.listen_addrs])
         op = ap.Open(s, model=self.request.model.model_id, layers=(first.start, first.end), max_len=self.max_len,
                      chain=[ap.Hop(c.peer, c.addrs, (c.start, c.end)) for c in route[1:]],
-                     ret=me, logits=self.request.logits_on_last, wire=self.request.wire)
+                     ret=me, logits=self.request.logits_on_last, wire=self.request.wire, prefix=self.request.prefix)
         try:
             # the client's side of the first hop's receipt hashes what it sends
             self.up, reply = await open_hop(node, first.peer, first.addrs, op, reply_timeout=OPEN_TIMEOUT * len(route),

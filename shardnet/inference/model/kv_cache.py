@@ -142,6 +142,17 @@ class SessionKv(Cache):
         """Bytes this cache holds (allocated, not only written)."""
         return sum(layer.nbytes for layer in self.layers if isinstance(layer, SlabLayer))
 
+    def copy_positions(self, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer, a copy of the keys and values of positions [start, end) (a prefix page)."""
+        return [(layer._k[:, :, start:end].clone(), layer._v[:, :, start:end].clone())
+                if isinstance(layer, SlabLayer) else None for layer in self.layers]
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Write keys and values copied by ``copy_positions`` after the cached positions."""
+        for layer, part in zip(self.layers, kv):
+            if part is not None:
+                layer.write(*part)
+
     def release(self) -> None:
         """Free the memory now (the session ended); the cache is unusable after."""
         for layer in self.layers:

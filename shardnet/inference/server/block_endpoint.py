@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
 import trio
 from prometheus_client import Histogram
 
@@ -24,6 +25,7 @@ from shardnet.inference.model import wire
 from shardnet.inference.model.block import Block, Head, dtype_name
 from shardnet.inference.receipt_service import ReceiptService, StageRecorder
 from shardnet.inference.router import ActivationRouter
+from shardnet.inference.server.prefix_store import PAGE, PrefixStore, PrefixTracker, row_digests, session_seed
 from shardnet.inference.server.scheduler import DEFAULT_MAX_TOKENS, BlockScheduler
 from shardnet.protocols import activation as ap
 from shardnet.protocols.activation import ErrorCode
@@ -52,13 +54,31 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class KvBudget:
-    """Bytes of KV cache this block may hold across sessions."""
+    """Bytes of KV cache this block may hold: the open sessions' caches (each reserved whole at
+    open), and in what they leave free, prefix pages (prefix_store.py), evicted least recently
+    used first when a session or a newer page needs the room."""
 
     limit: int
     used: int = 0
     sessions: dict[bytes, int] = field(default_factory=dict)
+    prefixes: PrefixStore = field(default_factory=PrefixStore)
+
+    @property
+    def held(self) -> int:
+        """Bytes held now: sessions' caches and prefix pages."""
+        return self.used + self.prefixes.nbytes
+
+    def room(self, nbytes: int) -> bool:
+        """Make room for a prefix page of ``nbytes`` (evicting older pages); False if it cannot fit."""
+        if self.used + nbytes > self.limit:
+            return False
+        if self.held + nbytes > self.limit:
+            self.prefixes.evict(self.held + nbytes - self.limit)
+        return True
 
     def reserve(self, session: bytes, nbytes: int) -> None:
+        if self.held + nbytes > self.limit and self.used + nbytes <= self.limit:
+            self.prefixes.evict(self.held + nbytes - self.limit)
         if self.used + nbytes > self.limit:
             raise InferenceError(ErrorCode.KV_BUDGET, f"session needs {nbytes} bytes of KV cache; "
                                  f"{self.limit - self.used} of {self.limit} are free",
@@ -231,7 +251,10 @@ class BlockEndpoint:
                          rec: StageRecorder | None = None) -> None:
         # allocated now at the session's length, exactly what sb.kv reserved for it; freed when the
         # session ends (the last reference goes: a pass still running its step holds one until done)
-        cache = sb.block.new_cache(session.open.max_len)
+        op = session.open
+        cache = sb.block.new_cache(op.max_len)
+        tracker = None if op.prefix is None else PrefixTracker(
+            session_seed(sb.model_id, (sb.block.start, sb.block.end), dtype_name(sb.block.dtype), op.prefix, op.ret.peer))
         while True:
             try:
                 msg = await up.recv(sb.idle_timeout)
@@ -257,8 +280,16 @@ class BlockEndpoint:
                 # Rollback: the client rejected speculated tokens; forget everything from pos on.
                 cache.crop(-action.drop)
             hidden = wire.from_message(step)
-            out = await sb.scheduler.forward(up.remote_peer, hidden, cache, step.pos,
+            reused: list = []
+            if tracker is not None:
+                digests, reused = await trio.to_thread.run_sync(_reuse_prefix, sb, tracker, cache, step.pos, hidden)
+            done = len(reused) * PAGE
+            out = await sb.scheduler.forward(up.remote_peer, hidden[:, done:], cache, step.pos + done,
                                              on_shared=rec.step_was_batched if rec is not None else None)
+            if reused:
+                out = torch.cat([torch.cat([p.outputs for p in reused])[None].to(out.dtype), out], dim=1)
+            if tracker is not None:
+                await trio.to_thread.run_sync(tracker.record, digests, out, cache, sb.kv.prefixes, sb.kv.room)
             out, kind = await _head(sb, session, step, rec, out)
             # hidden states go on in the session's wire dtype (default: as they came); logits in float32
             dtype, shape, payload = wire.to_payload(out, None if kind == "logits" else session.open.wire or step.dtype)
@@ -268,6 +299,18 @@ class BlockEndpoint:
                 await send_reply(up, session.send_failed(step, str(e), down.remote_peer))
                 return
             self.activity.step(hidden.shape[1], len(step.payload), len(payload), time.perf_counter() - t_step)
+
+
+def _reuse_prefix(sb: ServedBlock, tracker: PrefixTracker, cache, pos: int, hidden):
+    """The step's input rows' digests, and the stored prefix pages that continue the session at
+    ``pos``, already copied into its cache (prefix_store.py)."""
+    tracker.rollback(pos, sb.kv.prefixes)
+    digests = row_digests(hidden)
+    reused = tracker.lookup(sb.kv.prefixes, pos, digests)
+    for page in reused:
+        cache.append(page.kv)
+    sb.kv.prefixes.stats.hit_pages += len(reused)
+    return digests, reused
 
 
 async def _head(sb: ServedBlock, session: BlockSession, step, rec: StageRecorder | None, out):
