@@ -20,7 +20,7 @@ from shardnet.transport import open_node
 NEW = 6
 
 
-async def _chain(stack, loopback_config, kv_budget_bytes=512 << 20):
+async def _prefix_chain(stack, loopback_config, kv_budget_bytes=512 << 20):
     boot = await stack.enter_async_context(open_node(loopback_config()))
     cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
     served = []
@@ -49,7 +49,7 @@ def expected(prompt: list[int]) -> list[int]:
 async def test_a_second_turn_reuses_the_first_on_every_block(loopback_config):
     first = random_prompts(1, seed=3, vocab=500, lengths=(3 * PAGE + 10, 3 * PAGE + 11))[0]
     async with AsyncExitStack() as stack:
-        served, client_of = await _chain(stack, loopback_config)
+        served, client_of = await _prefix_chain(stack, loopback_config)
         client = await client_of("t")
         with trio.fail_after(120):
             out1 = await chain_token_ids(client, first, NEW)
@@ -69,7 +69,7 @@ async def test_a_prompt_that_differs_reuses_only_the_pages_before_the_difference
     changed = list(base)
     changed[PAGE + 3] = (changed[PAGE + 3] + 1) % 500  # in the second page
     async with AsyncExitStack() as stack:
-        served, client_of = await _chain(stack, loopback_config)
+        served, client_of = await _prefix_chain(stack, loopback_config)
         client = await client_of("t")
         with trio.fail_after(120):
             await chain_token_ids(client, base, NEW)
@@ -82,7 +82,7 @@ async def test_a_prompt_that_differs_reuses_only_the_pages_before_the_difference
 async def test_a_private_scope_is_not_reused_by_another_client(loopback_config, scope, reused):
     prompt = random_prompts(1, seed=5, vocab=500, lengths=(2 * PAGE + 5, 2 * PAGE + 6))[0]
     async with AsyncExitStack() as stack:
-        served, client_of = await _chain(stack, loopback_config)
+        served, client_of = await _prefix_chain(stack, loopback_config)
         alice, bob = await client_of(scope), await client_of(scope)
         with trio.fail_after(120):
             await chain_token_ids(alice, prompt, NEW)
@@ -95,7 +95,7 @@ async def test_a_private_scope_is_not_reused_by_another_client(loopback_config, 
 async def test_without_a_scope_nothing_is_kept(loopback_config):
     prompt = random_prompts(1, seed=6, vocab=500, lengths=(2 * PAGE + 5, 2 * PAGE + 6))[0]
     async with AsyncExitStack() as stack:
-        served, client_of = await _chain(stack, loopback_config)
+        served, client_of = await _prefix_chain(stack, loopback_config)
         client = await client_of(None)
         with trio.fail_after(120):
             await chain_token_ids(client, prompt, NEW)
@@ -105,7 +105,7 @@ async def test_without_a_scope_nothing_is_kept(loopback_config):
 async def test_pages_give_way_to_sessions_when_the_budget_is_short(loopback_config):
     prompts = random_prompts(3, seed=8, vocab=500, lengths=(2 * PAGE + 5, 2 * PAGE + 6))
     async with AsyncExitStack() as stack:
-        served, client_of = await _chain(stack, loopback_config)
+        served, client_of = await _prefix_chain(stack, loopback_config)
         for s in served:  # room for one session of these and two pages more
             per_token = s.block.kv_bytes_per_token()
             page = PAGE * (per_token + 4 * s.block.config.hidden_size)  # keys and values, output rows
