@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from bench._common import bench_parser  # noqa: E402
+from bench._common import bench_parser, print_table, ratio  # noqa: E402
 from shardnet.inference.model.block import Block  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.models import default_model_path  # noqa: E402
@@ -55,14 +55,14 @@ def main() -> None:
     def batched(caches):
         block.forward_batch([(torch.randn(1, 1, width), c) for c in caches])
 
-    print(f"one decode step of each of N sessions ({args.context} tokens cached), all {ckpt.num_layers} layers of "
-          f"tiny-llama, float32, {args.threads} threads; best of {args.rounds} rounds")
-    print(f"{'N':>4} {'one at a time ms':>17} {'batched ms':>11} {'speedup':>8} {'batched tok/s':>14}")
-    rows = []
+    rows, table = [], []
     for n in [int(x) for x in args.sessions.split(",")]:
         alone, together = best(one_at_a_time, primed(n)), best(batched, primed(n))
         rows.append((n, together))
-        print(f"{n:>4} {alone:>17.2f} {together:>11.2f} {alone / together:>7.2f}x {n / together * 1000:>14.0f}")
+        table.append([n, f"{alone:.2f}", f"{together:.2f}", ratio(alone, together), f"{n / together * 1000:.0f}"])
+    print_table(f"one decode step of each of N sessions ({args.context} tokens cached), all {ckpt.num_layers} layers "
+                f"of tiny-llama, float32, {args.threads} threads; best of {args.rounds} rounds",
+                ["N", "one at a time ms", "batched ms", "speedup", "batched tok/s"], table, left=0)
     if len(rows) >= 2:
         (n0, c0), (n1, c1) = rows[0], rows[-1]
         tok = (c1 - c0) / (n1 - n0)
