@@ -29,7 +29,7 @@ from functools import partial
 
 import trio
 
-from bench._common import bench_parser  # noqa: E402
+from bench._common import bench_parser, format_table  # noqa: E402
 from shardnet.testing.factories import echo_handler  # noqa: E402
 from shardnet.testing.helpers import loopback_config  # noqa: E402
 from shardnet.transport import open_node  # noqa: E402
@@ -245,14 +245,12 @@ async def torture(path: str, rounds: int, seed: int = 1, tasks: int = 4) -> Resu
 
 
 def table(results: list[Result]) -> str:
-    lines = ["path      writes   cut  (deadline/nursery/reset)  follow-up failed  decrypt errors  "
-             "conns replaced  busy MiB exact  seconds"]
-    for r in results:
-        kinds = "/".join(str(r.by_kind[k]) for k in CUTS)
-        lines.append(f"{r.path:8s} {r.writes:7d} {r.cut:5d}  ({kinds:>22s})  {r.follow_up_failures:16d}  "
-                     f"{r.decryption_errors:14d}  {r.connections_replaced:14d}  "
-                     f"{r.busy_bytes / 2**20:8.1f} {'yes' if r.busy_exact else 'NO':>5s}  {r.seconds:7.1f}")
-    return "\n".join(lines)
+    return format_table(
+        ["path", "writes", "cut", "(deadline/nursery/reset)", "follow-up failed", "decrypt errors",
+         "conns replaced", "busy MiB", "exact", "seconds"],
+        [[r.path, r.writes, r.cut, "(" + "/".join(str(r.by_kind[k]) for k in CUTS) + ")", r.follow_up_failures,
+          r.decryption_errors, r.connections_replaced, f"{r.busy_bytes / 2**20:.1f}", "yes" if r.busy_exact else "NO",
+          f"{r.seconds:.1f}"] for r in results], gap=2)
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import trio
 
-from bench._common import bench_parser
+from bench._common import bench_parser, print_table, ratio
 from bench.wan_emulator import Link, WanProxy
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.head_batcher import head_batcher
@@ -245,10 +245,6 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
     print(f"batched: --batch-tokens {args.batch_tokens}; one-at-a-time: --batch-tokens 0 (fair turns); "
           f"wan: {args.delay_ms:g} ms one way (+ up to {args.jitter_ms:g} ms jitter), {args.mbit:g} Mbit/s per edge, "
           f"3 edges a traversal; {os.cpu_count()} cores")
-    print(f"target: {TARGET_SESSIONS} sessions >= {TARGET_SPEEDUP:g}x the aggregate tok/s of 1, "
-          f"ms/token <= {TARGET_LATENCY:g}x of 1; medians of {args.repeats} run(s) per row")
-    print(f"{'network':<9} {'mode':<14} {'sessions':>8} {'agg tok/s':>9} {'x 1':>6} {'ms/tok':>7} {'x 1':>6} "
-          f"{'p50 ms':>7} {'p95 ms':>7} {'batch':>9} {'head':>5} {'cpu ms/tok':>10} {'cores':>5}  target")
     groups: dict[tuple[str, str, int], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.network, r.mode, r.sessions), []).append(r)
@@ -256,6 +252,7 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
     def med(rs: list[Row], attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in rs)
 
+    table = []
     for network in dict.fromkeys(r.network for r in rows):
         for mode in dict.fromkeys(r.mode for r in rows):
             base = groups.get((network, mode, 1))
@@ -263,18 +260,22 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
                 if (net, m) != (network, mode):
                     continue
                 agg, lat = med(rs, "aggregate"), med(rs, "per_token_ms")
-                speedup = agg / med(base, "aggregate") if base else float("nan")
-                slowdown = lat / med(base, "per_token_ms") if base else float("nan")
+                base_agg, base_lat = (med(base, "aggregate"), med(base, "per_token_ms")) if base else (None, None)
                 batch = "/".join(f"{statistics.median(r.mean_batch[i] for r in rs):.1f}"
                                  for i in range(len(rs[0].mean_batch))) or "-"
                 target = "-"
                 if n >= TARGET_SESSIONS and base:
-                    ok_agg, ok_lat = speedup >= TARGET_SPEEDUP, slowdown <= TARGET_LATENCY
+                    ok_agg, ok_lat = agg / base_agg >= TARGET_SPEEDUP, lat / base_lat <= TARGET_LATENCY
                     target = ("meets" if ok_agg and ok_lat else "misses") + \
                         f" (agg {'yes' if ok_agg else 'no'}, latency {'yes' if ok_lat else 'no'})"
-                print(f"{network:<9} {mode:<14} {n:>8} {agg:9.1f} {speedup:5.2f}x {lat:7.1f} {slowdown:5.2f}x "
-                      f"{med(rs, 'step_p50_ms'):7.1f} {med(rs, 'step_p95_ms'):7.1f} {batch:>9} "
-                      f"{med(rs, 'head_batch'):5.1f} {med(rs, 'cpu_ms'):10.2f} {med(rs, 'cores'):5.2f}  {target}")
+                table.append([network, mode, n, f"{agg:.1f}", ratio(agg, base_agg), f"{lat:.1f}", ratio(lat, base_lat),
+                              f"{med(rs, 'step_p50_ms'):.1f}", f"{med(rs, 'step_p95_ms'):.1f}", batch,
+                              f"{med(rs, 'head_batch'):.1f}", f"{med(rs, 'cpu_ms'):.2f}", f"{med(rs, 'cores'):.2f}",
+                              target])
+    print_table(f"target: {TARGET_SESSIONS} sessions >= {TARGET_SPEEDUP:g}x the aggregate tok/s of 1, "
+                f"ms/token <= {TARGET_LATENCY:g}x of 1; medians of {args.repeats} run(s) per row",
+                ["network", "mode", "sessions", "agg tok/s", "x 1", "ms/tok", "x 1", "p50 ms", "p95 ms", "batch",
+                 "head", "cpu ms/tok", "cores", "target"], table, left=2, notes=True)
     differ = sessions = 0
     for r in rows:  # each session's output against the first run of the same prompt (the batched chain's)
         first = next(o for o in rows if (o.network, o.sessions) == (r.network, r.sessions))

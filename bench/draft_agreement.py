@@ -19,6 +19,7 @@ from bench._common import bench_parser  # noqa: E402
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.inference.client.speculative import NGramDrafter  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
+from shardnet.testing.helpers import transformers_generate, transformers_model  # noqa: E402
 
 PROMPTS = ["def __init__(self, name):\n        self.name = name\n        self.",
            "import os\nimport sys\n\ndef main():\n    ", "class Parser:\n    def parse(self, text):\n        ",
@@ -26,8 +27,6 @@ PROMPTS = ["def __init__(self, name):\n        self.name = name\n        self.",
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM
-
     p = bench_parser(__doc__, quick="a short run for the tests: 2 prompts x 8 tokens")
     p.add_argument("--draft", type=Path, action="append", help="draft checkpoint(s) (default: the shipped one)")
     p.add_argument("--tokens", type=int, default=96)
@@ -36,16 +35,15 @@ def main() -> None:
     if args.quick:
         prompts, args.tokens = PROMPTS[:2], 8
     model = LocalModel(default_model_path())
-    target = AutoModelForCausalLM.from_pretrained(str(default_model_path()), dtype=torch.float32).eval()
+    target = transformers_model(str(default_model_path()), "float32")
     texts = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = model.encode(prompt)
-            out = target.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0]
+    for prompt in prompts:
+        ids = model.encode(prompt)
+        out = transformers_generate(target, torch.tensor([ids]), args.tokens)[0]
+        with torch.inference_mode():
             texts.append((len(ids), out, target(out[None]).logits[0].argmax(-1)))
     for path in args.draft or [default_draft_path()]:
-        draft = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        draft = transformers_model(str(path), "float32")
         agree = total = 0
         with torch.inference_mode():
             for n_prompt, out, want in texts:

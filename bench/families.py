@@ -25,23 +25,24 @@ from shardnet.inference.client.client import Client  # noqa: E402
 from shardnet.inference.model.families import FAMILIES  # noqa: E402
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.inference.model.random_model import init_random  # noqa: E402
-from shardnet.testing.helpers import local_chain, loopback_config  # noqa: E402
+from shardnet.testing.helpers import (  # noqa: E402
+    local_chain,
+    loopback_config,
+    transformers_generate,
+    transformers_model,
+)
 
 PROMPT = [3, 17, 42, 99, 7, 250, 11, 64, 5, 301]
 
 
 def transformers_decode(path: Path, new: int) -> tuple[list[int], float]:
     """Greedy tokens and decode tokens/s (the time for ``new`` tokens less that for one)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = transformers_model(path)
     ids = torch.tensor([PROMPT])
 
     def run(n: int):
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
+        out = transformers_generate(model, ids, n)
         return out[0, len(PROMPT):].tolist(), time.perf_counter() - t0
 
     run(2)  # warm-up

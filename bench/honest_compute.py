@@ -21,7 +21,7 @@ import time
 
 import trio
 
-from bench._common import bench_parser  # noqa: E402
+from bench._common import bench_parser, ratio  # noqa: E402
 from shardnet.inference.claims import find_claims  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
@@ -78,7 +78,7 @@ async def main_async(args) -> None:
                 extra = ""
                 if checks[name][0]:
                     extra = f"; {checks[name][0]} steps re-run on a witness, {checks[name][1]} agreed"
-                print(f"  {name:<22} {med:6.1f} tok/s  ({med / base:.2f}x of off){extra}")
+                print(f"  {name:<22} {med:6.1f} tok/s  ({ratio(med, base)} of off){extra}")
             print(f"  collecting a run receipt after a request: {statistics.median(collect) * 1000:.0f} ms")
 
 

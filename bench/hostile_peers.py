@@ -29,7 +29,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from bench._common import bench_parser  # noqa: E402
+from bench._common import bench_parser, format_table  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.testing.localswarm import LocalSwarm  # noqa: E402
 from shardnet.models import default_model_path  # noqa: E402
@@ -132,14 +132,12 @@ class Scenario:
                    max(self.rss) - self.base_rss, f"{counts}")
 
 
-def table(rows: list[Row]) -> list[str]:
-    out = [f"{'attack':<10} {'before s':>9} {'during s':>9} {'ratio':>6} {'tokens':>7} {'new peer':>9} "
-           f"{'victim RSS +MiB':>16}  attacker's requests"]
-    for r in rows:
-        out.append(f"{r.attack:<10} {r.before_s:>9.3f} {r.during_s:>9.3f} {r.ratio:>6.2f} "
-                   f"{'same' if r.same_tokens else 'CHANGED':>7} {'ok' if r.new_peer_connects else 'REFUSED':>9} "
-                   f"{r.rss_growth / 2**20:>16.1f}  {r.attacker}")
-    return out
+def table(rows: list[Row]) -> str:
+    return format_table(
+        ["attack", "before s", "during s", "ratio", "tokens", "new peer", "victim RSS +MiB", "attacker's requests"],
+        [[r.attack, f"{r.before_s:.3f}", f"{r.during_s:.3f}", f"{r.ratio:.2f}", "same" if r.same_tokens else "CHANGED",
+          "ok" if r.new_peer_connects else "REFUSED", f"{r.rss_growth / 2**20:.1f}", r.attacker] for r in rows],
+        notes=True)
 
 
 def main() -> None:
@@ -160,8 +158,7 @@ def main() -> None:
             rows.append(scenario.attack(name))
             print(f"{name}: {rows[-1].ratio:.2f}x", file=sys.stderr, flush=True)
     print(f"{NEW_TOKENS} tokens per generation, medians of {args.rounds} generations before and during each attack:")
-    for line in table(rows):
-        print(line)
+    print(table(rows))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import sys
 
 import torch
 
+from bench._common import print_table
 from shardnet.inference.client.audit import divergence  # noqa: E402
 from shardnet.inference.model.block import DTYPES, Block, Head  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
@@ -99,13 +100,15 @@ def main() -> int:
     args = ap.parse_args()
     torch.manual_seed(0)
     ckpt = Checkpoint(default_model_path())
-    print(f"tiny-llama, {args.sessions} sessions batched x {args.tokens} tokens x {args.seeds} seeds, {args.device}")
-    print(f"{'dtype':<10} {'max rel logit diff':>19} {'max rel gap':>12} {'argmax flips':>13} {'max audit div':>14}")
+    table = []
     for name in args.dtypes.split(","):
         rows = [measure(ckpt, DTYPES[name], args.device, args.sessions, args.tokens, seed) for seed in range(args.seeds)]
         flips, positions = sum(r["flips"] for r in rows), sum(r["positions"] for r in rows)
-        print(f"{name:<10} {max(r['logit'] for r in rows):>19.2e} {max(r['gap'] for r in rows):>12.2e} "
-              f"{flips:>6}/{positions:<6} {max(r['audit'] for r in rows):>14.2e}")
+        table.append([name, f"{max(r['logit'] for r in rows):.2e}", f"{max(r['gap'] for r in rows):.2e}",
+                      f"{flips}/{positions}", f"{max(r['audit'] for r in rows):.2e}"])
+    print_table(f"tiny-llama, {args.sessions} sessions batched x {args.tokens} tokens x {args.seeds} seeds, "
+                f"{args.device}",
+                ["dtype", "max rel logit diff", "max rel gap", "argmax flips", "max audit div"], table)
     return 0
 
 

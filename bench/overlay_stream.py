@@ -22,7 +22,7 @@ import time
 import trio
 from libp2p.peer.id import ID
 
-from bench._common import bench_parser  # noqa: E402
+from bench._common import bench_parser, print_table  # noqa: E402
 from bench.wan_emulator import DelayProxy  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 
@@ -211,15 +211,16 @@ async def client(args: argparse.Namespace) -> None:
         server.terminate()
         server.wait(10)
     raw, ovl = result["raw"], result["overlay"]
-    print(f"{args.mib} MiB x {args.repeats} passes and {args.messages} round trips of {SMALL} bytes each, "
-          f"raw and overlay interleaved; medians; data path: {'py-libp2p as shipped' if args.untuned else 'shardnet'}")
-    print(f"{'':24}{'raw TCP':>12}{'overlay':>12}{'ratio':>10}")
-    print(f"{'throughput (MB/s)':24}{raw['mbps']:12.1f}{ovl['mbps']:12.1f}{ovl['mbps'] / raw['mbps']:10.3f}"
-          f"   (overlay/raw, target >= 0.25)")
-    print(f"{'median RTT (ms)':24}{raw['rtt_ms']:12.3f}{ovl['rtt_ms']:12.3f}{ovl['rtt_ms'] / raw['rtt_ms']:10.2f}"
-          f"   (overlay/raw, target <= 5)")
-    print(f"{'connect (ms)':24}{raw['connect_ms']:12.2f}{ovl['connect_ms']:12.2f}"
-          f"{ovl['connect_ms'] / raw['connect_ms']:10.1f}   (overlay target < 50 ms)")
+    print_table(
+        f"{args.mib} MiB x {args.repeats} passes and {args.messages} round trips of {SMALL} bytes each, "
+        f"raw and overlay interleaved; medians; data path: {'py-libp2p as shipped' if args.untuned else 'shardnet'}",
+        ["", "raw TCP", "overlay", "ratio", ""],
+        [["throughput (MB/s)", f"{raw['mbps']:.1f}", f"{ovl['mbps']:.1f}", f"{ovl['mbps'] / raw['mbps']:.3f}",
+          "(overlay/raw, target >= 0.25)"],
+         ["median RTT (ms)", f"{raw['rtt_ms']:.3f}", f"{ovl['rtt_ms']:.3f}", f"{ovl['rtt_ms'] / raw['rtt_ms']:.2f}",
+          "(overlay/raw, target <= 5)"],
+         ["connect (ms)", f"{raw['connect_ms']:.2f}", f"{ovl['connect_ms']:.2f}",
+          f"{ovl['connect_ms'] / raw['connect_ms']:.1f}", "(overlay target < 50 ms)"]], notes=True)
     print(f"{'connect, py-libp2p default ConnectionConfig (ms)':52}{default_connect:10.2f}"
           f"   (happy-eyeballs delay; shardnet sets max_connections_per_peer=1)")
     if wan is not None:

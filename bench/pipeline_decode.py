@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as shardnet.inference set
 import torch  # noqa: E402
 import trio
 
-from bench._common import bench_parser  # noqa: E402
+from bench._common import bench_parser, print_table, ratio  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
@@ -113,14 +113,15 @@ def main() -> None:
 
     t_local, t_chain, t_spec = statistics.median(local), statistics.median(chain), statistics.median(spec)
     hops = args.peers + 1
-    print(f"model {args.model.name}: {ckpt.num_layers} layers over {args.peers} peers {ranges}; "
-          f"{args.tokens} tokens x {args.repeats} runs, greedy, medians")
-    print(f"{'':28}{'one process':>14}{'chain':>12}{'ratio':>10}")
-    print(f"{'decode (tok/s)':28}{1 / t_local:14.1f}{1 / t_chain:12.1f}{t_local / t_chain:10.3f}   (chain/local)")
-    print(f"{'time per token (ms)':28}{t_local * 1e3:14.2f}{t_chain * 1e3:12.2f}")
+    print_table(f"model {args.model.name}: {ckpt.num_layers} layers over {args.peers} peers {ranges}; "
+                f"{args.tokens} tokens x {args.repeats} runs, greedy, medians",
+                ["", "one process", "chain", "ratio", ""],
+                [["decode (tok/s)", f"{1 / t_local:.1f}", f"{1 / t_chain:.1f}", f"{t_local / t_chain:.3f}",
+                  "(chain/local)"],
+                 ["time per token (ms)", f"{t_local * 1e3:.2f}", f"{t_chain * 1e3:.2f}"]], notes=True)
     print(f"per-hop overhead: {(t_chain - t_local) / hops * 1e3:.2f} ms over {hops} network hops per token")
     print(f"speculative through the chain (draft {args.draft.name}, k={args.k}): {1 / t_spec:.1f} tok/s, "
-          f"{t_chain / t_spec:.2f}x plain chain decode; {sp.tokens_per_traversal:.2f} tokens per traversal, "
+          f"{ratio(t_chain, t_spec)} plain chain decode; {sp.tokens_per_traversal:.2f} tokens per traversal, "
           f"{sp.acceptance:.0%} of drafts accepted")
     print(f"greedy tokens identical to transformers (plain and speculative): {same}")
 

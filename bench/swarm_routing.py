@@ -28,7 +28,7 @@ from pathlib import Path
 
 import trio
 
-from bench._common import bench_parser  # noqa: E402
+from bench._common import bench_parser, ratio  # noqa: E402
 from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.claims import find_claims  # noqa: E402
 from shardnet.inference.client.client import Client
@@ -110,7 +110,7 @@ async def main_async(args) -> None:
                     med = {k: args.tokens / statistics.median(v) for k, v in times.items()}
                     print(f"routing: chosen chain(s) {sorted(chosen_names)}: {med['chosen']:.1f} tok/s; "
                           f"slow chain ({args.delay_ms:g} ms each way per slow peer): {med['slow']:.1f} tok/s; "
-                          f"ratio {med['chosen'] / med['slow']:.2f}x", flush=True)
+                          f"ratio {ratio(med['chosen'], med['slow'])}", flush=True)
 
                     heals, extra = [], []
                     for i in range(args.repeats):

@@ -35,7 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import trio  # noqa: E402
 
-from bench._common import bench_parser  # noqa: E402
+from bench._common import bench_parser, print_table, ratio  # noqa: E402
 from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.client.client import Client
@@ -190,9 +190,7 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
           f"client -> first peer ping {ping * 1e3:.1f} ms")
     print(f"tiny-llama over {len(ranges)} peers {ranges}; a traversal crosses {edges} edges: "
           f"{latency(1) * 1e3:.1f} ms of WAN, {modes[0].ring * 1e3:.1f} ms measured for plain decode")
-    print(f"{args.tokens} greedy tokens x {args.repeats} runs per mode, alternating; medians")
-    print(f"{'mode':<40} {'tok/s':>7} {'x plain':>8} {'tok/trav':>8} {'accepted':>8} {'stale':>6} "
-          f"{'ceiling':>8} {'reached':>8}")
+    rows = []
     for m in modes:
         rate = statistics.median(m.rates)
         total = m.summed()
@@ -201,8 +199,10 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
         ring = latency(m.k + 1) + chain + client  # from deciding on a chunk to having its result
         top = ceiling(total, m.depth, ring, draft, service=draft + client)
         acc = f"{total.acceptance:.0%}" if total.drafted else "-"
-        print(f"{m.name:<40} {rate:7.2f} {rate / plain:7.2f}x {total.tokens_per_traversal:8.2f} {acc:>8} "
-              f"{total.stale / max(1, total.chunks):6.0%} {top:8.2f} {rate / top:8.0%}")
+        rows.append([m.name, f"{rate:.2f}", ratio(rate, plain), f"{total.tokens_per_traversal:.2f}", acc,
+                     f"{total.stale / max(1, total.chunks):.0%}", f"{top:.2f}", f"{rate / top:.0%}"])
+    print_table(f"{args.tokens} greedy tokens x {args.repeats} runs per mode, alternating; medians",
+                ["mode", "tok/s", "x plain", "tok/trav", "accepted", "stale", "ceiling", "reached"], rows)
     same = all(ids == modes[0].ids[0] for m in modes for ids in m.ids)
     print(f"greedy output identical in every mode and run: {same}")
     print("ceiling: shardnet/inference/client/throughput.py over each mode's own acceptance outcomes, with the WAN")

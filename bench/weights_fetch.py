@@ -40,7 +40,7 @@ from pathlib import Path
 
 import trio
 
-from bench._common import bench_parser
+from bench._common import bench_parser, print_table
 from shardnet.inference.model.checkpoint import MANIFEST_CACHE, Checkpoint
 from shardnet.inference.model.random_model import init_random
 from shardnet.inference.weights.fetcher import find_sources
@@ -130,17 +130,16 @@ def run_sources(args, tmp: Path) -> list[FetchRow]:
 
 
 def print_sources(rows: list[FetchRow], args) -> None:
-    print(f"Fetching span 0:{args.layers} (every layer and the head parts) of a random checkpoint "
-          f"({rows[0].megabytes:.0f} MB), real hosts on loopback in one process.\nEach source serves the whole "
-          f"checkpoint, paced at {args.uplink_mb_per_s:g} MB/s (weights_mb_per_s: emulates a home uplink; loopback has none);\nthe last row is unpaced. "
-          "s: the fetch, source lookup included; MB/s: the transfer; ratio: to 1 capped source.")
-    print(f"{'sources':18}{'cap MB/s':>10}{'MB':>8}{'s':>8}{'MB/s':>9}{'ratio':>8}  share per source")
     base = next(r.rate for r in rows if r.sources == 1 and r.cap is not None)
-    for r in rows:
-        cap = f"{r.cap:g}" if r.cap is not None else "none"
-        shares = "/".join(f"{s * 100:.0f}" for s in r.shares) + " %"
-        print(f"{r.label:18}{cap:>10}{r.megabytes:>8.1f}{r.seconds:>8.2f}{r.rate:>9.1f}{r.rate / base:>8.2f}  {shares}",
-              flush=True)
+    print_table(
+        f"Fetching span 0:{args.layers} (every layer and the head parts) of a random checkpoint "
+        f"({rows[0].megabytes:.0f} MB), real hosts on loopback in one process.\nEach source serves the whole "
+        f"checkpoint, paced at {args.uplink_mb_per_s:g} MB/s (weights_mb_per_s: emulates a home uplink; loopback has none);\nthe last row is unpaced. "
+        "s: the fetch, source lookup included; MB/s: the transfer; ratio: to 1 capped source.",
+        ["sources", "cap MB/s", "MB", "s", "MB/s", "ratio", "share per source"],
+        [[r.label, f"{r.cap:g}" if r.cap is not None else "none", f"{r.megabytes:.1f}", f"{r.seconds:.2f}",
+          f"{r.rate:.1f}", f"{r.rate / base:.2f}", "/".join(f"{s * 100:.0f}" for s in r.shares) + " %"] for r in rows],
+        notes=True)
 
 
 # -- 2. a joining peer, real processes ----------------------------------------------------------

@@ -13,7 +13,7 @@ from contextlib import AsyncExitStack
 import torch
 import trio
 
-from bench._common import bench_parser  # noqa: E402
+from bench._common import bench_parser, print_table  # noqa: E402
 from shardnet.inference.model import wire  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
@@ -42,7 +42,7 @@ async def run(new: int) -> None:
         model = LocalModel(P)
         hidden = model.ckpt.config.hidden_size
         ref: dict[str, list[int]] = {}
-        print(f"{'wire dtype':12}{'bytes/token/hop':>17}{'vs float32':>12}{'greedy tokens agreeing':>26}")
+        table = []
         for w in ("float32", "float16", "bfloat16", "int8q"):
             client = Client(node, model, wire=w, audit_rate=0)  # the wire alone
             agree = 0
@@ -51,7 +51,8 @@ async def run(new: int) -> None:
                 ref.setdefault(pr, ids)
                 agree += agreeing_prefix(ids, ref[pr])
             size = len(wire.to_payload(torch.randn(1, 1, hidden), w)[2])
-            print(f"{w:12}{size:>17}{size / (4 * hidden):>12.2f}{f'{agree}/{new * len(PROMPTS)}':>26}")
+            table.append([w, size, f"{size / (4 * hidden):.2f}", f"{agree}/{new * len(PROMPTS)}"])
+        print_table(None, ["wire dtype", "bytes/token/hop", "vs float32", "greedy tokens agreeing"], table)
 
 
 def main() -> None:

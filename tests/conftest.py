@@ -4,7 +4,7 @@ Tests live by layer: ``unit/<layer>`` (one process, no network: the fast run, ``
 tests/unit``), ``integration`` (real py-libp2p hosts in this process), ``system`` (real
 processes: swarms, CLIs, the gateway, the NAT lab). Each test gets its directory's marker, so
 ``-m unit``, ``-m "not system"`` and so on select them too. Helpers are imported from
-``shardnet.testing.helpers``."""
+``shardnet.testing.helpers``; the fixtures here are thin wrappers of them."""
 
 import itertools
 import os
@@ -42,6 +42,17 @@ def pytest_collection_modifyitems(config, items):
 def loopback_config():
     """``loopback_config(**kw)``: a NodeConfig on a free loopback port (shardnet.testing.helpers)."""
     return helpers.loopback_config
+
+
+@pytest.fixture(scope="module")
+def reference(request):
+    """What single-process transformers generates greedily after the test module's ``PROMPT``:
+    ``NEW`` tokens, with the module's ``PENALTIES`` if it has them (``transformers_greedy``), on
+    the default model. Every distributed run of that prompt must reproduce it."""
+    from shardnet.models import default_model_path
+
+    m = request.module
+    return helpers.transformers_greedy(default_model_path(), m.PROMPT, m.NEW, penalties=getattr(m, "PENALTIES", None))
 
 
 @pytest.fixture(scope="session")

@@ -20,20 +20,65 @@ from shardnet.testing.localswarm import free_port, shardnet_argv  # noqa: F401 (
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def transformers_greedy(path, prompt: str, new: int) -> list[int]:
-    """The ``new`` tokens plain single-process transformers generates greedily after ``prompt``,
-    loaded as transformers loads it by default (in the checkpoint's dtype, as shardnet's
-    ``--dtype auto``): what every distributed run must reproduce."""
+def transformers_model(path, dtype: str | None = None):
+    """The checkpoint at ``path`` as single-process transformers loads it, for inference: in its own
+    dtype (``dtype=None``: transformers' default, as shardnet's ``--dtype auto``) or in ``dtype``
+    (``"float32"``)."""
     import torch
-    from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    ids = Tokenizer.from_file(str(Path(path) / "tokenizer.json")).encode(prompt).ids
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    return AutoModelForCausalLM.from_pretrained(path, **({"dtype": getattr(torch, dtype)} if dtype else {})).eval()
+
+
+def transformers_generate(model, input_ids, new: int | None = None, **generate_kw):
+    """transformers' own greedy ``generate`` on ``input_ids`` (a batch, every position attended):
+    the whole sequences, as it returns them. ``model`` is a loaded model or a checkpoint's path
+    (loaded in its own dtype). With ``new``: exactly ``new`` tokens, past any end of sequence;
+    without: as ``generate_kw`` (``max_new_tokens=``) and the checkpoint's generation config say."""
+    import torch
+
+    if isinstance(model, (str, os.PathLike)):
+        model = transformers_model(model)
+    if new is not None:
+        generate_kw = {"max_new_tokens": new, "min_new_tokens": new, "eos_token_id": None, "pad_token_id": 0,
+                       **generate_kw}
     with torch.inference_mode():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, **generate_kw)
+
+
+def transformers_greedy(path, prompt: str, new: int, *, penalties: dict | None = None) -> list[int]:
+    """The ``new`` tokens plain single-process transformers generates greedily after ``prompt``,
+    loaded as transformers loads it by default (in the checkpoint's dtype, as shardnet's
+    ``--dtype auto``): what every distributed run must reproduce. ``penalties``: the OpenAI
+    adjustment a request asks for (``frequency_penalty``, ``presence_penalty``, ``logit_bias``),
+    applied to the logits before each choice."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import LogitsProcessorList
+
+    ids = Tokenizer.from_file(str(Path(path) / "tokenizer.json")).encode(prompt).ids
+    kw = {"logits_processor": LogitsProcessorList([_openai_penalties(len(ids), **penalties)])} if penalties else {}
+    return transformers_generate(path, torch.tensor([ids]), new, **kw)[0, len(ids):].tolist()
+
+
+def _openai_penalties(prompt_len: int, *, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=None):
+    """A transformers logits processor applying OpenAI's formula: each ``logit_bias`` added, and for
+    each token generated n times so far (the prompt not counted), ``n * frequency_penalty +
+    presence_penalty`` subtracted."""
+    from collections import Counter
+
+    from transformers import LogitsProcessor
+
+    class OpenAIPenalties(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            for token, bias in (logit_bias or {}).items():
+                scores[:, token] += bias
+            for row, generated in enumerate(input_ids[:, prompt_len:].tolist()):
+                for token, n in Counter(generated).items():
+                    scores[row, token] -= n * frequency_penalty + presence_penalty
+            return scores
+
+    return OpenAIPenalties()
 
 
 def http_request(url: str, method: str, path: str, body=None, headers=None) -> tuple[int, bytes]:
@@ -131,12 +176,10 @@ def transformers_reference(path, prompt: list[int], new: int, dtype="float32"):
     position, in float32 (or, with ``dtype=None``, in the checkpoint's own dtype: transformers'
     default load)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": getattr(torch, dtype)} if dtype else {})).eval()
+    model = transformers_model(path, dtype)
+    out = transformers_generate(model, torch.tensor([prompt]), new)
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                             min_new_tokens=new, eos_token_id=None, pad_token_id=0)
         logits = model(out[:, :-1]).logits[0, -1].float()
     return out[0].tolist()[len(prompt):], logits
 

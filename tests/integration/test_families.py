@@ -21,6 +21,7 @@ from shardnet.testing.helpers import (
     chain_last_logits,
     chain_token_ids,
     local_chain,
+    transformers_model,
     transformers_reference,
 )
 
@@ -67,10 +68,8 @@ async def test_family_matches_transformers(loopback_config, make_checkpoint, fam
 async def test_bfloat16_checkpoint_computes_in_bfloat16(loopback_config, make_checkpoint, family):
     """dtype auto: a bf16 checkpoint runs in bf16 on every peer and the client, as transformers'
     default load does, and the peers claim bf16."""
-    from transformers import AutoModelForCausalLM
-
     path = make_checkpoint(family, "bfloat16")
-    assert AutoModelForCausalLM.from_pretrained(path).dtype == torch.bfloat16  # the reference's own default
+    assert transformers_model(path).dtype == torch.bfloat16  # the reference's own default
     want_ids, want_logits = transformers_reference(path, PROMPT, NEW_TOKENS, dtype=None)
     async with local_chain(loopback_config, path, split_layers(4, 2)) as node:
         model = LocalModel(path)

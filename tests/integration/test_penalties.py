@@ -6,35 +6,17 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.speculative import NGramDrafter
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.models import default_model_path
-from shardnet.testing.helpers import local_chain
+from shardnet.testing.helpers import local_chain, transformers_model
 
 PROMPT = "def main(args):\n    "
 NEW = 24
+#: the adjustment every request here asks for; ``reference`` (tests/conftest.py) applies it too
 PENALTIES = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "logit_bias": {11: 3.0, 13: -100.0}}
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """Greedy with the adjustment, one full forward pass of transformers per token."""
-    path = default_model_path()
-    ids = LocalModel(path).encode(PROMPT)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
-    out: list[int] = []
-    with torch.inference_mode():
-        for _ in range(NEW):
-            logits = hf(torch.tensor([ids + out])).logits[0, -1].float()
-            for token, bias in PENALTIES["logit_bias"].items():
-                logits[token] += bias
-            for token, n in Counter(out).items():
-                logits[token] -= n * PENALTIES["frequency_penalty"] + PENALTIES["presence_penalty"]
-            out.append(int(logits.argmax()))
-    return out
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -72,7 +54,7 @@ async def test_each_token_carries_its_log_probability(loopback_config, speculati
         toks = [t async for t in client.generate(PROMPT, max_new_tokens=12, stop_at_eos=False, logprobs=3, **kw)]
     ids = model.encode(PROMPT)
     out = [t.id for t in toks]
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = transformers_model(path)
     with torch.inference_mode():
         lp = torch.log_softmax(hf(torch.tensor([ids + out])).logits[0, len(ids) - 1:-1].float(), dim=-1)
     for i, t in enumerate(toks):

@@ -15,16 +15,11 @@ from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.local_session import LocalSession
 from shardnet.inference.server.compute_peer import serve_block
 from shardnet.models import default_draft_path, default_model_path
-from shardnet.testing.helpers import local_chain, transformers_greedy
+from shardnet.testing.helpers import local_chain
 from shardnet.transport import open_node
 
 PROMPT = "def __init__(self, name):\n        self.name = name\n        self."
 NEW = 40
-
-
-@pytest.fixture(scope="module")
-def reference_ids():
-    return transformers_greedy(default_model_path(), PROMPT, NEW)
 
 
 def test_accept_greedy():
@@ -51,7 +46,7 @@ def test_model_drafter_follows_the_accepted_text():
 
 
 @pytest.mark.parametrize("drafter_kind,k", [("ngram", 1), ("ngram", 4), ("model", 1), ("model", 3), ("model", 6)])
-async def test_speculative_greedy_equals_plain_greedy(loopback_config, reference_ids, drafter_kind, k):
+async def test_speculative_greedy_equals_plain_greedy(loopback_config, reference, drafter_kind, k):
     path = default_model_path()
     async with local_chain(loopback_config, path, [(0, 4), (4, 8)]) as node:
         model = LocalModel(path)
@@ -60,7 +55,7 @@ async def test_speculative_greedy_equals_plain_greedy(loopback_config, reference
         client = Client(node, model)
         got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
                                                     drafter=drafter, k=k)]
-    assert got == reference_ids
+    assert got == reference
     spec = client.last_stats.speculation
     assert spec.verified < NEW  # fewer chain traversals than tokens
     if drafter_kind == "model":
@@ -208,7 +203,7 @@ async def test_speculative_sampling_through_the_chain_is_seeded(loopback_config,
 
 # -- activation compression -------------------------------------------------------------------------
 @pytest.mark.parametrize("wire,identical", [("float16", NEW), ("bfloat16", NEW), ("int8q", 16)])
-async def test_compressed_activations(loopback_config, reference_ids, wire, identical):
+async def test_compressed_activations(loopback_config, reference, wire, identical):
     """Measured on the shipped model (docs/benchmarks.md): float16 and bfloat16 leave greedy output
     unchanged; int8 with per-position scales changes it after a while (here not in 16 tokens)."""
     from shardnet.inference.model import wire as wire_mod
@@ -217,7 +212,7 @@ async def test_compressed_activations(loopback_config, reference_ids, wire, iden
     async with local_chain(loopback_config, path, [(0, 4), (4, 8)]) as node:
         client = Client(node, LocalModel(path), wire=wire)
         got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False)]
-    assert got[:identical] == reference_ids[:identical]
+    assert got[:identical] == reference[:identical]
     hidden = torch.randn(1, 1, 224)
     sizes = {w: len(wire_mod.to_payload(hidden, w)[2]) for w in ("float32", wire)}
     assert sizes[wire] <= sizes["float32"] // 2
@@ -233,7 +228,7 @@ def _as_message(dtype, shape, payload):
 
 @pytest.mark.parametrize("drafter_kind,k,depth", [("ngram", 2, 2), ("model", 1, 3), ("model", 3, 2),
                                                   ("model", 4, 4), ("ngram", 4, 3)])
-async def test_pipelined_verify_chunks_keep_greedy_output(loopback_config, reference_ids, drafter_kind, k, depth):
+async def test_pipelined_verify_chunks_keep_greedy_output(loopback_config, reference, drafter_kind, k, depth):
     path = default_model_path()
     async with local_chain(loopback_config, path, [(0, 3), (3, 5), (5, 8)]) as node:
         model = LocalModel(path)
@@ -242,10 +237,10 @@ async def test_pipelined_verify_chunks_keep_greedy_output(loopback_config, refer
         client = Client(node, model)
         got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
                                                     drafter=drafter, k=k, depth=depth)]
-    assert got == reference_ids
+    assert got == reference
 
 
-async def test_speculation_across_emulated_wan_edges(loopback_config, reference_ids):
+async def test_speculation_across_emulated_wan_edges(loopback_config, reference):
     """Every peer behind a WAN emulator (it announces the proxy's address), so each connection
     crosses a delayed, jittery, rate-capped edge: output still identical, chunks in flight."""
     import trio
@@ -279,4 +274,4 @@ async def test_speculation_across_emulated_wan_edges(loopback_config, reference_
             got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
                                                         drafter=drafter, k=2, depth=3)]
         nursery.cancel_scope.cancel()
-    assert got == reference_ids
+    assert got == reference

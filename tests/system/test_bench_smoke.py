@@ -21,8 +21,8 @@ SIM_POLICIES = ("shardnet-before", "shardnet", "least-served", "water-filling")
 #: bench script (under bench/) -> its arguments and a pattern per line its report must print
 ONE_PROCESS = {
     "batched_block.py": (["--quick"], [
-        r"^ +N +one at a time ms +batched ms +speedup +batched tok/s$",
-        *(rf"^ +{n} +{NUM} +{NUM} +{NUM}x +{NUM}$" for n in (1, 4)),
+        r"^ *N +one at a time ms +batched ms +speedup +batched tok/s$",
+        *(rf"^ *{n} +{NUM} +{NUM} +{NUM}x +{NUM}$" for n in (1, 4)),
         rf"^fit: c\(b\) = {NUM} ms \+ b \* {NUM} ms$"]),
     "cancel_torture.py": (["--quick"], [
         r"^path +writes +cut +\(deadline/nursery/reset\)",

@@ -12,7 +12,7 @@ from shardnet.inference.client.client import Client
 from shardnet.inference.client.speculative import ModelDrafter
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.models import default_draft_path, default_model_path
-from shardnet.testing.helpers import loopback_config, transformers_greedy
+from shardnet.testing.helpers import loopback_config
 from shardnet.testing.localswarm import LocalSwarm
 from shardnet.transport import open_node
 
@@ -22,11 +22,6 @@ PROMPT = "def main(args):\n    "
 NEW = 24
 # spans and how many peers serve each; tests kill peers one by one (in file order)
 SPANS = {(0, 4): 2, (4, 8): 3}
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return transformers_greedy(default_model_path(), PROMPT, NEW)
 
 
 @pytest.fixture(scope="module")

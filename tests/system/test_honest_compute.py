@@ -17,7 +17,6 @@ from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.receipt_service import ReceiptService
 from shardnet.models import default_model_path
-from shardnet.testing.helpers import transformers_greedy
 from shardnet.testing.localswarm import LocalSwarm, shardnet_argv
 from shardnet.transport import open_node
 from shardnet.transport.config import NodeConfig
@@ -33,11 +32,6 @@ WINDOW = round(1 / DEFAULT_AUDIT_RATE)
 #: (one more window in case a first check is superseded). When that check finishes is timing:
 #: it runs beside decoding, later on a busy machine, so it is only required before the end.
 BOUND = 2 * WINDOW
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return transformers_greedy(default_model_path(), PROMPT, NEW)
 
 
 def start_peers(swarm: LocalSwarm, cheat_mode: str) -> tuple[str, str, set[str]]:

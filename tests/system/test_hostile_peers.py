@@ -35,7 +35,7 @@ def test_a_compute_peer_stays_responsive_under_attack(tmp_path):
             assert row.same_tokens, attack
             assert row.new_peer_connects, attack
     print()
-    print("\n".join(table(rows)))
+    print("\n" + table(rows))
     for row in rows:
         assert row.ratio <= RATIO_BOUND, table(rows)
         assert row.rss_growth <= MEMORY_BOUND, table(rows)

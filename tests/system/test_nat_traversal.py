@@ -48,19 +48,12 @@ def test_inference_across_three_nats(tmp_path):
     """Two compute peers behind two NATs, the client behind a third. Every edge (client -> p0 ->
     p1 -> client) starts on the relay and is hole-punched; greedy output equals transformers
     on the first run and again once activation streams run over the punched connections."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from shardnet.inference.model.local_model import LocalModel
     from shardnet.models import default_model_path
+    from shardnet.testing.helpers import transformers_greedy
 
     prompt, n = "def main(", 12
-    model = LocalModel(default_model_path())
-    ref = AutoModelForCausalLM.from_pretrained(default_model_path()).eval()  # its dtype, as the peers
-    ids = model.encode(prompt)
-    with torch.inference_mode():
-        out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    want = prompt + model.decode(out[0, len(ids):].tolist())
+    want = prompt + LocalModel(default_model_path()).decode(transformers_greedy(default_model_path(), prompt, n))
 
     procs = []
     with natlab.NatLab() as lab:

@@ -5,8 +5,9 @@ shardnet/testing/factories.py and shardnet/testing/helpers.py; docs/testing.md, 
 The rule, read from the source with ``ast``: the same top-level function name in two files fails,
 except
 - ``test_*`` functions and pytest fixtures: pytest looks them up per module, and a fixture such as
-  ``reference`` or ``swarm`` means "this file's reference" (it computes it from the file's own
-  prompt or spans, usually through a shared helper such as ``transformers_greedy``);
+  ``swarm`` means "this file's swarm" (it builds it from the file's own spans, usually through a
+  shared helper such as ``LocalSwarm``; ``reference``, the file's own prompt continued by
+  ``transformers_greedy``, is one fixture in tests/conftest.py);
 - ``PER_SCRIPT``: the generic names of what one script does (its entry point, its measurement,
   its report table). Each bench and test double has its own, so the name alone says nothing; but
   two of them with the same body are a copy, and fail.

@@ -8,14 +8,13 @@ from shardnet.inference.client.speculative import ModelDrafter
 from shardnet.inference.model.random_model import init_random
 from shardnet.inference.model.static_decoder import StaticKVDecoder, UnsupportedModel
 from shardnet.models import default_draft_path
+from shardnet.testing.helpers import transformers_generate, transformers_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (see bench/gpu_check.py)")
 
 
-def _hf(path, device="cpu"):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+def _hf(path):
+    return transformers_model(str(path), "float32")
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
@@ -59,9 +58,7 @@ def test_drafter_proposals_equal_transformers_greedy():
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 2048, (12,), generator=gen).tolist()
     for step in range(8):
-        with torch.inference_mode():
-            want = model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, pad_token_id=0,
-                                  eos_token_id=None)[0, len(ids):].tolist()
+        want = transformers_generate(model, torch.tensor([ids]), 5)[0, len(ids):].tolist()
         assert drafter.propose(ids, 5) == want
         # accept a prefix of the drafts and add a token the draft did not expect, like a verification
         ids = ids + want[:step % 4] + [int(torch.randint(1, 2048, (), generator=gen))]
