@@ -29,7 +29,8 @@ from shardnet.inference.model.checkpoint import Checkpoint
 from shardnet.inference.model.kv_cache import SlabLayer
 from shardnet.models import default_model_path
 
-#: decode steps each session may still take after its context (the caches' max_len)
+#: decode steps each session may still take after its context (the caches' max_len): the rounds
+#: and a warm-up
 HEADROOM = 64
 
 
@@ -109,6 +110,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concat-path", action="store_true", help="also time the path before the KV pool")
     args = ap.parse_args()
+    if not 1 <= args.rounds < HEADROOM:
+        ap.error(f"--rounds must be 1 to {HEADROOM - 1}")
     if args.quick:
         args.sessions, args.context, args.rounds, args.threads, args.concat_path = "1,4", "8,40", 2, 1, True
     torch.set_num_threads(args.threads)
@@ -127,6 +130,7 @@ def run(block: Block, name: str, args) -> None:
     step = torch.randn(1, 1, width)
 
     def best(fn, caches) -> float:
+        fn(caches)  # warm-up (first touches of the caches' memory, thread pools)
         times = []
         for _ in range(args.rounds):
             t0 = time.perf_counter()
