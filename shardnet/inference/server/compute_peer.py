@@ -198,7 +198,7 @@ class ComputePeer:
             if self.loading is None:
                 raise ShardnetError("no span served or being loaded: nothing to claim")
             return Claim(start=self.loading[0], end=self.loading[1], kv_tokens=0, tput=0.0, **common)
-        kv = sb.kv
+        kv = sb.kv  # (prefix pages give way to sessions: their room counts as free)
         rtts = tuple(sorted(self.successor_rtts.items(), key=lambda kv_: kv_[1]))
         return Claim(start=sb.block.start, end=sb.block.end,
                      kv_tokens=(kv.limit - kv.used) // sb.block.kv_bytes_per_token(), tput=self.tput,
