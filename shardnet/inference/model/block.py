@@ -232,14 +232,16 @@ class Block:
                         stack.enter_context(rowwise_attention(self._attention_of(layer), rows, idx))
                     hidden = layer(hidden, attention_mask=None, position_ids=position_ids, cache=batch_cache,
                                    use_cache=True, position_embeddings=pos_emb[kind])
+                if rows.unread:  # its attention read something other than the rows' caches
+                    raise TransformedCache(min(rows.unread))
         return hidden
 
     @staticmethod
     def _attention_of(layer):
-        for name in ("self_attn", "attention", "attn"):
-            if isinstance(getattr(layer, name, None), torch.nn.Module):
-                return getattr(layer, name)
-        raise CheckpointError(f"{type(layer).__name__} has no attention module shardnet can find")
+        found = [m for name, m in layer.named_children() if "Attention" in type(m).__name__]
+        if len(found) != 1:
+            raise CheckpointError(f"{type(layer).__name__} has no one attention module shardnet can find")
+        return found[0]
 
 
 class Head:

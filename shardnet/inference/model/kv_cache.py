@@ -180,7 +180,10 @@ class Rows:
     views: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     #: per layer index: what the batch cache's update returned (``rows_attention`` checks it is
     #: what reaches attention)
-    returned: dict[int, torch.Tensor] = field(default_factory=dict)
+    returned: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: layers whose cache was written but whose attention did not go through ``rows_attention``
+    #: (a module computing attention itself): ``Block.forward_batch`` runs them row by row
+    unread: set[int] = field(default_factory=set)
     _masks: dict[tuple[int, str], torch.Tensor | None] = field(default_factory=dict)
 
     def mask(self, row: int, kind: str, device) -> torch.Tensor | None:
@@ -227,7 +230,8 @@ class _RowsLayer(CacheLayerMixin):
             layer = cache.layers[self.idx]
             views.append(layer.update(key_states[row:row + 1, :, :new], value_states[row:row + 1, :, :new]))
         self.rows.views[self.idx] = views
-        self.rows.returned[self.idx] = key_states
+        self.rows.returned[self.idx] = (key_states, value_states)
+        self.rows.unread.add(self.idx)  # until rows_attention reads the views
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -258,8 +262,10 @@ def rows_attention(module, query, key, value, attention_mask, **kwargs):
     inner = _inner_attention(module, rows.inner)
     if idx in rows.rowwise:  # one row's module call (rowwise_attention): its own cache, its mask
         return inner(module, query, key, value, attention_mask, **kwargs)
-    if key is not rows.returned.get(idx):
+    returned = rows.returned.get(idx, (None, None))
+    if key is not returned[0] or value is not returned[1]:
         raise TransformedCache(idx)
+    rows.unread.discard(idx)
     kind = rows.layer_types[idx]
     out = None
     for row, (k, v) in enumerate(rows.views[idx]):
@@ -273,8 +279,9 @@ def rows_attention(module, query, key, value, attention_mask, **kwargs):
 
 class TransformedCache(Exception):
     """A layer's attention module changed what its cache returned before attention (MLA expands
-    its latent): ``Block.forward_batch`` rewinds the step and runs that layer's attention module
-    row by row instead (``rowwise_attention``)."""
+    its latent), or computed attention without the attention interface (differential attention):
+    ``Block.forward_batch`` rewinds the step and runs that layer's attention module row by row
+    instead (``rowwise_attention``)."""
 
     def __init__(self, idx: int) -> None:
         super().__init__(f"layer {idx} transforms its cached states before attention")
@@ -294,18 +301,19 @@ class rowwise_attention:
         forward = type(module).forward
 
         def per_row(hidden_states, *args, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-            out = None
+            out, extra = None, 1
             b = hidden_states.shape[0]
             for row, new in enumerate(rows.news):
                 pe = _row_of(position_embeddings, row, new, b)
                 o = forward(module, hidden_states[row:row + 1, :new], *args, position_embeddings=pe,
                             attention_mask=rows.mask(row, kind, hidden_states.device),
                             cache=rows.caches[row], **{k: _row_of(v, row, new, b) for k, v in kwargs.items()})
-                o = o[0] if isinstance(o, tuple) else o
+                if isinstance(o, tuple):
+                    o, extra = o[0], len(o) - 1
                 if out is None:
                     out = o.new_zeros(b, hidden_states.shape[1], *o.shape[2:])
                 out[row, :new] = o[0]
-            return out, None
+            return (out, *([None] * extra))  # (attention weights, router logits: not kept in inference)
 
         module.forward = per_row
 
