@@ -13,7 +13,7 @@ as processes on loopback (shardnet.testing.localswarm): ``shardnet serve --prefi
 
 Per conversation (a long system prompt and a question; a pasted document; a pasted module of
 code), with each gateway in turn, through the official ``openai`` client, greedy (temperature
-0), streamed: turn 1 = a user message of about ``--first-turn`` tokens (the text is built until
+0), streamed: turn 1 = messages of about ``--first-turn`` tokens (the text is built until
 the model's tokenizer counts that many), ``--answer-tokens`` new tokens; turn 2 = the whole
 conversation resent (turn 1, the assistant's answer, a short new question); the end-of-sequence
 token is kept out (``logit_bias``) so that every turn answers. The time to first
