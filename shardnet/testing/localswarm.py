@@ -206,9 +206,10 @@ class LocalSwarm:
                  for i, (a, b) in enumerate(spans)]
         return [self.wait_ready(p, timeout) for p in procs]
 
-    def start_gateway(self, *extra: str, timeout: float = 60.0) -> tuple[str, ShardnetProcess]:
-        """``shardnet serve`` on a free port, bootstrapped here; its base URL once it listens."""
-        p = self._spawn("gateway", ["serve", "--bootstrap", self.bootstrap_addr, "--port", str(free_port()), *extra])
+    def start_gateway(self, *extra: str, timeout: float = 60.0, name: str = "gateway") -> tuple[str, ShardnetProcess]:
+        """``shardnet serve`` on a free port, bootstrapped here; its base URL once it listens
+        (``name``: its log's, for a second gateway)."""
+        p = self._spawn(name, ["serve", "--bootstrap", self.bootstrap_addr, "--port", str(free_port()), *extra])
         line = p.wait_for_line(lambda s: "serving the OpenAI API" in s, timeout)
         return re.search(r"http://[\d.]+:\d+", line).group(0), p
 

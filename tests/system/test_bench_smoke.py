@@ -85,6 +85,12 @@ MULTI_PROCESS = {
         rf"^healing: median heal \d+ ms; a request with one failure takes [+-]{NUM} s"]),
     "gateway_load.py": (["--quick"], [
         rf"^this: 2 users x 2 s: requests=\d+ failures=\d+ \({NUM} %\) p50={NUM} s"]),
+    "prefix_chat.py": (["--quick"], [  # the texts must not change with prefix reuse
+        r"^conversation +reuse +prompt 1 +TTFT 1 s +prompt 2 +TTFT 2 s +2 / 1 +target$",
+        rf"^system prompt +off +\d+ +{NUM} +\d+ +{NUM} +{NUM}x +-$",
+        rf"^system prompt +private +\d+ +{NUM} +\d+ +{NUM} +{NUM}x +(meets|misses)$",
+        r"^system prompt: turn-2 TTFT with reuse [\d.]+x of without; turn-1 texts same with and without "
+        r"reuse: True; turn-2 texts same: True$"]),
     "hostile_peers.py": (["--quick"], [
         r"^16 tokens per generation, medians of 1 generations before and during each attack:$",
         r"^attack +before s +during s +ratio +tokens +new peer +victim RSS \+MiB +attacker's requests$",
