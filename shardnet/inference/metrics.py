@@ -102,8 +102,15 @@ class NodeCollector(Collector):
             kv = GaugeMetricFamily("shardnet_block_kv_bytes", "KV cache bytes reserved by sessions, and the budget",
                                    labels=["state"])
             kv.add_metric(["used"], sb.kv.used)
+            kv.add_metric(["prefix_pages"], sb.kv.prefixes.nbytes)
             kv.add_metric(["limit"], sb.kv.limit)
             yield kv
+            pages = CounterMetricFamily("shardnet_block_prefix_pages", "prefix pages (64 positions) reused instead "
+                                        "of computed, stored, evicted", labels=["event"])
+            ps = sb.kv.prefixes.stats
+            for event, n in (("reused", ps.hit_pages), ("stored", ps.stored_pages), ("evicted", ps.evicted_pages)):
+                pages.add_metric([event], n)
+            yield pages
             # the block scheduler's passes (since this span was loaded: a peer that moves starts anew)
             st = sb.scheduler.stats
             yield CounterMetricFamily("shardnet_block_batches", "forward passes of the block scheduler", st.passes)
@@ -114,7 +121,7 @@ class NodeCollector(Collector):
                                 value=sum(endpoint.sessions_by_peer.values()))
         yield CounterMetricFamily("shardnet_block_sessions", "sessions opened at this block", act.sessions_total)
         yield CounterMetricFamily("shardnet_block_steps", "steps computed and sent on", act.steps_total)
-        yield CounterMetricFamily("shardnet_block_tokens", "token positions computed", act.tokens_total)
+        yield CounterMetricFamily("shardnet_block_tokens", "token positions computed (or reused from prefix pages)", act.tokens_total)
         traffic = CounterMetricFamily("shardnet_block_activation_bytes", "activation payload bytes through this "
                                       "block", labels=["direction"])
         traffic.add_metric(["in"], act.bytes_in_total)
