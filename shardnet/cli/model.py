@@ -32,9 +32,11 @@ def model() -> None:
 @click.option("--shards", default=1, show_default=True, help="Split the weights into this many files.")
 @click.option("--experts", default=4, show_default=True, help="Routed experts per MoE layer (MoE families).")
 @click.option("--active-experts", default=2, show_default=True, help="Experts each token is routed to.")
+@click.option("--max-positions", default=2048, show_default=True, type=click.IntRange(min=1),
+              help="The context the config allows (max_position_embeddings).")
 @wrap_errors
 def model_init_random(out, family, layers, hidden, heads, kv_heads, intermediate, vocab, seed, dtype, shards,
-                      experts, active_experts) -> None:
+                      experts, active_experts, max_positions) -> None:
     """Write a random checkpoint (any size) to OUT."""
     from shardnet.inference.model.random_model import init_random
 
@@ -44,7 +46,7 @@ def model_init_random(out, family, layers, hidden, heads, kv_heads, intermediate
         fail("--active-experts must be between 1 and --experts", 2)
     path = init_random(out, family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                        intermediate=intermediate, vocab=vocab, seed=seed, dtype=dtype, shards=shards,
-                       experts=experts, active_experts=active_experts)
+                       experts=experts, active_experts=active_experts, max_positions=max_positions)
     say(f"wrote {family} ({layers} layers, hidden {hidden}) to {path}")
 
 

@@ -115,9 +115,10 @@ def loopback_config(**kw):
 
 
 @asynccontextmanager
-async def local_chain(config, path, ranges, **serve_kw):
+async def local_chain(config, path, ranges, *, served: list | None = None, **serve_kw):
     """A bootstrap, one node per layer range serving it, and a client node (all in this process);
-    yields the client node once it has joined. ``config(**kw)`` makes each node's NodeConfig."""
+    yields the client node once it has joined. ``config(**kw)`` makes each node's NodeConfig.
+    ``served``: a list the ``ServedBlock`` of each range is appended to (its scheduler, KV budget)."""
     from shardnet.inference.server.compute_peer import serve_block
     from shardnet.transport import open_node
 
@@ -126,7 +127,9 @@ async def local_chain(config, path, ranges, **serve_kw):
         cfg = config(bootstrap=[str(boot.listen_addrs[0])])
         for a, b in ranges:
             peer = await stack.enter_async_context(open_node(cfg))
-            await stack.enter_async_context(serve_block(peer, str(path), a, b, **serve_kw))
+            block = await stack.enter_async_context(serve_block(peer, str(path), a, b, **serve_kw))
+            if served is not None:
+                served.append(block)
         client_node = await stack.enter_async_context(open_node(cfg))
         await client_node.wait_bootstrapped()
         yield client_node

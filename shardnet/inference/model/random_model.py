@@ -138,15 +138,17 @@ def write_tokenizer(out: Path, vocab: int) -> None:
 def init_random(out: str | Path, family: str = "llama", *, layers: int = 4, hidden: int = 64,
                 heads: int = 4, kv_heads: int | None = 2, intermediate: int | None = None,
                 vocab: int = 512, seed: int = 0, dtype: str = "float32", shards: int = 1,
-                sliding_window: int | None = None, experts: int = 4, active_experts: int = 2) -> Path:
-    """Create a random ``family`` checkpoint in ``out``; returns the directory."""
+                sliding_window: int | None = None, experts: int = 4, active_experts: int = 2,
+                max_positions: int = 2048) -> Path:
+    """Create a random ``family`` checkpoint in ``out``; returns the directory. ``max_positions``:
+    the context its config allows (``max_position_embeddings``)."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = make_config(family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                      intermediate=intermediate, vocab=vocab, sliding_window=sliding_window,
-                      experts=experts, active_experts=active_experts)
+                      intermediate=intermediate, vocab=vocab, max_positions=max_positions,
+                      sliding_window=sliding_window, experts=experts, active_experts=active_experts)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
