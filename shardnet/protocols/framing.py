@@ -50,6 +50,8 @@ class FrameDecoder:
             frames.append(bytes(self._buf[: self._need]))
             del self._buf[: self._need]
             self._need = None
+            if not self._buf:  # (a bytearray keeps its capacity: a large frame's megabytes go now)
+                self._buf = bytearray()
 
     @property
     def pending(self) -> int:

@@ -121,9 +121,5 @@ def test_rss_serving_16_sessions_of_2048_tokens_holds_their_kv_cache(serving_rss
     assert serving_rss.serving - serving_rss.loaded >= 0.9 * serving_rss.kv_written, serving_rss
 
 
-@pytest.mark.xfail(strict=True, reason="measured 2026-12-06: peak ~970 MiB against a bound of ~862 MiB (loaded "
-                   "527 MiB, KV budget 257 MiB); the main heap grows ~430 MiB: each idle session's last input is held "
-                   "3 times (frame, payload slice, bytearray: 2 MiB each) and the prefill's transient copies stay in "
-                   "glibc's heap; see docs/benchmarks.md")
 def test_rss_serving_16_sessions_of_2048_tokens_stays_within_weights_kv_budget_and_10_percent(serving_rss):
     assert serving_rss.peak <= 1.1 * (serving_rss.loaded + serving_rss.kv_budget), serving_rss

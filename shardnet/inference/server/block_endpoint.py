@@ -11,6 +11,7 @@ streams that start with ``open``.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass, field
@@ -51,6 +52,9 @@ from shardnet.transport.limits import PeerCounts, Refusals, TokenBuckets
 from shardnet.transport.node import Node
 
 log = logging.getLogger(__name__)
+
+#: after a step of this many positions or more, freed memory goes back to the system at once
+TRIM_AFTER_TOKENS = 256
 
 @dataclass
 class KvBudget:
@@ -256,6 +260,8 @@ class BlockEndpoint:
         tracker = None if op.prefix is None else PrefixTracker(
             session_seed(sb.model_id, (sb.block.start, sb.block.end), dtype_name(sb.block.dtype), op.prefix, op.ret.peer))
         while True:
+            # the last step's buffers (frame, payload, tensors: megabytes for a prompt) go before the wait
+            msg = action = step = hidden = out = payload = digests = reused = None
             try:
                 msg = await up.recv(sb.idle_timeout)
             except trio.TooSlowError:
@@ -299,6 +305,25 @@ class BlockEndpoint:
                 await send_reply(up, session.send_failed(step, str(e), down.remote_peer))
                 return
             self.activity.step(hidden.shape[1], len(step.payload), len(payload), time.perf_counter() - t_step)
+            if hidden.shape[1] >= TRIM_AFTER_TOKENS:  # a prompt's transient buffers, freed: give them back
+                await trio.to_thread.run_sync(trim_freed_memory)
+
+
+def trim_freed_memory() -> None:
+    """Return the heap's free pages to the system (glibc's malloc_trim; elsewhere nothing): a
+    prompt's transient buffers otherwise stay in the peer's RSS (tests/system/test_peer_memory.py)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
 
 
 def _reuse_prefix(sb: ServedBlock, tracker: PrefixTracker, cache, pos: int, hidden):
