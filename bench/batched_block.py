@@ -1,7 +1,7 @@
 """One block's cost per decode step, batched vs one session at a time, side by side in one run.
 
     python -m bench.batched_block [--sessions 1,4,16] [--context 32,2048,8192] [--hidden 2048]
-                                  [--rounds 5] [--threads 2] [--concat-path] [--quick]
+                                  [--rounds 5] [--threads 2] [--quick]
 
 N sessions, each with ``--context`` positions cached, take one decode step each: once as N forward
 passes (one at a time), once as one ``Block.forward_batch``. Prints ms per round of steps, the
@@ -10,9 +10,9 @@ serving. The block: all 8 layers of the shipped tiny-llama in float32, or with `
 first 4 of the 8 layers of the random llama of that width that bench.concurrent_decode uses (one
 peer's block of its 2-peer chain; float32 here). Caches are filled with random keys and values
 (what they hold does not change a step's cost) in the session caches a peer allocates
-(``Block.new_cache(max_len)``). ``--concat-path``: also time the path before the KV pool (each
-session a growing ``DynamicCache``, a batched step gathering every session's past into one padded
-cache), for the comparison in docs/benchmarks.md only.
+(``Block.new_cache(max_len)``). The comparison with the path before issue 35's KV cache in
+docs/benchmarks.md was run with a ``--concat-path`` flag removed after that run (``git show
+93e723f:bench/batched_block.py``).
 """
 
 from __future__ import annotations
@@ -52,68 +52,20 @@ def filled_pool_cache(block: Block, context: int):
     return cache
 
 
-def filled_dynamic_cache(block: Block, context: int):
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for idx, shape in enumerate(block.kv_layout()):
-        (hk, dk), (hv, dv) = shape.key, shape.value
-        cache.update(torch.randn(1, hk, context, dk, dtype=block.dtype),
-                     torch.randn(1, hv, context, dv, dtype=block.dtype), idx)
-    return cache
-
-
-@torch.inference_mode()
-def concat_forward_batch(block: Block, steps):
-    """The batched step before the KV pool (issue 35's "today's path"), kept here only to measure
-    against: every session's past left-padded and concatenated into one cache, then the new
-    positions copied back into each session's growing cache."""
-    from transformers import DynamicCache
-
-    lengths = [cache.get_seq_length() for _, cache in steps]
-    b, past = len(steps), max(lengths)
-    hidden = torch.cat([h for h, _ in steps]).to(block.dtype)
-    batch_cache = DynamicCache()
-    for idx in range(block.num_layers):
-        ks, vs = [], []
-        for (_, cache), length in zip(steps, lengths):
-            k, v = cache.layers[idx].keys, cache.layers[idx].values
-            if length < past:
-                k = torch.cat([k.new_zeros(*k.shape[:-2], past - length, k.shape[-1]), k], dim=-2)
-                v = torch.cat([v.new_zeros(*v.shape[:-2], past - length, v.shape[-1]), v], dim=-2)
-            ks.append(k)
-            vs.append(v)
-        batch_cache.update(torch.cat(ks), torch.cat(vs), idx)
-    lengths_t = torch.tensor(lengths)
-    position_ids = lengths_t[:, None]
-    j = torch.arange(past + 1)[None, :]
-    allowed = (j >= past - lengths_t[:, None])[:, None, None, :]
-    pos_emb = block.family.position_embeddings(block.rotary, hidden, position_ids, block.layer_types)
-    for layer, kind in zip(block.layers, block.layer_types):
-        hidden = layer(hidden, attention_mask=allowed, position_ids=position_ids, cache=batch_cache,
-                       use_cache=True, position_embeddings=pos_emb[kind])
-    for row, (_, cache) in enumerate(steps):
-        for idx in range(block.num_layers):
-            layer = batch_cache.layers[idx]
-            cache.update(layer.keys[row:row + 1, :, past:past + 1], layer.values[row:row + 1, :, past:past + 1], idx)
-    return [hidden[row:row + 1] for row in range(b)]
-
-
 def main() -> None:
     ap = bench_parser(__doc__, quick="a short run for the tests: 1 and 4 sessions at 8 and 40 positions, "
-                                     "2 rounds, 1 thread, the old path too")
+                                     "2 rounds, 1 thread")
     ap.add_argument("--sessions", default="1,4,16")
     ap.add_argument("--context", default="32,2048,8192", help="positions cached per session (comma-separated)")
     ap.add_argument("--hidden", type=int, default=None, metavar="N",
                     help="the 8-layer random llama of this width (its first 4 layers), not tiny-llama")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--concat-path", action="store_true", help="also time the path before the KV pool")
     args = ap.parse_args()
     if not 1 <= args.rounds < HEADROOM:
         ap.error(f"--rounds must be 1 to {HEADROOM - 1}")
     if args.quick:
-        args.sessions, args.context, args.rounds, args.threads, args.concat_path = "1,4", "8,40", 2, 1, True
+        args.sessions, args.context, args.rounds, args.threads = "1,4", "8,40", 2, 1
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         if args.hidden:
@@ -145,14 +97,9 @@ def run(block: Block, name: str, args) -> None:
     def batched(caches):
         block.forward_batch([(step, c) for c in caches])
 
-    def concat(caches):
-        concat_forward_batch(block, [(step, c) for c in caches])
-
     print(f"one decode step of each of N sessions, {name}, float32, {args.threads} threads; "
           f"best of {args.rounds} rounds (ms per round of N steps)")
     header = ["context", "N", "one at a time", "batched", "speedup", "batched tok/s"]
-    if args.concat_path:
-        header += ["old: one at a time", "old: batched", "old speedup", "pool batched vs old batched"]
     rows, fits = [], []
     for context in [int(x) for x in args.context.split(",")]:
         points = []
@@ -162,11 +109,6 @@ def run(block: Block, name: str, args) -> None:
             points.append((n, together))
             row = [context, n, f"{alone:.2f}", f"{together:.2f}", f"{alone / together:.2f}x",
                    f"{n / together * 1000:.0f}"]
-            if args.concat_path:
-                old_alone = best(one_at_a_time, [filled_dynamic_cache(block, context) for _ in range(n)])
-                old_together = best(concat, [filled_dynamic_cache(block, context) for _ in range(n)])
-                row += [f"{old_alone:.2f}", f"{old_together:.2f}", f"{old_alone / old_together:.2f}x",
-                        f"{old_together / together:.2f}x"]
             rows.append(row)
         if len(points) >= 2:
             (n0, c0), (n1, c1) = points[0], points[-1]

@@ -21,9 +21,8 @@ SIM_POLICIES = ("shardnet-before", "shardnet", "least-served", "water-filling")
 #: bench script (under bench/) -> its arguments and a pattern per line its report must print
 ONE_PROCESS = {
     "batched_block.py": (["--quick"], [
-        r"^context +N +one at a time +batched +speedup +batched tok/s +old: one at a time +old: batched +old speedup"
-        r" +pool batched vs old batched$",
-        *(rf"^{c} +{n} +{NUM} +{NUM} +{NUM}x +{NUM} +{NUM} +{NUM} +{NUM}x +{NUM}x$" for c in (8, 40) for n in (1, 4)),
+        r"^context +N +one at a time +batched +speedup +batched tok/s$",
+        *(rf"^{c} +{n} +{NUM} +{NUM} +{NUM}x +{NUM}$" for c in (8, 40) for n in (1, 4)),
         *(rf"^fit: context {c}: c\(b\) = {NUM} ms \+ b \* {NUM} ms$" for c in (8, 40))]),
     "cancel_torture.py": (["--quick"], [
         r"^path +writes +cut +\(deadline/nursery/reset\)",
