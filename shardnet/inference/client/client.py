@@ -20,10 +20,9 @@ is the node's ``InferenceServices`` (inference/services.py), taken once here and
 from __future__ import annotations
 
 import dataclasses
-from types import EllipsisType
-
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from types import EllipsisType
 
 import trio
 
