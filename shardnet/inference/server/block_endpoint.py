@@ -289,6 +289,7 @@ class BlockEndpoint:
             reused: list = []
             if tracker is not None:
                 digests, reused = await trio.to_thread.run_sync(_reuse_prefix, sb, tracker, cache, step.pos, hidden)
+                sb.kv.prefixes.stats.hit_pages += len(reused)
             done = len(reused) * PAGE
             out = await sb.scheduler.forward(up.remote_peer, hidden[:, done:], cache, step.pos + done,
                                              on_shared=rec.step_was_batched if rec is not None else None)
@@ -334,7 +335,6 @@ def _reuse_prefix(sb: ServedBlock, tracker: PrefixTracker, cache, pos: int, hidd
     reused = tracker.lookup(sb.kv.prefixes, pos, digests)
     for page in reused:
         cache.append(page.kv)
-    sb.kv.prefixes.stats.hit_pages += len(reused)
     return digests, reused
 
 

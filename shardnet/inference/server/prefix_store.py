@@ -31,6 +31,7 @@ every layer of the block.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -59,10 +60,12 @@ class PrefixStats:
 
 
 class PrefixStore:
-    """A block's prefix pages, least recently used first."""
+    """A block's prefix pages, least recently used first. Sessions look pages up and store them
+    from worker threads (and the event loop evicts for new sessions): every method holds a lock."""
 
     def __init__(self) -> None:
         self._pages: OrderedDict[bytes, PrefixPage] = OrderedDict()
+        self._lock = threading.Lock()
         self.nbytes = 0
         self.stats = PrefixStats()
 
@@ -73,28 +76,31 @@ class PrefixStore:
         return key in self._pages
 
     def get(self, key: bytes) -> PrefixPage | None:
-        page = self._pages.get(key)
-        if page is not None:
-            self._pages.move_to_end(key)
-        return page
+        with self._lock:
+            page = self._pages.get(key)
+            if page is not None:
+                self._pages.move_to_end(key)
+            return page
 
     def put(self, key: bytes, page: PrefixPage) -> None:
-        if key in self._pages:
-            self._pages.move_to_end(key)
-            return
-        self._pages[key] = page
-        self.nbytes += page.nbytes
-        self.stats.stored_pages += 1
+        with self._lock:
+            if key in self._pages:
+                self._pages.move_to_end(key)
+                return
+            self._pages[key] = page
+            self.nbytes += page.nbytes
+            self.stats.stored_pages += 1
 
     def evict(self, nbytes: int) -> int:
         """Drop least recently used pages until ``nbytes`` are freed (or none is left)."""
-        freed = 0
-        while freed < nbytes and self._pages:
-            _, page = self._pages.popitem(last=False)
-            freed += page.nbytes
-            self.stats.evicted_pages += 1
-        self.nbytes -= freed
-        return freed
+        with self._lock:
+            freed = 0
+            while freed < nbytes and self._pages:
+                _, page = self._pages.popitem(last=False)
+                freed += page.nbytes
+                self.stats.evicted_pages += 1
+            self.nbytes -= freed
+            return freed
 
 
 def session_seed(model_id: str, layers: tuple[int, int], dtype: str, scope: str, ret_peer: str) -> bytes:
