@@ -82,9 +82,6 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
         import torch
 
         torch.set_num_threads(threads)
-    from shardnet.inference.server.compute_peer import return_freed_memory_promptly
-
-    return_freed_memory_promptly()
     if region is not None:
         from shardnet.protocols.receipts import region_problem
 

@@ -227,9 +227,8 @@ class Block:
         batch_cache = RowsKv(rows, self.num_layers)
         with self._pass, rows_context(self._attn_configs, rows):
             for idx, (layer, kind) in enumerate(zip(self.layers, self.layer_types)):
-                with contextlib.ExitStack() as stack:
-                    if idx in rows.rowwise:
-                        stack.enter_context(rowwise_attention(self._attention_of(layer), rows, idx))
+                with (rowwise_attention(self._attention_of(layer), rows, idx) if idx in rows.rowwise
+                      else contextlib.nullcontext()):
                     hidden = layer(hidden, attention_mask=None, position_ids=position_ids, cache=batch_cache,
                                    use_cache=True, position_embeddings=pos_emb[kind])
                 if rows.unread:  # its attention read something other than the rows' caches
@@ -238,7 +237,7 @@ class Block:
 
     @staticmethod
     def _attention_of(layer):
-        found = [m for name, m in layer.named_children() if "Attention" in type(m).__name__]
+        found = [m for _, m in layer.named_children() if "Attention" in type(m).__name__]
         if len(found) != 1:
             raise CheckpointError(f"{type(layer).__name__} has no one attention module shardnet can find")
         return found[0]

@@ -11,7 +11,6 @@ streams that start with ``open``.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from dataclasses import dataclass, field
@@ -48,13 +47,16 @@ from shardnet.protocols.activation_session import (
     Skip,
     answer_to_open,
 )
+from shardnet.transport import allocator
 from shardnet.transport.limits import PeerCounts, Refusals, TokenBuckets
 from shardnet.transport.node import Node
 
 log = logging.getLogger(__name__)
 
-#: after a step of this many positions or more, freed memory goes back to the system at once
+#: after a step of this many positions or more, the heap's freed memory goes back to the system at
+#: once (the node keeps buffers below 64 MiB in the heap: transport/allocator.py)
 TRIM_AFTER_TOKENS = 256
+
 
 @dataclass
 class KvBudget:
@@ -307,24 +309,7 @@ class BlockEndpoint:
                 return
             self.activity.step(hidden.shape[1], len(step.payload), len(payload), time.perf_counter() - t_step)
             if hidden.shape[1] >= TRIM_AFTER_TOKENS:  # a prompt's transient buffers, freed: give them back
-                await trio.to_thread.run_sync(trim_freed_memory)
-
-
-def trim_freed_memory() -> None:
-    """Return the heap's free pages to the system (glibc's malloc_trim; elsewhere nothing): a
-    prompt's transient buffers otherwise stay in the peer's RSS (tests/system/test_peer_memory.py)."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _libc():
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
+                await trio.to_thread.run_sync(allocator.trim)
 
 
 def _reuse_prefix(sb: ServedBlock, tracker: PrefixTracker, cache, pos: int, hidden):

@@ -12,7 +12,6 @@ block first; sessions already open finish on the old one.
 
 from __future__ import annotations
 
-import ctypes
 
 import logging
 import os
@@ -347,22 +346,6 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
     finally:
         node.remove_behaviour(publisher)  # no more claims once we stop serving
         weights.remove(peer.model_id)
-
-
-def return_freed_memory_promptly() -> None:
-    """Let freed buffers of 256 KiB and more go back to the system (glibc; elsewhere nothing).
-
-    glibc raises its mmap threshold each time a large block is freed, so after a prompt's
-    transient buffers the next ones come from the heap, which it keeps: a peer's RSS then stays
-    hundreds of MiB above its weights and KV cache (tests/system/test_peer_memory.py). A fixed
-    threshold keeps large buffers mmapped and returned when freed."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 256 << 10)
-    libc.mallopt(m_trim_threshold, 16 << 20)
 
 
 @asynccontextmanager

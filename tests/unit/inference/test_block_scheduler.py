@@ -38,6 +38,11 @@ class FakeBlock:
     def open(self) -> None:
         self.allow(float("inf"))
 
+    async def pass_running(self) -> None:
+        """Until a pass runs (in its worker thread, waiting to be let end)."""
+        while not self.running.is_set():
+            await trio.sleep(0.001)
+
     def _run(self):
         self.running.set()
         with self._gate:
@@ -86,8 +91,7 @@ async def hand_in_burst(scheduler, steps, results=None):
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             await hand_in(scheduler, nursery, "upstream", FakeCache("running"), 1, {})
-            while not block.running.is_set():
-                await trio.sleep(0.001)
+            await block.pass_running()
             for peer, cache, n in steps:
                 await hand_in(scheduler, nursery, peer, cache, n, results)
             block.open()
@@ -140,8 +144,7 @@ async def test_long_prompts_take_chunks_in_turn_while_decode_steps_go_in_every_p
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             await hand_in(scheduler, nursery, "upstream", FakeCache("running"), 1, {})
-            while not block.running.is_set():
-                await trio.sleep(0.001)
+            await block.pass_running()
             for peer, name in (("a", "A"), ("b", "B")):
                 await hand_in(scheduler, nursery, peer, FakeCache(name), 40, results)
             await nursery.start(decode_steps)
@@ -172,8 +175,7 @@ async def test_a_waiting_step_that_is_cancelled_leaves_its_queue():
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             await hand_in(scheduler, nursery, "a", FakeCache("running"), 1, results)
-            while not block.running.is_set():  # its pass runs (and waits to be let end)
-                await trio.sleep(0.001)
+            await block.pass_running()  # its pass runs (and waits to be let end)
             await hand_in(scheduler, nursery, "b", FakeCache("kept"), 1, results)
             async with trio.open_nursery() as inner:
                 await hand_in(scheduler, inner, "c", FakeCache("cancelled"), 1, results)
@@ -193,8 +195,7 @@ async def test_a_prompt_cancelled_between_chunks_gets_no_more_and_its_leader_han
         async with trio.open_nursery() as nursery:
             async with trio.open_nursery() as inner:  # the prompt's session leads
                 await hand_in(scheduler, inner, "a", FakeCache("prompt"), 40, results)
-                while not block.running.is_set():
-                    await trio.sleep(0.001)
+                await block.pass_running()
                 await hand_in(scheduler, nursery, "b", FakeCache("decode"), 1, results)
                 block.allow(1)
                 while len(block.passes) < 2:  # the next pass runs: the decode step, the next chunk
@@ -223,8 +224,7 @@ async def test_a_failed_pass_fails_its_steps_and_the_scheduler_goes_on():
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             await hand_in(scheduler, nursery, "a", FakeCache("running"), 1, {})
-            while not block.running.is_set():
-                await trio.sleep(0.001)
+            await block.pass_running()
             await nursery.start(step, "doomed")
             await nursery.start(step, "with-it")
             block.open()
@@ -257,8 +257,7 @@ async def test_a_step_not_at_its_caches_end_runs_alone_at_its_position():
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             await hand_in(scheduler, nursery, "z", FakeCache("running"), 1, {})
-            while not block.running.is_set():
-                await trio.sleep(0.001)
+            await block.pass_running()
             await hand_in(scheduler, nursery, "a", FakeCache("x"), 1, results)
             await hand_in(scheduler, nursery, "b", odd, 2, results, pos=3)
             await hand_in(scheduler, nursery, "c", FakeCache("y"), 1, results)
@@ -289,8 +288,7 @@ async def test_no_batching_a_cancelled_waiter_passes_its_turn_on():
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             await hand_in(scheduler, nursery, "a", FakeCache("a"), 1, results)
-            while not block.running.is_set():
-                await trio.sleep(0.001)
+            await block.pass_running()
             async with trio.open_nursery() as inner:
                 await hand_in(scheduler, inner, "b", FakeCache("b"), 1, results)
                 inner.cancel_scope.cancel()
