@@ -49,7 +49,7 @@ class PrefixPage:
     nbytes: int = 0
 
     def __post_init__(self) -> None:
-        self.nbytes = self.outputs.nbytes + sum(k.nbytes + v.nbytes for part in self.kv if part for k, v in [part])
+        self.nbytes = self.outputs.nbytes + sum(k.nbytes + v.nbytes for k, v in filter(None, self.kv))
 
 
 @dataclass
