@@ -61,11 +61,15 @@ class Probes:
         #: rtts measured last per peer, kept past their verdict (a route's cost estimate)
         self.rtts: dict[str, float] = {}
         self._inflight: dict[str, trio.Event] = {}
+        #: peer -> when its verdict was last dropped for a newer claim
+        self._forgotten: dict[str, float] = {}
         self.sent = 0  # probes run (not the ones shared)
 
     def forget(self, peer: str) -> None:
-        """Drop ``peer``'s verdict (it published a newer claim: it may be back)."""
+        """Drop ``peer``'s verdict (it published a newer claim: it may be back); a probe of it
+        running now leaves no verdict either (it may have started before the peer came back)."""
         self.results.pop(peer, None)
+        self._forgotten[peer] = trio.current_time()
 
     def verdict(self, peer: str, max_age: float = GONE_S) -> str | None:
         p = self.results.get(peer)
@@ -94,10 +98,11 @@ class Probes:
                 out[peer] = Probe(peer, "slow", None, trio.current_time(), "the probe in flight took too long")
                 return
             done = self._inflight[peer] = trio.Event()
+            started = trio.current_time()
             try:
                 out[peer] = await self._measure(peer, timeout, samples)
             finally:  # (a cancelled probe leaves no verdict: whoever waited on it probes again)
-                if peer in out:
+                if peer in out and self._forgotten.get(peer, -1.0) < started:
                     self.results[peer] = out[peer]
                 del self._inflight[peer]
                 done.set()

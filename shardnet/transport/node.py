@@ -29,7 +29,7 @@ from multiaddr import Multiaddr
 from . import allocator, compat, identity, identity_check
 from .behaviour import Behaviour, NodeBehaviour
 from .bootstrap import BootstrapSupervisor
-from .config import NodeConfig, parse_multiaddr, parse_peer_addr
+from .config import NodeConfig, parse_multiaddr, parse_peer_addr, peer_info
 from .dht import DHT
 from .discovery import Discovery
 from .errors import DialError, HeldError, OverlayTimeout, ProtocolNotSupported, ShardnetError, StreamLimitError
@@ -312,6 +312,17 @@ class Node:
             return list(self.host.get_peerstore().addrs(peer_id))
         except Exception:  # PeerStoreError: peers come and go between our look-ups
             return []
+
+    def learn_addrs(self, peer: str, addrs, ttl: float) -> None:
+        """Addresses ``peer`` signed for itself (a newer claim of its), kept ``ttl`` seconds: a
+        peer restarted on another port is dialled where it listens now without waiting for a
+        DHT lookup to say so."""
+        try:
+            info = peer_info(peer, addrs)
+        except ShardnetError:
+            return
+        if info.addrs:
+            self.host.get_peerstore().add_addrs(info.peer_id, info.addrs, int(ttl))
 
     # -- streams -----------------------------------------------------------------------------
     def set_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:

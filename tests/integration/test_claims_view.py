@@ -126,3 +126,32 @@ async def test_ping_streams_per_peer_is_a_limit(loopback_config):
             await second.write(b"y" * 32)
             await second.read_exactly(32, timeout=5)
         await first.close()
+
+
+async def test_a_peer_restarted_on_another_port_is_probed_where_it_listens_now(loopback_config):
+    """A replica killed and restarted with its identity listens on another port. Its new claim
+    (signed, with its addresses) gives the client its new address and clears the "gone" verdict
+    its death earned, so routes find it again."""
+    async with AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(open_node(loopback_config()))
+        cfg = dict(bootstrap=[str(boot.listen_addrs[0])])
+        second = await stack.enter_async_context(open_node(loopback_config(**cfg)))
+        await stack.enter_async_context(serve_block(second, str(PATH), 4, 8))
+        node = await stack.enter_async_context(open_node(loopback_config(**cfg)))
+        await node.wait_bootstrapped()
+        async with AsyncExitStack() as first_life:
+            first = await first_life.enter_async_context(open_node(loopback_config(**cfg)))
+            await first_life.enter_async_context(serve_block(first, str(PATH), 0, 4))
+            client = Client(node, LocalModel(PATH))
+            assert (await client.planner.find_route())[0].peer == str(first.peer_id)
+            key, old_addr = first.key_pair, first.listen_addrs[0]
+        probes = client.planner.probes
+        await probes.probe([str(first.peer_id)], max_age=0)
+        assert probes.verdict(str(first.peer_id)) == "gone"
+        again = await stack.enter_async_context(open_node(loopback_config(**cfg, key_pair=key, check_identity=False)))
+        assert again.peer_id == first.peer_id and again.listen_addrs[0] != old_addr
+        await stack.enter_async_context(serve_block(again, str(PATH), 0, 4))
+        with trio.fail_after(30):
+            route = await client.planner.find_route(timeout=25)
+        assert route[0].peer == str(first.peer_id)
+        assert again.listen_addrs[0] in node.addrs_of(first.peer_id)

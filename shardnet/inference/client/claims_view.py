@@ -36,7 +36,8 @@ class ClaimsView:
     one (later expiry) and dropped when it expires, so a refused or failed lookup keeps the last
     known view. Whether a claim's peer is alive is the prober's business (probes.py); a newer
     claim from a peer clears its probe verdict (a peer that restarted and claimed again is
-    probed afresh, not taken for dead): ``probes`` are the node's."""
+    probed afresh, not taken for dead) and gives the node its addresses (it may listen on
+    another port now): ``probes`` are the node's."""
 
     def __init__(self, node: Node, model_id: str, probes: Probes, owner: ClaimsViews | None = None) -> None:
         self.node, self.model_id = node, model_id
@@ -80,6 +81,7 @@ class ClaimsView:
         known = self._table.get(claim.peer) is not None
         if not self._table.note(claim, time.time()):
             return False
+        self.node.learn_addrs(claim.peer, claim.addrs, max(1.0, claim.expires - time.time()))
         if known:
             self.probes.forget(claim.peer)
         self._changed.set()

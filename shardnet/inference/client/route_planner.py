@@ -40,6 +40,11 @@ log = logging.getLogger(__name__)
 
 
 RTT_CACHE_S = 30.0
+#: a "gone" verdict older than this is probed again before a request is told no peer serves a
+#: layer (a peer killed and restarted claims anew, but its new claim can reach this node before
+#: a probe of the dead process finishes)
+GONE_RECHECK_S = 3.0
+GONE = "could not be reached when probed"
 
 
 @dataclass(frozen=True)
@@ -159,10 +164,14 @@ class RoutePlanner:
         try:
             plan_route(usable, self.num_layers)  # fail fast, before measuring anything
         except NoRouteError as e:
-            left_out = [c for c in claims if not self.policy.accepts(c)]
+            if await self._recheck_gone(claims, avoid):
+                return await self._cheapest(claims, avoid, kept)
+            excluded, now = self.reputation.excluded(), trio.current_time()
+            left_out = [(c, why) for c in claims if (why := self.why_left_out(c, avoid, excluded, now))]
             if left_out:
-                raise NoRouteError(f"{e} ({len(left_out)} peer(s) left out: {left_out[0].peer[:12]}… "
-                                   f"{self.policy.why_not(left_out[0])})") from None
+                listed = "; ".join(f"{c.peer[:12]}…[{c.start}:{c.end}] {why}" for c, why in left_out[:3])
+                more = f"; {len(left_out) - 3} more" if len(left_out) > 3 else ""
+                raise NoRouteError(f"{e} ({len(left_out)} peer(s) left out: {listed}{more})") from None
             raise
         await self.measure_rtts([c.peer for c in usable])
         usable = self.usable(claims, avoid)  # without the peers found gone
@@ -172,6 +181,19 @@ class RoutePlanner:
         log.info("route: %s (estimated %.1f ms per token)",
                  " -> ".join(f"{c.peer[:12]}…[{c.start}:{c.end}]" for c in route), 1000 * costs.total(route))
         return route
+
+    async def _recheck_gone(self, claims: list[Claim], avoid) -> bool:
+        """Probe again the peers left out only for a "gone" verdict older than GONE_RECHECK_S;
+        True if one of them answered (a route may exist after all)."""
+        excluded, now = self.reputation.excluded(), trio.current_time()
+        doubted = [c.peer for c in claims if self.why_left_out(c, avoid, excluded, now) == GONE]
+        if not doubted:
+            return False
+        found = await self.probes.probe(doubted, max_age=GONE_RECHECK_S, timeout=2.0, samples=1)
+        back = [p for p, probe in found.items() if probe.verdict != "gone"]
+        if back:
+            log.info("peers taken for gone answer again: %s", ", ".join(p[:12] for p in back))
+        return bool(back)
 
     async def usable_claims(self) -> list[Claim]:
         """Claims of peers this client would route through now."""
@@ -185,19 +207,24 @@ class RoutePlanner:
     def usable(self, claims: list[Claim], avoid) -> list[Claim]:
         """``claims`` less those of peers avoided, excluded by reputation, gone, or failed during
         a request and not claimed again since."""
-        now = trio.current_time()
         excluded = self.reputation.excluded()
-        out = []
-        for c in claims:
-            if c.peer in avoid or c.peer in excluded or self.probes.verdict(c.peer) == "gone":
-                continue
-            if not self.policy.accepts(c):
-                continue
-            until, expiry_then = self._avoid.get(c.peer, (0.0, 0.0))
-            if until > now and c.expires <= expiry_then:
-                continue  # failed during a request and has not claimed again since
-            out.append(c)
-        return out
+        now = trio.current_time()
+        return [c for c in claims if self.why_left_out(c, avoid, excluded, now) is None]
+
+    def why_left_out(self, c: Claim, avoid, excluded: set[str], now: float) -> str | None:
+        """Why ``c`` is not routed through now (None: it is)."""
+        if c.peer in avoid:
+            return "failed in this request"
+        if c.peer in excluded:
+            return "convicted of wrong results"
+        if not self.policy.accepts(c):
+            return self.policy.why_not(c)
+        until, expiry_then = self._avoid.get(c.peer, (0.0, 0.0))
+        if until > now and c.expires <= expiry_then:
+            return "failed during a request and has not claimed again since"
+        if self.probes.verdict(c.peer) == "gone":
+            return GONE
+        return None
 
     def rtt(self, peer: str) -> float:
         """Our round trip to ``peer`` (measured, else a guess), relayed links counted several times."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -10,7 +11,7 @@ import trio
 from shardnet.errors import NoRouteError
 from shardnet.inference.client.own_load import OwnLoad
 from shardnet.inference.client.reputation import Reputation
-from shardnet.inference.client.route_planner import RTT_CACHE_S, RoutePlanner
+from shardnet.inference.client.route_planner import GONE_RECHECK_S, RTT_CACHE_S, RoutePlanner
 from shardnet.inference.client.routing import (
     KEEP_DISCOUNT,
     RELAYED_RTT_FACTOR,
@@ -38,12 +39,17 @@ class FakeProbes:
         self.verdicts = dict(verdicts or {})
         self.probed: list[tuple[list[str], float]] = []
         self.results: dict = {}
+        self.revived: set[str] = set()
 
     def verdict(self, peer: str) -> str | None:
         return self.verdicts.get(peer)
 
-    async def probe(self, peers, *, max_age, timeout, samples) -> None:
+    async def probe(self, peers, *, max_age, timeout, samples) -> dict:
+        """(A peer in ``revived`` answers now, whatever its verdict was.)"""
         self.probed.append((list(peers), max_age))
+        for peer in set(peers) & self.revived:
+            self.verdicts[peer] = "alive"
+        return {peer: SimpleNamespace(verdict=self.verdicts.get(peer, "alive")) for peer in peers}
 
 
 class FakeView:
@@ -135,6 +141,25 @@ async def test_find_route_names_the_missing_layers_after_its_timeout():
     assert str(e.value).startswith("after 0 s:") and e.value.code == "no_route"
     with pytest.raises(NoRouteError):
         await p.find_route(timeout=0.5, avoid={"a"})
+
+
+async def test_a_peer_taken_for_gone_is_probed_again_before_no_route_is_said():
+    """A replica killed and restarted: its new claim can arrive before a probe of the dead
+    process fails, so the only claim left for a span has a stale "gone" verdict. The planner
+    probes it again rather than telling the request nobody serves the layers."""
+    claims = [claim(peer="a", start=0, end=2), claim(peer="b", start=2, end=4)]
+    p = planner(claims, verdicts={"a": "gone"})
+    with pytest.raises(NoRouteError, match=r"1 peer\(s\) left out: a.*\[0:2\] could not be reached"):
+        await p.find_route(timeout=0)  # still gone when probed again
+    assert (["a"], GONE_RECHECK_S) in p.probes.probed
+    p.probes.revived.add("a")
+    assert [c.peer for c in await p.find_route(timeout=0)] == ["a", "b"]
+    # avoided and convicted peers are not probed for this
+    p2 = planner(claims, verdicts={"a": "gone"})
+    p2.reputation.convict("a", {})
+    with pytest.raises(NoRouteError):
+        await p2.find_route(timeout=0)
+    assert p2.probes.probed == []
 
 
 async def test_a_fixed_route_is_used_as_is_until_one_of_its_peers_fails():
