@@ -11,6 +11,7 @@ from shardnet.errors import NoRouteError
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.speculative import ModelDrafter
 from shardnet.inference.model.local_model import LocalModel
+from shardnet.inference.server.prefix_store import PAGE
 from shardnet.models import default_draft_path, default_model_path
 from shardnet.testing.helpers import loopback_config
 from shardnet.testing.localswarm import LocalSwarm
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.slow
 PROMPT = "def main(args):\n    "
 NEW = 24
 # spans and how many peers serve each; tests kill peers one by one (in file order)
-SPANS = {(0, 4): 2, (4, 8): 3}
+SPANS = {(0, 4): 2, (4, 8): 4}
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +53,25 @@ async def run(bootstrap, table, *, kill_when, drafter=None, depth=1, k=4):
     async with open_node(loopback_config(bootstrap=[bootstrap], dht_mode="client")) as node:
         await node.wait_bootstrapped()
         client = Client(node, LocalModel(default_model_path()), route_timeout=20)
-        route, killed, got = [], [], []
+        return await generate(client, PROMPT, table, kill_when=kill_when, drafter=drafter, depth=depth, k=k)
 
-        def progress(event, info):
-            if event == "route":
-                route[:] = [c[0] for c in info["chain"]]
-            victim = kill_when(event, info, len(got), route) if not killed else None
-            if victim:
-                killed.append((victim, kill(table, victim)))
 
-        async for tok in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False, drafter=drafter,
-                                         depth=depth, k=k, progress=progress):
-            got.append(tok.id)
-            progress("token", {})
-        return got, client.last_stats, killed, route
+async def generate(client, prompt, table, *, kill_when, drafter=None, depth=1, k=4):
+    """``run``'s generation through ``client``: (tokens, stats, [(killed, span)], route)."""
+    route, killed, got = [], [], []
+
+    def progress(event, info):
+        if event == "route":
+            route[:] = [c[0] for c in info["chain"]]
+        victim = kill_when(event, info, len(got), route) if not killed else None
+        if victim:
+            killed.append((victim, kill(table, victim)))
+
+    async for tok in client.generate(prompt, max_new_tokens=NEW, stop_at_eos=False, drafter=drafter,
+                                     depth=depth, k=k, progress=progress):
+        got.append(tok.id)
+        progress("token", {})
+    return got, client.last_stats, killed, route
 
 
 def _report(name, stats):
@@ -114,6 +120,36 @@ async def test_a_peer_killed_with_speculative_chunks_in_flight(peers, reference)
     assert killed and got == reference
     assert stats.heals and stats.heals[-1].failed == [killed[0][0]]
     assert stats.speculation.chunks > 0
+
+
+async def test_a_peer_killed_mid_decode_of_a_turn_that_reuses_the_last_ones_pages(peers):
+    """Prefix reuse on (peers keep a scoped client's pages by default): a chat's first turn leaves
+    its pages on its chain's blocks, the second resends it (and more) and reuses them, and its last
+    hop is killed mid-decode: the heal replays the whole history into a peer holding none of the
+    pages. Both turns equal single-process transformers (float32, the shipped model's dtype)."""
+    from shardnet.testing.helpers import transformers_greedy
+    from tokenizers import Tokenizer
+
+    bootstrap, table = peers
+    tokenizer = Tokenizer.from_file(str(default_model_path() / "tokenizer.json"))
+    first = PROMPT + "".join(f"x{i} = args[{i}] * {i + 1}\n    " for i in range(20))
+    assert len(tokenizer.encode(first).ids) > 2 * PAGE
+    async with open_node(loopback_config(bootstrap=[bootstrap], dht_mode="client")) as node:
+        await node.wait_bootstrapped()
+        client = Client(node, LocalModel(default_model_path()), route_timeout=20, prefix="chat")
+        got1, _, _, route1 = await generate(client, first, table, kill_when=lambda *a: None)
+        assert got1 == transformers_greedy(default_model_path(), first, NEW)
+        second = first + tokenizer.decode(got1) + "\n    return x0\n\ndef other(args):\n    "
+
+        def when(event, info, n, route):  # the last hop, after 6 tokens of the second turn
+            return route[-1] if event == "token" and n == 6 else None
+
+        got2, stats, killed, route2 = await generate(client, second, table, kill_when=when)
+    _report("prefix", stats)
+    assert route2 == route1  # the second turn went where the first's pages are
+    assert killed and got2 == transformers_greedy(default_model_path(), second, NEW)
+    heal = stats.heals[-1]
+    assert heal.failed == [killed[0][0]] and heal.phase == "decode" and heal.replayed_tokens >= 6
 
 
 async def test_every_peer_of_a_span_gone_is_a_clear_error_within_the_bound(peers):
