@@ -172,6 +172,7 @@ class Row:
     cpu_ms: float  # CPU seconds of the client process and the chain's peers, per new token
     cores: float  # their CPU seconds per second of wall time
     outputs: list[list[int]]
+    split: list[float] = field(default_factory=list)  # cores busy: client, then each peer
 
 
 def cpu_seconds(pid: int) -> float:
@@ -187,14 +188,14 @@ class Counters:
     batches: list[dict]
     head: tuple[int, int]  # (LM head computations, sessions' requests in them)
     wall: float
-    cpu: float
+    cpu: list[float]  # CPU seconds so far: the client process, then each peer
 
     @classmethod
     async def read(cls, client: Client, chain: Chain) -> Counters:
         batches = await chain.batch_stats()
         head = head_batcher(client.model.head).stats
         return cls(batches, (head.calls, head.requests), time.perf_counter(),
-                   time.process_time() + sum(cpu_seconds(p.pid) for p in chain.procs))
+                   [time.process_time(), *(cpu_seconds(p.pid) for p in chain.procs)])
 
 
 async def run_sessions(client: Client, chain: Chain, ps: list[list[int]], tokens: int, network: str, *,
@@ -239,7 +240,9 @@ async def run_sessions(client: Client, chain: Chain, ps: list[list[int]], tokens
             before = await Counters.read(client, chain)
         decoding.set()
     after = await Counters.read(client, chain)
-    wall, cpu = after.wall - before.wall, after.cpu - before.cpu
+    wall = after.wall - before.wall
+    split = [(a - b) / wall for a, b in zip(after.cpu, before.cpu)]
+    cpu = sum(split) * wall
     mean_batch = [(a["steps"] - b["steps"]) / max(1, a["passes"] - b["passes"])
                   for a, b in zip(after.batches, before.batches) if "steps" in a]
     q = statistics.quantiles(gaps, n=20) if len(gaps) >= 2 else [gaps[0] if gaps else 0.0] * 19
@@ -247,7 +250,7 @@ async def run_sessions(client: Client, chain: Chain, ps: list[list[int]], tokens
     head_batch = (after.head[1] - before.head[1]) / max(1, after.head[0] - before.head[0])
     return Row(network, chain.mode, n, tokens_out / wall, statistics.mean(spans) * 1e3,
                statistics.median(gaps) * 1e3 if gaps else 0.0, q[18] * 1e3, prefilled_at - start,
-               mean_batch, head_batch, cpu / tokens_out * 1e3, cpu / wall, outputs)
+               mean_batch, head_batch, cpu / tokens_out * 1e3, cpu / wall, outputs, split)
 
 
 async def run_network(args: argparse.Namespace, network: str, counts: list[int], workdir: Path,
@@ -364,12 +367,14 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
                 table.append([network, mode, n, f"{agg:.1f}", ratio(agg, base_agg), f"{lat:.1f}", ratio(lat, base_lat),
                               f"{med(rs, 'step_p50_ms'):.1f}", f"{med(rs, 'step_p95_ms'):.1f}",
                               f"{med(rs, 'prefill_s'):.2f}", batch, f"{med(rs, 'head_batch'):.1f}",
-                              f"{med(rs, 'cpu_ms'):.2f}", f"{med(rs, 'cores'):.2f}", target])
+                              f"{med(rs, 'cpu_ms'):.2f}", f"{med(rs, 'cores'):.2f}",
+                              "/".join(f"{statistics.median(r.split[i] for r in rs):.2f}" for i in range(len(rs[0].split))),
+                              target])
     print_table(f"target: {TARGET_SESSIONS} sessions >= {target_speedup:g}x the aggregate tok/s of 1"
                 + (f", ms/token <= {target_latency:g}x of 1" if target_latency < math.inf else "")
                 + f"; medians of {args.repeats} run(s) per row",
                 ["network", "mode", "sessions", "agg tok/s", "x 1", "ms/tok", "x 1", "p50 ms", "p95 ms", "prefill s",
-                 "batch", "head", "cpu ms/tok", "cores", "target"], table, left=2, notes=True)
+                 "batch", "head", "cpu ms/tok", "cores", "client/peers", "target"], table, left=2, notes=True)
     differ = sessions = 0
     for r in rows:  # each session's output against the first run of the same prompt (the batched chain's)
         first = next(o for o in rows if (o.network, o.sessions) == (r.network, r.sessions))
@@ -381,7 +386,8 @@ def report(args: argparse.Namespace, rows: list[Row]) -> None:
     print("batch: mean steps per forward pass at peer 0:4 / 4:8 (a step: one session's prompt or decode position); "
           "head: mean sessions per LM head computation in the client")
     print("cpu ms/tok: CPU time of the client process (the WAN emulators included) and the chain's 2 peers per new "
-          "token; cores: that CPU time per second of wall time")
+          "token; cores: that CPU time per second of wall time; client/peers: the same, the client process "
+          "(the WAN emulators included), then each peer")
 
 
 def parse_counts(text: str) -> list[int]:

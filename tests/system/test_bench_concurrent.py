@@ -6,10 +6,12 @@ every session's first token, and the batches' size (at the peers, and of the cli
 import subprocess
 import sys
 
+import pytest
+
 from shardnet.testing.helpers import REPO_ROOT
 
 COLUMNS = ("network", "mode", "sessions", "agg", "agg_x1", "ms", "ms_x1", "p50", "p95", "prefill", "batch", "head",
-           "cpu", "cores")
+           "cpu", "cores", "split")
 
 
 def run_concurrent_bench(*args: str) -> tuple[str, list[dict]]:
@@ -37,6 +39,8 @@ def check_rows(rows: list[dict]) -> None:
             assert row["agg_x1"] == row["ms_x1"] == "1.00x", row
         assert float(row["head"]) >= 1.0, row  # sessions per LM head computation in the client
         assert float(row["cpu"]) > 0 and float(row["cores"]) > 0, row  # CPU ms per token, cores busy
+        split = [float(x) for x in row["split"].split("/")]  # the client's cores busy, then each peer's
+        assert len(split) == 3 and sum(split) == pytest.approx(float(row["cores"]), abs=0.02), row
         assert row["target"] == "-", row  # no row of 16 sessions: no target to meet
         if row["mode"] == "batched":
             assert [float(x) >= 1.0 for x in row["batch"].split("/")] == [True, True], row  # one mean per peer

@@ -100,3 +100,35 @@ def test_an_error_reaches_every_request_of_its_computation(head):
 
     trio.run(main)
     assert len(errors) == 2 and batcher._waiting == []
+
+
+def test_a_slow_head_runs_in_a_thread_and_requests_meanwhile_make_the_next_computation(head, monkeypatch):
+    """(Every computation counts as slow here.) The event loop runs on while the head computes:
+    a task ticks meanwhile; the requests that came in during it are one computation after it."""
+    import shardnet.inference.client.head_batcher as hb
+
+    monkeypatch.setattr(hb, "THREAD_AFTER_S", -1.0)
+    batcher = HeadBatcher(head)
+    batcher._in_thread = True
+    hiddens = [_hidden(head, i, 2) for i in range(6)]
+    got, ticks = {}, []
+
+    async def main():
+        async def session(i):
+            got[i] = await batcher.logits(hiddens[i])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session, 0)
+            await trio.sleep(0)  # it queued its request; its computation starts in a thread
+            await trio.sleep(0)
+            assert batcher._busy is not None
+            for i in range(1, 6):
+                nursery.start_soon(session, i)
+            while batcher._busy is not None:
+                ticks.append(1)
+                await trio.sleep(0)
+
+    trio.run(main)
+    assert ticks and batcher.stats.calls == 2 and batcher.stats.largest == 5
+    for i, h in enumerate(hiddens):
+        torch.testing.assert_close(got[i], head.logits(h)[0], rtol=1e-5, atol=1e-5)
