@@ -4,17 +4,63 @@ Each quantized linear weight ``W`` is stored as float8_e4m3fn with a companion
 ``W_scale_inv`` holding one float32 factor per (rows x cols) block of the weight, the block size
 given by ``quantization_config.weight_block_size``. Hardware without FP8 matmuls (every CPU, GPUs
 before Hopper) computes with the dequantized weight: ``W.float() * scale`` per block, cast to the
-compute dtype, at load. Tensors without a scale (norms, embeddings, routers) pass through
+compute dtype, one weight at a time as it runs: the block keeps the FP8 bytes and the scales
+(``stored_fp8_blocks``: a ``StoredWeight`` each, stored.py). Tensors without a scale (norms, embeddings, routers) pass through
 unchanged; an FP8 one without its scale is refused.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from shardnet.errors import CheckpointError
+from shardnet.inference.model.stored import StoredWeight
 
 SCALE_SUFFIX = "_scale_inv"
+
+
+@dataclass(frozen=True)
+class Fp8Blocks:
+    """FP8 e4m3 with one float32 scale per (rows x cols) block: parts ``weight`` [..., O, I] and
+    ``scale`` [..., ceil(O/rows), ceil(I/cols)]."""
+
+    block: tuple[int, int]
+    name = "fp8-blocks"
+
+    def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(parts["weight"], parts["scale"], self.block).to(dtype)
+
+    def cat(self, parts_list: list[dict[str, torch.Tensor]], dim: int, shapes) -> dict[str, torch.Tensor] | None:
+        """Joined along out (-2) or in (-1) where every piece but the last fills whole blocks."""
+        step = self.block[0] if dim == -2 else self.block[1]
+        if any(shape[dim] % step for shape in shapes[:-1]):
+            return None
+        return {k: torch.cat([p[k] for p in parts_list], dim) for k in ("weight", "scale")}
+
+
+def stored_fp8_blocks(tensors: dict[str, torch.Tensor], block: tuple[int, int],
+                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``tensors`` with every FP8 weight kept as stored (a ``StoredWeight`` of compute dtype
+    ``dtype`` holding the weight and its scales) and the scales' own entries dropped."""
+    fmt = Fp8Blocks(tuple(block))
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(SCALE_SUFFIX):
+            if name[:-len(SCALE_SUFFIX)] not in tensors:
+                raise CheckpointError(f"{name} scales a tensor that is not in the checkpoint")
+            continue
+        scale = tensors.get(name + SCALE_SUFFIX)
+        if scale is None:
+            if t.dtype.is_floating_point and t.element_size() == 1:
+                raise CheckpointError(f"{name} is stored in {str(t.dtype).removeprefix('torch.')} but has no "
+                                      f"{name}{SCALE_SUFFIX} (its block scales)")
+            out[name] = t
+            continue
+        _check(t, scale, fmt.block, name)
+        out[name] = StoredWeight(fmt, {"weight": t, "scale": scale.float()}, t.shape, dtype)
+    return out
 
 
 def dequantize_fp8_blocks(tensors: dict[str, torch.Tensor], block: tuple[int, int],
@@ -38,8 +84,7 @@ def dequantize_fp8_blocks(tensors: dict[str, torch.Tensor], block: tuple[int, in
     return out
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str = "weight"
-               ) -> torch.Tensor:
+def _check(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> None:
     rows, cols = block
     if weight.dim() != 2 or scale.dim() != 2:
         raise CheckpointError(f"{name}: FP8 block scales need a 2-D weight and scale, not {list(weight.shape)} "
@@ -48,5 +93,13 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     if tuple(scale.shape) != want:
         raise CheckpointError(f"{name}: its scale has shape {list(scale.shape)}, but {list(weight.shape)} in "
                               f"blocks of {rows}x{cols} needs {list(want)}")
-    full = scale.float().repeat_interleave(rows, 0).repeat_interleave(cols, 1)
-    return weight.float() * full[:weight.shape[0], :weight.shape[1]]
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str = "weight"
+               ) -> torch.Tensor:
+    """[..., O, I] FP8 times its [..., ceil(O/rows), ceil(I/cols)] block scales, in float32."""
+    if weight.dim() == 2:
+        _check(weight, scale, block, name)
+    rows, cols = block
+    full = scale.float().repeat_interleave(rows, -2).repeat_interleave(cols, -1)
+    return weight.float() * full[..., :weight.shape[-2], :weight.shape[-1]]

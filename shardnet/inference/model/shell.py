@@ -21,6 +21,7 @@ import torch
 
 from shardnet.errors import CheckpointError
 from shardnet.inference.model.checkpoint import Checkpoint
+from shardnet.inference.model.stored import stored_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ class ModelShell:
         # from_config writes its dtype into the config: build from a copy
         config = copy.deepcopy(config or ckpt.config)
         if ckpt.fp8_block_size is not None:
-            # dequantized at load (fp8.py), so the model is built as the unquantized one
+            # kept as stored and computed from as any weight (fp8.py, stored.py): the model is
+            # built as the unquantized one
             del config.quantization_config
         try:
             # from_config sets torch's process-wide default dtype while it builds, and blocks
@@ -79,9 +81,9 @@ class ModelShell:
 
         tensors = self.ckpt.load(names, device=device)
         if self.ckpt.fp8_block_size is not None:
-            from shardnet.inference.model.fp8 import dequantize_fp8_blocks
+            from shardnet.inference.model.fp8 import stored_fp8_blocks
 
-            tensors = dequantize_fp8_blocks(tensors, self.ckpt.fp8_block_size, self.dtype)
+            tensors = stored_fp8_blocks(tensors, self.ckpt.fp8_block_size, self.dtype)
         config = LoadStateDictConfig(dtype=self.dtype, dtype_plan=self.model._get_dtype_plan(self.dtype),
                                      weight_mapping=get_model_conversion_mapping(self.model),
                                      device_map={"": device})
@@ -91,7 +93,7 @@ class ModelShell:
         if bad:
             raise CheckpointError(f"{self.ckpt.path.name}: tensor {bad[0]} does not fit the {self.ckpt.model_type} "
                                   f"model transformers builds from config.json")
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return sum(stored_nbytes(t) for t in tensors.values())
 
     def take(self, module: torch.nn.Module, prefix: str, device: str) -> torch.nn.Module:
         """``module`` (a part of the shell, named ``prefix``) ready to run: its non-persistent

@@ -1,0 +1,210 @@
+"""Weights kept in the low-bit format their checkpoint stores them in, computed from directly.
+
+A ``StoredWeight`` is a torch tensor subclass that stands where a module's weight stands (an
+``nn.Linear``'s ``weight``, a transformers expert bank ``experts.gate_up_proj`` [E, O, I]) with
+the weight's logical shape and compute dtype, while it holds only its stored parts: e.g. an FP8
+weight and its block scales, or packed int4 and its group scales (``StoredFormat`` says how to
+read them). transformers' modules run on it unchanged:
+
+- ``F.linear(x, w)``, ``x @ w``, ``torch.matmul``: the weight is dequantized into the compute
+  dtype just for that call (or a format's kernel runs on the stored parts where it has one) and
+  freed after it, so a block holds its weights at their stored size and one weight's
+  full-precision copy at a time while it computes;
+- ``bank[e]`` (transformers' expert loop), ``w.t()``, ``w.transpose(-1, -2)``, ``detach``,
+  ``torch.stack`` of per-expert weights (transformers' key conversion stacks them into banks) and
+  ``.to(dtype)`` are views of the stored parts: they dequantize nothing;
+- any other operation on it dequantizes it first and runs on the result (correct, just not kept).
+
+``stored_nbytes(t)``: what a tensor holds in memory, stored parts for a ``StoredWeight``; every
+byte count of a block (its load report, placement, claims) goes through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+
+class StoredFormat(Protocol):
+    """How one stored format reads its parts. Parts are tensors whose leading dims are the
+    weight's bank dims (none for a Linear's weight), so a bank's expert is every part's [e]."""
+
+    name: str
+
+    def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The logical weight [..., out, in] in ``dtype``."""
+        ...
+
+    # optional: ``cat(parts_list, dim, shapes)``, the parts of the weights joined along dim -2
+    # (out) or -1 (in) of their logical ``shapes``, or None where the format cannot join them
+
+
+@dataclass(frozen=True)
+class _Layout:
+    fmt: StoredFormat
+    transposed: bool  # the logical tensor is the stored weight with its last two dims swapped
+
+
+class StoredWeight(torch.Tensor):
+    """A weight of logical ``shape`` and ``dtype`` held as ``parts`` of format ``fmt``."""
+
+    parts: dict[str, torch.Tensor]
+    stored_layout: _Layout
+
+    @staticmethod
+    def __new__(cls, fmt: StoredFormat, parts: dict[str, torch.Tensor], shape, dtype: torch.dtype,
+                transposed: bool = False):
+        device = next(iter(parts.values())).device
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device, requires_grad=False)
+        t.parts = parts
+        t.stored_layout = _Layout(fmt, transposed)
+        return t
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # views are made here, above autograd: made in the dispatcher, a view of a subclass
+        # cannot be an inference tensor's (transformers runs layers in inference mode)
+        kwargs = kwargs or {}
+        view = _FUNCTION_VIEWS.get(func)
+        if view is not None and isinstance(args[0], StoredWeight):
+            out = view(*args, **kwargs)
+            if out is not None:
+                return out
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @property
+    def fmt(self) -> StoredFormat:
+        return self.stored_layout.fmt
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        w = self.fmt.dequantize(self.parts, dtype or self.dtype)
+        return w.transpose(-1, -2) if self.stored_layout.transposed else w
+
+    def stored_nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parts.values())
+
+    def _with(self, parts=None, shape=None, dtype=None, transposed=None) -> StoredWeight:
+        return StoredWeight(self.fmt, self.parts if parts is None else parts,
+                            self.shape if shape is None else shape, self.dtype if dtype is None else dtype,
+                            self.stored_layout.transposed if transposed is None else transposed)
+
+    def __repr__(self) -> str:
+        return (f"StoredWeight({self.fmt.name}, shape={list(self.shape)}, dtype={self.dtype}, "
+                f"stored={self.stored_nbytes()} bytes{', transposed' if self.stored_layout.transposed else ''})")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        view = _VIEWS.get(func)
+        if view is not None:
+            out = view(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*tree_map(_dense, args), **tree_map(_dense, kwargs))
+
+
+def _dense(x):
+    return x.dequantize() if isinstance(x, StoredWeight) else x
+
+
+def _swap_last(w: StoredWeight, *dims) -> StoredWeight | None:
+    nd = w.dim()
+    if len(dims) == 2 and {d % nd for d in dims} != {nd - 2, nd - 1}:
+        return None
+    shape = list(w.shape)
+    shape[-1], shape[-2] = shape[-2], shape[-1]
+    return w._with(shape=shape, transposed=not w.stored_layout.transposed)
+
+
+def _select(w: StoredWeight, dim: int, index: int) -> StoredWeight | None:
+    if dim % w.dim() != 0 or w.dim() < 3:  # only a bank's leading dim is a view of the parts
+        return None
+    return w._with(parts={k: p[index] for k, p in w.parts.items()}, shape=w.shape[1:])
+
+
+def _stack(tensors, dim: int = 0) -> StoredWeight | None:
+    ws = list(tensors)
+    first = ws[0]
+    if dim != 0 or not all(isinstance(w, StoredWeight) and w.stored_layout == first.stored_layout and w.dtype == first.dtype
+                           and w.shape == first.shape and w.parts.keys() == first.parts.keys() for w in ws):
+        return None
+    parts = {k: torch.stack([w.parts[k] for w in ws]) for k in first.parts}
+    return first._with(parts=parts, shape=(len(ws), *first.shape))
+
+
+def _cat(tensors, dim: int = 0) -> StoredWeight | None:
+    """Stored weights joined along their out or in dim (transformers' key conversion fuses gate and
+    up projections): the parts joined, where the format can (``StoredFormat.cat``)."""
+    ws = list(tensors)
+    first = ws[0]
+    if not all(isinstance(w, StoredWeight) and w.stored_layout == first.stored_layout and w.dtype == first.dtype
+               and w.dim() == first.dim() for w in ws) or first.stored_layout.transposed:
+        return None
+    nd = first.dim()
+    dim %= nd
+    if dim < nd - 2:  # a bank dim: every part has it
+        parts = {k: torch.cat([w.parts[k] for w in ws], dim) for k in first.parts}
+    else:
+        cat = getattr(first.fmt, "cat", None)
+        parts = cat([w.parts for w in ws], dim - nd, [tuple(w.shape) for w in ws]) if cat else None
+        if parts is None:
+            return None
+    shape = list(first.shape)
+    shape[dim] = sum(w.shape[dim] for w in ws)
+    return first._with(parts=parts, shape=shape)
+
+
+def _to_copy(w: StoredWeight, *, dtype=None, device=None, layout=None, memory_format=None, non_blocking=False,
+             pin_memory=None, **_) -> StoredWeight | None:
+    if not isinstance(w, StoredWeight) or (layout not in (None, torch.strided)):
+        return None
+    parts = w.parts if device is None else {k: p.to(device) for k, p in w.parts.items()}
+    return w._with(parts=parts, dtype=dtype)
+
+
+def _getitem(w: StoredWeight, index) -> StoredWeight | None:
+    if isinstance(index, torch.Tensor) and index.dim() == 0 and not index.is_floating_point():
+        index = int(index)
+    return _select(w, 0, index) if isinstance(index, int) else None
+
+
+_VIEWS = {
+    aten.detach.default: lambda w: w._with(),
+    aten.alias.default: lambda w: w._with(),
+    aten.t.default: lambda w: _swap_last(w),
+    aten.transpose.int: lambda w, a, b: _swap_last(w, a, b),
+    aten.select.int: _select,
+    aten.stack.default: _stack,
+    aten.cat.default: _cat,
+    aten._to_copy.default: _to_copy,
+}
+
+_FUNCTION_VIEWS = {
+    torch.Tensor.__getitem__: _getitem,
+    torch.Tensor.select: lambda w, dim, index: _select(w, dim, index),
+    torch.select: lambda w, dim, index: _select(w, dim, index),
+    torch.Tensor.t: lambda w: _swap_last(w),
+    torch.t: lambda w: _swap_last(w),
+    torch.Tensor.transpose: lambda w, a, b: _swap_last(w, a, b),
+    torch.transpose: lambda w, a, b: _swap_last(w, a, b),
+    torch.Tensor.mT.__get__: lambda w: _swap_last(w),
+}
+
+
+def stored_nbytes(t: torch.Tensor) -> int:
+    """Bytes ``t`` holds in memory: its stored parts for a ``StoredWeight``."""
+    return t.stored_nbytes() if isinstance(t, StoredWeight) else t.numel() * t.element_size()
+
+
+def module_stored_nbytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers as held (stored parts for stored weights)."""
+    return sum(stored_nbytes(t) for t in (*module.parameters(), *module.buffers()))

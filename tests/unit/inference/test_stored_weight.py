@@ -1,0 +1,78 @@
+"""StoredWeight (shardnet/inference/model/stored.py): a weight kept in its stored format stands
+where a dense one does, computes what its dequantized copy computes, and holds its stored bytes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardnet.inference.model.fp8 import Fp8Blocks, dequantize, stored_fp8_blocks
+from shardnet.inference.model.stored import StoredWeight, module_stored_nbytes, stored_nbytes
+from shardnet.testing.fp8 import quantize_fp8_blocks
+
+BLOCK = (16, 16)
+
+
+def fp8_weight(out=40, inp=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, s = quantize_fp8_blocks(torch.randn(out, inp, generator=g), BLOCK)
+    return stored_fp8_blocks({"w": q, "w_scale_inv": s}, BLOCK, torch.float32)["w"], dequantize(q, s, BLOCK)
+
+
+def test_linear_and_matmul_compute_what_the_dequantized_weight_computes():
+    w, dense = fp8_weight()
+    x = torch.randn(2, 5, 48)
+    assert torch.equal(F.linear(x, w), F.linear(x, dense))
+    assert torch.equal(x @ w.t(), x @ dense.t()) and torch.equal(x @ w.mT, x @ dense.mT)
+    lin = torch.nn.Linear(48, 40, bias=False)
+    lin.weight = torch.nn.Parameter(w, requires_grad=False)
+    with torch.inference_mode():  # (transformers runs layers so)
+        assert torch.equal(lin(x), F.linear(x, dense))
+    assert type(lin.weight) is StoredWeight and lin.weight.shape == (40, 48)
+
+
+def test_bytes_are_the_stored_parts():
+    w, dense = fp8_weight()
+    assert stored_nbytes(w) == 40 * 48 * 1 + 3 * 3 * 4  # FP8 bytes and float32 block scales
+    assert stored_nbytes(dense) == 40 * 48 * 4
+    lin = torch.nn.Linear(48, 40, bias=True)
+    lin.weight = torch.nn.Parameter(w, requires_grad=False)
+    assert module_stored_nbytes(lin) == stored_nbytes(w) + 40 * 4
+
+
+def test_a_bank_of_experts_is_stacked_indexed_and_fused_without_dequantizing():
+    pairs = [fp8_weight(seed=i) for i in range(3)]
+    bank = torch.stack([w for w, _ in pairs])  # transformers' conversion stacks per-expert weights
+    assert type(bank) is StoredWeight and bank.shape == (3, 40, 48)
+    assert stored_nbytes(bank) == sum(stored_nbytes(w) for w, _ in pairs)
+    x = torch.randn(4, 48)
+    with torch.inference_mode():
+        for e, (_, dense) in enumerate(pairs):
+            assert type(bank[e]) is StoredWeight and type(bank[torch.tensor(e)]) is StoredWeight
+            assert torch.equal(F.linear(x, bank[e]), F.linear(x, dense))
+            assert torch.equal(x @ bank.transpose(-1, -2)[e], x @ dense.t())
+    # gate and up fused along the out dim (48 rows: whole 16-row blocks): still stored
+    up = torch.stack([fp8_weight(48, 48, seed=10 + i)[0] for i in range(3)])
+    gate = torch.stack([fp8_weight(48, 48, seed=20 + i)[0] for i in range(3)])
+    fused = torch.cat([gate, up], dim=1)
+    assert type(fused) is StoredWeight and fused.shape == (3, 96, 48)
+    assert torch.equal(fused.dequantize(), torch.cat([gate.dequantize(), up.dequantize()], dim=1))
+
+
+def test_to_dtype_is_a_view_and_other_ops_run_on_the_dequantized_weight():
+    w, dense = fp8_weight()
+    half = w.to(torch.bfloat16)
+    assert type(half) is StoredWeight and half.dtype == torch.bfloat16 and stored_nbytes(half) == stored_nbytes(w)
+    assert torch.equal(half.dequantize(), dense.to(torch.bfloat16))
+    assert torch.equal(w.sum(0), dense.sum(0)) and type(w * 2) is torch.Tensor
+    # blocks that do not divide: joining along out dim dequantizes (correct, not kept)
+    a, da = fp8_weight(40, 48, seed=1)
+    assert torch.equal(torch.cat([a, w]), torch.cat([da, dense]))
+    assert "fp8-blocks" in repr(w) and Fp8Blocks(BLOCK).name == "fp8-blocks"
+
+
+def test_an_fp8_weight_without_its_scales_is_refused():
+    from shardnet.errors import CheckpointError
+
+    q, _ = quantize_fp8_blocks(torch.randn(32, 32), BLOCK)
+    with pytest.raises(CheckpointError, match="has no w_scale_inv"):
+        stored_fp8_blocks({"w": q}, BLOCK, torch.float32)
