@@ -102,16 +102,24 @@ def test_an_error_reaches_every_request_of_its_computation(head):
     assert len(errors) == 2 and batcher._waiting == []
 
 
-def test_a_slow_head_runs_in_a_thread_and_requests_meanwhile_make_the_next_computation(head, monkeypatch):
-    """(Every computation counts as slow here.) The event loop runs on while the head computes:
-    a task ticks meanwhile; the requests that came in during it are one computation after it."""
-    import shardnet.inference.client.head_batcher as hb
+def test_a_slow_head_runs_in_a_thread_and_requests_meanwhile_make_the_next_computation(head):
+    """The event loop runs on while a slow head computes (here: until the test lets it finish);
+    the requests that came in during it are one computation after it."""
+    import threading
 
-    monkeypatch.setattr(hb, "THREAD_AFTER_S", -1.0)
-    batcher = HeadBatcher(head)
-    batcher._in_thread = True
+    class HeldHead:
+        def __init__(self):
+            self.go = threading.Event()
+
+        def logits(self, hidden):
+            assert self.go.wait(10)
+            return head.logits(hidden)
+
+    held = HeldHead()
+    batcher = HeadBatcher(held)
+    batcher._in_thread = True  # (a computation took longer than THREAD_AFTER_S)
     hiddens = [_hidden(head, i, 2) for i in range(6)]
-    got, ticks = {}, []
+    got = {}
 
     async def main():
         async def session(i):
@@ -119,16 +127,15 @@ def test_a_slow_head_runs_in_a_thread_and_requests_meanwhile_make_the_next_compu
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(session, 0)
-            await trio.sleep(0)  # it queued its request; its computation starts in a thread
-            await trio.sleep(0)
-            assert batcher._busy is not None
+            while batcher._busy is None:  # its computation starts in a thread
+                await trio.sleep(0)
             for i in range(1, 6):
                 nursery.start_soon(session, i)
-            while batcher._busy is not None:
-                ticks.append(1)
-                await trio.sleep(0)
+            await trio.sleep(0.05)  # the loop runs on meanwhile: they queue
+            assert len(batcher._waiting) == 5
+            held.go.set()
 
     trio.run(main)
-    assert ticks and batcher.stats.calls == 2 and batcher.stats.largest == 5
+    assert batcher.stats.calls == 2 and batcher.stats.largest == 5
     for i, h in enumerate(hiddens):
         torch.testing.assert_close(got[i], head.logits(h)[0], rtol=1e-5, atol=1e-5)
