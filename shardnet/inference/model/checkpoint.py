@@ -29,6 +29,7 @@ import cbor2
 
 from shardnet.errors import CheckpointError
 from shardnet.inference.model.families import Family, family_for
+from shardnet.inference.model.formats import stored_quant
 from shardnet.protocols.weights import CHUNK_SIZE, blob_root, chunk_hash
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ class Checkpoint:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise CheckpointError(f"{cfg_file}: num_hidden_layers must be a positive integer, not {n!r}")
         self.num_layers = n
-        self.fp8_block_size = _fp8_block_size(self.raw_config)
+        #: the stored (low-bit) format, None when not quantized (formats.py)
+        self.quant = stored_quant(self.raw_config)
         self._config = None
         if self.fetched:
             self.check_structure()  # its manifest was checked against the model ID, not against its config
@@ -423,21 +425,6 @@ def _chunk_hashes(f: Path, start: int, end: int) -> bytes:
             left -= len(data)
             if not left:
                 return bytes(out)
-
-
-def _fp8_block_size(raw_config: dict) -> tuple[int, int] | None:
-    """The block size of an FP8 block-scaled checkpoint; None when it is not quantized; a
-    one-line refusal for any other stored quantization."""
-    q = raw_config.get("quantization_config")
-    if not q:
-        return None
-    method = q.get("quant_method") if isinstance(q, dict) else None
-    block = q.get("weight_block_size") if isinstance(q, dict) else None
-    if method == "fp8" and isinstance(block, list) and len(block) == 2 and all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
-        return block[0], block[1]
-    raise CheckpointError(f"stored quantization {method!r} is not supported (supported: fp8 with "
-                          "weight_block_size, as DeepSeek-V3 and Qwen3-FP8 ship)")
 
 
 def model_id_of(manifest: dict) -> str:

@@ -196,8 +196,8 @@ def _reference(ckpt: Checkpoint, cfg, checked: list[int], with_head: bool):
     from transformers.utils.generic import ContextManagers
 
     cfg = copy.deepcopy(cfg)
-    if ckpt.fp8_block_size is not None:
-        del cfg.quantization_config  # dequantized below, as a block loads it
+    if ckpt.quant is not None:
+        del cfg.quantization_config  # dequantized below
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
     dtype = torch.float32
     with ContextManagers(cls.get_init_context(dtype, False, False, None, cfg)):
@@ -220,10 +220,12 @@ def _reference(ckpt: Checkpoint, cfg, checked: list[int], with_head: bool):
     tensors = ckpt.load(names)
     tensors.update({f"{name}.weight": mod.weight.detach().clone() for name, mod in model.named_modules()
                     if isinstance(mod, _StandIn)})
-    if ckpt.fp8_block_size is not None:
-        from shardnet.inference.model.fp8 import dequantize_fp8_blocks
+    if ckpt.quant is not None:
+        from shardnet.inference.model.formats import to_stored
+        from shardnet.inference.model.stored import StoredWeight
 
-        tensors = dequantize_fp8_blocks(tensors, ckpt.fp8_block_size, dtype)
+        tensors = {n: t.dequantize() if isinstance(t, StoredWeight) else t
+                   for n, t in to_stored(ckpt.quant, tensors, dtype).items()}
     load_config = LoadStateDictConfig(pretrained_model_name_or_path=str(ckpt.path), dtype=dtype,
                                       dtype_plan=model._get_dtype_plan(dtype),
                                       weight_mapping=get_model_conversion_mapping(model))

@@ -19,6 +19,32 @@ from shardnet.errors import CheckpointError
 from shardnet.inference.model.stored import StoredWeight
 
 SCALE_SUFFIX = "_scale_inv"
+#: names of the tensors that only accompany a quantized weight (formats.py)
+COMPANION_SUFFIXES = (SCALE_SUFFIX,)
+
+
+def parse(q: dict) -> dict:
+    """``{"quant_method": "fp8", "weight_block_size": [rows, cols]}`` (DeepSeek-V3's, Qwen3-FP8's)."""
+    block = q.get("weight_block_size")
+    if isinstance(block, list) and len(block) == 2 and all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        return {"block": (block[0], block[1])}
+    raise CheckpointError("stored quantization 'fp8' is supported with weight_block_size (as DeepSeek-V3 and "
+                          f"Qwen3-FP8 ship), not {block!r}")
+
+
+def to_stored(tensors: dict[str, torch.Tensor], params: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return stored_fp8_blocks(tensors, params["block"], dtype)
+
+
+def held_bytes(name: str, info, dtype_bytes: int, params: dict) -> int:
+    """FP8 weights and their float32 scales as stored; other tensors in the compute dtype."""
+    n = 1
+    for d in info.shape:
+        n *= d
+    if name.endswith(SCALE_SUFFIX):
+        return n * 4
+    return n * (1 if info.dtype in ("F8_E4M3", "F8_E5M2") else dtype_bytes)
 
 
 @dataclass(frozen=True)

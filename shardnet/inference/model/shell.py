@@ -21,6 +21,7 @@ import torch
 
 from shardnet.errors import CheckpointError
 from shardnet.inference.model.checkpoint import Checkpoint
+from shardnet.inference.model.formats import to_stored
 from shardnet.inference.model.stored import stored_nbytes
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,8 @@ class ModelShell:
         self.ckpt = ckpt
         # from_config writes its dtype into the config: build from a copy
         config = copy.deepcopy(config or ckpt.config)
-        if ckpt.fp8_block_size is not None:
-            # kept as stored and computed from as any weight (fp8.py, stored.py): the model is
+        if ckpt.quant is not None:
+            # kept as stored and computed from as any weight (formats.py, stored.py): the model is
             # built as the unquantized one
             del config.quantization_config
         try:
@@ -79,11 +80,7 @@ class ModelShell:
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
 
-        tensors = self.ckpt.load(names, device=device)
-        if self.ckpt.fp8_block_size is not None:
-            from shardnet.inference.model.fp8 import stored_fp8_blocks
-
-            tensors = stored_fp8_blocks(tensors, self.ckpt.fp8_block_size, self.dtype)
+        tensors = to_stored(self.ckpt.quant, self.ckpt.load(names, device=device), self.dtype)
         config = LoadStateDictConfig(dtype=self.dtype, dtype_plan=self.model._get_dtype_plan(self.dtype),
                                      weight_mapping=get_model_conversion_mapping(self.model),
                                      device_map={"": device})

@@ -40,27 +40,27 @@ SETTLE_S = 30.0
 def layer_bytes(ckpt, layer: int, dtype: str, quantize: str | None = None) -> int:
     """Bytes the weights of one layer take once loaded in ``dtype``: every tensor the checkpoint
     stores for it (all of a mixture-of-experts layer's experts, shared experts and router
-    included), FP8 weights at the compute dtype and their block scales not at all (they are
-    dequantized at load); with ``quantize``, its matrices at what that mode costs a parameter."""
-    from shardnet.inference.model.fp8 import SCALE_SUFFIX
-
+    included), a stored low-bit format's parts at their stored size (formats.held_bytes); with
+    ``quantize``, its matrices at what that mode costs a parameter."""
+    from shardnet.inference.model.formats import held_bytes
     from shardnet.inference.model.quantize import MIN_QUANTIZED_OUT, bytes_per_param
 
     size = DTYPE_BYTES[dtype]
     total = 0.0
     for name in ckpt.layer_tensors(layer):
-        if ckpt.fp8_block_size is not None and name.endswith(SCALE_SUFFIX):
-            continue
-        shape = ckpt.catalog[name].shape
+        info = ckpt.catalog[name]
+        shape = info.shape
         n = 1
         for d in shape:
             n *= d
         # what quantize_module quantizes: matrices of linear layers and experts, not norms,
         # biases or narrow routers
+        if quantize and ckpt.quant is not None and name.endswith(ckpt.quant.module.COMPANION_SUFFIXES):
+            continue  # (quantized anew from the dequantized weight: its stored scales are not kept)
         if quantize and len(shape) == 2 and name.endswith(".weight") and shape[0] >= MIN_QUANTIZED_OUT:
             total += n * bytes_per_param(quantize, size, in_features=shape[1], expert=".experts." in name)
         else:
-            total += n * size
+            total += held_bytes(ckpt.quant, name, info, size)
     return int(total)
 
 
