@@ -12,6 +12,20 @@ from shardnet.inference.model.families import FAMILIES
 from .common import fail, network_options, run, say, visitor_config, wrap_errors
 
 
+#: ``init-random --format``: "module:function" writing a stored-format copy of a checkpoint
+#: (``function(src_dir, dst) -> path``), each with its format's reference quantizer
+STORED_FORMAT_WRITERS = {
+    "fp8": "shardnet.testing.fp8:quantize_checkpoint_fp8",
+}
+
+
+def stored_format_writer(fmt: str):
+    import importlib
+
+    module, name = STORED_FORMAT_WRITERS[fmt].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @click.group()
 def model() -> None:
     """Model files: random checkpoints, manifests."""
@@ -34,20 +48,31 @@ def model() -> None:
 @click.option("--active-experts", default=2, show_default=True, help="Experts each token is routed to.")
 @click.option("--max-positions", default=2048, show_default=True, type=click.IntRange(min=1),
               help="The context the config allows (max_position_embeddings).")
+@click.option("--format", "fmt", default="none", type=click.Choice(["none", *STORED_FORMAT_WRITERS]),
+              show_default=True, help="Store it quantized as checkpoints of that format ship (--dtype: the "
+              "unquantized tensors' dtype).")
 @wrap_errors
 def model_init_random(out, family, layers, hidden, heads, kv_heads, intermediate, vocab, seed, dtype, shards,
-                      experts, active_experts, max_positions) -> None:
+                      experts, active_experts, max_positions, fmt) -> None:
     """Write a random checkpoint (any size) to OUT."""
+    import tempfile
+
     from shardnet.inference.model.random_model import init_random
 
     if hidden % heads or heads % kv_heads:
         fail("--hidden must be a multiple of --heads, and --heads of --kv-heads", 2)
     if not 1 <= active_experts <= experts:
         fail("--active-experts must be between 1 and --experts", 2)
-    path = init_random(out, family, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
-                       intermediate=intermediate, vocab=vocab, seed=seed, dtype=dtype, shards=shards,
-                       experts=experts, active_experts=active_experts, max_positions=max_positions)
-    say(f"wrote {family} ({layers} layers, hidden {hidden}) to {path}")
+    kw = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate, vocab=vocab,
+              seed=seed, dtype=dtype, shards=shards, experts=experts, active_experts=active_experts,
+              max_positions=max_positions)
+    if fmt == "none":
+        path = init_random(out, family, **kw)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            plain = init_random(Path(tmp) / "plain", family, **kw)
+            path = stored_format_writer(fmt)(plain, out)
+    say(f"wrote {family} ({layers} layers, hidden {hidden}{'' if fmt == 'none' else ', ' + fmt}) to {path}")
 
 
 @model.command("manifest")
