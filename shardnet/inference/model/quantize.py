@@ -19,24 +19,29 @@ What each mode does to one decoder layer:
 
 - ``int8``: every Linear weight and every expert bank becomes int8 with one scale per output row.
 - ``int4``: Linear weights become 4-bit with one scale and zero point per group of 128 (64, 32
-  where the input width needs it) inputs; a Linear whose input width no group size divides, and the
-  expert banks (torchao has no 4-bit tensor for 3-D weights on CPU), are int8.
+  where the input width needs it) inputs (a Linear whose input width no group size divides is
+  int8); expert banks become 4-bit too, as ``IntGroups`` (torchao has no 4-bit tensor for 3-D
+  weights on CPU): round-to-nearest with a scale and zero point per group in the compute dtype,
+  kept packed in a ``StoredWeight`` (stored.py), one expert dequantized as it runs.
 - Routers (a Linear with fewer than ``MIN_QUANTIZED_OUT`` outputs, e.g. Qwen2-MoE's
   ``shared_expert_gate``) stay in the compute dtype: they are tiny and decide discrete routing.
 - A quantized expert module runs transformers' "eager" experts implementation (a loop over the hit
-  experts): ``grouped_mm`` and ``batched_mm`` need ops torchao's int8 tensor does not implement.
-- Transposed expert banks (gpt-oss: ``x @ bank[e]``) stay unquantized: torchao's int8 tensor has
-  no matmul with the weight on the right, only ``F.linear``.
+  experts): ``grouped_mm`` and ``batched_mm`` need ops torchao's int8 tensor does not implement,
+  and on a ``StoredWeight`` bank they would dequantize all of it.
+- Transposed expert banks (gpt-oss: ``x @ bank[e]``; torchao's int8 tensor has only
+  ``F.linear``) are ``IntGroups`` in both modes (int8: one group a row).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from shardnet.errors import ShardnetError
+from shardnet.inference.model.stored import StoredWeight
 
 log = logging.getLogger(__name__)
 
@@ -152,25 +157,73 @@ def _quantize(module: torch.nn.Module, mode: str) -> None:
             raise QuantizationError(f"{mode} quantization of {name} {tuple(linear.weight.shape)} "
                                     f"failed on {device.type}/{dtype}: {str(e).splitlines()[0]}") from None
     for experts, names in _expert_banks(module):
-        if experts.is_transposed:
-            # gpt-oss multiplies ``x @ bank[e]``: a matmul torchao's int8 tensor does not implement
-            log.info("%s: transposed expert weights stay unquantized", type(experts).__name__)
-            continue
         names = [n for n in names if not _is_quantized(getattr(experts, n))]
         if not names:
             continue
-        try:
-            ao.quantize_(experts, ao.FqnToConfig({n: int8 for n in names}), filter_fn=None)
-        except (RuntimeError, AssertionError, NotImplementedError, ValueError) as e:
-            raise QuantizationError(f"{mode} quantization of {type(experts).__name__} failed on "
-                                    f"{device.type}/{dtype}: {str(e).splitlines()[0]}") from None
+        if mode == "int4" or experts.is_transposed:
+            # torchao has no 4-bit 3-D tensor on CPU, and its int8 tensor no ``x @ bank[e]``
+            # (gpt-oss's transposed banks): kept as IntGroups, one expert dequantized per call
+            for n in names:
+                bank = getattr(experts, n)
+                setattr(experts, n, torch.nn.Parameter(
+                    quantize_bank(bank, 4 if mode == "int4" else 8, transposed=experts.is_transposed),
+                    requires_grad=False))
+        else:
+            try:
+                ao.quantize_(experts, ao.FqnToConfig({n: int8 for n in names}), filter_fn=None)
+            except (RuntimeError, AssertionError, NotImplementedError, ValueError) as e:
+                raise QuantizationError(f"{mode} quantization of {type(experts).__name__} failed on "
+                                        f"{device.type}/{dtype}: {str(e).splitlines()[0]}") from None
         # the config is the whole model's; this module alone switches to the per-expert loop
         experts.config = copy.copy(experts.config)
         experts.config._experts_implementation = "eager"
 
 
+@dataclass(frozen=True)
+class IntGroups:
+    """Asymmetric round-to-nearest integers of ``bits`` (4: two a byte; 8) with a scale and a
+    zero point in the compute dtype per ``group`` inputs: parts ``q`` uint8 [..., O, I*bits/8],
+    ``scale`` and ``zero`` [..., O, I/group]. What ``--quantize`` makes of expert banks."""
+
+    bits: int
+    group: int
+    name = "int-groups"
+
+    def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        q = parts["q"]
+        if self.bits == 4:
+            q = torch.stack([q & 0xF, q >> 4], dim=-1).flatten(-2)
+        *lead, rows, cols = q.shape
+        grouped = q.view(*lead, rows, cols // self.group, self.group).to(dtype)
+        w = (grouped - parts["zero"].unsqueeze(-1)) * parts["scale"].unsqueeze(-1)
+        return w.view(*lead, rows, cols)
+
+
+def quantize_bank(bank: torch.Tensor, bits: int, *, transposed: bool = False) -> StoredWeight:
+    """An expert bank [E, O, I] (``transposed``: [E, I, O], used as ``x @ bank[e]``) as
+    ``IntGroups`` of ``bits``: 4 bits in groups of 128 (64, 32, else the whole row) inputs, 8
+    bits one group a row."""
+    w = bank.detach().transpose(-1, -2) if transposed else bank.detach()
+    inputs = w.shape[-1]
+    group = (int4_group_size(inputs) or inputs) if bits == 4 else inputs
+    if bits == 4 and inputs % 2:
+        raise QuantizationError(f"int4 expert weights need an even input width, not {inputs}")
+    levels = (1 << bits) - 1
+    g = w.float().unflatten(-1, (inputs // group, group))
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / levels).clamp(min=1e-8)
+    zero = (-lo / scale).round().clamp(0, levels)
+    q = ((g / scale.unsqueeze(-1)).round() + zero.unsqueeze(-1)).clamp(0, levels).to(torch.uint8).flatten(-2)
+    if bits == 4:
+        q = q[..., 0::2] | (q[..., 1::2] << 4)
+    parts = {"q": q.contiguous(), "scale": scale.to(bank.dtype), "zero": zero.to(bank.dtype)}
+    return StoredWeight(IntGroups(bits, group), parts, bank.shape, bank.dtype, transposed=transposed)
+
+
 def _tensor_bytes(t: torch.Tensor) -> int:
     """Bytes ``t`` holds; for a tensor subclass (a quantized weight) the sum of its inner tensors."""
+    if isinstance(t, StoredWeight):
+        return t.stored_nbytes()
     if hasattr(type(t), "__tensor_flatten__"):
         inner, _ = t.__tensor_flatten__()
         return sum(_tensor_bytes(x) for x in (getattr(t, n) for n in inner) if isinstance(x, torch.Tensor))
@@ -195,14 +248,14 @@ def bytes_per_param(mode: str | None, dtype_bytes: int, *, in_features: int | No
     """Estimated bytes one weight parameter costs under ``mode`` (None: unquantized), scales
     included, for placement. ``dtype_bytes``: the compute dtype's size. ``in_features``: the
     weight's input width where known (int4's group size, the per-row scale's share); unknown
-    assumes the worst case. ``expert``: a weight of an MoE expert bank (int8 in both modes)."""
+    assumes the worst case. ``expert``: a weight of an MoE expert bank (``IntGroups`` in int4)."""
     if mode is None or mode == "none":
         return float(dtype_bytes)
     check_mode(mode)
     # int8: one byte, plus per output row a float32 scale and a 1-byte zero point (torchao's
     # Int8Tensor), spread over the row's inputs; 256 inputs is the narrowest layer worth planning
     row = in_features or 256
-    if mode == "int8" or expert:
+    if mode == "int8":
         return 1.0 + 5.0 / row
     group = int4_group_size(in_features) if in_features else INT4_GROUP_SIZES[-1]
     if group is None:

@@ -19,6 +19,7 @@ from shardnet.inference.model.quantize import (
     quantize_module,
     weight_bytes,
 )
+from shardnet.inference.model.stored import StoredWeight, stored_nbytes
 
 pytestmark = pytest.mark.unit
 
@@ -71,8 +72,15 @@ def test_quantized_layer_matches_unquantized(layers, family, dtype, mode):
     quantized = {n: type(p).__name__ for n, p in layer.named_parameters() if p.dim() >= 2}
     assert quantized["self_attn.q_proj.weight"] == ("Int8Tensor" if mode == "int8" else "Int4OpaqueTensor")
     if family == "mixtral":
-        # expert banks are int8 in both modes; the router stays in the compute dtype
-        assert quantized["mlp.experts.gate_up_proj"] == quantized["mlp.experts.down_proj"] == "Int8Tensor"
+        # expert banks: torchao's int8, or 4-bit IntGroups kept packed; the router stays in the compute dtype
+        bank = "Int8Tensor" if mode == "int8" else "StoredWeight"
+        assert quantized["mlp.experts.gate_up_proj"] == quantized["mlp.experts.down_proj"] == bank
+        if mode == "int4":
+            experts = layer.mlp.experts
+            held = stored_nbytes(experts.gate_up_proj) + stored_nbytes(experts.down_proj)
+            params = experts.gate_up_proj.numel() + experts.down_proj.numel()
+            assert held / params == pytest.approx(bytes_per_param("int4", dtype.itemsize, in_features=HIDDEN,
+                                                                  expert=True), rel=0.2)
         assert quantized["mlp.gate.weight"] == "Parameter"
         # only this layer's experts switched to the per-expert loop, not the model's config
         assert layer.mlp.experts.config._experts_implementation == "eager"
@@ -100,7 +108,8 @@ def test_bytes_per_param_is_what_a_linear_takes():
                 # without the width it plans for the worst case, never less
                 assert bytes_per_param(mode, dtype.itemsize) >= per_param - 0.02
     assert bytes_per_param(None, 2) == 2.0
-    assert bytes_per_param("int4", 2, expert=True) == bytes_per_param("int8", 2)
+    # expert banks are 4-bit in int4 too (IntGroups): about half of int8's bytes
+    assert bytes_per_param("int4", 2, in_features=1024, expert=True) < 0.6 * bytes_per_param("int8", 2)
 
 
 def test_weight_bytes_unquantized_is_parameter_bytes():
@@ -124,3 +133,25 @@ def test_refusals_are_one_line_shardnet_errors():
     with pytest.raises(QuantizationError) as refused:
         bytes_per_param("fp3", 2)
     assert "\n" not in str(refused.value) and refused.value.code == "quantization"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_bank_as_int_groups_is_close_to_the_bank_and_an_expert_runs_alone(bits):
+    """``quantize_bank``: gpt-oss's transposed banks ([E, in, out], used as ``x @ bank[e]``) and
+    the usual [E, out, in] ones; one expert's product equals its dequantized slice's."""
+    from shardnet.inference.model.quantize import quantize_bank
+
+    g = torch.Generator().manual_seed(3)
+    for transposed in (False, True):
+        bank = torch.randn(4, 256, 96, generator=g).to(torch.bfloat16)
+        stored = quantize_bank(bank, bits, transposed=transposed)
+        assert type(stored) is StoredWeight and stored.shape == bank.shape and stored.dtype == bank.dtype
+        x = torch.randn(3, bank.shape[1] if transposed else bank.shape[2], generator=g).to(torch.bfloat16)
+        for e in range(4):
+            dense = stored.dequantize()[e]
+            got = x @ stored[e] if transposed else torch.nn.functional.linear(x, stored[e])
+            want = x @ dense if transposed else torch.nn.functional.linear(x, dense)
+            assert torch.equal(got, want)
+        error = (stored.dequantize().float() - bank.float()).abs().max() / bank.float().abs().max()
+        assert error < (0.1 if bits == 4 else 0.01), error
+        assert stored_nbytes(stored) <= bank.numel() * (0.625 if bits == 4 else 1.1)  # (groups of 32 here)
