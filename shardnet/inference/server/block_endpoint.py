@@ -261,6 +261,8 @@ class BlockEndpoint:
         cache = sb.block.new_cache(op.max_len)
         tracker = None if op.prefix is None else PrefixTracker(
             session_seed(sb.model_id, (sb.block.start, sb.block.end), dtype_name(sb.block.dtype), op.prefix, op.ret.peer))
+        # other peers compute this session's steps too (scheduler: the halves of such sessions alternate)
+        pipelined = not session.last or str(up.remote_peer) != op.ret.peer
         while True:
             # the last step's buffers (frame, payload, tensors: megabytes for a prompt) go before the wait
             msg = action = step = hidden = out = payload = digests = reused = None
@@ -294,7 +296,8 @@ class BlockEndpoint:
                 sb.kv.prefixes.stats.hit_pages += len(reused)
             done = len(reused) * PAGE
             out = await sb.scheduler.forward(up.remote_peer, hidden[:, done:], cache, step.pos + done,
-                                             on_shared=rec.step_was_batched if rec is not None else None)
+                                             on_shared=rec.step_was_batched if rec is not None else None,
+                                             pipelined=pipelined)
             if reused:
                 out = torch.cat([torch.cat([p.outputs for p in reused])[None].to(out.dtype), out], dim=1)
             if tracker is not None:

@@ -41,6 +41,7 @@ keeps its own KV cache (rollbacks crop it as before).
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ PREFILL_SHARE = 1 / 8
 #: rounds waited (a round costs microseconds; a forward pass, milliseconds)
 GATHER_QUIET = 2
 GATHER_ROUNDS = 32
+#: a session counts as decoding here while it had a short step in one of the last this many passes
+ACTIVE_PASSES = 4
 
 
 @dataclass(eq=False)
@@ -75,6 +78,7 @@ class _Step:
     done_tokens: int = 0
     outputs: list[torch.Tensor] = field(default_factory=list)
     finished: bool = False
+    pipelined: bool = False  # its session's chain has other stages (peers, or the client's head)
     lead: bool = False  # told to take over running passes
     abandoned: bool = False  # its owner was cancelled: nothing more is computed for it
     wake: trio.Event = field(default_factory=trio.Event)
@@ -118,6 +122,9 @@ class _Round:
             del self.queues[peer]
         return step
 
+    def steps(self):
+        return (s for q in self.queues.values() for s in q)
+
     def remove(self, step: _Step) -> bool:
         queue = self.queues.get(step.peer)
         if queue is None or step not in queue:
@@ -149,6 +156,9 @@ class BlockScheduler:
         #: a leader runs passes, or the lead is on its way to a waiting step's owner
         self._running = False
         self._arrived = 0  # steps handed in so far
+        #: pipelined sessions' caches -> the last pass that held a short step of theirs
+        self._decoding: dict[int, int] = {}
+        self.split = os.environ.get("SHARDNET_SPLIT_PASSES", "1") != "0"
         self.stats = SchedulerStats()
 
     @property
@@ -161,13 +171,13 @@ class BlockScheduler:
         return len(self._alone) + len(self._short) + len(self._long)
 
     async def forward(self, peer, hidden: torch.Tensor, cache, pos: int, *,
-                      on_shared: Callable[[], None] | None = None) -> torch.Tensor:
+                      on_shared: Callable[[], None] | None = None, pipelined: bool = False) -> torch.Tensor:
         """The block's output for ``hidden`` ([1, T, hidden]: a session's positions from ``pos``,
         extending ``cache``), computed when the scheduler's order comes to it, possibly in one pass
         with other sessions' steps. ``peer``: the upstream peer it came from. ``on_shared`` is
         called when the step ran in one forward pass with other sessions' steps (receipts count
         those: batched results may round differently from a step computed alone)."""
-        step = _Step(peer, hidden, cache, pos)
+        step = _Step(peer, hidden, cache, pos, pipelined=pipelined)
         step.waiting = self._round_for(step)
         step.waiting.add(step)
         self._arrived += 1
@@ -239,17 +249,33 @@ class BlockScheduler:
         batch: list[tuple[_Step, int]] = []
         budget = self.max_tokens
         for_short = budget - (self.prefill_floor if self._long else 0)
-        while self._short and self._short.peek().left <= for_short:
+        most = self._short_steps_per_pass()
+        while self._short and self._short.peek().left <= for_short and len(batch) < most:
             step = self._short.pop()
             batch.append((step, step.left))
             for_short -= step.left
             budget -= step.left
+            if step.pipelined:
+                self._decoding[id(step.cache)] = self.stats.passes
         while self._long and budget > 0:
             step = self._long.pop()
             n = min(step.left, budget)
             batch.append((step, n))
             budget -= n
         return batch
+
+    def _short_steps_per_pass(self) -> int:
+        """At most half the decoding sessions of multi-stage chains in one pass: the two halves
+        take turns, one here while the other is at the chain's other stages, so that the stages
+        compute at once instead of in turn (a pass of all of them leaves every other stage idle
+        while it runs)."""
+        if not self.split:
+            return 1 << 30
+        recent = self.stats.passes - ACTIVE_PASSES
+        self._decoding = {k: v for k, v in self._decoding.items() if v >= recent}
+        waiting = {id(s.cache) for s in self._short.steps() if s.pipelined}
+        active = len(waiting | self._decoding.keys())
+        return max(1, -(-active // 2)) if active >= 2 else 1 << 30
 
     def _pass_fn(self, batch: list[tuple[_Step, int]]) -> Callable[[], list[torch.Tensor]]:
         step, n = batch[0]
