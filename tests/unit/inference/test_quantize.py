@@ -155,3 +155,13 @@ def test_a_bank_as_int_groups_is_close_to_the_bank_and_an_expert_runs_alone(bits
         error = (stored.dequantize().float() - bank.float()).abs().max() / bank.float().abs().max()
         assert error < (0.1 if bits == 4 else 0.01), error
         assert stored_nbytes(stored) <= bank.numel() * (0.625 if bits == 4 else 1.1)  # (groups of 32 here)
+
+
+def test_the_swarm_simulation_assumes_no_fewer_bytes_than_int4_holds():
+    """docs/scale.md simulates its models at ``BYTES_PER_PARAM`` (4.5 bits a parameter): ``join
+    --quantize int4`` must hold them in no more, dense and expert weights alike (bf16 scales)."""
+    from bench.swarm_sim.models import BYTES_PER_PARAM
+
+    for hidden in (7168, 8192, 2048):  # DeepSeek-V3's and Llama 70B's input widths, an expert's
+        for expert in (False, True):
+            assert bytes_per_param("int4", 2, in_features=hidden, expert=expert) <= BYTES_PER_PARAM
