@@ -174,9 +174,23 @@ def _quantize(module: torch.nn.Module, mode: str) -> None:
             except (RuntimeError, AssertionError, NotImplementedError, ValueError) as e:
                 raise QuantizationError(f"{mode} quantization of {type(experts).__name__} failed on "
                                         f"{device.type}/{dtype}: {str(e).splitlines()[0]}") from None
-        # the config is the whole model's; this module alone switches to the per-expert loop
+        _run_eagerly(experts)
+
+
+def _run_eagerly(experts: torch.nn.Module) -> None:
+    # the config is the whole model's; this module alone switches to the per-expert loop
+    if experts.config._experts_implementation != "eager":
         experts.config = copy.copy(experts.config)
         experts.config._experts_implementation = "eager"
+
+
+def run_stored_banks_eagerly(module: torch.nn.Module) -> None:
+    """Expert modules under ``module`` whose banks are kept in a stored format run transformers'
+    per-expert loop, which dequantizes each expert it uses as it runs; ``grouped_mm`` would
+    dequantize the whole bank (every expert) at every step."""
+    for experts, names in _expert_banks(module):
+        if any(isinstance(getattr(experts, n), StoredWeight) for n in names):
+            _run_eagerly(experts)
 
 
 @dataclass(frozen=True)
