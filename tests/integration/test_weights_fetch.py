@@ -281,3 +281,30 @@ async def test_fake_peers_claiming_a_bound_name_do_not_take_it(loopback_config, 
         listed = {m.card.model_id: m for m in await list_models(fetching)}
         assert listed[genuine].conflicts == {"wmodel": [fake.model_id]}
         assert listed[fake.model_id].conflicts == {"wmodel": [genuine]}
+
+
+async def test_a_stored_format_travels_as_stored_and_loads_as_stored(loopback_config, model, tmp_path):
+    """An FP8 checkpoint's span over the swarm: the FP8 bytes and their scales, unchanged (the
+    manifest hashes the stored tensors), and a block loaded from them keeps them FP8."""
+    import torch
+
+    from shardnet.inference.model.block import Block
+    from shardnet.inference.model.stored import StoredWeight, module_stored_nbytes
+    from shardnet.inference.server.placement import layer_bytes
+    from shardnet.testing.fp8 import quantize_checkpoint_fp8
+
+    fp8 = quantize_checkpoint_fp8(model, tmp_path / "wmodel-fp8", block=(32, 32))
+    async with AsyncExitStack() as stack:
+        fetching, _ = await _swarm(stack, loopback_config, fp8, [WeightServer])
+        original = Checkpoint(fp8)
+        path, _ = await open_from_swarm(fetching, original.model_id, cache_root=tmp_path / "cache")
+        ckpt = Checkpoint(path)
+        names = span_tensor_names(ckpt, 1, 2)
+        assert any(n.endswith("_scale_inv") for n in names)
+        report = await fetch_tensors(fetching, ckpt, names)
+        assert report.done == sum(original.catalog[n].size for n in names)
+        _same_tensors(path, fp8, names)
+    block = Block(Checkpoint(path), 1, 2, dtype=torch.bfloat16)
+    assert any(isinstance(p, StoredWeight) for p in block.layers.parameters())
+    assert abs(module_stored_nbytes(block.layers) - layer_bytes(Checkpoint(path), 1, "bfloat16")) < 0.02 * \
+        layer_bytes(Checkpoint(path), 1, "bfloat16")
