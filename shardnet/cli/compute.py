@@ -70,7 +70,7 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
 
     With --model naming a model the swarm serves (no files here), only the layers this peer
     serves are fetched from the peers that hold them, then served."""
-    from shardnet.inference.model.block import parse_layers
+    from shardnet.inference.model.block import parse_layers, pick_device, resolve_dtype
     from shardnet.inference.model.checkpoint import Checkpoint, CheckpointError
     from shardnet.inference.model.family_check import ensure_family_matches
     from shardnet.inference.server.compute_peer import join_swarm
@@ -97,7 +97,8 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
             span = parse_layers(layers, ckpt.num_layers) if layers else None
             # before the network: an unsupported model fails at once (its span's layer kinds, or
             # every layer kind stored here when the span is chosen later)
-            ensure_family_matches(ckpt, span or (0, ckpt.num_layers))
+            ensure_family_matches(ckpt, span or (0, ckpt.num_layers),
+                                  dtype=resolve_dtype(dtype, ckpt, pick_device(device)))
         except CheckpointError as e:
             fail(str(e))
     cfg = make_config(relays=relays, identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,

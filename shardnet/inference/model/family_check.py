@@ -57,6 +57,15 @@ CHECK_WINDOW = 4
 RELATIVE_TOLERANCE = 1e-4
 #: the logits' tolerance (a norm and a vocabulary-wide product more than a layer)
 LOGITS_TOLERANCE = 1e-3
+#: (a layer's, the logits') tolerance by the dtype the check computes in. In bfloat16 and float16
+#: both sides ran bit-identical on every tested family (tests/unit/inference/test_family_check_dtype.py:
+#: the same modules on the same inputs, results rounded to the dtype), so a difference is the
+#: rounding of one value near the top of the range landing the other way: two units in the last
+#: place at the largest value (bfloat16's 8-bit significand: 2^-7; float16's 11: 2^-9). A missed
+#: scale, mask or rotary moves the outputs by far more
+TOLERANCES = {torch.float32: (RELATIVE_TOLERANCE, LOGITS_TOLERANCE),
+              torch.bfloat16: (2.0 ** -7, 2.0 ** -6),
+              torch.float16: (2.0 ** -9, 2.0 ** -8)}
 
 
 @dataclass
@@ -67,12 +76,22 @@ class _Run:
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def ensure_family_matches(ckpt: Checkpoint, layers: tuple[int, int] | None = None, *, head: bool = True) -> None:
+def ensure_family_matches(ckpt: Checkpoint, layers: tuple[int, int] | None = None, *, head: bool = True,
+                          dtype: torch.dtype | None = None) -> None:
     """Refuse ``ckpt`` (CheckpointError, one line) unless shardnet runs it as transformers does:
     every distinct layer configuration among ``layers`` (START, END; None: none) whose tensors are
-    stored here, and the head (with ``head``, where its tensors are stored here). Each verdict is
-    kept, so what was checked once is not checked again."""
+    stored here, and the head (with ``head``, where its tensors are stored here), computed in
+    ``dtype`` (default: the checkpoint's own, as ``--dtype auto``) with the weights as a block
+    holds them (stored formats stay stored): no copy in a wider dtype. Each verdict is kept (per
+    dtype), so what was checked once is not checked again."""
     import transformers
+
+    from shardnet.inference.model.block import dtype_name, resolve_dtype
+
+    dtype = dtype or resolve_dtype("auto", ckpt)
+    if dtype not in TOLERANCES:
+        dtype = torch.float32
+    prefix = dtype_name(dtype) + ":"
 
     key = {"model_id": ckpt.model_id, "transformers": transformers.__version__, "family": repr(ckpt.family)}
     cache = ckpt.path / VERDICT_CACHE
@@ -86,10 +105,10 @@ def ensure_family_matches(ckpt: Checkpoint, layers: tuple[int, int] | None = Non
     todo: list[tuple[str, list[int] | None]] = []
     parts = ckpt.head_parts()
     if head and ckpt.holds(parts["embed"] + parts["norm"] + parts["lm_head"]):
-        todo.append(("head", None))
+        todo.append((prefix + "head", None))
     if layers is not None:
         for sig, index in representative_layers(ckpt, *layers).items():
-            todo.append((sig, [index]))
+            todo.append((prefix + sig, [index]))
     for item, _ in todo:
         if verdicts.get(item):
             raise CheckpointError(verdicts[item])
@@ -97,7 +116,7 @@ def ensure_family_matches(ckpt: Checkpoint, layers: tuple[int, int] | None = Non
     if not todo:
         return
     checked = [i for _, idx in todo if idx for i in idx]
-    verdict_items = _compare(ckpt, checked, with_head=any(item == "head" for item, _ in todo))
+    verdict_items = _compare(ckpt, checked, with_head=any(idx is None for _, idx in todo), dtype=dtype)
     for item, idx in todo:
         verdicts[item] = verdict_items.get("head" if idx is None else idx[0])
     _keep(cache, key, {item: verdicts[item] for item, _ in todo})
@@ -165,16 +184,16 @@ def representative_layers(ckpt: Checkpoint, start: int, end: int) -> dict[str, i
     return out
 
 
-def _compare(ckpt: Checkpoint, checked: list[int], *, with_head: bool) -> dict:
+def _compare(ckpt: Checkpoint, checked: list[int], *, with_head: bool, dtype: torch.dtype = torch.float32) -> dict:
     """Verdicts (None: matches) for each layer in ``checked`` and, with ``with_head``, "head"."""
     what = ", ".join([f"layer {i}" for i in checked] + (["the head"] if with_head else []))
     log.info("checking %s (%s) against transformers: %s (once)", ckpt.path.name, ckpt.model_type, what)
     verdicts: dict = {}
     try:
         if with_head:
-            verdicts["head"] = _compare_head(ckpt)
+            verdicts["head"] = _compare_head(ckpt, dtype)
         if checked:
-            verdicts.update(_compare_layers(ckpt, checked))
+            verdicts.update(_compare_layers(ckpt, checked, dtype))
     except (CheckpointError, MemoryError, OSError):
         raise  # not a verdict on the family: nothing is kept, the next load checks again
     except Exception as e:  # noqa: BLE001 - any failure to run the family is a refusal, said in one line
@@ -185,7 +204,7 @@ def _compare(ckpt: Checkpoint, checked: list[int], *, with_head: bool) -> dict:
     return verdicts
 
 
-def _reference(ckpt: Checkpoint, cfg, checked: list[int], with_head: bool):
+def _reference(ckpt: Checkpoint, cfg, checked: list[int], with_head: bool, dtype: torch.dtype = torch.float32):
     """The family's causal LM as ``from_pretrained`` builds and loads it, from this checkpoint's
     tensors of the ``checked`` layers (and of the head, ``with_head``); every other layer a
     pass-through. Returns the model and the hooks' record."""
@@ -197,9 +216,8 @@ def _reference(ckpt: Checkpoint, cfg, checked: list[int], with_head: bool):
 
     cfg = copy.deepcopy(cfg)
     if ckpt.quant is not None:
-        del cfg.quantization_config  # dequantized below
+        del cfg.quantization_config  # kept as stored below, computed from as the block does
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]
-    dtype = torch.float32
     with ContextManagers(cls.get_init_context(dtype, False, False, None, cfg)):
         model = cls(cfg)
         patch_output_recorders(model)
@@ -222,15 +240,18 @@ def _reference(ckpt: Checkpoint, cfg, checked: list[int], with_head: bool):
                     if isinstance(mod, _StandIn)})
     if ckpt.quant is not None:
         from shardnet.inference.model.formats import to_stored
-        from shardnet.inference.model.stored import StoredWeight
 
-        tensors = {n: t.dequantize() if isinstance(t, StoredWeight) else t
-                   for n, t in to_stored(ckpt.quant, tensors, dtype).items()}
+        # kept as stored, as a block keeps them: transformers' modules run on them unchanged
+        tensors = to_stored(ckpt.quant, tensors, dtype)
     load_config = LoadStateDictConfig(pretrained_model_name_or_path=str(ckpt.path), dtype=dtype,
                                       dtype_plan=model._get_dtype_plan(dtype),
                                       weight_mapping=get_model_conversion_mapping(model))
     info, _ = cls._load_pretrained_model(model, tensors, None, load_config)
     info = cls._finalize_model_loading(model, load_config, info)
+    if ckpt.quant is not None:
+        from shardnet.inference.model.quantize import run_stored_banks_eagerly
+
+        run_stored_banks_eagerly(model)
     if info.unexpected_keys:
         raise ValueError(f"transformers' model has no place for {sorted(info.unexpected_keys)[0]}")
     return model.eval(), base, run
@@ -308,32 +329,33 @@ def _differs(ckpt: Checkpoint, what: str, mine: torch.Tensor, theirs: torch.Tens
     return None
 
 
-def _compare_head(ckpt: Checkpoint) -> str | None:
+def _compare_head(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> str | None:
     """The embedding (scaled as the adapter says) and the logits (norm, head, finishing) against
     transformers' forward with every layer a pass-through."""
     from shardnet.inference.model.block import Head
 
-    head = Head(ckpt)  # first: a model without the standard stack is refused by its shell, in its words
+    head = Head(ckpt, dtype=dtype)  # first: a model without the standard stack is refused by its shell, in its words
     cfg = check_config(ckpt)
-    model, _, run = _reference(ckpt, cfg, [], with_head=True)
+    model, _, run = _reference(ckpt, cfg, [], with_head=True, dtype=dtype)
     ids = _check_ids(ckpt)
     with torch.inference_mode():
         theirs = model(input_ids=ids, use_cache=False).logits
     last = max(run.outputs)
     return (_between_layers(ckpt, run)
-            or _differs(ckpt, "its embeddings", head.embed(ids), run.inputs[0], RELATIVE_TOLERANCE)
-            or _differs(ckpt, "its logits", head.logits(run.outputs[last]), theirs, LOGITS_TOLERANCE))
+            or _differs(ckpt, "its embeddings", head.embed(ids), run.inputs[0], TOLERANCES[dtype][0])
+            or _differs(ckpt, "its logits", head.logits(run.outputs[last]), theirs, TOLERANCES[dtype][1]))
 
 
-def _compare_layers(ckpt: Checkpoint, checked: list[int]) -> dict[int, str | None]:
+def _compare_layers(ckpt: Checkpoint, checked: list[int], dtype: torch.dtype = torch.float32
+                    ) -> dict[int, str | None]:
     """Each checked layer as a one-layer block (prefill, cached decode steps, a batched step)
     against what it computed inside transformers' forward."""
     from shardnet.inference.model.block import Block
 
     cfg = check_config(ckpt)
-    model, base, run = _reference(ckpt, cfg, checked, with_head=False)
+    model, base, run = _reference(ckpt, cfg, checked, with_head=False, dtype=dtype)
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(1, CHECK_TOKENS, cfg.hidden_size, generator=generator)
+    x = torch.randn(1, CHECK_TOKENS, cfg.hidden_size, generator=generator).to(dtype)
     with torch.inference_mode():
         base(inputs_embeds=x, use_cache=False)
     del model, base  # what it computed is recorded: its layers go before a block's come
@@ -345,7 +367,7 @@ def _compare_layers(ckpt: Checkpoint, checked: list[int]) -> dict[int, str | Non
             out[i] = between
             continue
         kind = ckpt.family.layer_types(cfg)[i]
-        block = Block(ckpt, i, i + 1, config=cfg)
+        block = Block(ckpt, i, i + 1, config=cfg, dtype=dtype)
         hidden, want = run.inputs[i], run.outputs[i]
         cache = block.new_cache()
         steps = [block.forward(hidden[:, :t - 3], cache, 0)]
@@ -354,9 +376,9 @@ def _compare_layers(ckpt: Checkpoint, checked: list[int]) -> dict[int, str | Non
         block.forward(hidden[:, :t - 2], cache, 0)
         batched = block.forward_batch([(hidden[:, t - 2:t - 1], cache), (hidden[:, :t - 1], block.new_cache())])
         out[i] = (_differs(ckpt, f"layer {i} ({kind}), prefill and cached steps", torch.cat(steps, dim=1), want,
-                           RELATIVE_TOLERANCE)
+                           TOLERANCES[dtype][0])
                   or _differs(ckpt, f"layer {i} ({kind}), batched steps",
                               torch.cat([batched[0], batched[1]], dim=1),
-                              torch.cat([want[:, t - 2:t - 1], want[:, :t - 1]], dim=1), RELATIVE_TOLERANCE))
+                              torch.cat([want[:, t - 2:t - 1], want[:, :t - 1]], dim=1), TOLERANCES[dtype][0]))
         del block  # one layer at a time
     return out

@@ -20,9 +20,9 @@ class LocalModel:
 
         self.ckpt = Checkpoint(path)
         self.model_id = self.ckpt.model_id
-        ensure_family_matches(self.ckpt)
         self.device = pick_device(device)
         self.dtype = resolve_dtype(dtype, self.ckpt, self.device)
+        ensure_family_matches(self.ckpt, dtype=self.dtype)
         self.head = Head(self.ckpt, dtype=self.dtype, device=self.device, lm_head=lm_head)
         tok_file = self.ckpt.path / "tokenizer.json"
         if not tok_file.is_file():

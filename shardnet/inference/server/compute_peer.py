@@ -19,6 +19,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -128,9 +129,9 @@ class ComputePeer:
         self.fixed_throughput = throughput
         self.ckpt = Checkpoint(model_path)
         self.model_id = self.ckpt.model_id
-        ensure_family_matches(self.ckpt)  # the head, where it is stored here
         self.device = pick_device(device)
         self.dtype = resolve_dtype(dtype, self.ckpt, self.device)
+        ensure_family_matches(self.ckpt, dtype=self.dtype)  # the head, where it is stored here
         self.dtype_name = dtype_name(self.dtype)
         self.kv_budget_bytes = kv_budget_bytes
         #: seconds a session may idle (default: the node's session_idle_s limit)
@@ -163,7 +164,7 @@ class ComputePeer:
             await fetch_tensors(self.node, ckpt, span_tensor_names(ckpt, start, end),
                                 progress=self.fetch_progress)
         # every distinct layer configuration of the span against transformers (kept: once each)
-        await trio.to_thread.run_sync(ensure_family_matches, ckpt, (start, end))
+        await trio.to_thread.run_sync(partial(ensure_family_matches, ckpt, (start, end), dtype=self.dtype))
         log.info("loading layers %d:%d of %s (%s%s, %s)", start, end, ckpt.path.name, self.dtype_name,
                  f", weights {self.quantize}" if self.quantize else "", self.device)
         block = await trio.to_thread.run_sync(

@@ -50,7 +50,7 @@ def test_the_check_passes_and_each_verdict_is_kept(granite, monkeypatch):
     family_check.ensure_family_matches(Checkpoint(granite), (0, 2))
     kept = json.loads((granite / family_check.VERDICT_CACHE).read_text())
     assert kept["key"]["family"].startswith("Family(model_type='granite'")
-    assert set(kept["verdicts"]) >= {"head"} and len(kept["verdicts"]) == 2  # the head, one layer kind
+    assert set(kept["verdicts"]) >= {"float32:head"} and len(kept["verdicts"]) == 2  # the head, one layer kind
     assert not any(kept["verdicts"].values())
 
     def must_not_run(*args, **kwargs):
