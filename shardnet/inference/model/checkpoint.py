@@ -30,6 +30,8 @@ import cbor2
 from shardnet.errors import CheckpointError
 from shardnet.inference.model.families import Family, family_for
 from shardnet.inference.model.formats import stored_quant
+from shardnet.inference.model.gguf import find_gguf, read_gguf
+from shardnet.inference.model.gguf import read_tensors as read_gguf_tensors
 from shardnet.protocols.weights import CHUNK_SIZE, blob_root, chunk_hash
 
 log = logging.getLogger(__name__)
@@ -75,13 +77,22 @@ class TensorInfo:
 class Checkpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).expanduser().resolve()
-        cfg_file = self.path / "config.json"
-        if not cfg_file.is_file():
-            raise CheckpointError(f"{self.path} has no config.json")
-        try:
-            self.raw_config = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+        #: a GGUF checkpoint (gguf.py): its config and tensors are read from this one file
+        self.gguf_file = find_gguf(self.path)
+        self._gguf = None
+        if self.gguf_file is not None:
+            self.path = self.gguf_file.parent
+            self._gguf = read_gguf(self.gguf_file, TensorEntry)
+            self.raw_config = self._gguf.raw_config
+            cfg_file = self.gguf_file
+        else:
+            cfg_file = self.path / "config.json"
+            if not cfg_file.is_file():
+                raise CheckpointError(f"{self.path} has no config.json (nor a .gguf file)")
+            try:
+                self.raw_config = json.loads(cfg_file.read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
         self.family: Family = family_for(self.raw_config)
         self.model_type = self.family.model_type
         self._manifest: dict | None = None
@@ -164,13 +175,18 @@ class Checkpoint:
             from transformers import AutoConfig
 
             try:
-                self._config = AutoConfig.from_pretrained(str(self.path), local_files_only=True)
+                if self._gguf is not None:  # its metadata as transformers' GGUF load reads it
+                    self._config = AutoConfig.for_model(**self.raw_config)
+                else:
+                    self._config = AutoConfig.from_pretrained(str(self.path), local_files_only=True)
             except (ValueError, TypeError, KeyError, OSError, StrictDataclassError) as e:
                 text = " ".join(str(e).split())[:300]
                 raise CheckpointError(f"{self.path.name}/config.json: transformers refuses it: {text}") from None
         return self._config
 
     def _index(self, allow_none: bool = False) -> dict[str, TensorEntry]:
+        if self._gguf is not None:
+            return {n: e for n, (_, e) in self._gguf.tensors.items()}
         index_file = self.path / "model.safetensors.index.json"
         if index_file.is_file():
             weight_map = json.loads(index_file.read_text())["weight_map"]
@@ -225,6 +241,9 @@ class Checkpoint:
                 if n in self.catalog:
                     raise CheckpointError(f"tensor {n} has not been fetched to {self.path}")
                 raise CheckpointError(f"tensor {n} is not in {self.path}")
+        if self._gguf is not None:
+            out = read_gguf_tensors(self._gguf, names, device)
+            return {n: t.to(dtype) for n, t in out.items()} if dtype is not None else out
             by_file.setdefault(self.entries[n].file, []).append(n)
         out = {}
         for f, ns in by_file.items():
@@ -303,6 +322,8 @@ class Checkpoint:
         if kind == "tensor" and name in self.entries:
             e = self.entries[name]
             return e.file, e.start, e.end
+        if kind == "gguf" and self.gguf_file is not None and name == self.gguf_file.name:
+            return self.gguf_file, 0, self._gguf.header_size
         if kind == "file" and name in self.manifest()["files"]:
             f = self.path / name
             if f.is_file():
@@ -368,6 +389,11 @@ class Checkpoint:
             tensors[name] = [e.dtype, list(e.shape), e.size, blob_root(e.size, h)]
         manifest = {"version": MANIFEST_VERSION, "model_type": self.model_type, "num_layers": self.num_layers,
                     "chunk_size": CHUNK_SIZE, "files": files, "tensors": tensors}
+        if self._gguf is not None:
+            # the config is the GGUF header (metadata and tensor infos): its bytes are the model's too
+            size = self._gguf.header_size
+            hashes[f"gguf:{self.gguf_file.name}"] = h = _chunk_hashes(self.gguf_file, 0, size)
+            manifest["gguf"] = [self.gguf_file.name, size, blob_root(size, h)]
         raw = cbor2.dumps(manifest, canonical=True)
         self._manifest, self._manifest_bytes, self._hashes = manifest, raw, hashes
         try:
@@ -383,9 +409,14 @@ def check_manifest(manifest: Any) -> None:
         raise CheckpointError(f"manifest version {manifest.get('version') if isinstance(manifest, dict) else None!r} "
                               f"is not supported (this shardnet reads version {MANIFEST_VERSION})")
     files, tensors = manifest.get("files"), manifest.get("tensors")
+    gguf = manifest.get("gguf")  # a GGUF checkpoint's header: its config (gguf.py)
     if manifest.get("chunk_size") != CHUNK_SIZE or not isinstance(files, dict) or not isinstance(tensors, dict) \
-            or "config.json" not in files:
+            or ("config.json" not in files and gguf is None):
         raise CheckpointError("manifest is malformed (chunk size, files or tensors)")
+    if gguf is not None and not (isinstance(gguf, list) and len(gguf) == 3 and isinstance(gguf[0], str)
+                                 and gguf[0].endswith(".gguf") and "/" not in gguf[0] and _nonneg_int(gguf[1])
+                                 and isinstance(gguf[2], str) and len(gguf[2]) == 64):
+        raise CheckpointError("manifest entry for the GGUF header is malformed")
     for name, v in files.items():
         if not (isinstance(name, str) and name in MODEL_FILES and isinstance(v, list) and len(v) == 2
                 and _nonneg_int(v[0]) and isinstance(v[1], str) and len(v[1]) == 64):
