@@ -241,10 +241,10 @@ class Checkpoint:
                 if n in self.catalog:
                     raise CheckpointError(f"tensor {n} has not been fetched to {self.path}")
                 raise CheckpointError(f"tensor {n} is not in {self.path}")
+            by_file.setdefault(self.entries[n].file, []).append(n)
         if self._gguf is not None:
             out = read_gguf_tensors(self._gguf, names, device)
             return {n: t.to(dtype) for n, t in out.items()} if dtype is not None else out
-            by_file.setdefault(self.entries[n].file, []).append(n)
         out = {}
         for f, ns in by_file.items():
             with safe_open(str(f), framework="pt", device=device) as st:
