@@ -133,3 +133,55 @@ def test_two_gguf_files_in_one_directory_are_refused(checkpoints, tmp_path):
         Checkpoint(tmp_path)
     one_line(e.value)
     assert Checkpoint(tmp_path / "a.gguf").gguf_file == tmp_path / "a.gguf"
+
+
+async def test_a_peer_fetches_only_its_span_of_a_gguf_over_the_swarm(loopback_config, checkpoints, tmp_path):
+    """The header (the config) and the span's tensors travel as blobs checked against the
+    manifest; the fetched directory is a GGUF checkpoint whose block holds the same stored bytes."""
+    from contextlib import AsyncExitStack
+
+    import trio
+
+    from shardnet.inference.model.checkpoint import FETCHED_GGUF_HEADER
+    from shardnet.inference.weights.cards import list_models
+    from shardnet.inference.weights.server import WeightServer
+    from shardnet.inference.weights.swarm_model import fetch_tensors, open_from_swarm, span_tensor_names
+    from shardnet.transport import open_node
+
+    _, q4 = checkpoints["Q4_K"]
+    complete = Checkpoint(q4)
+    async with AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(open_node(loopback_config()))
+        cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
+        serving = await stack.enter_async_context(open_node(cfg))
+        await serving.wait_bootstrapped()
+        (await serving.add_behaviour(WeightServer(serving))).add(complete)
+        fetching = await stack.enter_async_context(open_node(cfg))
+        await fetching.wait_bootstrapped()
+        with trio.fail_after(30):
+            while not await list_models(fetching, timeout=5):
+                await trio.sleep(0.2)
+        path, card = await open_from_swarm(fetching, q4.name, cache_root=tmp_path)
+        assert card.model_id == complete.model_id
+        ckpt = Checkpoint(path)
+        assert ckpt.fetched and ckpt.entries == {} and ckpt.raw_config == complete.raw_config
+        header = complete.manifest()["gguf"][1]
+        assert (path / FETCHED_GGUF_HEADER).read_bytes() == (q4 / GGUF_FILE).read_bytes()[:header]
+        names = span_tensor_names(ckpt, 1, 3)
+        report = await fetch_tensors(fetching, ckpt, names)
+    span = sum(complete.entries[n].size for n in names)
+    assert report.done == span < 0.6 * (q4 / GGUF_FILE).stat().st_size
+    assert sorted(ckpt.entries) == sorted(names)
+    theirs, ours = Block(complete, 1, 3, dtype=torch.float32), Block(ckpt, 1, 3, dtype=torch.float32)
+    assert module_stored_nbytes(ours.layers) == module_stored_nbytes(theirs.layers)
+    want = theirs.layers.state_dict()
+    for name, t in ours.layers.state_dict().items():
+        assert isinstance(t, StoredWeight) == isinstance(want[name], StoredWeight), name
+        if isinstance(t, StoredWeight):
+            assert torch.equal(t.parts["blocks"], want[name].parts["blocks"]), name
+        else:
+            assert torch.equal(t, want[name]), name
+    # and it serves on what it holds, the header included
+    assert set(ckpt.held_prefixes()) == {"file:", "gguf:", "tensor:model.layers.1.", "tensor:model.layers.2."}
+    assert ckpt.blob_location(f"gguf:{GGUF_FILE}") == (path / FETCHED_GGUF_HEADER, 0, header)
+    assert ckpt.blob_hashes(f"gguf:{GGUF_FILE}") == complete.blob_hashes(f"gguf:{GGUF_FILE}")

@@ -30,7 +30,7 @@ import cbor2
 from shardnet.errors import CheckpointError
 from shardnet.inference.model.families import Family, family_for
 from shardnet.inference.model.formats import stored_quant
-from shardnet.inference.model.gguf import find_gguf, read_gguf
+from shardnet.inference.model.gguf import find_gguf, read_gguf, read_gguf_header
 from shardnet.inference.model.gguf import read_tensors as read_gguf_tensors
 from shardnet.protocols.weights import CHUNK_SIZE, blob_root, chunk_hash
 
@@ -44,6 +44,8 @@ FETCHED_MANIFEST = "shardnet-manifest.cbor"
 #: chunk hashes of the blobs a swarm-filled directory holds (to serve them on)
 FETCHED_HASHES = "shardnet-hashes"
 FETCHED_INFO = "shardnet-fetched.json"
+#: the header of the GGUF file a swarm-filled GGUF checkpoint was fetched from (its config)
+FETCHED_GGUF_HEADER = "shardnet-gguf-header"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt")
 #: the files besides tensors that a model is made of (those present are in its manifest)
@@ -77,14 +79,32 @@ class TensorInfo:
 class Checkpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).expanduser().resolve()
-        #: a GGUF checkpoint (gguf.py): its config and tensors are read from this one file
-        self.gguf_file = find_gguf(self.path)
+        self._manifest: dict | None = None
+        self._manifest_bytes: bytes | None = None
+        #: filled by the swarm (holds a fetched manifest and what was fetched so far)
+        self.fetched = self.path.is_dir() and (self.path / FETCHED_MANIFEST).is_file()
+        if self.fetched:
+            self._open_fetched_manifest()
+        #: a GGUF checkpoint (gguf.py): its config and tensors are read from this one file (a
+        #: directory the swarm filled holds its header, and safetensors groups of its tensors)
+        self.gguf_file = None if self.fetched else find_gguf(self.path)
         self._gguf = None
+        #: (the header's name in the manifest, the file holding it from byte 0, its size)
+        self._gguf_header: tuple[str, Path, int] | None = None
         if self.gguf_file is not None:
             self.path = self.gguf_file.parent
             self._gguf = read_gguf(self.gguf_file, TensorEntry)
+            self._gguf_header = (self.gguf_file.name, self.gguf_file, self._gguf.header_size)
+        elif self.fetched and "gguf" in self._manifest:
+            name, size, _root = self._manifest["gguf"]
+            header = self.path / FETCHED_GGUF_HEADER
+            if not header.is_file():
+                raise CheckpointError(f"{self.path} has not fetched the header of {name} yet")
+            self._gguf = read_gguf_header(header, self._manifest, TensorEntry)
+            self._gguf_header = (name, header, size)
+        if self._gguf is not None:
             self.raw_config = self._gguf.raw_config
-            cfg_file = self.gguf_file
+            cfg_file = self._gguf_header[1]
         else:
             cfg_file = self.path / "config.json"
             if not cfg_file.is_file():
@@ -95,13 +115,8 @@ class Checkpoint:
                 raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
         self.family: Family = family_for(self.raw_config)
         self.model_type = self.family.model_type
-        self._manifest: dict | None = None
-        self._manifest_bytes: bytes | None = None
         self._hashes: dict[str, bytes] = {}
-        #: filled by the swarm (holds a fetched manifest and what was fetched so far)
-        self.fetched = (self.path / FETCHED_MANIFEST).is_file()
         if self.fetched:
-            self._open_fetched_manifest()
             self.entries = self._index(allow_none=True)
             self.catalog = {n: TensorInfo(d, tuple(shape), size)
                             for n, (d, shape, size, _root) in self._manifest["tensors"].items()}
@@ -185,7 +200,7 @@ class Checkpoint:
         return self._config
 
     def _index(self, allow_none: bool = False) -> dict[str, TensorEntry]:
-        if self._gguf is not None:
+        if self._gguf is not None and not self.fetched:
             return {n: e for n, (_, e) in self._gguf.tensors.items()}
         index_file = self.path / "model.safetensors.index.json"
         if index_file.is_file():
@@ -243,7 +258,7 @@ class Checkpoint:
                 raise CheckpointError(f"tensor {n} is not in {self.path}")
             by_file.setdefault(self.entries[n].file, []).append(n)
         if self._gguf is not None:
-            out = read_gguf_tensors(self._gguf, names, device)
+            out = read_gguf_tensors(self._gguf, self.entries, names, device)
             return {n: t.to(dtype) for n, t in out.items()} if dtype is not None else out
         out = {}
         for f, ns in by_file.items():
@@ -317,13 +332,14 @@ class Checkpoint:
 
     # -- blobs, as the weights protocol serves them ----------------------------------------------
     def blob_location(self, blob: str) -> tuple[Path, int, int] | None:
-        """(file, start, end) of a blob (``file:NAME`` or ``tensor:NAME``) stored here, or None."""
+        """(file, start, end) of a blob (``file:NAME``, ``tensor:NAME``, ``gguf:NAME``: a GGUF
+        file's header) stored here, or None."""
         kind, _, name = blob.partition(":")
         if kind == "tensor" and name in self.entries:
             e = self.entries[name]
             return e.file, e.start, e.end
-        if kind == "gguf" and self.gguf_file is not None and name == self.gguf_file.name:
-            return self.gguf_file, 0, self._gguf.header_size
+        if kind == "gguf" and self._gguf_header is not None and name == self._gguf_header[0]:
+            return self._gguf_header[1], 0, self._gguf_header[2]
         if kind == "file" and name in self.manifest()["files"]:
             f = self.path / name
             if f.is_file():
@@ -341,7 +357,7 @@ class Checkpoint:
         """The blobs this directory can serve, as blob-name prefixes (``""``: all of them)."""
         if not self.fetched:
             return [""]
-        out = ["file:"]
+        out = ["file:", "gguf:"] if self._gguf_header is not None else ["file:"]
         for name in self.entries:
             m = LAYER_RE.match(name)
             out.append(f"tensor:{m[0]}" if m else f"tensor:{name}")
@@ -389,11 +405,11 @@ class Checkpoint:
             tensors[name] = [e.dtype, list(e.shape), e.size, blob_root(e.size, h)]
         manifest = {"version": MANIFEST_VERSION, "model_type": self.model_type, "num_layers": self.num_layers,
                     "chunk_size": CHUNK_SIZE, "files": files, "tensors": tensors}
-        if self._gguf is not None:
+        if self._gguf_header is not None:
             # the config is the GGUF header (metadata and tensor infos): its bytes are the model's too
-            size = self._gguf.header_size
-            hashes[f"gguf:{self.gguf_file.name}"] = h = _chunk_hashes(self.gguf_file, 0, size)
-            manifest["gguf"] = [self.gguf_file.name, size, blob_root(size, h)]
+            name, f, size = self._gguf_header
+            hashes[f"gguf:{name}"] = h = _chunk_hashes(f, 0, size)
+            manifest["gguf"] = [name, size, blob_root(size, h)]
         raw = cbor2.dumps(manifest, canonical=True)
         self._manifest, self._manifest_bytes, self._hashes = manifest, raw, hashes
         try:

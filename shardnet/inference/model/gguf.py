@@ -185,6 +185,32 @@ def read_gguf(file: Path, entry_type) -> GgufIndex:
     return GgufIndex(config, tensors, int(reader.data_offset))
 
 
+def read_gguf_header(header: Path, manifest: dict, entry_type) -> GgufIndex:
+    """The config and tensor names of a GGUF file from its header alone (what a swarm-filled
+    directory holds, ``manifest`` the model's): read as the whole file, its tensor data a hole of
+    a sparse temporary file (gguf-py maps every tensor). The header must describe the manifest's
+    tensors (dtype, shape, size)."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / manifest["gguf"][0]
+        shutil.copyfile(header, whole)
+        tensors = manifest["tensors"]
+        with open(whole, "r+b") as fh:  # room for every tensor and its alignment padding, unwritten
+            fh.truncate(header.stat().st_size + sum(v[2] for v in tensors.values()) + 64 * (len(tensors) + 1))
+        index = read_gguf(whole, entry_type)
+    for name, (gguf_name, e) in index.tensors.items():
+        want = tensors.get(name)
+        if want is None or (want[0], tuple(want[1]), want[2]) != (e.dtype, e.shape, e.size):
+            raise CheckpointError(f"the GGUF header of {manifest['gguf'][0]} does not describe tensor {name} "
+                                  "as its manifest does")
+    if len(index.tensors) != len(tensors):
+        raise CheckpointError(f"the GGUF header of {manifest['gguf'][0]} holds {len(index.tensors)} tensors, "
+                              f"its manifest {len(tensors)}")
+    return index
+
+
 def _hf_names(config: dict) -> dict[str, str]:
     """GGUF tensor name -> transformers' name, as transformers' GGUF load maps them."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -212,19 +238,20 @@ def row_order(gguf_name: str, rows: int, config: dict) -> torch.Tensor | None:
     return torch.arange(rows).reshape(n, rows // n // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def read_tensors(index: GgufIndex, names: list[str], device: str) -> dict[str, torch.Tensor]:
-    """``names`` read from the file: F32/F16/BF16 tensors as they are stored, quantized ones as a
-    float32 ``StoredWeight`` of their blocks; llama's q/k rows put back in transformers' order."""
+def read_tensors(index: GgufIndex, entries: dict, names: list[str], device: str) -> dict[str, torch.Tensor]:
+    """``names`` read where ``entries`` (checkpoint.TensorEntry: the .gguf, or the safetensors
+    groups of a swarm-filled directory) say: F32/F16/BF16 tensors as they are stored, quantized ones
+    as a float32 ``StoredWeight`` of their blocks; llama's q/k rows put back in transformers' order."""
     from gguf import GGML_QUANT_SIZES
 
     out = {}
     by_file: dict[Path, list[str]] = {}
     for n in names:
-        by_file.setdefault(index.tensors[n][1].file, []).append(n)
+        by_file.setdefault(entries[n].file, []).append(n)
     for f, ns in by_file.items():
         with open(f, "rb") as fh:
             for n in ns:
-                gguf_name, e = index.tensors[n]
+                gguf_name, e = index.tensors[n][0], entries[n]
                 fh.seek(e.start)
                 raw = torch.frombuffer(bytearray(fh.read(e.size)), dtype=torch.uint8)
                 kind = e.dtype.removeprefix(DTYPE_PREFIX)
