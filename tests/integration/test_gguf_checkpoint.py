@@ -135,27 +135,30 @@ def test_two_gguf_files_in_one_directory_are_refused(checkpoints, tmp_path):
     assert Checkpoint(tmp_path / "a.gguf").gguf_file == tmp_path / "a.gguf"
 
 
-async def test_a_peer_fetches_only_its_span_of_a_gguf_over_the_swarm(loopback_config, checkpoints, tmp_path):
+async def test_a_peer_fetches_only_its_span_of_a_gguf_over_the_swarm_and_serves_it(loopback_config, checkpoints,
+                                                                                  tmp_path):
     """The header (the config) and the span's tensors travel as blobs checked against the
-    manifest; the fetched directory is a GGUF checkpoint whose block holds the same stored bytes."""
+    manifest; the fetched directory is a GGUF checkpoint whose block holds the same stored bytes,
+    and a chain of a peer serving the .gguf and one serving what it fetched computes what
+    transformers' GGUF load computes."""
     from contextlib import AsyncExitStack
 
     import trio
 
     from shardnet.inference.model.checkpoint import FETCHED_GGUF_HEADER
+    from shardnet.inference.server.compute_peer import serve_block
     from shardnet.inference.weights.cards import list_models
-    from shardnet.inference.weights.server import WeightServer
     from shardnet.inference.weights.swarm_model import fetch_tensors, open_from_swarm, span_tensor_names
     from shardnet.transport import open_node
 
     _, q4 = checkpoints["Q4_K"]
     complete = Checkpoint(q4)
+    want_ids, _, _ = transformers_gguf_reference(q4, EXACT_PROMPT, EXACT_NEW_TOKENS)
     async with AsyncExitStack() as stack:
         boot = await stack.enter_async_context(open_node(loopback_config()))
         cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
         serving = await stack.enter_async_context(open_node(cfg))
-        await serving.wait_bootstrapped()
-        (await serving.add_behaviour(WeightServer(serving))).add(complete)
+        await stack.enter_async_context(serve_block(serving, str(q4), 0, 2))  # it serves the weights too
         fetching = await stack.enter_async_context(open_node(cfg))
         await fetching.wait_bootstrapped()
         with trio.fail_after(30):
@@ -167,12 +170,18 @@ async def test_a_peer_fetches_only_its_span_of_a_gguf_over_the_swarm(loopback_co
         assert ckpt.fetched and ckpt.entries == {} and ckpt.raw_config == complete.raw_config
         header = complete.manifest()["gguf"][1]
         assert (path / FETCHED_GGUF_HEADER).read_bytes() == (q4 / GGUF_FILE).read_bytes()[:header]
-        names = span_tensor_names(ckpt, 1, 3)
+        names = span_tensor_names(ckpt, 2, 4)
         report = await fetch_tensors(fetching, ckpt, names)
-    span = sum(complete.entries[n].size for n in names)
-    assert report.done == span < 0.6 * (q4 / GGUF_FILE).stat().st_size
+        assert report.done == sum(complete.entries[n].size for n in names) < 0.7 * (q4 / GGUF_FILE).stat().st_size
+        await stack.enter_async_context(serve_block(fetching, str(path), 2, 4))
+        client_node = await stack.enter_async_context(open_node(cfg))
+        await client_node.wait_bootstrapped()
+        client = Client(client_node, LocalModel(q4))
+        got = await chain_token_ids(client, EXACT_PROMPT, EXACT_NEW_TOKENS)
+        assert [(c.start, c.end) for c in client.last_stats.chain] == [(0, 2), (2, 4)]
+    assert got == want_ids
     assert sorted(ckpt.entries) == sorted(names)
-    theirs, ours = Block(complete, 1, 3, dtype=torch.float32), Block(ckpt, 1, 3, dtype=torch.float32)
+    theirs, ours = Block(complete, 2, 4, dtype=torch.float32), Block(ckpt, 2, 4, dtype=torch.float32)
     assert module_stored_nbytes(ours.layers) == module_stored_nbytes(theirs.layers)
     want = theirs.layers.state_dict()
     for name, t in ours.layers.state_dict().items():
@@ -182,6 +191,6 @@ async def test_a_peer_fetches_only_its_span_of_a_gguf_over_the_swarm(loopback_co
         else:
             assert torch.equal(t, want[name]), name
     # and it serves on what it holds, the header included
-    assert set(ckpt.held_prefixes()) == {"file:", "gguf:", "tensor:model.layers.1.", "tensor:model.layers.2."}
+    assert {"file:", "gguf:", "tensor:model.layers.2.", "tensor:model.layers.3."} <= set(ckpt.held_prefixes())
     assert ckpt.blob_location(f"gguf:{GGUF_FILE}") == (path / FETCHED_GGUF_HEADER, 0, header)
     assert ckpt.blob_hashes(f"gguf:{GGUF_FILE}") == complete.blob_hashes(f"gguf:{GGUF_FILE}")
