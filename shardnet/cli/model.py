@@ -16,6 +16,7 @@ from .common import fail, network_options, run, say, visitor_config, wrap_errors
 #: (``function(src_dir, dst) -> path``), each with its format's reference quantizer
 STORED_FORMAT_WRITERS = {
     "fp8": "shardnet.testing.fp8:quantize_checkpoint_fp8",
+    "gguf-q8_0": "shardnet.testing.gguf:convert_to_gguf_q8_0", "gguf-q4_k": "shardnet.testing.gguf:convert_to_gguf_q4_k",
 }
 
 

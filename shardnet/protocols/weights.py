@@ -12,7 +12,8 @@ every byte of every chunk. A fetcher asks a peer for
 
 So each chunk is verified on arrival, whichever peer sent it: chunks of one blob can come from
 several peers at once, a fetch resumes from the chunks already verified, and a peer that sends
-one bad chunk is caught at that chunk. Blob names are ``file:<name>`` and ``tensor:<name>``.
+one bad chunk is caught at that chunk. Blob names are ``file:<name>``, ``tensor:<name>`` and
+``gguf:<name>`` (a GGUF file's header).
 
 On the wire: length-prefixed frames (framing.py) of canonical CBOR. The fetcher sends requests
 (up to ``MAX_IN_FLIGHT`` before reading a reply), the server answers each in order with

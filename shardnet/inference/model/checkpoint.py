@@ -30,6 +30,8 @@ import cbor2
 from shardnet.errors import CheckpointError
 from shardnet.inference.model.families import Family, family_for
 from shardnet.inference.model.formats import stored_quant
+from shardnet.inference.model.gguf import find_gguf, read_gguf, read_gguf_header
+from shardnet.inference.model.gguf import read_tensors as read_gguf_tensors
 from shardnet.protocols.weights import CHUNK_SIZE, blob_root, chunk_hash
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,8 @@ FETCHED_MANIFEST = "shardnet-manifest.cbor"
 #: chunk hashes of the blobs a swarm-filled directory holds (to serve them on)
 FETCHED_HASHES = "shardnet-hashes"
 FETCHED_INFO = "shardnet-fetched.json"
+#: the header of the GGUF file a swarm-filled GGUF checkpoint was fetched from (its config)
+FETCHED_GGUF_HEADER = "shardnet-gguf-header"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt")
 #: the files besides tensors that a model is made of (those present are in its manifest)
@@ -75,22 +79,44 @@ class TensorInfo:
 class Checkpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).expanduser().resolve()
-        cfg_file = self.path / "config.json"
-        if not cfg_file.is_file():
-            raise CheckpointError(f"{self.path} has no config.json")
-        try:
-            self.raw_config = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
-        self.family: Family = family_for(self.raw_config)
-        self.model_type = self.family.model_type
         self._manifest: dict | None = None
         self._manifest_bytes: bytes | None = None
-        self._hashes: dict[str, bytes] = {}
         #: filled by the swarm (holds a fetched manifest and what was fetched so far)
-        self.fetched = (self.path / FETCHED_MANIFEST).is_file()
+        self.fetched = self.path.is_dir() and (self.path / FETCHED_MANIFEST).is_file()
         if self.fetched:
             self._open_fetched_manifest()
+        #: a GGUF checkpoint (gguf.py): its config and tensors are read from this one file (a
+        #: directory the swarm filled holds its header, and safetensors groups of its tensors)
+        self.gguf_file = None if self.fetched else find_gguf(self.path)
+        self._gguf = None
+        #: (the header's name in the manifest, the file holding it from byte 0, its size)
+        self._gguf_header: tuple[str, Path, int] | None = None
+        if self.gguf_file is not None:
+            self.path = self.gguf_file.parent
+            self._gguf = read_gguf(self.gguf_file, TensorEntry)
+            self._gguf_header = (self.gguf_file.name, self.gguf_file, self._gguf.header_size)
+        elif self.fetched and "gguf" in self._manifest:
+            name, size, _root = self._manifest["gguf"]
+            header = self.path / FETCHED_GGUF_HEADER
+            if not header.is_file():
+                raise CheckpointError(f"{self.path} has not fetched the header of {name} yet")
+            self._gguf = read_gguf_header(header, self._manifest, TensorEntry)
+            self._gguf_header = (name, header, size)
+        if self._gguf is not None:
+            self.raw_config = self._gguf.raw_config
+            cfg_file = self._gguf_header[1]
+        else:
+            cfg_file = self.path / "config.json"
+            if not cfg_file.is_file():
+                raise CheckpointError(f"{self.path} has no config.json (nor a .gguf file)")
+            try:
+                self.raw_config = json.loads(cfg_file.read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from None
+        self.family: Family = family_for(self.raw_config)
+        self.model_type = self.family.model_type
+        self._hashes: dict[str, bytes] = {}
+        if self.fetched:
             self.entries = self._index(allow_none=True)
             self.catalog = {n: TensorInfo(d, tuple(shape), size)
                             for n, (d, shape, size, _root) in self._manifest["tensors"].items()}
@@ -164,13 +190,18 @@ class Checkpoint:
             from transformers import AutoConfig
 
             try:
-                self._config = AutoConfig.from_pretrained(str(self.path), local_files_only=True)
+                if self._gguf is not None:  # its metadata as transformers' GGUF load reads it
+                    self._config = AutoConfig.for_model(**self.raw_config)
+                else:
+                    self._config = AutoConfig.from_pretrained(str(self.path), local_files_only=True)
             except (ValueError, TypeError, KeyError, OSError, StrictDataclassError) as e:
                 text = " ".join(str(e).split())[:300]
                 raise CheckpointError(f"{self.path.name}/config.json: transformers refuses it: {text}") from None
         return self._config
 
     def _index(self, allow_none: bool = False) -> dict[str, TensorEntry]:
+        if self._gguf is not None and not self.fetched:
+            return {n: e for n, (_, e) in self._gguf.tensors.items()}
         index_file = self.path / "model.safetensors.index.json"
         if index_file.is_file():
             weight_map = json.loads(index_file.read_text())["weight_map"]
@@ -226,6 +257,9 @@ class Checkpoint:
                     raise CheckpointError(f"tensor {n} has not been fetched to {self.path}")
                 raise CheckpointError(f"tensor {n} is not in {self.path}")
             by_file.setdefault(self.entries[n].file, []).append(n)
+        if self._gguf is not None:
+            out = read_gguf_tensors(self._gguf, self.entries, names, device)
+            return {n: t.to(dtype) for n, t in out.items()} if dtype is not None else out
         out = {}
         for f, ns in by_file.items():
             with safe_open(str(f), framework="pt", device=device) as st:
@@ -298,11 +332,14 @@ class Checkpoint:
 
     # -- blobs, as the weights protocol serves them ----------------------------------------------
     def blob_location(self, blob: str) -> tuple[Path, int, int] | None:
-        """(file, start, end) of a blob (``file:NAME`` or ``tensor:NAME``) stored here, or None."""
+        """(file, start, end) of a blob (``file:NAME``, ``tensor:NAME``, ``gguf:NAME``: a GGUF
+        file's header) stored here, or None."""
         kind, _, name = blob.partition(":")
         if kind == "tensor" and name in self.entries:
             e = self.entries[name]
             return e.file, e.start, e.end
+        if kind == "gguf" and self._gguf_header is not None and name == self._gguf_header[0]:
+            return self._gguf_header[1], 0, self._gguf_header[2]
         if kind == "file" and name in self.manifest()["files"]:
             f = self.path / name
             if f.is_file():
@@ -320,7 +357,7 @@ class Checkpoint:
         """The blobs this directory can serve, as blob-name prefixes (``""``: all of them)."""
         if not self.fetched:
             return [""]
-        out = ["file:"]
+        out = ["file:", "gguf:"] if self._gguf_header is not None else ["file:"]
         for name in self.entries:
             m = LAYER_RE.match(name)
             out.append(f"tensor:{m[0]}" if m else f"tensor:{name}")
@@ -368,6 +405,11 @@ class Checkpoint:
             tensors[name] = [e.dtype, list(e.shape), e.size, blob_root(e.size, h)]
         manifest = {"version": MANIFEST_VERSION, "model_type": self.model_type, "num_layers": self.num_layers,
                     "chunk_size": CHUNK_SIZE, "files": files, "tensors": tensors}
+        if self._gguf_header is not None:
+            # the config is the GGUF header (metadata and tensor infos): its bytes are the model's too
+            name, f, size = self._gguf_header
+            hashes[f"gguf:{name}"] = h = _chunk_hashes(f, 0, size)
+            manifest["gguf"] = [name, size, blob_root(size, h)]
         raw = cbor2.dumps(manifest, canonical=True)
         self._manifest, self._manifest_bytes, self._hashes = manifest, raw, hashes
         try:
@@ -383,9 +425,14 @@ def check_manifest(manifest: Any) -> None:
         raise CheckpointError(f"manifest version {manifest.get('version') if isinstance(manifest, dict) else None!r} "
                               f"is not supported (this shardnet reads version {MANIFEST_VERSION})")
     files, tensors = manifest.get("files"), manifest.get("tensors")
+    gguf = manifest.get("gguf")  # a GGUF checkpoint's header: its config (gguf.py)
     if manifest.get("chunk_size") != CHUNK_SIZE or not isinstance(files, dict) or not isinstance(tensors, dict) \
-            or "config.json" not in files:
+            or ("config.json" not in files and gguf is None):
         raise CheckpointError("manifest is malformed (chunk size, files or tensors)")
+    if gguf is not None and not (isinstance(gguf, list) and len(gguf) == 3 and isinstance(gguf[0], str)
+                                 and gguf[0].endswith(".gguf") and "/" not in gguf[0] and _nonneg_int(gguf[1])
+                                 and isinstance(gguf[2], str) and len(gguf[2]) == 64):
+        raise CheckpointError("manifest entry for the GGUF header is malformed")
     for name, v in files.items():
         if not (isinstance(name, str) and name in MODEL_FILES and isinstance(v, list) and len(v) == 2
                 and _nonneg_int(v[0]) and isinstance(v[1], str) and len(v[1]) == 64):

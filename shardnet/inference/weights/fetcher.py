@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import trio
 
 from shardnet.errors import ShardnetError
+from shardnet.inference.model.checkpoint import FETCHED_GGUF_HEADER
 from shardnet.inference.weights.cards import weights_key
 from shardnet.inference.weights.store import GroupWriter, WeightStore, group_of
 from shardnet.protocols import weights as wp
@@ -247,10 +248,15 @@ class Transfer:
 
     # -- what to fetch ---------------------------------------------------------------------------
     def add_files(self, names: list[str]) -> None:
+        """Model files by name (``FETCHED_GGUF_HEADER``: the header of a GGUF checkpoint's file)."""
         for name in names:
-            size, root = self.manifest["files"][name]
-            self._add(_Blob(f"file:{name}", wp.ChunkChecker(f"file:{name}", size, root),
-                            _FileSink(name, size)), size)
+            if name == FETCHED_GGUF_HEADER:
+                gguf_name, size, root = self.manifest["gguf"]
+                blob = f"gguf:{gguf_name}"
+            else:
+                size, root = self.manifest["files"][name]
+                blob = f"file:{name}"
+            self._add(_Blob(blob, wp.ChunkChecker(blob, size, root), _FileSink(name, size)), size)
 
     def add_tensors(self, names: list[str]) -> None:
         # a group is written whole: a group some of whose tensors are missing gets all of them
@@ -456,7 +462,7 @@ class Transfer:
         self.progress.per_source[src.peer] = self.progress.per_source.get(src.peer, 0) + len(reply.data)
         if isinstance(blob.sink, _FileSink):
             if blob.sink.complete():
-                self.store.put_file(blob.sink.name, bytes(blob.sink.data), blob.checker.hashes)
+                self.store.put_file(blob.sink.name, bytes(blob.sink.data), blob.checker.hashes, blob=blob.name)
         elif blob.sink.complete() and blob.sink.group in self.groups and blob.sink not in self._finishing:
             self._finishing.append(blob.sink)
         self._report()

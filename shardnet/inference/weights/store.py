@@ -34,6 +34,7 @@ import trio
 
 from shardnet.errors import CheckpointError
 from shardnet.inference.model.checkpoint import (
+    FETCHED_GGUF_HEADER,
     FETCHED_HASHES,
     FETCHED_INFO,
     FETCHED_MANIFEST,
@@ -140,10 +141,18 @@ class WeightStore:
     def has_file(self, name: str) -> bool:
         return (self.path / name).is_file()
 
-    def put_file(self, name: str, data: bytes, hashes: bytes) -> None:
-        """A model file whose bytes were checked against the manifest."""
+    def put_file(self, name: str, data: bytes, hashes: bytes, blob: str | None = None) -> None:
+        """A model file whose bytes were checked against the manifest (``blob``: its name there,
+        ``file:NAME`` unless given)."""
         _write_atomically(self.path / name, data)
-        self.put_hashes(f"file:{name}", hashes)
+        self.put_hashes(blob or f"file:{name}", hashes)
+
+    def missing_files(self, manifest: dict) -> list[str]:
+        """The model's files not here yet (a GGUF checkpoint's header among them)."""
+        out = [f for f in manifest.get("files", {}) if not self.has_file(f)]
+        if "gguf" in manifest and not self.has_file(FETCHED_GGUF_HEADER):
+            out.append(FETCHED_GGUF_HEADER)
+        return out
 
     def put_hashes(self, blob: str, hashes: bytes) -> None:
         d = self.path / FETCHED_HASHES

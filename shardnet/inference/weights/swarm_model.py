@@ -35,14 +35,14 @@ async def open_from_swarm(node: Node, name_or_id: str, *, cache_root: Path | Non
              card.num_layers, card.total_bytes / 1e6, store.path)
     async with store.locked():
         manifest = store.manifest() if store.has_manifest() else None
-        files = [f for f in (manifest or {}).get("files", {}) if not store.has_file(f)]
+        files = store.missing_files(manifest or {})
         if manifest is None or files:
             sources = await find_sources(node, card.model_id)
             if not sources:
                 raise FetchError(f"no peer serves the weights of model {name_or_id} ({card.model_id[:16]}…) now")
             if manifest is None:
                 manifest = store.put_manifest(await fetch_manifest(node, card.model_id, sources))
-                files = [f for f in manifest["files"] if not store.has_file(f)]
+                files = store.missing_files(manifest)
             transfer = Transfer(node, store, manifest, progress=progress)
             try:
                 transfer.add_files(files)

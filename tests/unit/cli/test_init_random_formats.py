@@ -13,12 +13,17 @@ from shardnet.inference.model.checkpoint import Checkpoint
 @pytest.mark.parametrize("fmt", sorted(STORED_FORMAT_WRITERS))
 def test_init_random_writes_each_stored_format(tmp_path, fmt):
     out = tmp_path / fmt
-    r = CliRunner().invoke(model, ["init-random", str(out), "--format", fmt, "--dtype", "bfloat16", "--hidden", "128",
+    r = CliRunner().invoke(model, ["init-random", str(out), "--format", fmt, "--dtype", "bfloat16", "--hidden", "256",
                                    "--layers", "2"])
     assert r.exit_code == 0, r.output
     assert f"{fmt}) to" in r.output
     ckpt = Checkpoint(out)
-    assert ckpt.quant is not None and json.loads((out / "config.json").read_text())["quantization_config"]
+    assert ckpt.quant is not None
+    if fmt.startswith("gguf-"):  # one .gguf file: the config is its metadata
+        assert ckpt.gguf_file == out / "model.gguf" and not (out / "config.json").exists()
+        assert ckpt.entries["model.layers.0.mlp.down_proj.weight"].dtype == "GGUF_" + fmt[5:].upper()
+    else:
+        assert json.loads((out / "config.json").read_text())["quantization_config"]
 
 
 def test_an_unknown_format_is_refused_by_click(tmp_path):
