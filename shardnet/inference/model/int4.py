@@ -51,10 +51,6 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 _DTYPE_BYTES = {"I32": 4, "U32": 4, "F16": 2, "BF16": 2, "F32": 4, "I64": 8, "I8": 1, "U8": 1, "I16": 2}
 
 
-def _method_of(params: dict) -> str:
-    return params["method"]
-
-
 def companion_suffixes(method: str) -> tuple[str, ...]:
     return tuple("." + p for p in (*PARTS[method], *DROPPED[method]) if p != PACKED[method])
 
@@ -204,8 +200,8 @@ class Int4Groups:
 def to_stored(tensors: dict[str, torch.Tensor], params: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """``tensors`` with each quantized weight and its companions replaced by one ``StoredWeight``
     under ``X.weight``, its parts as stored."""
-    method = _method_of(params)
-    packed = "." + PACKED[method]
+    method = params["method"]
+    packed, companions = "." + PACKED[method], companion_suffixes(method)
     out = {}
     for name in tensors:
         if name.endswith(packed):
@@ -214,7 +210,7 @@ def to_stored(tensors: dict[str, torch.Tensor], params: dict, dtype: torch.dtype
     for name, t in tensors.items():
         if name.endswith(packed):
             continue
-        if name.endswith(COMPANION_SUFFIXES) and any(name.endswith(s) for s in companion_suffixes(method)):
+        if name.endswith(companions):
             base = name.rsplit(".", 1)[0]
             if base + packed not in tensors:
                 raise CheckpointError(f"{name} accompanies {base}{packed}, which is not in the checkpoint")
@@ -248,9 +244,10 @@ def stored_int4(method: str, base: str, tensors: dict[str, torch.Tensor], params
         group_size = in_f if groups == 1 else next(
             (g for g in params["group_sizes"] if math.ceil(in_f / g) == groups), 0)
         want = {names["weight_packed"]: (packed, want_packed), names["weight_scale"]: (scale, (out_f, groups))}
-        if zp is not None:
+        parts = {"weight_packed": packed, "weight_scale": scale}
+        if zp is not None:  # asymmetric
             want[names["weight_zero_point"]] = (zp, (math.ceil(out_f / 8), groups))
-        parts = {"weight_packed": packed, "weight_scale": scale, **({"weight_zero_point": zp} if zp is not None else {})}
+            parts["weight_zero_point"] = zp
         zeros_minus_one = False
     else:
         zeros = _need(tensors, names["qzeros"], "its zero points")
@@ -286,7 +283,7 @@ def held_bytes(name: str, info, dtype_bytes: int, params: dict) -> int:
     """Packed weights, zeros and scales at their stored size; a GPTQ g_idx and a
     compressed-tensors weight_shape nothing (read, then dropped); other tensors in the compute
     dtype."""
-    method = _method_of(params)
+    method = params["method"]
     n = 1
     for d in info.shape:
         n *= d

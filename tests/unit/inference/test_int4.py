@@ -63,8 +63,8 @@ def awq_loop(t, group_size):
 def stored(config, tensors, name="m.weight", dtype=torch.float32):
     """``tensors`` (a linear's parts, unprefixed) as to_stored keeps them."""
     base = name.removesuffix(".weight")
-    return to_stored({f"{base}.{k}": v for k, v in tensors.items()}, stored_quant({"quantization_config": config}).params,
-                     dtype)
+    params = stored_quant({"quantization_config": config}).params
+    return to_stored({f"{base}.{k}": v for k, v in tensors.items()}, params, dtype)
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
