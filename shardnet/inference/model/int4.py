@@ -30,6 +30,7 @@ along out: both stay stored (``Int4Groups.cat``).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -130,18 +131,14 @@ def _parse_ct(q: dict) -> dict:
 
 # -- the stored format --------------------------------------------------------------------------
 
-def _nibbles(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32 ``x`` with each element split into its eight 4-bit values (low bits first) along
-    ``dim`` (-1 or -2): [..., n] -> [..., 8n] or [..., n, m] -> [..., 8n, m]."""
-    shifts = _SHIFTS.to(x.device)
-    if dim == -1:
-        return ((x.unsqueeze(-1) >> shifts) & 15).flatten(-2)
-    return ((x.unsqueeze(-2) >> shifts[:, None]) & 15).flatten(-3, -2)
-
-
-def _groups(t: torch.Tensor, size: int, n: int, dim: int) -> torch.Tensor:
-    """Per-group ``t`` repeated to one entry per column along ``dim``, cut to ``n``."""
-    return t.repeat_interleave(size, dim).narrow(dim, 0, n)
+def _nibbles(x: torch.Tensor) -> torch.Tensor:
+    """int32 ``x`` [..., n] as its 4-bit values, uint8 [..., 8n]: element 8c + j is bits 4j of
+    ``x[..., c]``. (Read as bytes on little-endian hosts, each byte two values: two passes over
+    half a byte a weight instead of eight shifts over four.)"""
+    if sys.byteorder == "little":
+        b = x.contiguous().view(torch.uint8)
+        return torch.stack((b & 15, b >> 4), -1).flatten(-2)
+    return ((x.unsqueeze(-1) >> _SHIFTS.to(x.device)) & 15).to(torch.uint8).flatten(-2)
 
 
 @dataclass(frozen=True)
@@ -158,33 +155,37 @@ class Int4Groups:
     def name(self) -> str:
         return f"{self.method}-int4"
 
-    def ints(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(q [..., out, in], z [..., out, groups] or None, s [..., out, groups]) as integers and
-        the stored scales."""
+    def ints(self, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | int, torch.Tensor]:
+        """(q [..., out, in], zero [..., out, groups], scale [..., out, groups]) with
+        ``W = (q - zero) * scale`` per group: q and zero unsigned 4-bit (uint8), the scales as stored."""
         if self.method == GPTQ:
-            q = _nibbles(parts["qweight"], -2).mT
-            z = _nibbles(parts["qzeros"], -1)
+            z = _nibbles(parts["qzeros"])
             if self.zeros_minus_one:
                 z = (z + 1) & 15
-            return q, z.mT, parts["scales"].mT
+            return _nibbles(parts["qweight"].mT), z.mT, parts["scales"].mT
         if self.method == AWQ:
             order = torch.tensor(AWQ_REVERSE, device=parts["qweight"].device)
 
-            def columns(t):
-                n = t.shape[-1]
-                t = _nibbles(t, -1).unflatten(-1, (n, 8))
-                return t.index_select(-1, order).flatten(-2)
-            return columns(parts["qweight"]).mT, columns(parts["qzeros"]).mT, parts["scales"].mT
-        q = _nibbles(parts["weight_packed"], -1)[..., :self.columns] - 8
+            def columns(t):  # [..., rows, out/8] -> [..., out, rows]
+                return _nibbles(t).unflatten(-1, (t.shape[-1], 8)).index_select(-1, order).flatten(-2).mT
+            return columns(parts["qweight"]), columns(parts["qzeros"]), parts["scales"].mT
+        # compressed-tensors stores q + 8 and zero + 8 (8: symmetric)
+        q = _nibbles(parts["weight_packed"])[..., :self.columns]
         zp = parts.get("weight_zero_point")
-        z = None if zp is None else _nibbles(zp, -2)[..., :q.shape[-2], :] - 8
-        return q, z, parts["weight_scale"]
+        return q, 8 if zp is None else _nibbles(zp.mT)[..., :q.shape[-2]].mT, parts["weight_scale"]
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """``(q - zero) * scale`` in float32 (exact: a 5-bit integer times an fp16 or bf16
+        scale), then rounded once into ``dtype``."""
         q, z, s = self.ints(parts)
-        n = self.columns
-        w = q.float() if z is None else (q - _groups(z, self.group_size, n, -1)).float()
-        return (w * _groups(s.float(), self.group_size, n, -1)).to(dtype)
+        w, n, groups = q.to(torch.float32), self.columns, s.shape[-1]
+        if n == groups * self.group_size or groups == 1:  # whole groups: broadcast, in place
+            g = w.unflatten(-1, (groups, n // groups))
+            g.sub_(z if isinstance(z, int) else z.unsqueeze(-1)).mul_(s.unsqueeze(-1))
+        else:  # a partial last group
+            w.sub_(z if isinstance(z, int) else z.repeat_interleave(self.group_size, -1)[..., :n])
+            w.mul_(s.float().repeat_interleave(self.group_size, -1)[..., :n])
+        return w.to(dtype)
 
     def cat(self, parts_list: list[dict[str, torch.Tensor]], dim: int, shapes) -> dict[str, torch.Tensor] | None:
         """Joined along out (-2: transformers fuses gate and up projections so) where every
