@@ -71,7 +71,7 @@ def _pack8(t: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
     rows, cols = t.shape
     groups = t.reshape(rows, cols // 8, 8)[..., list(order)].to(torch.int64)
     word = sum(groups[..., j] << (4 * j) for j in range(8))
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
 
 
 def gptq_tensors(w: torch.Tensor, group_size: int, sym: bool) -> dict[str, torch.Tensor]:
@@ -112,7 +112,7 @@ def ct_tensors(w: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
     return dict(PackedQuantizationCompressor.compress(state, scheme))
 
 
-def _write(src: str | Path, dst: str | Path, quantize, quantization_config: dict) -> Path:
+def _write(src: str | Path, dst: str | Path, quantize, quantization_config: dict, lm_head: bool = False) -> Path:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
@@ -122,6 +122,8 @@ def _write(src: str | Path, dst: str | Path, quantize, quantization_config: dict
     tensors_by_file = {f.name: load_file(str(f)) for f in sorted(src.glob("*.safetensors"))}
     chosen = quantized_names([n for t in tensors_by_file.values() for n in t],
                              AutoConfig.from_pretrained(str(src), local_files_only=True))
+    if lm_head:  # (an untied one)
+        chosen.add("lm_head.weight")
     weight_map = {}
     for fname, tensors in tensors_by_file.items():
         out = {}
@@ -143,13 +145,15 @@ def _write(src: str | Path, dst: str | Path, quantize, quantization_config: dict
     return dst
 
 
-def write_gptq(src: str | Path, dst: str | Path, group_size: int = 32, sym: bool = True) -> Path:
-    """``src``'s GPTQ (v1, 4-bit, no act-order) copy at ``dst``, as GPTQModel writes its config."""
+def write_gptq(src: str | Path, dst: str | Path, group_size: int = 32, sym: bool = True, lm_head: bool = False
+               ) -> Path:
+    """``src``'s GPTQ (v1, 4-bit, no act-order) copy at ``dst``, as GPTQModel writes its config
+    (``lm_head``: the LM head quantized too, as GPTQModel's ``lm_head=True``)."""
     return _write(src, dst, lambda w: gptq_tensors(w, group_size, sym), {
         "quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": sym,
-        "static_groups": False, "true_sequential": True, "lm_head": False, "damp_percent": 0.01,
+        "static_groups": False, "true_sequential": True, "lm_head": lm_head, "damp_percent": 0.01,
         "checkpoint_format": "gptq", "pack_dtype": "int32",
-        "meta": {"quantizer": ["shardnet round-to-nearest (shardnet.testing.int4)"]}})
+        "meta": {"quantizer": ["shardnet round-to-nearest (shardnet.testing.int4)"]}}, lm_head)
 
 
 def write_awq(src: str | Path, dst: str | Path, group_size: int = 32) -> Path:

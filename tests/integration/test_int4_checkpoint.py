@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardnet.inference.client.client import Client
-from shardnet.inference.model.block import Block
+from shardnet.inference.model.block import Block, Head
 from shardnet.inference.model.checkpoint import Checkpoint
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.random_model import init_random
@@ -37,6 +37,7 @@ from shardnet.testing.int4 import dequantized_reference, write_awq, write_compre
 #: method -> its writer, in the variants the tests use (GPTQ asymmetric: v1's zero - 1 matters)
 WRITERS = {
     "gptq": lambda src, dst: write_gptq(src, dst, group_size=32, sym=False),
+    "gptq-lm-head": lambda src, dst: write_gptq(src, dst, group_size=32, sym=False, lm_head=True),
     "gptq-sym": lambda src, dst: write_gptq(src, dst, group_size=64, sym=True),
     "awq": lambda src, dst: write_awq(src, dst, group_size=32),
     "compressed-tensors": lambda src, dst: write_compressed_tensors(src, dst, group_size=32),
@@ -74,7 +75,7 @@ async def chain_run(loopback_config, path, dtype):
         return got, await chain_last_logits(client, EXACT_PROMPT + got)
 
 
-@pytest.mark.parametrize("variant, family", [("gptq", "llama"), ("gptq-sym", "qwen3_moe"), ("awq", "llama"),
+@pytest.mark.parametrize("variant, family", [("gptq", "llama"), ("gptq-lm-head", "llama"), ("gptq-sym", "qwen3_moe"), ("awq", "llama"),
                                              ("awq", "qwen3_moe"), ("compressed-tensors", "qwen3_moe"),
                                              ("compressed-tensors-channel-asym", "llama")])
 async def test_int4_checkpoint_matches_transformers_on_its_dequantized_weights(loopback_config, checkpoints,
@@ -119,3 +120,11 @@ def test_a_loaded_block_holds_the_stored_bytes(checkpoints, variant):
             [n for n, p in weights.items() if not isinstance(p, StoredWeight)]
         # 4 bits a weight, plus a scale (and zero) per 32 of them; norms and the router in bf16
         assert stored < 0.4 * layer_bytes(plain, i, "bfloat16")
+
+
+def test_a_quantized_lm_head_stays_stored(checkpoints):
+    """GPTQModel's lm_head=True: the head's weight is one more stored weight (the chain above
+    computes the reference's tokens with it)."""
+    _, copy, _ = checkpoints("gptq-lm-head", "llama")
+    head = Head(Checkpoint(copy), dtype=torch.bfloat16)
+    assert isinstance(head.lm_weight, StoredWeight) and head.lm_weight.shape == (512, 64)
