@@ -85,8 +85,8 @@ def _parse_gptq(q: dict) -> dict:
     fmt = q.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse(GPTQ, supported, f"checkpoint_format {fmt!r}")
-    return {"method": GPTQ, "group_size": _group_size(GPTQ, q), "zeros_minus_one": fmt == "gptq",
-            "desc_act": bool(q.get("desc_act"))}
+    # desc_act (act-order) is read from each weight's g_idx: refused where it permutes the groups
+    return {"method": GPTQ, "group_size": _group_size(GPTQ, q), "zeros_minus_one": fmt == "gptq"}
 
 
 def _parse_awq(q: dict) -> dict:
@@ -126,7 +126,9 @@ def _parse_ct(q: dict) -> dict:
                           (", activations quantized" if scheme.get("input_activations") else ""))
         if w.get("strategy") == "group":
             group_sizes.add(int(w["group_size"]))
-    return {"method": CT, "group_sizes": tuple(sorted(group_sizes)), "ignore": tuple(q.get("ignore") or ())}
+    # (ignore and targets decide which weights the checkpoint packs: a weight_packed is read as
+    # quantized, a weight as plain)
+    return {"method": CT, "group_sizes": tuple(sorted(group_sizes))}
 
 
 # -- the stored format --------------------------------------------------------------------------
@@ -232,9 +234,8 @@ def stored_int4(method: str, base: str, tensors: dict[str, torch.Tensor], params
     """The ``StoredWeight`` of quantized linear ``base`` (its ``X.qweight`` etc. in ``tensors``)."""
     names = {p: f"{base}.{p}" for p in (*PARTS[method], *DROPPED[method])}
     packed = tensors[names[PACKED[method]]]
-    if packed.dtype != torch.int32 or packed.dim() != 2:
-        raise CheckpointError(f"{names[PACKED[method]]} must be a 2-D int32 tensor of packed 4-bit values, not "
-                              f"{str(packed.dtype).removeprefix('torch.')} {list(packed.shape)}")
+    if packed.dim() != 2:
+        raise CheckpointError(f"{names[PACKED[method]]} must be 2-D, not {list(packed.shape)}")
     if method == CT:
         shape = _need(tensors, names["weight_shape"], "the weight's shape")
         out_f, in_f = (int(d) for d in shape.tolist())
@@ -261,7 +262,8 @@ def stored_int4(method: str, base: str, tensors: dict[str, torch.Tensor], params
             want_packed = (in_f, out_f // 8)
         group_size = in_f if params["group_size"] == -1 else params["group_size"]
         groups = math.ceil(in_f / group_size)
-        want = {names["qzeros"]: (zeros, (groups, out_f // 8)), names["scales"]: (scale, (groups, out_f))}
+        want = {names["qweight"]: (packed, want_packed), names["qzeros"]: (zeros, (groups, out_f // 8)),
+                names["scales"]: (scale, (groups, out_f))}
         parts = {"qweight": packed, "qzeros": zeros, "scales": scale}
         zeros_minus_one = params.get("zeros_minus_one", False)
         if method == GPTQ and names["g_idx"] in tensors:
@@ -273,6 +275,8 @@ def stored_int4(method: str, base: str, tensors: dict[str, torch.Tensor], params
         raise CheckpointError(f"{names['weight_scale']} has {groups} groups, which none of the configured "
                               f"group sizes {list(params['group_sizes'])} gives for {in_f} columns")
     for n, (t, shape) in want.items():
+        if t is not scale and t.dtype != torch.int32:
+            raise CheckpointError(f"{n} must be int32 (packed 4-bit values), not {str(t.dtype).removeprefix('torch.')}")
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{n} has shape {list(t.shape)}, but a {out_f}x{in_f} weight in groups of "
                                   f"{group_size} needs {list(shape)}")

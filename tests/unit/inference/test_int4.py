@@ -184,5 +184,8 @@ def test_act_order_g_idx_and_damaged_parts_are_refused_in_one_line():
                                               r"needs \[2, 16\]") as e:
         stored(GPTQ_CONFIG, {**t, "scales": t["scales"][:1]})
     one_line(e.value)
+    with pytest.raises(CheckpointError, match=r"m.qweight must be int32 \(packed 4-bit values\), not int64") as e:
+        stored(GPTQ_CONFIG, {**t, "qweight": t["qweight"].long()})
+    one_line(e.value)
     with pytest.raises(CheckpointError, match=r"m.qzeros accompanies m.qweight, which is not in the checkpoint"):
         stored(GPTQ_CONFIG, {"qzeros": t["qzeros"]})
