@@ -17,6 +17,7 @@ from .common import fail, network_options, run, say, visitor_config, wrap_errors
 STORED_FORMAT_WRITERS = {
     "fp8": "shardnet.testing.fp8:quantize_checkpoint_fp8",
     "gguf-q8_0": "shardnet.testing.gguf:convert_to_gguf_q8_0", "gguf-q4_k": "shardnet.testing.gguf:convert_to_gguf_q4_k",
+    **{f: f"shardnet.testing.int4:write_{f.replace('-', '_')}" for f in ("gptq", "awq", "compressed-tensors")},
 }
 
 

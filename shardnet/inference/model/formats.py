@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 FORMATS: dict[str, str] = {
     "fp8": "shardnet.inference.model.fp8",
     "gguf": "shardnet.inference.model.gguf",
+    **dict.fromkeys(("gptq", "awq", "compressed-tensors"), "shardnet.inference.model.int4"),
 }
 
 
