@@ -16,6 +16,7 @@ from .common import fail, network_options, run, say, visitor_config, wrap_errors
 #: (``function(src_dir, dst) -> path``), each with its format's reference quantizer
 STORED_FORMAT_WRITERS = {
     "fp8": "shardnet.testing.fp8:quantize_checkpoint_fp8",
+    "mxfp4": "shardnet.testing.mxfp4:quantize_checkpoint_mxfp4",
 }
 
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 #: quant_method -> the module that reads it
 FORMATS: dict[str, str] = {
     "fp8": "shardnet.inference.model.fp8",
+    "mxfp4": "shardnet.inference.model.mxfp4",
 }
 
 
