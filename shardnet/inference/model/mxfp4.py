@@ -11,8 +11,8 @@ gpt-oss stores each expert bank's weight as two uint8 tensors (``quantization_co
 The unquantized model's bank is the transpose, ``gate_up_proj`` [E, I, O] (gpt-oss computes
 ``x @ bank[e]``): each pair becomes one ``StoredWeight`` of that shape, transposed over its parts,
 so ``bank[e]`` is a view and ``x @ bank[e]`` dequantizes that one expert as it runs
-(``Mxfp4.dequantize``: the same table look-up and ``ldexp`` as transformers'
-``convert_moe_packed_tensors``, bit for bit). GPUs with an MXFP4 kernel (transformers uses
+(``dequantize_transposed``: what transformers' ``convert_moe_packed_tensors`` returns, bit for
+bit, in the same layout). GPUs with an MXFP4 kernel (transformers uses
 triton's ``matmul_ogs`` on Hopper) compute from the packed bytes; none is used here. The biases,
 router, attention, norms and embeddings are stored in bf16 and pass through unchanged.
 """
@@ -86,22 +86,30 @@ class Mxfp4:
     name = "mxfp4"
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        # laid out as gpt-oss's dense bank is ([..., I, O] contiguous, this its transposed view):
-        # a CPU matmul's float32 sums depend on the weight's strides
-        return dequantize(parts["blocks"], parts["scales"], dtype).mT.contiguous().mT
+        # the transpose of gpt-oss's bank layout: a StoredWeight's transposed view of it is the
+        # bank's [..., I, O] contiguous, as transformers' is (a CPU matmul's float32 sums depend
+        # on the weight's strides)
+        return dequantize_transposed(parts["blocks"], parts["scales"], dtype).mT
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight [..., O, I] of MXFP4 ``blocks`` [..., O, I/32, 16] and ``scales`` [..., O, I/32],
-    computed as transformers' ``_convert_moe_packed_tensors`` computes it (before its transpose):
-    each code's E2M1 value in ``dtype``, times 2^(scale - 127) by ``torch.ldexp`` in that dtype."""
-    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
-    *lead, groups, nbytes = blocks.shape
-    out = torch.empty(*lead, groups, nbytes * 2, dtype=dtype, device=blocks.device)
-    out[..., 0::2] = lut[(blocks & 0x0F).int()]
-    out[..., 1::2] = lut[(blocks >> 4).int()]
-    torch.ldexp(out, (scales.int() - E8M0_BIAS).unsqueeze(-1), out=out)
-    return out.reshape(*lead, groups * nbytes * 2)
+#: byte -> the value of its low code, of its high code
+_LOW = torch.tensor(FP4_VALUES).repeat(16)
+_HIGH = torch.tensor(FP4_VALUES).repeat_interleave(16)
+
+
+def dequantize_transposed(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight of MXFP4 ``blocks`` [..., O, I/32, 16] and ``scales`` [..., O, I/32],
+    transposed ([..., I, O], contiguous: gpt-oss's bank layout) and in ``dtype``: bit for bit what
+    transformers' ``convert_moe_packed_tensors`` returns. Each code's E2M1 value times
+    2^(scale - 127) in float32 (``torch.ldexp`` multiplies by ``pow(2.0, exponent)`` in float32 there
+    too), rounded once into ``dtype``."""
+    *lead, rows, groups, nbytes = blocks.shape
+    codes = blocks.movedim(-3, -1).contiguous().view(-1).int()  # [..., I/32, 16, O]: the output's order
+    values = torch.empty(*lead, groups, nbytes, 2, rows, device=blocks.device)
+    for half, table in enumerate((_LOW, _HIGH)):  # the even input is the low nibble
+        values.select(-2, half).copy_(table.to(blocks.device).index_select(0, codes).view(*lead, groups, nbytes, rows))
+    values *= torch.pow(2.0, scales.int() - E8M0_BIAS).mT[..., None, None, :]
+    return values.view(*lead, groups * nbytes * 2, rows).to(dtype)
 
 
 def _check(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:

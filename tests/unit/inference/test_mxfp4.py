@@ -15,16 +15,16 @@ E, OUT, IN = 3, 40, 96  # a bank [E, IN, OUT] stored as [E, OUT, IN/32, 16] and 
 NAME = "model.layers.0.mlp.experts.gate_up_proj"
 
 
-def packed(seed=0):
-    """Random MXFP4 bytes: every code, exponents from 2^-20 to 2^12."""
+def packed(seed=0, exponents=(-127, 127)):
+    """Random MXFP4 bytes: every code; by default every exponent but E8M0's NaN (255)."""
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (E, OUT, IN // 32, 16), generator=g, dtype=torch.uint8)
-    scales = torch.randint(127 - 20, 127 + 13, (E, OUT, IN // 32), generator=g, dtype=torch.uint8)
+    scales = torch.randint(127 + exponents[0], 128 + exponents[1], (E, OUT, IN // 32), generator=g, dtype=torch.uint8)
     return blocks, scales
 
 
-def bank(dtype=torch.float32, seed=0):
-    blocks, scales = packed(seed)
+def bank(dtype=torch.float32, seed=0, exponents=(-127, 127)):
+    blocks, scales = packed(seed, exponents)
     return mxfp4.to_stored({NAME + "_blocks": blocks, NAME + "_scales": scales, "bias": torch.ones(3)}, {},
                            dtype), blocks, scales
 
@@ -33,7 +33,7 @@ def test_the_value_table_is_transformers():
     assert list(mxfp4.FP4_VALUES) == FP4_VALUES
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_bank_dequantizes_as_transformers_does_bit_for_bit(dtype):
     tensors, blocks, scales = bank(dtype)
     w = tensors[NAME]
@@ -41,11 +41,13 @@ def test_a_bank_dequantizes_as_transformers_does_bit_for_bit(dtype):
     assert set(tensors) == {NAME, "bias"}
     want = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, IN, OUT]
     got = w.dequantize()
-    assert got.dtype == dtype and torch.equal(got, want) and got.stride() == want.stride()
+    assert got.dtype == dtype and got.stride() == want.stride()
+    assert torch.equal(got.view(torch.int16 if dtype.itemsize == 2 else torch.int32),
+                       want.view(torch.int16 if dtype.itemsize == 2 else torch.int32))  # signed zeros, infs
 
 
 def test_one_expert_is_its_slice_and_computes_as_the_dense_bank():
-    tensors, blocks, scales = bank()
+    tensors, blocks, scales = bank(exponents=(-8, 2))  # finite products
     w, dense = tensors[NAME], convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
     x = torch.randn(5, IN)
     for e in range(E):
@@ -114,7 +116,7 @@ def test_damaged_mxfp4_tensors_are_refused_in_one_line(tensors, error):
 
 def test_writer_refusals_are_one_line(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    with pytest.raises(CheckpointError, match="MXFP4 checkpoints are gpt-oss's layout: it needs --family gpt_oss, not 'llama'") as e:
+    with pytest.raises(CheckpointError, match="gpt-oss's layout: it needs --family gpt_oss, not 'llama'") as e:
         quantize_checkpoint_mxfp4(tmp_path, tmp_path / "out")
     one_line(e.value)
     with pytest.raises(CheckpointError, match="MXFP4 needs a multiple of 32 inputs, not 40"):
