@@ -96,6 +96,21 @@ def test_a_block_holds_the_mxfp4_bytes(checkpoints):
         assert stored_nbytes(original) / stored_nbytes(bank) == pytest.approx(16 / 4.25)
 
 
+def test_join_quantize_keeps_the_mxfp4_banks_and_placement_counts_them(checkpoints):
+    """``--quantize int8`` quantizes the attention's Linear weights; the expert banks stay MXFP4
+    (blocks and scales), and placement counts them so."""
+    original, ckpt = (Checkpoint(p) for p in checkpoints)
+    block = Block(ckpt, 0, 1, dtype=torch.bfloat16, quantize="int8")
+    experts = block.layers[0].mlp.experts
+    assert type(block.layers[0].self_attn.q_proj.weight).__name__ == "Int8Tensor"
+    banks = sum(ckpt.entries[n].size for n in ckpt.layer_tensors(0) if n.endswith(("_blocks", "_scales")))
+    assert stored_nbytes(experts.gate_up_proj) + stored_nbytes(experts.down_proj) == banks
+    # the layers differ only by their banks (gpt-oss's transposed bf16 banks stay bf16 under --quantize)
+    bf16_banks = sum(original.entries[n].size for n in original.layer_tensors(0) if n.endswith("_proj"))
+    assert layer_bytes(ckpt, 0, "bfloat16", "int8") - layer_bytes(original, 0, "bfloat16", "int8") == \
+        banks - bf16_banks
+
+
 @pytest.fixture
 def mxfp4_copy(checkpoints, tmp_path):
     """A fresh MXFP4 checkpoint a test may break."""

@@ -27,8 +27,10 @@ from shardnet.errors import CheckpointError
 from shardnet.inference.model.stored import StoredWeight
 
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
-#: names of the tensors that only accompany a quantized weight (formats.py)
-COMPANION_SUFFIXES = (SCALES_SUFFIX,)
+#: names of the tensors that only accompany a quantized weight and are not kept when a peer
+#: quantizes its block anew (formats.py, placement): none, since ``join --quantize`` leaves the
+#: MXFP4 banks as they are (their scales included) and quantizes the attention's Linear weights
+COMPANION_SUFFIXES = ()
 #: inputs per block (one E8M0 scale each), and bytes a block's 4-bit values take
 BLOCK = 32
 BLOCK_BYTES = BLOCK // 2
