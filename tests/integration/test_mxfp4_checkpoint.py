@@ -117,12 +117,6 @@ def mxfp4_copy(checkpoints, tmp_path):
     return quantize_checkpoint_mxfp4(checkpoints[0], tmp_path / "mxfp4")
 
 
-def rewrite(path, change):
-    tensors = load_file(str(path / "model.safetensors"))
-    change(tensors)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
 BLOCKS = "model.layers.0.mlp.experts.down_proj_blocks"
 SCALES = "model.layers.0.mlp.experts.down_proj_scales"
 
@@ -138,7 +132,9 @@ def shrink_scales(t):
                     r"\[4, 64, 4, 16\] and \[4, 64, 1\]"),
 ], ids=["blocks without scales", "scales without blocks", "scales of the wrong shape"])
 def test_damaged_mxfp4_tensors_are_refused_in_one_line(mxfp4_copy, damage, error):
-    rewrite(mxfp4_copy, damage)
+    tensors = load_file(str(mxfp4_copy / "model.safetensors"))
+    damage(tensors)
+    save_file(tensors, str(mxfp4_copy / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=error) as e:
         Block(Checkpoint(mxfp4_copy), 0, 1, dtype=torch.bfloat16)
     one_line(e.value)
