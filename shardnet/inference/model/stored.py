@@ -9,7 +9,8 @@ read them). transformers' modules run on it unchanged:
 - ``F.linear(x, w)``, ``x @ w``, ``torch.matmul``: the weight is dequantized into the compute
   dtype just for that call (or a format's kernel runs on the stored parts where it has one) and
   freed after it, so a block holds its weights at their stored size and one weight's
-  full-precision copy at a time while it computes;
+  full-precision copy at a time while it computes; ``torch._grouped_mm`` over a bank
+  (transformers' grouped_mm experts) runs one expert at a time, the experts with rows only;
 - ``bank[e]`` (transformers' expert loop), ``w.t()``, ``w.transpose(-1, -2)``, ``detach``,
   ``torch.stack`` of per-expert weights (transformers' key conversion stacks them into banks) and
   ``.to(dtype)`` are views of the stored parts: they dequantize nothing;
