@@ -62,6 +62,9 @@ def quantize_checkpoint_mxfp4(src: str | Path, dst: str | Path) -> Path:
     if config.get("model_type") != "gpt_oss":
         raise CheckpointError(f"MXFP4 checkpoints are gpt-oss's layout: it needs --family gpt_oss, not "
                               f"{config.get('model_type')!r}")
+    for key in ("hidden_size", "intermediate_size"):  # the experts' inputs, in blocks of 32
+        if config[key] % BLOCK:
+            raise CheckpointError(f"MXFP4 needs a {key} that is a multiple of {BLOCK}, not {config[key]}")
     dst.mkdir(parents=True, exist_ok=True)
     _copy_side_files(src, dst)
     weight_map = {}

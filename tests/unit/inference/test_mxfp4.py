@@ -119,6 +119,11 @@ def test_writer_refusals_are_one_line(tmp_path):
     with pytest.raises(CheckpointError, match="gpt-oss's layout: it needs --family gpt_oss, not 'llama'") as e:
         quantize_checkpoint_mxfp4(tmp_path, tmp_path / "out")
     one_line(e.value)
+    (tmp_path / "config.json").write_text('{"model_type": "gpt_oss", "hidden_size": 48, "intermediate_size": 64}')
+    with pytest.raises(CheckpointError, match="MXFP4 needs a hidden_size that is a multiple of 32, not 48") as e:
+        quantize_checkpoint_mxfp4(tmp_path, tmp_path / "out")
+    one_line(e.value)
+    assert not (tmp_path / "out").exists()
     with pytest.raises(CheckpointError, match="MXFP4 needs a multiple of 32 inputs, not 40"):
         quantize_mxfp4(torch.ones(2, 40))
     with pytest.raises(CheckpointError, match="modules_to_not_convert must be a list") as e:
