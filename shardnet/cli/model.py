@@ -18,6 +18,7 @@ STORED_FORMAT_WRITERS = {
     "fp8": "shardnet.testing.fp8:quantize_checkpoint_fp8",
     "gguf-q8_0": "shardnet.testing.gguf:convert_to_gguf_q8_0", "gguf-q4_k": "shardnet.testing.gguf:convert_to_gguf_q4_k",
     **{f: f"shardnet.testing.int4:write_{f.replace('-', '_')}" for f in ("gptq", "awq", "compressed-tensors")},
+    "mxfp4": "shardnet.testing.mxfp4:quantize_checkpoint_mxfp4",
 }
 
 

@@ -32,6 +32,7 @@ FORMATS: dict[str, str] = {
     "fp8": "shardnet.inference.model.fp8",
     "gguf": "shardnet.inference.model.gguf",
     **dict.fromkeys(("gptq", "awq", "compressed-tensors"), "shardnet.inference.model.int4"),
+    "mxfp4": "shardnet.inference.model.mxfp4",
 }
 
 

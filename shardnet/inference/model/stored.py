@@ -9,7 +9,8 @@ read them). transformers' modules run on it unchanged:
 - ``F.linear(x, w)``, ``x @ w``, ``torch.matmul``: the weight is dequantized into the compute
   dtype just for that call (or a format's kernel runs on the stored parts where it has one) and
   freed after it, so a block holds its weights at their stored size and one weight's
-  full-precision copy at a time while it computes;
+  full-precision copy at a time while it computes; ``torch._grouped_mm`` over a bank
+  (transformers' grouped_mm experts) runs one expert at a time, the experts with rows only;
 - ``bank[e]`` (transformers' expert loop), ``w.t()``, ``w.transpose(-1, -2)``, ``detach``,
   ``torch.stack`` of per-expert weights (transformers' key conversion stacks them into banks) and
   ``.to(dtype)`` are views of the stored parts: they dequantize nothing;
@@ -163,6 +164,23 @@ def _cat(tensors, dim: int = 0) -> StoredWeight | None:
     return first._with(parts=parts, shape=shape)
 
 
+def _grouped_mm(x: torch.Tensor, w, offs=None, bias=None, out_dtype=None) -> torch.Tensor | None:
+    """``x`` [S, in] (rows sorted by expert, ``offs`` their cumulative counts) through a bank
+    [E, in, out] (transformers' grouped_mm experts implementation): the same op, one expert at a
+    time, each dequantized for its rows only; experts without rows are skipped."""
+    if not isinstance(w, StoredWeight) or isinstance(x, StoredWeight) or w.dim() != 3 or x.dim() != 2 \
+            or offs is None or bias is not None or out_dtype not in (None, x.dtype):
+        return None
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            one = offs.new_tensor([end - start])
+            out[start:end] = aten._grouped_mm(x[start:end], _select(w, 0, e).dequantize()[None], one)
+        start = end
+    return out
+
+
 def _to_copy(w: StoredWeight, *, dtype=None, device=None, layout=None, memory_format=None, non_blocking=False,
              pin_memory=None, **_) -> StoredWeight | None:
     if not isinstance(w, StoredWeight) or (layout not in (None, torch.strided)):
@@ -186,6 +204,7 @@ _VIEWS = {
     aten.stack.default: _stack,
     aten.cat.default: _cat,
     aten._to_copy.default: _to_copy,
+    aten._grouped_mm.default: _grouped_mm,
 }
 
 _FUNCTION_VIEWS = {
