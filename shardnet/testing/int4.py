@@ -205,7 +205,7 @@ def dequantized_int4_weight(parts: dict[str, torch.Tensor], method: str, group_s
     return ((q - zero[g]).float() * parts["scales"].float()[g]).T.contiguous()
 
 
-def dequantized_reference(int4_dir: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def int4_dequantized_reference(int4_dir: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """The unquantized checkpoint a GPTQ, AWQ or compressed-tensors copy stands for: every
     quantized weight dequantized into ``dtype``, its parts and ``quantization_config`` dropped."""
     from safetensors.torch import load_file, save_file

@@ -10,7 +10,7 @@ serving the copy must compute what transformers computes:
   where that decompression is exact (4-bit integers times bf16 scales);
 - GPTQ and AWQ (transformers reads them only with GPU packages), asymmetric compressed-tensors and
   the MoE copies: the plain bf16 checkpoint the copy
-  stands for, dequantized independently of shardnet's loader (``dequantized_reference``).
+  stands for, dequantized independently of shardnet's loader (``int4_dequantized_reference``).
 """
 
 import pytest
@@ -32,7 +32,7 @@ from shardnet.testing.helpers import (
     local_chain,
     transformers_reference,
 )
-from shardnet.testing.int4 import dequantized_reference, write_awq, write_compressed_tensors, write_gptq
+from shardnet.testing.int4 import int4_dequantized_reference, write_awq, write_compressed_tensors, write_gptq
 
 #: method -> its writer, in the variants the tests use (GPTQ asymmetric: v1's zero - 1 matters)
 WRITERS = {
@@ -62,7 +62,7 @@ def checkpoints(tmp_path_factory):
                                        vocab=512, seed=8, dtype="bfloat16")
         if (variant, family) not in made:
             copy = WRITERS[variant](made[family], root / f"{family}-{variant}")
-            made[variant, family] = made[family], copy, dequantized_reference(copy, root / f"{family}-{variant}-ref")
+            made[variant, family] = made[family], copy, int4_dequantized_reference(copy, root / f"{family}-{variant}-ref")
         return made[variant, family]
     return make
 

@@ -124,11 +124,11 @@ def test_a_model_that_changes_the_hidden_state_between_layers_is_refused(granite
     one_line(e.value)
 
 
-def test_stored_quantization_other_than_fp8_blocks_is_refused(granite):
+def test_a_stored_quantization_not_read_is_refused(granite):
     cfg = json.loads((granite / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (granite / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="stored quantization 'awq' is not supported") as e:
+    with pytest.raises(CheckpointError, match="stored quantization 'bitsandbytes' is not supported") as e:
         Checkpoint(granite)
     one_line(e.value)
 
