@@ -72,18 +72,18 @@ def activations(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(1, n, 4, generator=torch.Generator().manual_seed(seed))
 
 
-async def hand_in(scheduler, nursery, peer, cache, n, results, pos=None, on_shared=None):
+async def hand_in(scheduler, nursery, peer, cache, n, results, pos=None, on_shared=None, pipelined=False):
     """Start a session's step; returns once it waits in the scheduler. Its (input, output) goes to
     ``results[cache.name]``."""
     async def one(task_status=trio.TASK_STATUS_IGNORED):
         h = activations(n, len(results))
         task_status.started()  # (synchronous: the step is queued before the caller runs again)
         results[cache.name] = (h, await scheduler.forward(peer, h, cache, cache.length if pos is None else pos,
-                                                          on_shared=on_shared))
+                                                          on_shared=on_shared, pipelined=pipelined))
     await nursery.start(one)
 
 
-async def hand_in_burst(scheduler, steps, results=None):
+async def hand_in_burst(scheduler, steps, results=None, pipelined=False):
     """Hand in ``steps`` (peer, cache, tokens) in this order while a pass of another session's
     runs, so that all of them wait for the next (as a burst from upstream does); the passes they
     took then are in ``scheduler.block.passes`` (the first pass, the other session's, left out)."""
@@ -93,7 +93,7 @@ async def hand_in_burst(scheduler, steps, results=None):
             await hand_in(scheduler, nursery, "upstream", FakeCache("running"), 1, {})
             await block.pass_running()
             for peer, cache, n in steps:
-                await hand_in(scheduler, nursery, peer, cache, n, results)
+                await hand_in(scheduler, nursery, peer, cache, n, results, pipelined=pipelined)
             block.open()
     del block.passes[0]
     return results
@@ -295,3 +295,22 @@ async def test_no_batching_a_cancelled_waiter_passes_its_turn_on():
             await hand_in(scheduler, nursery, "c", FakeCache("c"), 1, results)
             block.open()
     assert block.names() == [["a"], ["c"]] and set(results) == {"a", "c"} and scheduler.waiting == 0
+
+
+async def test_decoding_sessions_of_multi_stage_chains_go_half_a_pass_each():
+    """Eight pipelined sessions' decode steps in a burst: two passes of four, so that the other
+    stage of their chain computes one half while this block computes the other. Steps of
+    sessions served by this block alone are not split, nor are any with the split turned off."""
+    scheduler = BlockScheduler(FakeBlock(), max_tokens=64)
+    steps = [("up", FakeCache(f"s{i}", 10), 1) for i in range(8)]
+    await hand_in_burst(scheduler, steps, pipelined=True)
+    assert scheduler.block.names() == [["s0", "s1", "s2", "s3"], ["s4", "s5", "s6", "s7"]]
+
+    alone = BlockScheduler(FakeBlock(), max_tokens=64)
+    await hand_in_burst(alone, [("up", FakeCache(f"s{i}", 10), 1) for i in range(8)])
+    assert alone.block.names() == [[f"s{i}" for i in range(8)]]
+
+    off = BlockScheduler(FakeBlock(), max_tokens=64)
+    off.split = False  # (SHARDNET_SPLIT_PASSES=0)
+    await hand_in_burst(off, [("up", FakeCache(f"s{i}", 10), 1) for i in range(8)], pipelined=True)
+    assert off.block.names() == [[f"s{i}" for i in range(8)]]
