@@ -1,10 +1,11 @@
 """A peer's memory holding a checkpoint in its stored format: RSS against the bytes its span stores.
 
-    python -m bench.memory [--models llama,qwen3_moe] [--formats none,fp8,int8,int4,...] [--hidden 2048]
+    python -m bench.memory [--models llama,qwen3_moe,gpt_oss] [--formats none,fp8,int8,int4,...] [--hidden 2048]
                            [--layers 8] [--tokens 16] [--kv-budget-mb 64] [--quick]
 
-For each model (random checkpoints made here: a dense llama, a qwen3_moe whose experts are
-quantized with the rest) and each format, a 2-peer chain of real ``shardnet join`` processes
+For each model (random checkpoints made here: a dense llama of width ``--hidden``; a qwen3_moe
+and a gpt_oss of half that width, 8 experts each, whose experts are quantized with the rest) and
+each format it is measured in (``MODEL_FORMATS``), a 2-peer chain of real ``shardnet join`` processes
 (layers split in half, one torch thread each) serves the checkpoint, and for each peer the report
 gives, measured from ``/proc/PID/status``:
 
@@ -47,8 +48,13 @@ from shardnet.testing.localswarm import LocalSwarm
 
 MiB = 1 << 20
 QUANTIZE_MODES = ("int8", "int4")
-#: which formats a model is written in (families transformers' writers cover)
-MOE_FORMATS = ("none", "fp8", "int8", "int4", "compressed-tensors")
+#: the formats each model is measured in (--formats picks among them): GGUF is read for llama
+#: only, MXFP4 is gpt-oss's
+MODEL_FORMATS = {
+    "llama": ("none", "int8", "int4", "fp8", "gptq", "awq", "compressed-tensors", "gguf-q8_0", "gguf-q4_k"),
+    "qwen3_moe": ("none", "int8", "int4", "fp8", "gptq", "compressed-tensors"),
+    "gpt_oss": ("none", "int4", "mxfp4"),
+}
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -62,12 +68,16 @@ def proc_status(pid: int) -> dict[str, int]:
 
 
 def make_model(family: str, workdir: Path, hidden: int, layers: int) -> Path:
+    """A random bfloat16 checkpoint: a dense llama of width ``hidden``; the MoE families at half
+    that width with 8 experts of that width (2 a token)."""
     kw = dict(layers=layers, hidden=hidden, heads=max(1, hidden // 64), kv_heads=max(1, hidden // 256),
               vocab=2048, dtype="bfloat16", seed=1)
     if family == "llama":
         kw["intermediate"] = hidden * 8 // 3 // 64 * 64
     else:
-        kw.update(intermediate=hidden, experts=8, active_experts=2)
+        half = max(64, hidden // 2)
+        kw.update(hidden=half, heads=max(1, half // 64), kv_heads=max(1, half // 256), intermediate=half,
+                  experts=8, active_experts=2)
     path = init_random(workdir / family, family, **kw)
     shutil.copy(default_model_path() / "tokenizer.json", path / "tokenizer.json")  # every ID a token
     return path
@@ -137,7 +147,7 @@ def measure(family: str, fmt: str, path: Path, extra: list[str], args, baseline:
 
 def main() -> None:
     p = bench_parser(__doc__, quick="a tiny llama (hidden 128, 2 layers) in none, fp8 and int4, 2 tokens")
-    p.add_argument("--models", default="llama,qwen3_moe")
+    p.add_argument("--models", default=",".join(MODEL_FORMATS))
     p.add_argument("--formats", default=",".join(["none", "int8", "int4", *STORED_FORMAT_WRITERS]),
                    help="none, int8, int4 (join --quantize) and the stored formats: "
                         + ", ".join(STORED_FORMAT_WRITERS))
@@ -161,7 +171,7 @@ def main() -> None:
         for family in args.models.split(","):
             plain = make_model(family, workdir, args.hidden, args.layers)
             for fmt in formats:
-                if family != "llama" and fmt not in MOE_FORMATS:
+                if fmt not in MODEL_FORMATS.get(family, formats):
                     continue
                 print(f"{family} {fmt}: loading", flush=True)
                 path, extra = checkpoint_for(plain, fmt, workdir)
