@@ -111,7 +111,7 @@ async def per_token_ms(swarm: LocalSwarm, path: Path, tokens: int) -> float:
 
     async with open_node(loopback_config(bootstrap=[swarm.bootstrap_addr], dht_mode="client")) as node:
         await node.wait_bootstrapped()
-        client = Client(node, LocalModel(path), audit_rate=0.0)
+        client = Client(node, LocalModel(path, dtype="bfloat16"), audit_rate=0.0)  # (the peers' dtype)
         times = []
         last = None
         async for _ in client.generate(list(range(1, 17)), max_new_tokens=tokens, stop_at_eos=False):

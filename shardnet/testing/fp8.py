@@ -17,10 +17,11 @@ e4m3 value, and dequantizing multiplies by it.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
+
+from shardnet.testing.checkpoint_copy import rewrite_checkpoint
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
@@ -79,75 +80,41 @@ def quantized_names(names, config) -> set[str]:
 def quantize_checkpoint_fp8(src: str | Path, dst: str | Path, block: tuple[int, int] = (16, 16)) -> Path:
     """Write ``src``'s FP8 block-scaled copy to ``dst`` (same files, shards and tokenizer; the
     config gains DeepSeek-V3's ``quantization_config``); returns ``dst``."""
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
     from transformers import AutoConfig
 
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    _copy_side_files(src, dst)
-    files = sorted(src.glob("*.safetensors"))
-    tensors_by_file = {f.name: load_file(str(f)) for f in files}
-    quantize = quantized_names([n for t in tensors_by_file.values() for n in t],
-                               AutoConfig.from_pretrained(str(src), local_files_only=True))
-    weight_map = {}
-    for fname, tensors in tensors_by_file.items():
-        out = {}
-        for name, t in tensors.items():
-            if name in quantize and t.dim() == 2:
-                out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t, block)
-            else:
-                out[name] = t
-        save_file(out, str(dst / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(out, fname))
-    if (src / "model.safetensors.index.json").is_file():
-        index = json.loads((src / "model.safetensors.index.json").read_text())
-        index["weight_map"] = dict(sorted(weight_map.items()))
-        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    src = Path(src)
+    names = [n for f in sorted(src.glob("*.safetensors")) for n in safe_open(str(f), "pt").keys()]
+    quantize = quantized_names(names, AutoConfig.from_pretrained(str(src), local_files_only=True))
+
+    def convert(name, t, _):
+        if name in quantize and t.dim() == 2:
+            q, scale = quantize_fp8_blocks(t, block)
+            return {name: q, name + "_scale_inv": scale}
+        return {name: t}
+
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": list(block)}
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return rewrite_checkpoint(src, dst, convert, config)
 
 
 def dequantized_reference(fp8_dir: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """The unquantized checkpoint an FP8 one stands for: every FP8 weight times its block scales,
     in ``dtype``, the scales and ``quantization_config`` dropped (what transformers loads as a
     plain model, and what a correct FP8 load must compute with)."""
-    from safetensors.torch import load_file, save_file
-
-    fp8_dir, dst = Path(fp8_dir), Path(dst)
+    fp8_dir = Path(fp8_dir)
     config = json.loads((fp8_dir / "config.json").read_text())
     rows, cols = config.pop("quantization_config")["weight_block_size"]
-    dst.mkdir(parents=True, exist_ok=True)
-    _copy_side_files(fp8_dir, dst)
-    weight_map = {}
-    for f in sorted(fp8_dir.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        out = {}
-        for name, t in tensors.items():
-            if name.endswith("_scale_inv"):
-                continue
-            scale = tensors.get(name + "_scale_inv")
-            if scale is not None:
-                # written out independently of shardnet's fp8.py, so the comparison means something
-                full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:t.shape[0], :t.shape[1]]
-                t = (t.float() * full).to(dtype)
-            out[name] = t
-        save_file(out, str(dst / f.name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(out, f.name))
-    if (fp8_dir / "model.safetensors.index.json").is_file():
-        index = json.loads((fp8_dir / "model.safetensors.index.json").read_text())
-        index["weight_map"] = dict(sorted(weight_map.items()))
-        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
 
+    def convert(name, t, tensors):
+        if name.endswith("_scale_inv"):
+            return {}
+        scale = tensors.get(name + "_scale_inv")
+        if scale is not None:
+            # written out independently of shardnet's fp8.py, so the comparison means something
+            full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:t.shape[0], :t.shape[1]]
+            t = (t.float() * full).to(dtype)
+        return {name: t}
 
-def _copy_side_files(src: Path, dst: Path) -> None:
-    """Tokenizer and generation files; not the weights, the index or the config (rewritten), nor
-    shardnet's dot-file caches (keyed on the source's files)."""
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and not f.name.startswith(".") \
-                and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(f, dst / f.name)
+    return rewrite_checkpoint(fp8_dir, dst, convert, config)

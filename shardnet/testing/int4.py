@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from shardnet.testing.fp8 import _copy_side_files, quantized_names
+from shardnet.testing.checkpoint_copy import rewrite_checkpoint
+from shardnet.testing.fp8 import quantized_names
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -113,36 +114,24 @@ def ct_tensors(w: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
 
 
 def _write(src: str | Path, dst: str | Path, quantize, quantization_config: dict, lm_head: bool = False) -> Path:
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
     from transformers import AutoConfig
 
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    _copy_side_files(src, dst)
-    tensors_by_file = {f.name: load_file(str(f)) for f in sorted(src.glob("*.safetensors"))}
-    chosen = quantized_names([n for t in tensors_by_file.values() for n in t],
-                             AutoConfig.from_pretrained(str(src), local_files_only=True))
+    src = Path(src)
+    names = [n for f in sorted(src.glob("*.safetensors")) for n in safe_open(str(f), "pt").keys()]
+    chosen = quantized_names(names, AutoConfig.from_pretrained(str(src), local_files_only=True))
     if lm_head:  # (an untied one)
         chosen.add("lm_head.weight")
-    weight_map = {}
-    for fname, tensors in tensors_by_file.items():
-        out = {}
-        for name, t in tensors.items():
-            if name in chosen and t.dim() == 2:
-                base = name[:-len(".weight")]
-                out.update({f"{base}.{k}": v.contiguous() for k, v in quantize(t).items()})
-            else:
-                out[name] = t
-        save_file(out, str(dst / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(out, fname))
-    if (src / "model.safetensors.index.json").is_file():
-        index = json.loads((src / "model.safetensors.index.json").read_text())
-        index["weight_map"] = dict(sorted(weight_map.items()))
-        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    def convert(name, t, _):
+        if name in chosen and t.dim() == 2:
+            base = name[:-len(".weight")]
+            return {f"{base}.{k}": v for k, v in quantize(t).items()}
+        return {name: t}
+
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = quantization_config
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return rewrite_checkpoint(src, dst, convert, config)
 
 
 def write_gptq(src: str | Path, dst: str | Path, group_size: int = 32, sym: bool = True, lm_head: bool = False
@@ -208,9 +197,7 @@ def dequantized_int4_weight(parts: dict[str, torch.Tensor], method: str, group_s
 def int4_dequantized_reference(int4_dir: str | Path, dst: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """The unquantized checkpoint a GPTQ, AWQ or compressed-tensors copy stands for: every
     quantized weight dequantized into ``dtype``, its parts and ``quantization_config`` dropped."""
-    from safetensors.torch import load_file, save_file
-
-    int4_dir, dst = Path(int4_dir), Path(dst)
+    int4_dir = Path(int4_dir)
     config = json.loads((int4_dir / "config.json").read_text())
     qc = config.pop("quantization_config")
     method = qc["quant_method"]
@@ -222,26 +209,14 @@ def int4_dequantized_reference(int4_dir: str | Path, dst: str | Path, dtype: tor
         packed_name, companions = "weight_packed", ("weight_scale", "weight_shape", "weight_zero_point")
     else:
         packed_name, companions = "qweight", ("qzeros", "scales", "g_idx")
-    dst.mkdir(parents=True, exist_ok=True)
-    _copy_side_files(int4_dir, dst)
-    weight_map = {}
-    for f in sorted(int4_dir.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        out = {}
-        for name, t in tensors.items():
-            base, _, last = name.rpartition(".")
-            if last in companions:
-                continue
-            if last == packed_name:
-                parts = {k: tensors[f"{base}.{k}"] for k in (packed_name, *companions) if f"{base}.{k}" in tensors}
-                out[base + ".weight"] = dequantized_int4_weight(parts, method, qc.get("group_size"), scheme).to(dtype)
-            else:
-                out[name] = t
-        save_file(out, str(dst / f.name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(out, f.name))
-    if (int4_dir / "model.safetensors.index.json").is_file():
-        index = json.loads((int4_dir / "model.safetensors.index.json").read_text())
-        index["weight_map"] = dict(sorted(weight_map.items()))
-        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+
+    def convert(name, t, tensors):
+        base, _, last = name.rpartition(".")
+        if last in companions:
+            return {}
+        if last == packed_name:
+            parts = {k: tensors[f"{base}.{k}"] for k in (packed_name, *companions) if f"{base}.{k}" in tensors}
+            return {base + ".weight": dequantized_int4_weight(parts, method, qc.get("group_size"), scheme).to(dtype)}
+        return {name: t}
+
+    return rewrite_checkpoint(int4_dir, dst, convert, config)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from shardnet.errors import CheckpointError
-from shardnet.testing.fp8 import _copy_side_files
+from shardnet.testing.checkpoint_copy import rewrite_checkpoint
 
 BLOCK = 32
 E8M0_BIAS = 127
@@ -52,12 +52,9 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), (exp + E8M0_BIAS).to(torch.uint8)
 
 
-
 def quantize_checkpoint_mxfp4(src: str | Path, dst: str | Path) -> Path:
     """Write ``src``'s (a gpt_oss checkpoint) MXFP4 copy to ``dst``; returns ``dst``."""
-    from safetensors.torch import load_file, save_file
-
-    src, dst = Path(src), Path(dst)
+    src = Path(src)
     config = json.loads((src / "config.json").read_text())
     if config.get("model_type") != "gpt_oss":
         raise CheckpointError(f"MXFP4 checkpoints are gpt-oss's layout: it needs --family gpt_oss, not "
@@ -65,22 +62,12 @@ def quantize_checkpoint_mxfp4(src: str | Path, dst: str | Path) -> Path:
     for key in ("hidden_size", "intermediate_size"):  # the experts' inputs, in blocks of 32
         if config[key] % BLOCK:
             raise CheckpointError(f"MXFP4 needs a {key} that is a multiple of {BLOCK}, not {config[key]}")
-    dst.mkdir(parents=True, exist_ok=True)
-    _copy_side_files(src, dst)
-    weight_map = {}
-    for f in sorted(src.glob("*.safetensors")):
-        out = {}
-        for name, t in load_file(str(f)).items():
-            if EXPERT_BANK.fullmatch(name):
-                out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(t.transpose(-1, -2))
-            else:
-                out[name] = t
-        save_file(out, str(dst / f.name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(out, f.name))
-    if (src / "model.safetensors.index.json").is_file():
-        index = json.loads((src / "model.safetensors.index.json").read_text())
-        index["weight_map"] = dict(sorted(weight_map.items()))
-        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    def convert(name, t, _):
+        if EXPERT_BANK.fullmatch(name):
+            blocks, scales = quantize_mxfp4(t.transpose(-1, -2))
+            return {name + "_blocks": blocks, name + "_scales": scales}
+        return {name: t}
+
     config["quantization_config"] = {"modules_to_not_convert": MODULES_TO_NOT_CONVERT, "quant_method": "mxfp4"}
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
+    return rewrite_checkpoint(src, dst, convert, config)

@@ -89,27 +89,6 @@ def stored_fp8_blocks(tensors: dict[str, torch.Tensor], block: tuple[int, int],
     return out
 
 
-def dequantize_fp8_blocks(tensors: dict[str, torch.Tensor], block: tuple[int, int],
-                          dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """``tensors`` with every FP8 weight dequantized into ``dtype`` and the scales dropped."""
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith(SCALE_SUFFIX):
-            if name[:-len(SCALE_SUFFIX)] not in tensors:
-                raise CheckpointError(f"{name} scales a tensor that is not in the checkpoint")
-            continue
-        scale = tensors.get(name + SCALE_SUFFIX)
-        if scale is None:
-            if t.dtype.is_floating_point and t.element_size() == 1:
-                # read as it is, the weight would be off by its scales, silently
-                raise CheckpointError(f"{name} is stored in {str(t.dtype).removeprefix('torch.')} but has no "
-                                      f"{name}{SCALE_SUFFIX} (its block scales)")
-            out[name] = t
-            continue
-        out[name] = dequantize(t, scale, block, name).to(dtype)
-    return out
-
-
 def _check(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str) -> None:
     rows, cols = block
     if weight.dim() != 2 or scale.dim() != 2:
