@@ -106,5 +106,9 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     if weight.dim() == 2:
         _check(weight, scale, block, name)
     rows, cols = block
+    *lead, out, inp = weight.shape
+    if out % rows == 0 and inp % cols == 0:  # (no full-size copy of the scales)
+        blocks = weight.view(*lead, out // rows, rows, inp // cols, cols).float()
+        return (blocks * scale.float()[..., :, None, :, None]).view(*lead, out, inp)
     full = scale.float().repeat_interleave(rows, -2).repeat_interleave(cols, -1)
-    return weight.float() * full[..., :weight.shape[-2], :weight.shape[-1]]
+    return weight.float() * full[..., :out, :inp]

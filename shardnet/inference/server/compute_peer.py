@@ -62,6 +62,7 @@ from shardnet.inference.weights.server import WeightServer
 from shardnet.inference.weights.swarm_model import fetch_tensors, span_tensor_names
 from shardnet.protocols.block_claim import Claim
 from shardnet.protocols.receipts import region_problem
+from shardnet.transport import allocator
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.node import Node
 
@@ -180,6 +181,9 @@ class ComputePeer:
             self.tput = self.fixed_throughput
         else:
             self.tput = await trio.to_thread.run_sync(measure_throughput, block)
+        # what loading freed (the check's model, staging copies, dequantized weights of the
+        # measurement) goes back to the system: the heap keeps buffers under 64 MiB otherwise
+        allocator.trim()
         served = ServedBlock(block, self.model_id, KvBudget(self.kv_budget_bytes), head=head,
                              idle_timeout=self.idle_timeout,
                              batch_tokens=self.batch_tokens or 0,
