@@ -74,7 +74,7 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
     from shardnet.inference.model.checkpoint import Checkpoint, CheckpointError
     from shardnet.inference.model.family_check import ensure_family_matches
     from shardnet.inference.server.compute_peer import join_swarm
-    from shardnet.transport import open_node
+    from shardnet.transport import allocator, open_node
 
     from .node_control import NodeControl
 
@@ -99,6 +99,7 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
             # every layer kind stored here when the span is chosen later)
             ensure_family_matches(ckpt, span or (0, ckpt.num_layers),
                                   dtype=resolve_dtype(dtype, ckpt, pick_device(device)))
+            allocator.trim()  # (the check's model is gone: its pages go back before the block comes)
         except CheckpointError as e:
             fail(str(e))
     cfg = make_config(relays=relays, identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,

@@ -74,6 +74,10 @@ DEFAULT_KV_BUDGET = 512 << 20
 RECHECK_DELAY = (0.5, 2.5)
 
 
+#: after this many seconds the throughput measurement takes the rounds it has
+MEASURE_S = 3.0
+
+
 def measure_throughput(block: Block, tokens: int = 8, rounds: int = 3) -> float:
     """Tokens per second of decode-like forwards, the best of a few rounds: what the hardware
     does when nothing else competes (a peer loading next door must not make us look slow)."""
@@ -81,11 +85,14 @@ def measure_throughput(block: Block, tokens: int = 8, rounds: int = 3) -> float:
     cache = block.new_cache()
     block.forward(hidden, cache, 0)  # warm-up
     best = float("inf")
+    began = time.perf_counter()
     for r in range(rounds):
         t0 = time.perf_counter()
         for i in range(tokens):
             block.forward(hidden, cache, 1 + r * tokens + i)
         best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() - began > MEASURE_S:  # a slow block (weights dequantized per call) starts sooner
+            break
     return tokens / max(best, 1e-9)
 
 
@@ -166,6 +173,7 @@ class ComputePeer:
                                 progress=self.fetch_progress)
         # every distinct layer configuration of the span against transformers (kept: once each)
         await trio.to_thread.run_sync(partial(ensure_family_matches, ckpt, (start, end), dtype=self.dtype))
+        allocator.trim()  # (the check's model is gone: its pages go back before the block comes)
         log.info("loading layers %d:%d of %s (%s%s, %s)", start, end, ckpt.path.name, self.dtype_name,
                  f", weights {self.quantize}" if self.quantize else "", self.device)
         block = await trio.to_thread.run_sync(
