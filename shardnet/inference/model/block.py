@@ -110,10 +110,6 @@ class Block:
                 from shardnet.inference.model.quantize import quantize_module
 
                 quantize_module(layer, quantize)
-            if ckpt.quant is not None:
-                from shardnet.inference.model.quantize import run_stored_banks_eagerly
-
-                run_stored_banks_eagerly(layer)
             self.layers.append(layer)
             n_tensors += len(names)
             log.info("loaded layer %d (%d tensors)", i, len(names))

@@ -248,10 +248,6 @@ def _reference(ckpt: Checkpoint, cfg, checked: list[int], with_head: bool, dtype
                                       weight_mapping=get_model_conversion_mapping(model))
     info, _ = cls._load_pretrained_model(model, tensors, None, load_config)
     info = cls._finalize_model_loading(model, load_config, info)
-    if ckpt.quant is not None:
-        from shardnet.inference.model.quantize import run_stored_banks_eagerly
-
-        run_stored_banks_eagerly(model)
     if info.unexpected_keys:
         raise ValueError(f"transformers' model has no place for {sorted(info.unexpected_keys)[0]}")
     return model.eval(), base, run

@@ -100,11 +100,9 @@ def _check(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], na
                               f"blocks of {rows}x{cols} needs {list(want)}")
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], name: str = "weight"
-               ) -> torch.Tensor:
-    """[..., O, I] FP8 times its [..., ceil(O/rows), ceil(I/cols)] block scales, in float32."""
-    if weight.dim() == 2:
-        _check(weight, scale, block, name)
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """[..., O, I] FP8 times its [..., ceil(O/rows), ceil(I/cols)] block scales, in float32
+    (shapes checked at load: ``stored_fp8_blocks``)."""
     rows, cols = block
     *lead, out, inp = weight.shape
     if out % rows == 0 and inp % cols == 0:  # (no full-size copy of the scales)

@@ -26,8 +26,7 @@ What each mode does to one decoder layer:
 - Routers (a Linear with fewer than ``MIN_QUANTIZED_OUT`` outputs, e.g. Qwen2-MoE's
   ``shared_expert_gate``) stay in the compute dtype: they are tiny and decide discrete routing.
 - A quantized expert module runs transformers' "eager" experts implementation (a loop over the hit
-  experts): ``grouped_mm`` and ``batched_mm`` need ops torchao's int8 tensor does not implement,
-  and on a ``StoredWeight`` bank they would dequantize all of it.
+  experts): ``grouped_mm`` and ``batched_mm`` need ops torchao's int8 tensor does not implement.
 - Transposed expert banks (gpt-oss: ``x @ bank[e]``; torchao's int8 tensor has only
   ``F.linear``) are ``IntGroups`` in both modes (int8: one group a row).
 """
@@ -174,23 +173,9 @@ def _quantize(module: torch.nn.Module, mode: str) -> None:
             except (RuntimeError, AssertionError, NotImplementedError, ValueError) as e:
                 raise QuantizationError(f"{mode} quantization of {type(experts).__name__} failed on "
                                         f"{device.type}/{dtype}: {str(e).splitlines()[0]}") from None
-        _run_eagerly(experts)
-
-
-def _run_eagerly(experts: torch.nn.Module) -> None:
-    # the config is the whole model's; this module alone switches to the per-expert loop
-    if experts.config._experts_implementation != "eager":
+        # the config is the whole model's; this module alone switches to the per-expert loop
         experts.config = copy.copy(experts.config)
         experts.config._experts_implementation = "eager"
-
-
-def run_stored_banks_eagerly(module: torch.nn.Module) -> None:
-    """Expert modules under ``module`` whose banks are kept in a stored format run transformers'
-    per-expert loop, which dequantizes each expert it uses as it runs; ``grouped_mm`` would
-    dequantize the whole bank (every expert) at every step."""
-    for experts, names in _expert_banks(module):
-        if any(isinstance(getattr(experts, n), StoredWeight) for n in names):
-            _run_eagerly(experts)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ block first; sessions already open finish on the old one.
 
 from __future__ import annotations
 
-
 import logging
 import os
 import random
