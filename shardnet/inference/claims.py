@@ -14,7 +14,9 @@ from shardnet.transport.node import Node
 
 log = logging.getLogger(__name__)
 
-CLAIM_TTL = 120.0
+#: how long a claim is valid: its publisher puts it in the DHT again every third of this (with the
+#: same version), and gossips only news (docs/protocols.md)
+CLAIM_TTL = 600.0
 MAX_CLAIMS_PER_REPLY = 16
 
 
@@ -31,8 +33,16 @@ def provider_name(model_id: str) -> str:
 RTT_SAMPLES = 3
 
 
-async def live_claims(node: Node, claims: list[bc.Claim], *, timeout: float = 3.0) -> list[bc.Claim]:
-    """The claims whose peers answer a ping now (a claim outlives its peer until it expires)."""
+async def live_claims(node: Node, claims: list[bc.Claim], *, timeout: float = 3.0,
+                      connected_are_live: bool = False) -> list[bc.Claim]:
+    """The claims whose peers answer a ping now (a claim outlives its peer until it expires).
+    ``connected_are_live``: a peer we hold a connection to counts as live without a ping (its
+    keepalive closes the connection within ``keepalive_interval + keepalive_timeout`` of the
+    peer going silent, and a process that exits closes it at once)."""
+    if connected_are_live:
+        connected = [c for c in claims if node.link(c.peer) is not None]
+        others = [c for c in claims if node.link(c.peer) is None]
+        return connected + await live_claims(node, others, timeout=timeout)
     pings = await node.ping_many([c.peer for c in claims], timeout=timeout)
     for peer, p in pings.items():
         if p.rtt is None:
@@ -63,26 +73,29 @@ async def fetch_claims(node: Node, peer: str, *, timeout: float = 10.0) -> list[
 
 
 async def find_claims(node: Node, model_id: str, *, timeout: float = 15.0) -> list[bc.Claim]:
-    """Every live claim for ``model_id`` that the DHT knows of, verified."""
+    """Every claim for ``model_id`` whose peer the DHT knows as a provider (at most 64), verified:
+    asked of each peer directly, from the DHT when it does not answer."""
     claims: dict[str, bc.Claim] = {}
     with trio.move_on_after(timeout):
         providers = await node.dht.find_providers(provider_name(model_id), count=64)
 
         async def one(info) -> None:
+            # the peer itself first (one stream, its freshest claim); the DHT record (a walk of
+            # the DHT) only when the peer does not answer
             pid = str(info.peer_id)
             if info.addrs:
                 node.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 600)
             try:
-                blob = await node.dht.get(pid, claim_record_name(model_id))
-                got = [bc.decode(blob)] if blob else []
-            except (ShardnetError, bc.ClaimError) as e:
-                log.debug("DHT claim of %s: %s", pid[:16], e)
+                got = await fetch_claims(node, pid, timeout=timeout / 2)
+            except (ShardnetError, trio.TooSlowError) as e:
+                log.debug("direct claim request to %s: %s", pid[:16], e)
                 got = []
             if not got:
                 try:
-                    got = await fetch_claims(node, pid, timeout=timeout / 2)
-                except (ShardnetError, trio.TooSlowError) as e:
-                    log.debug("direct claim request to %s: %s", pid[:16], e)
+                    blob = await node.dht.get(pid, claim_record_name(model_id))
+                    got = [bc.decode(blob)] if blob else []
+                except (ShardnetError, bc.ClaimError) as e:
+                    log.debug("DHT claim of %s: %s", pid[:16], e)
             for c in got:
                 if c.model == model_id and c.peer == pid:
                     claims[c.peer] = c

@@ -19,8 +19,10 @@ importing this module (the Claim type, the ClaimTable) loads no network stack.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +64,10 @@ class Claim:
     #: through no such claim; placement counts it where the peer will be, so that peers joining
     #: or moving while it loads do not all take the same layers.
     loading: tuple[int, int] | None = None
+    #: the claim's version: the publisher raises it whenever what the claim says changes beyond
+    #: ``news``'s thresholds (a new span, addresses, a step of load...); a refresh of the same
+    #: news keeps it and extends ``expires``. 0: not said (claims from before the key existed).
+    seq: int = 0
 
     def covers(self, layer: int) -> bool:
         return self.start <= layer < self.end
@@ -86,6 +92,8 @@ def _body(c: Claim) -> dict:
     d = asdict(c)
     d["addrs"] = list(c.addrs)
     d["rtts"] = [list(pair) for pair in c.rtts[:MAX_RTTS]]
+    if not c.seq:
+        del d["seq"]  # absent, as in claims from before the key existed
     if c.loading is None:
         del d["loading"]  # absent, as in claims from before the key existed
     else:
@@ -126,11 +134,41 @@ def encode(key_pair: KeyPair, claim: Claim) -> bytes:
 
 
 def decode(blob: bytes, *, now: float | None = None) -> Claim:
-    """Verify and return the claim; ClaimError naming the first problem otherwise."""
+    """Verify and return the claim; ClaimError naming the first problem otherwise. A claim's
+    signature is checked once: the same bytes again (the gossip validator, then the subscriber;
+    the same claim from the DHT and a direct request) come from a cache of verified claims, and
+    only their expiry is checked again."""
+    key = hashlib.blake2b(blob, digest_size=16).digest()
+    claim = _verified.get(key)
+    if claim is None:
+        claim = _verify(blob)
+        _verified[key] = claim
+        if len(_verified) > VERIFIED_CACHE:
+            _verified.popitem(last=False)
+    else:
+        _verified.move_to_end(key)
+    if claim.expires < (time.time() if now is None else now):
+        raise ClaimError("claim has expired")
+    return claim
+
+
+#: how many verified claims ``decode`` remembers (by a hash of their bytes), oldest out first
+VERIFIED_CACHE = 4096
+_verified: OrderedDict[bytes, Claim] = OrderedDict()
+
+
+class Verifications:
+    """How many claim signatures this process has checked (for tests and the profile)."""
+
+    count = 0
+
+
+def _verify(blob: bytes) -> Claim:
     from libp2p.peer.id import ID
 
     from shardnet.transport import envelope
 
+    Verifications.count += 1
     body, pk = envelope.open_envelope(blob, domain=SIGNING_DOMAIN, version=CLAIM_VERSION,
                                       max_bytes=MAX_CLAIM_BYTES, error=ClaimError, what="claim")
     try:
@@ -139,7 +177,7 @@ def decode(blob: bytes, *, now: float | None = None) -> Claim:
                   peer=body["peer"], reach=body.get("reach", "unknown"), load=float(body.get("load", 0.0)),
                   rtts=_rtts(body.get("rtts", [])), dtype=body.get("dtype", "unknown"),
                   quant=body.get("quant", "none"), since=float(body.get("since", 0.0)),
-                  loading=_span(body.get("loading")))
+                  loading=_span(body.get("loading")), seq=body.get("seq", 0))
     except (KeyError, TypeError, ValueError) as e:
         raise ClaimError(f"claim body incomplete ({e})") from None
     if not (isinstance(c.model, str) and isinstance(c.peer, str) and all(isinstance(a, str) for a in c.addrs)
@@ -147,12 +185,11 @@ def decode(blob: bytes, *, now: float | None = None) -> Claim:
             and isinstance(c.kv_tokens, int) and c.kv_tokens >= 0 and c.reach in REACH_VALUES
             and c.dtype in DTYPE_VALUES and c.quant in QUANT_VALUES
             and math.isfinite(c.tput) and c.tput >= 0 and 0.0 <= c.load <= 1.0
-            and math.isfinite(c.since) and c.since >= 0):
+            and math.isfinite(c.since) and c.since >= 0
+            and isinstance(c.seq, int) and not isinstance(c.seq, bool) and 0 <= c.seq < 1 << 63):
         raise ClaimError("claim body has the wrong types or an empty layer range")
     if str(ID.from_pubkey(pk)) != c.peer:
         raise ClaimError("claim is signed by a key other than its peer's")
-    if c.expires < (time.time() if now is None else now):
-        raise ClaimError("claim has expired")
     return c
 
 
@@ -160,9 +197,11 @@ class ClaimTable:
     """The claims one node keeps for one model: at most one per peer, the latest-expiring one
     heard, never one taken expired (sans-IO: the caller passes ``now``, Unix time).
 
-    Claims are kept by their expiry alone: a claim with a later expiry replaces its peer's
-    older one (a peer re-claims before its claim runs out), and an equal or earlier one is an
-    old copy still travelling (gossip, a DHT replica), so it changes nothing."""
+    Claims are ordered by ``(seq, expires)``: a claim of a higher version replaces its peer's
+    older one, and so does the same version with a later expiry (a refresh: the peer re-claims
+    before its claim runs out); anything else is an old copy still travelling (gossip, a DHT
+    replica), so it changes nothing. Claims without a version (``seq`` 0) are ordered by expiry
+    alone."""
 
     def __init__(self, model_id: str) -> None:
         self.model_id = model_id
@@ -183,10 +222,54 @@ class ClaimTable:
         if claim.model != self.model_id or claim.expires <= now:
             return False
         old = self._by_peer.get(claim.peer)
-        if old is not None and claim.expires <= old.expires:
+        if old is not None and (claim.seq, claim.expires) <= (old.seq, old.expires):
             return False
         self._by_peer[claim.peer] = claim
         return True
 
     def __len__(self) -> int:
         return len(self._by_peer)
+
+
+# -- when a claim is news --------------------------------------------------------------------------
+#: a claim's load is news when it moves to another of this many steps
+LOAD_STEPS = 8
+#: tokens/s, free KV tokens and successors' round trips are news when they change by this share
+CHANGE_SHARE = 0.25
+
+
+def news(old: Claim | None, new: Claim) -> str | None:
+    """What makes ``new`` news against the claim last published (``old``), or None when it only
+    refreshes it: the first claim, another span (served or loading), addresses, reachability,
+    dtype or quantization, a start time, another successor set; load into another of
+    ``LOAD_STEPS`` steps; tokens/s, free KV tokens or a successor's round trip changed by
+    ``CHANGE_SHARE`` or more. A publisher raises ``seq`` for news only (sans-IO: both the
+    publisher and the swarm simulation call this)."""
+    if old is None:
+        return "first claim"
+    for what in ("model", "start", "end", "loading", "reach", "dtype", "quant", "since"):
+        if getattr(old, what) != getattr(new, what):
+            return what
+    if set(old.addrs) != set(new.addrs):
+        return "addrs"
+    if int(old.load * LOAD_STEPS) != int(new.load * LOAD_STEPS):
+        return "load"
+    if _moved(old.tput, new.tput):
+        return "tput"
+    if _moved(old.kv_tokens, new.kv_tokens):
+        return "kv_tokens"
+    old_rtts, new_rtts = dict(old.rtts), dict(new.rtts)
+    if old_rtts.keys() != new_rtts.keys():
+        return "successors"
+    if any(_moved(old_rtts[p], t, RTT_FLOOR_S) for p, t in new_rtts.items()):
+        return "rtts"
+    return None
+
+
+#: round trips that change by less than this (seconds) are not news, whatever the share
+RTT_FLOOR_S = 0.005
+
+
+def _moved(old: float, new: float, floor: float = 0.0) -> bool:
+    change = abs(new - old)
+    return change > floor and change >= CHANGE_SHARE * abs(old) if old else change > floor

@@ -29,7 +29,7 @@ import trio
 from shardnet.errors import HeldError, ShardnetError
 from shardnet.inference.client.activity import ClientActivity
 from shardnet.inference.client.audit import DEFAULT_AUDIT_RATE, RunAuditor
-from shardnet.inference.client.claims_view import ClaimsView
+from shardnet.inference.claims_view import ClaimsView
 from shardnet.inference.client.decode import GenerationStats, Token, generate_on
 from shardnet.inference.client.healing import Heal, HealingSession
 from shardnet.inference.client.reputation import Reputation

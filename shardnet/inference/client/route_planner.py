@@ -31,7 +31,7 @@ from shardnet.inference.client.routing import (
 from shardnet.protocols.block_claim import Claim
 
 if TYPE_CHECKING:
-    from shardnet.inference.client.claims_view import ClaimsView
+    from shardnet.inference.claims_view import ClaimsView
     from shardnet.inference.client.own_load import OwnLoad
     from shardnet.inference.probes import Probes
     from shardnet.transport.node import Node

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 import trio
 
-from shardnet.inference.claims import RTT_SAMPLES, find_claims, live_claims
+from shardnet.inference.claims import CLAIM_TTL, RTT_SAMPLES, find_claims, live_claims
+from shardnet.inference.claims_view import ClaimsView
 from shardnet.inference.model.block import (
     Block,
     Head,
@@ -75,6 +76,9 @@ RECHECK_DELAY = (0.5, 2.5)
 
 #: after this many seconds the throughput measurement takes the rounds it has
 MEASURE_S = 3.0
+#: seconds between a compute peer's lookups of the claims (gossip brings news in between; a
+#: lookup brings refreshed claims, which are not gossiped): a third of the claims' TTL
+UPKEEP_LOOKUP_S = CLAIM_TTL / 3
 
 
 def measure_throughput(block: Block, tokens: int = 8, rounds: int = 3) -> float:
@@ -154,6 +158,9 @@ class ComputePeer:
         self.loading: tuple[int, int] | None = None
         #: what this node's parts share (its clients too, if it runs any): the metrics report our block
         self.services = inference_services(node)
+        #: the claims for our model as this node knows them (gossiped news; looked up rarely): what
+        #: upkeep and placement decide on
+        self.view = ClaimsView.of(node, self.model_id, self.services.probes, refresh_s=UPKEEP_LOOKUP_S)
         #: serves the loaded block to the sessions the node's activation router hands over (until
         #: the first load it answers that this peer serves no block)
         self.endpoint = BlockEndpoint(node)
@@ -244,11 +251,22 @@ class ComputePeer:
                  len(claims), *best, start, end)
         return best
 
-    async def live_claims(self, wait: float = 5.0) -> list[Claim]:
-        """Other peers' claims for this model whose peers answer a ping now."""
+    async def live_claims(self, wait: float = 5.0, *, look_up: bool = True) -> list[Claim]:
+        """Other peers' claims for this model whose peers are live: connected to us, or answering a
+        ping. ``look_up``: look the claims up now (DHT providers, then each peer); otherwise the
+        claims view's (gossiped news, looked up every ``UPKEEP_LOOKUP_S``)."""
         me = str(self.node.peer_id)
-        claims = [c for c in await find_claims(self.node, self.model_id, timeout=wait) if c.peer != me]
-        return await live_claims(self.node, claims)
+        if look_up:
+            claims = await find_claims(self.node, self.model_id, timeout=wait)
+            for c in claims:
+                self.view.note(c)
+        else:
+            self.view.start()
+            if not self.view.lookups:
+                with trio.move_on_after(wait):
+                    await self.view.first_lookup.wait()
+            claims = self.view.current()
+        return await live_claims(self.node, [c for c in claims if c.peer != me], connected_are_live=True)
 
     async def measure_successors(self, claims: list[Claim]) -> None:
         """Round trips to the peers serving the layers right after ours (for clients' routing)."""
@@ -274,7 +292,7 @@ class ComputePeer:
             step = upkeep_step(interval, gap=rebalance and gap, settling=rebalance and trio.current_time() < settle_until)
             await trio.sleep(step * rng.uniform(*UPKEEP_JITTER))
             try:
-                claims = await self.live_claims()
+                claims = await self.live_claims(look_up=False)
                 # a gap that we could fill (others serve every layer of ours): look again soon
                 gap = fillable_gap(claims, *self.span, self.ckpt.num_layers)
                 await self.measure_successors(claims)
@@ -290,7 +308,7 @@ class ComputePeer:
                                       | {str(self.node.peer_id)})
                         rank = same.index(str(self.node.peer_id))
                         await trio.sleep(move_turn_delay(rank, step, rng))
-                        move = plan(await self.live_claims())
+                        move = plan(await self.live_claims(look_up=False))
                     if move is not None:
                         old = self.span
                         log.warning("moving from layers %d:%d to %d:%d (swarm bottleneck %.1f -> %.1f tok/s)",
@@ -316,7 +334,7 @@ class ComputePeer:
 @asynccontextmanager
 async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, int] | None = None,
                      max_layers: int | None = None, rebalance_interval: float = DEFAULT_REBALANCE_INTERVAL,
-                     claim_ttl: float = 120.0, on_move=None, **peer_kw) -> AsyncIterator[ComputePeer]:
+                     claim_ttl: float = CLAIM_TTL, on_move=None, **peer_kw) -> AsyncIterator[ComputePeer]:
     """Serve ``layers`` (or a span chosen for the swarm's sake, revised over time) until exit."""
     peer = ComputePeer(node, model_path, **peer_kw)
     chosen = layers is None  # a span we picked we may also leave; one we were given, never
@@ -364,7 +382,7 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
 async def serve_block(node: Node, model_path: str, start: int, end: int, *, dtype: str = "auto",
                       device: str | None = None, kv_budget_bytes: int = DEFAULT_KV_BUDGET,
                       idle_timeout: float | None = None, hold_head: bool = False,
-                      claim_ttl: float = 120.0, quantize: str | None = None,
+                      claim_ttl: float = CLAIM_TTL, quantize: str | None = None,
                       batch_tokens: int | None = DEFAULT_MAX_TOKENS,
                       region: str | None = None) -> AsyncIterator[ServedBlock]:
     """Serve exactly layers start..end (no rebalancing)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import trio
@@ -16,8 +17,10 @@ from shardnet.transport.node import Node
 log = logging.getLogger(__name__)
 
 
-#: seconds between background lookups of a view (gossip brings changes in between)
-REFRESH_S = 10.0
+#: seconds between background lookups of a view: gossip brings news in between (a claim's new
+#: version), a lookup brings refreshed claims (a later expiry of the same version, which is not
+#: gossiped) and any news a gossip mesh missed
+REFRESH_S = 60.0
 #: the least time between two lookups, however many requests ask for one
 LOOKUP_GAP_S = 2.0
 LOOKUP_TIMEOUT = 15.0
@@ -32,15 +35,19 @@ class ClaimsView:
     had concurrent requests refused and their empty answers read as "nothing is served". The view
     looks up every ``REFRESH_S`` and when a request finds no route (``kick``; one lookup at a time
     and at most one per ``LOOKUP_GAP_S``, whoever asks), and takes every claim published on the
-    model's gossip topic as it arrives. A lookup only adds: a peer's claim is replaced by a newer
-    one (later expiry) and dropped when it expires, so a refused or failed lookup keeps the last
-    known view. Whether a claim's peer is alive is the prober's business (probes.py); a newer
-    claim from a peer clears its probe verdict (a peer that restarted and claimed again is
-    probed afresh, not taken for dead) and gives the node its addresses (it may listen on
-    another port now): ``probes`` are the node's."""
+    model's gossip topic as it arrives (news only: docs/protocols.md). A lookup only adds: a
+    peer's claim is replaced by a newer one (a higher version, or the same one expiring later)
+    and dropped when it expires, so a refused or failed lookup keeps the last known view.
+    Whether a claim's peer is alive is the prober's business (probes.py); a new version of a
+    peer's claim clears its probe verdict (a peer that restarted and claimed again is probed
+    afresh, not taken for dead) and gives the node its addresses (it may listen on another port
+    now): ``probes`` are the node's. Used by clients (routing) and compute peers (placement)."""
 
-    def __init__(self, node: Node, model_id: str, probes: Probes, owner: ClaimsViews | None = None) -> None:
+    def __init__(self, node: Node, model_id: str, probes: Probes, owner: ClaimsViews | None = None,
+                 refresh_s: float = REFRESH_S) -> None:
         self.node, self.model_id = node, model_id
+        #: seconds between background lookups (the least any user of the view asked for)
+        self.refresh_s = refresh_s
         self.probes = probes
         self._owner = owner  # whose nursery the background work runs in
         self._table = bc.ClaimTable(model_id)  # which claims are kept: the protocol's rules
@@ -54,9 +61,12 @@ class ClaimsView:
         self._running = False
 
     @classmethod
-    def of(cls, node: Node, model_id: str, probes: Probes) -> ClaimsView:
-        """The node's view of ``model_id`` (its ``ClaimsViews`` behaviour, made on first use)."""
-        return node.ensure_behaviour(ClaimsViews, lambda: ClaimsViews(node, probes)).view(model_id)
+    def of(cls, node: Node, model_id: str, probes: Probes, *, refresh_s: float = REFRESH_S) -> ClaimsView:
+        """The node's view of ``model_id`` (its ``ClaimsViews`` behaviour, made on first use),
+        looking the claims up at least every ``refresh_s``."""
+        view = node.ensure_behaviour(ClaimsViews, lambda: ClaimsViews(node, probes)).view(model_id)
+        view.refresh_s = min(view.refresh_s, refresh_s)
+        return view
 
     def start(self) -> None:
         """Start the background work, in the node's ``ClaimsViews`` behaviour (no-op if running
@@ -78,11 +88,13 @@ class ClaimsView:
 
     def note(self, claim: bc.Claim) -> bool:
         """Take a verified claim; True when it is new or newer than what we had for its peer."""
-        known = self._table.get(claim.peer) is not None
+        old = self._table.get(claim.peer)
         if not self._table.note(claim, time.time()):
             return False
+        if old is not None and claim.seq and claim.seq == old.seq:
+            return True  # a refresh: the same news, expiring later
         self.node.learn_addrs(claim.peer, claim.addrs, max(1.0, claim.expires - time.time()))
-        if known:
+        if old is not None:
             self.probes.forget(claim.peer)
         self._changed.set()
         self._changed = trio.Event()
@@ -121,7 +133,7 @@ class ClaimsView:
                 nursery.start_soon(self._gossip)
                 while True:
                     await self.lookup()
-                    with trio.move_on_after(REFRESH_S):
+                    with trio.move_on_after(self.refresh_s):
                         await self._kick.wait()
                     self._kick = trio.Event()
                     await trio.sleep(max(0.0, self._last_lookup + LOOKUP_GAP_S - trio.current_time()))
@@ -164,5 +176,5 @@ class ClaimsViews(Behaviour):
     def view(self, model_id: str) -> ClaimsView:
         v = self.views.get(model_id)
         if v is None:
-            v = self.views[model_id] = ClaimsView(self.node, model_id, self.probes, self)
+            v = self.views[model_id] = ClaimsView(self.node, model_id, self.probes, self, refresh_s=math.inf)
         return v
