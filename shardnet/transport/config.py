@@ -34,8 +34,10 @@ class NodeConfig:
     stream_open_timeout: float = 10.0
     #: Seconds for one DHT query (get, find_providers, find_peer).
     dht_timeout: float = 15.0
-    #: How often the node looks for new peers through the DHT.
+    #: How often the node looks for new peers through the DHT: every ``discovery_interval`` s
+    #: while it finds new ones (or wants connections), backing off to ``discovery_max_interval``.
     discovery_interval: float = 5.0
+    discovery_max_interval: float = 300.0
     #: Bootstrap reconnect backoff: first delay, cap.
     reconnect_initial: float = 0.5
     reconnect_max: float = 30.0

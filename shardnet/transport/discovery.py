@@ -34,10 +34,15 @@ class DiscoveryStatus:
 
 
 class Discovery(Behaviour):
-    """Walk the DHT for peers near ourselves and near random keys every ``discovery_interval``
-    (at once when ``kick``-ed), remember them (``discovered``, oldest first) and dial them up to
-    ``low_watermark`` connections; between walks, note within a second the peers that reached us.
-    Ready at once."""
+    """Walk the DHT for peers near ourselves and near random keys, remember them (``discovered``,
+    oldest first) and dial them up to ``low_watermark`` connections; between walks, note within a
+    second the peers that reached us. Ready at once.
+
+    Walks follow Kademlia's refresh rather than a fixed beat: every ``discovery_interval`` while
+    walks find peers we did not know (or connect us to ones we knew: the top-up), then
+    twice as long after each walk that found nothing new, up to ``discovery_max_interval`` (a
+    walk queries up to 20 peers, so a fixed 5 s beat cost every node a share of a core that grew
+    with the swarm: docs/performance.md); at once, and back to the short beat, when ``kick``-ed."""
 
     def __init__(self, config: NodeConfig, on_discovered: Callable[[ID], None] | None = None) -> None:
         self.config = config
@@ -50,6 +55,8 @@ class Discovery(Behaviour):
         self.last_walk_at: float | None = None
         self.last_walk_found = 0
         self.top_up_dials = 0
+        #: seconds until the next walk (``discovery_interval``, doubling while walks find nothing new)
+        self.interval = config.discovery_interval
 
     def snapshot(self) -> DiscoveryStatus:
         return DiscoveryStatus(len(self.discovered), self.walks, self.last_walk_at, self.last_walk_found,
@@ -74,8 +81,10 @@ class Discovery(Behaviour):
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         node = self.node
+        self.interval = self.config.discovery_interval
         while True:
             found: list[ID] = []
+            known, dials = len(self.discovered), self.top_up_dials
             with trio.move_on_after(self.config.dht_timeout):
                 try:
                     found = await node.dht.closest_peers(node.peer_id.to_bytes())
@@ -90,10 +99,14 @@ class Discovery(Behaviour):
                 await self._top_up_connections()
             except Exception as e:  # a discovery hiccup must never take the node down
                 log.warning("connection top-up failed: %s: %s", type(e).__name__, e)
+            # new peers, new connections to old ones, or a kick: keep looking at the short beat
+            news = len(self.discovered) > known or self.top_up_dials > dials or self._kicked.is_set()
+            self.interval = (self.config.discovery_interval if news
+                             else min(2 * self.interval, self.config.discovery_max_interval))
             self._kicked = trio.Event()
             # Between network walks, pick up peers that reached us (inbound connections, DHT
             # queries) within a second rather than at the next walk.
-            with trio.move_on_after(self.config.discovery_interval):
+            with trio.move_on_after(self.interval):
                 while not self._kicked.is_set():
                     connected, in_table = set(node.host.get_connected_peers()), set(node.dht.routing_table_peers())
                     for pid in connected | in_table:

@@ -200,3 +200,23 @@ async def test_the_behaviour_registry_holds_only_what_runs(loopback_config):
         with pytest.raises(TypeError, match="no run"):
             node.ensure_behaviour(Tally)
         assert node.behaviour(Tally) is None and node.behaviours == []
+
+
+async def test_discovery_walks_less_often_while_it_finds_nothing_new(loopback_config):
+    """Kademlia's refresh, not a fixed beat: the interval doubles after each walk that finds no
+    new peer, up to the ceiling, and a kick walks at once and goes back to the short beat."""
+    async with open_node(loopback_config()) as boot, \
+            open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])], discovery_interval=0.1,
+                                      discovery_max_interval=0.8)) as node:
+        with trio.fail_after(20):
+            while node.discovery.interval < 0.8:
+                await trio.sleep(0.05)
+        walks = node.discovery.snapshot().walks
+        await trio.sleep(1.7)
+        assert node.discovery.snapshot().walks - walks <= 3  # ~every 0.8 s now, not every 0.1 s
+        async with open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as newcomer:
+            node.discovery.kick()
+            with trio.fail_after(10):
+                while newcomer.peer_id not in node.discovery.discovered:
+                    await trio.sleep(0.05)
+            assert node.discovery.interval < 0.8

@@ -131,3 +131,56 @@ def test_routes_never_go_through_a_peer_that_is_only_loading():
     with pytest.raises(NoRouteError, match="layers 0-3"):
         plan_route([joining], 4)
     assert plan_route([joining, claim(start=0, end=4, peer="s")], 4)[0].peer == "s"
+
+
+def test_a_claims_version_travels_and_old_claims_have_none():
+    c = claim(seq=1_700_000_000_123)
+    assert bc.decode(bc.encode(KP, c)).seq == 1_700_000_000_123
+    assert "seq" not in cbor2.loads(bc.encode(KP, claim()))["body"]  # unversioned: as before the key
+    for bad in (-1, True, 1 << 63):
+        with pytest.raises(bc.ClaimError):
+            bc.decode(bc.encode(KP, claim(seq=bad)))
+
+
+def test_a_claims_signature_is_checked_once_and_its_expiry_every_time():
+    blob = bc.encode(KP, claim(expires=5000.0, tput=99.0))
+    before = bc.Verifications.count
+    for _ in range(5):
+        assert bc.decode(blob, now=1000.0).tput == 99.0
+    assert bc.Verifications.count - before == 1
+    with pytest.raises(bc.ClaimError, match="expired"):
+        bc.decode(blob, now=6000.0)  # the cached verdict is about the signature, not the time
+    m = cbor2.loads(blob)
+    m["body"]["tput"] = 100.0
+    with pytest.raises(bc.ClaimError, match="signature"):
+        bc.decode(cbor2.dumps(m), now=1000.0)  # other bytes: checked
+
+
+def test_what_is_news():
+    old = claim(load=0.30, rtts=(("a", 0.020), ("b", 0.050)), seq=7)
+    assert bc.news(None, old) == "first claim"
+    assert bc.news(old, dataclasses.replace(old, expires=old.expires + 600, seq=8)) is None  # a refresh
+    quiet = dataclasses.replace(old, load=0.36, tput=14.0, kv_tokens=900, rtts=(("b", 0.053), ("a", 0.022)))
+    assert bc.news(old, quiet) is None  # the same step of load, < 25 % elsewhere, rtts' order
+    assert bc.news(old, dataclasses.replace(old, start=1, end=5)) == "start"
+    assert bc.news(old, dataclasses.replace(old, loading=(4, 8))) == "loading"
+    assert bc.news(old, dataclasses.replace(old, addrs=("/ip4/10.0.0.1/tcp/1",))) == "addrs"
+    assert bc.news(old, dataclasses.replace(old, addrs=old.addrs * 2)) is None  # the same set
+    assert bc.news(old, dataclasses.replace(old, load=0.38)) == "load"  # into the next eighth
+    assert bc.news(old, dataclasses.replace(old, tput=9.0)) == "tput"
+    assert bc.news(old, dataclasses.replace(old, kv_tokens=700)) == "kv_tokens"
+    assert bc.news(old, dataclasses.replace(old, rtts=(("a", 0.020),))) == "successors"
+    assert bc.news(old, dataclasses.replace(old, rtts=(("a", 0.020), ("b", 0.080)))) == "rtts"
+    # a round trip's jitter under RTT_FLOOR_S is not news, whatever its share
+    assert bc.news(old, dataclasses.replace(old, rtts=(("a", 0.024), ("b", 0.050)))) is None
+
+
+def test_a_table_takes_higher_versions_and_refreshes_of_the_same_one():
+    table = bc.ClaimTable(MODEL)
+    v2 = claim(seq=2, expires=2000.0)
+    assert table.note(v2, now=1000.0)
+    assert not table.note(claim(seq=1, expires=3000.0), now=1000.0)  # an older version, however fresh
+    assert table.note(claim(seq=2, expires=2600.0), now=1000.0)  # a refresh
+    assert not table.note(claim(seq=2, expires=2600.0), now=1000.0)  # the same copy again
+    assert table.note(claim(seq=3, expires=1500.0), now=1000.0)  # news, even expiring sooner
+    assert table.get(ME).seq == 3

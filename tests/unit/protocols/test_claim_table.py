@@ -1,9 +1,9 @@
 """The block-claim table (``block_claim.ClaimTable``) driven under hypothesis: signed claims from a
 few peers, with random expiries, noted while the clock moves on.
 
-Against a simple model (per peer, the latest-expiring claim ever noted for this model while
-unexpired): at most one claim per peer, never an expired one in ``current()``, the kept claim is
-that latest-expiring one, and ``note()`` says True exactly when it changed the table."""
+Against a simple model (per peer, the newest claim noted for this model while unexpired, newest by
+version then expiry): at most one claim per peer, never an expired one in ``current()``, the kept
+claim is that newest one, and ``note()`` says True exactly when it changed the table."""
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -18,10 +18,10 @@ KEYS = [identity.generate() for _ in range(3)]
 PEERS = [str(identity.peer_id_of(k)) for k in KEYS]
 
 
-def signed_claim(i: int, expires: float, model: str = MODEL) -> bc.Claim:
+def signed_claim(i: int, expires: float, model: str = MODEL, seq: int = 0) -> bc.Claim:
     """A claim from peer ``i`` as a node gets it: encoded, signed and verified by the real codec."""
     c = bc.Claim(model=model, start=0, end=4, kv_tokens=1000, tput=12.5, addrs=("/ip4/127.0.0.1/tcp/1",),
-                 expires=expires, peer=PEERS[i])
+                 expires=expires, peer=PEERS[i], seq=seq)
     return bc.decode(bc.encode(KEYS[i], c), now=0.0)  # the table, not the codec, is under test for expiry
 
 
@@ -33,11 +33,13 @@ class Table(RuleBasedStateMachine):
         self.best: dict[str, bc.Claim] = {}  # the model: latest-expiring claim taken per peer
 
     # expiries on a coarse grid around the clock, so ties, already-expired and exactly-now all occur
-    @rule(i=st.integers(0, len(KEYS) - 1), ahead=st.integers(-3, 12))
-    def note(self, i, ahead):
-        claim = signed_claim(i, self.now + ahead)
+    @rule(i=st.integers(0, len(KEYS) - 1), ahead=st.integers(-3, 12), seq=st.integers(0, 3))
+    def note(self, i, ahead, seq):
+        claim = signed_claim(i, self.now + ahead, seq=seq)
         old = self.best.get(claim.peer)
-        should_take = claim.expires > self.now and (old is None or claim.expires > old.expires)
+        if old is not None and old.expires <= self.now:
+            old = None  # dropped by current() (the invariants call it after every step)
+        should_take = claim.expires > self.now and (old is None or (claim.seq, claim.expires) > (old.seq, old.expires))
         assert self.table.note(claim, self.now) == should_take
         if should_take:
             self.best[claim.peer] = claim
