@@ -41,9 +41,12 @@ class NodeConfig:
     #: Bootstrap reconnect backoff: first delay, cap.
     reconnect_initial: float = 0.5
     reconnect_max: float = 30.0
-    #: Connection manager targets: stop auto-dialling above low, prune above high.
+    #: Connection manager (connmgr.py): discovery dials up to ``low_watermark``; above
+    #: ``high_watermark`` idle, unprotected connections older than ``connection_grace_s`` are
+    #: closed down to ``low_watermark``.
     low_watermark: int = 32
     high_watermark: int = 128
+    connection_grace_s: float = 30.0
     max_connections: int = 512
     #: gossipsub: heartbeat seconds and per-peer, per-topic message rate ceiling.
     pubsub_heartbeat: float = 1.0

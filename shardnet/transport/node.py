@@ -2,7 +2,7 @@
 
 ``open_node`` is the one entry point; everything it starts lives in its nursery and stops when the
 ``async with`` block ends. Every background duty is a behaviour (behaviour.py) with a ``snapshot()``
-of its state: the core ones every node runs (bootstrap supervision, discovery, keepalive) and the
+of its state: the core ones every node runs (bootstrap supervision, discovery, keepalive, the connection manager) and the
 pluggable ones it is given (the NAT services by default, an app's own).
 """
 
@@ -30,6 +30,7 @@ from . import allocator, compat, identity, identity_check
 from .behaviour import Behaviour, NodeBehaviour
 from .bootstrap import BootstrapSupervisor
 from .config import NodeConfig, parse_multiaddr, parse_peer_addr, peer_info
+from .connmgr import ConnectionManager
 from .dht import DHT
 from .discovery import Discovery
 from .errors import DialError, HeldError, OverlayTimeout, ProtocolNotSupported, ShardnetError, StreamLimitError
@@ -114,6 +115,7 @@ class Node:
         self.bootstrap = BootstrapSupervisor(list(bootstrap), config)
         self.discovery = Discovery(config, lambda peer: self.emit(PeerEvent("discovered", peer)))
         self.keepalive = Keepalive(config)
+        self.connections = ConnectionManager(config)
         for core in self.core_behaviours:
             core.attach(self)
         #: set (and replaced) whenever a connection opens or closes or a bootstrap dial fails
@@ -134,8 +136,8 @@ class Node:
     # -- behaviours --------------------------------------------------------------------------
     @property
     def core_behaviours(self) -> list[Behaviour]:
-        """What every node runs: bootstrap supervision, discovery, keepalive."""
-        return [self.bootstrap, self.discovery, self.keepalive]
+        """What every node runs: bootstrap supervision, discovery, keepalive, the connection manager."""
+        return [self.bootstrap, self.discovery, self.keepalive, self.connections]
 
     def behaviour(self, cls: type[B]) -> B | None:
         """The node's (pluggable) behaviour of type ``cls``, or None."""
@@ -570,7 +572,7 @@ async def open_node(config: NodeConfig | None = None,
     """Start a node; yield it; stop everything it started when the block ends.
 
     ``behaviours``: what the node runs besides its core (host, DHT, gossip and the core
-    behaviours: bootstrap supervision, discovery, keepalive), started in order, each ready before
+    behaviours: bootstrap supervision, discovery, keepalive, connection manager), started in order, each ready before
     the next starts and all before the node is yielded; None runs ``default_behaviours(config)``.
     An app that adds its own passes ``[*default_behaviours(config), Mine()]`` (or calls
     ``node.add_behaviour`` later)."""
@@ -660,13 +662,14 @@ async def _node_nursery(node: Node) -> AsyncIterator[trio.Nursery]:
 
 async def _start_behaviours(node: Node, nursery: trio.Nursery, behaviours: list[NodeBehaviour]) -> None:
     """Bootstrap supervision first (its dials start at once), then the pluggable behaviours in
-    order (``node.started`` once all are ready), then discovery and keepalive."""
+    order (``node.started`` once all are ready), then discovery, keepalive and the connection manager."""
     await nursery.start(node.bootstrap.run, node)
     for b in behaviours:
         await node.add_behaviour(b)
     node.started.set()
     await nursery.start(node.discovery.run, node)
     await nursery.start(node.keepalive.run, node)
+    await nursery.start(node.connections.run, node)
     log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
 
 

@@ -177,7 +177,7 @@ async def test_the_core_behaviours_run_on_every_node_and_report_their_status(loo
         async with open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as node:
             await node.wait_bootstrapped()
             status = node.status()
-            assert list(status)[:3] == ["BootstrapSupervisor", "Discovery", "Keepalive"]
+            assert list(status)[:4] == ["BootstrapSupervisor", "Discovery", "Keepalive", "ConnectionManager"]
             assert status["BootstrapSupervisor"]["connected"] == [str(boot.peer_id)]
             assert {"AutoNAT", "HolePuncher", "RelayClient"} <= set(status)
             assert status["AutoNAT"]["reachability"] == node.nat_status()["reachability"]
@@ -185,7 +185,7 @@ async def test_the_core_behaviours_run_on_every_node_and_report_their_status(loo
             with trio.fail_after(10):
                 while node.discovery.snapshot().walks == 0 or boot.peer_id not in node.discovered:
                     await trio.sleep(0.05)
-        assert list(boot.status()) == ["BootstrapSupervisor", "Discovery", "Keepalive"]
+        assert list(boot.status()) == ["BootstrapSupervisor", "Discovery", "Keepalive", "ConnectionManager"]
 
 
 class Tally:
@@ -220,3 +220,30 @@ async def test_discovery_walks_less_often_while_it_finds_nothing_new(loopback_co
                 while newcomer.peer_id not in node.discovery.discovered:
                     await trio.sleep(0.05)
             assert node.discovery.interval < 0.8
+
+
+async def test_the_connection_manager_trims_idle_connections_over_the_high_watermark(loopback_config):
+    """Above the high watermark, idle connections close down to the low one; a bootstrap peer, a
+    protected peer and a connection carrying a stream stay."""
+    from contextlib import AsyncExitStack
+
+    async with AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(open_node(loopback_config(), behaviours=[]))
+        hub = await stack.enter_async_context(open_node(loopback_config(
+            bootstrap=[str(boot.listen_addrs[0])], low_watermark=2, high_watermark=3, connection_grace_s=0.0),
+            behaviours=[]))
+        others = [await stack.enter_async_context(open_node(loopback_config(), behaviours=[])) for _ in range(5)]
+        others[1].set_stream_handler(echo.PROTOCOL_ID, echo.serve)
+        for o in others:
+            await hub.connect(f"{o.listen_addrs[0]}/p2p/{o.peer_id}")
+        await hub.wait_bootstrapped()
+        hub.connections.protect(others[0].peer_id, "successor")
+        busy = await hub.new_stream(others[1].peer_id, echo.PROTOCOL_ID)
+        stay = {boot.peer_id, others[0].peer_id, others[1].peer_id}
+        with trio.fail_after(20):
+            while set(hub.host.get_connected_peers()) != stay:  # (a connection busy a moment waits a round)
+                hub.connections.trim_soon()
+                await trio.sleep(0.1)
+        assert hub.connections.snapshot().trimmed == 3
+        assert await echo.echo_once(busy, b"still here") == b"still here"
+        await busy.close()

@@ -204,6 +204,8 @@ class ComputePeer:
                              region=self.region)
         self.endpoint.serve(served)
         self.served = served
+        for peer in self.successor_rtts:  # (the next upkeep measures the new span's successors)
+            self.node.connections.unprotect(peer, "successor")
         self.successor_rtts = {}
         return served
 
@@ -273,7 +275,13 @@ class ComputePeer:
         _, end = self.span
         pings = await self.node.ping_many([c.peer for c in claims if c.start == end][:32], timeout=3.0,
                                           samples=RTT_SAMPLES)
-        self.successor_rtts = {peer: p.rtt for peer, p in pings.items() if p.rtt is not None}
+        successors = {peer: p.rtt for peer, p in pings.items() if p.rtt is not None}
+        # our chain neighbours keep their connections whatever the connection manager trims
+        for peer in self.successor_rtts.keys() - successors.keys():
+            self.node.connections.unprotect(peer, "successor")
+        for peer in successors:
+            self.node.connections.protect(peer, "successor")
+        self.successor_rtts = successors
 
     async def maintain(self, publisher: ClaimPublisher, *, interval: float, rebalance: bool,
                        on_move: Callable[[Move, tuple[int, int]], None] | None = None,
