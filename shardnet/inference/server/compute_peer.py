@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from shardnet.inference.server.block_endpoint import (
 from shardnet.inference.server.claim_publisher import ClaimPublisher
 from shardnet.inference.server.placement import (
     DEFAULT_REBALANCE_INTERVAL,
+    DEPARTURE_DELAY,
     REBALANCE_MARGIN,
     SETTLE_S,
     UPKEEP_JITTER,
@@ -114,6 +116,19 @@ def free_memory_bytes(device: str) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+@dataclass
+class _Upkeep:
+    """What a serving peer's upkeep carries from one round to the next."""
+
+    publisher: ClaimPublisher
+    rebalance: bool  # whether it may move (a span it chose itself)
+    on_move: Callable[[Move, tuple[int, int]], None] | None
+    rng: random.Random
+    settle_until: float = 0.0  # trio time: look again soon until then (the span is new)
+    gap: bool = False  # a layer nobody serves that we could fill was seen last round
+    step: float = 0.0  # this round's interval
+
+
 class ComputePeer:
     """One peer's block (replaceable), its claim, and the upkeep that keeps both right."""
 
@@ -156,6 +171,8 @@ class ComputePeer:
         self.moves: list[Move] = []
         #: the span being loaded (claimed as such, so that other peers choose around it)
         self.loading: tuple[int, int] | None = None
+        #: set when the connection to a peer we hold a claim of closes: upkeep looks again soon
+        self._departed = trio.Event()
         #: what this node's parts share (its clients too, if it runs any): the metrics report our block
         self.services = inference_services(node)
         #: the claims for our model as this node knows them (gossiped news; looked up rarely): what
@@ -288,55 +305,73 @@ class ComputePeer:
                        rng: random.Random | None = None) -> None:
         """Every ~``interval`` s: refresh successor RTTs and, if allowed, move when it pays."""
         rng = rng or random.Random()
-        settle_until = trio.current_time() + SETTLE_S if rebalance else 0.0
-        gap = False
+        self._upkeep = _Upkeep(publisher, rebalance, on_move, rng,
+                               settle_until=trio.current_time() + SETTLE_S if rebalance else 0.0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_departures)
+            while True:
+                # soon while a layer is unserved or we only just chose our span; else every
+                # interval; and soon after a claimed peer's connection closes (it may be gone)
+                u = self._upkeep
+                u.step = upkeep_step(interval, gap=rebalance and u.gap,
+                                     settling=rebalance and trio.current_time() < u.settle_until)
+                with trio.move_on_after(u.step * rng.uniform(*UPKEEP_JITTER)):
+                    await self._departed.wait()
+                    await trio.sleep(rng.uniform(*DEPARTURE_DELAY))  # the rest of a burst comes in
+                self._departed = trio.Event()
+                try:
+                    await self._upkeep_round(u)
+                except (ShardnetError, trio.TooSlowError) as e:
+                    log.info("swarm upkeep failed this round: %s", e)
 
-        def plan(claims: list[Claim]) -> Move | None:
-            return plan_move(claims, self.claim(time.time() + 60), self.ckpt.num_layers,
-                             margin=REBALANCE_MARGIN, rng=rng)
+    async def _watch_departures(self) -> None:
+        """Wake upkeep when the connection to a peer we hold a claim of closes."""
+        async with self.node.peer_events() as events:
+            async for event in events:
+                if event.kind == "disconnected" and self.view.get(str(event.peer_id)) is not None:
+                    self._departed.set()
 
-        while True:
-            # soon while a layer is unserved or we only just chose our span; else every interval
-            step = upkeep_step(interval, gap=rebalance and gap, settling=rebalance and trio.current_time() < settle_until)
-            await trio.sleep(step * rng.uniform(*UPKEEP_JITTER))
-            try:
-                claims = await self.live_claims(look_up=False)
-                # a gap that we could fill (others serve every layer of ours): look again soon
-                gap = fillable_gap(claims, *self.span, self.ckpt.num_layers)
-                await self.measure_successors(claims)
-                log.debug("upkeep: %d live claims; successors' round trips %s", len(claims),
-                          {p[:16]: round(t, 4) for p, t in self.successor_rtts.items()})
-                if rebalance:
-                    move = plan(claims)
-                    if move is not None:
-                        # Peers on the same span would all make this move at once: they take turns
-                        # by peer ID, each looking again after the ones before it had a round to
-                        # act (a peer that never moves, pinned by --layers, just delays the next).
-                        same = sorted({c.peer for c in claims if (c.start, c.end) == self.span}
-                                      | {str(self.node.peer_id)})
-                        rank = same.index(str(self.node.peer_id))
-                        await trio.sleep(move_turn_delay(rank, step, rng))
-                        move = plan(await self.live_claims(look_up=False))
-                    if move is not None:
-                        old = self.span
-                        log.warning("moving from layers %d:%d to %d:%d (swarm bottleneck %.1f -> %.1f tok/s)",
-                                    *old, move.start, move.end, move.bottleneck_now, move.bottleneck_after)
-                        self.loading = (move.start, move.end)
-                        publisher.refresh()  # others see where we are going while we load
-                        try:
-                            await self.load(move.start, move.end)
-                        finally:
-                            self.loading = None
-                        weights = self.node.behaviour(WeightServer)
-                        if weights is not None:
-                            weights.add(self.ckpt, self.names)  # it may hold more now
-                        self.moves.append(move)
-                        settle_until = trio.current_time() + SETTLE_S
-                        if on_move is not None:
-                            on_move(move, old)
-                publisher.refresh()
-            except (ShardnetError, trio.TooSlowError) as e:
-                log.info("swarm upkeep failed this round: %s", e)
+    def _plan(self, claims: list[Claim], rng: random.Random) -> Move | None:
+        return plan_move(claims, self.claim(time.time() + 60), self.ckpt.num_layers,
+                         margin=REBALANCE_MARGIN, rng=rng)
+
+    async def _upkeep_round(self, u: _Upkeep) -> None:
+        """One look at the swarm: successors' round trips, and a move if it pays."""
+        claims = await self.live_claims(look_up=False)
+        # a gap that we could fill (others serve every layer of ours): look again soon
+        u.gap = fillable_gap(claims, *self.span, self.ckpt.num_layers)
+        await self.measure_successors(claims)
+        log.debug("upkeep: %d live claims; successors' round trips %s", len(claims),
+                  {p[:16]: round(t, 4) for p, t in self.successor_rtts.items()})
+        if u.rebalance:
+            move = self._plan(claims, u.rng)
+            if move is not None:
+                # Peers on the same span would all make this move at once: they take turns
+                # by peer ID, each looking again after the ones before it had a round to
+                # act (a peer that never moves, pinned by --layers, just delays the next).
+                same = sorted({c.peer for c in claims if (c.start, c.end) == self.span}
+                              | {str(self.node.peer_id)})
+                rank = same.index(str(self.node.peer_id))
+                await trio.sleep(move_turn_delay(rank, u.step, u.rng))
+                move = self._plan(await self.live_claims(look_up=False), u.rng)
+            if move is not None:
+                old = self.span
+                log.warning("moving from layers %d:%d to %d:%d (swarm bottleneck %.1f -> %.1f tok/s)",
+                            *old, move.start, move.end, move.bottleneck_now, move.bottleneck_after)
+                self.loading = (move.start, move.end)
+                u.publisher.refresh()  # others see where we are going while we load
+                try:
+                    await self.load(move.start, move.end)
+                finally:
+                    self.loading = None
+                weights = self.node.behaviour(WeightServer)
+                if weights is not None:
+                    weights.add(self.ckpt, self.names)  # it may hold more now
+                self.moves.append(move)
+                u.settle_until = trio.current_time() + SETTLE_S
+                if u.on_move is not None:
+                    u.on_move(move, old)
+        u.publisher.refresh()
 
 
 @asynccontextmanager

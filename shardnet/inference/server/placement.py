@@ -203,6 +203,9 @@ def upkeep_step(interval: float, *, gap: bool, settling: bool) -> float:
 
 
 UPKEEP_JITTER = (0.75, 1.25)
+#: seconds (drawn) a peer waits after the connection to a claimed peer closed before it looks
+#: at the swarm: the other departures of a burst (a rack, a region) come in meanwhile
+DEPARTURE_DELAY = (1.0, 3.0)
 
 
 def fillable_gap(claims: Iterable[Claim], start: int, end: int, num_layers: int) -> bool:
