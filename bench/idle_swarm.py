@@ -1,7 +1,7 @@
 """Idle CPU per peer as the swarm grows (issue 37): N ``shardnet join`` processes, nothing requested.
 
     python -m bench.idle_swarm [--sizes 2,8,24] [--settle 30] [--window 60] [--profile]
-                               [--visible-timeout 180] [--quick]
+                               [--profile-dir DIR] [--visible-timeout 180] [--quick]
 
 For each size N: a bootstrap and N ``shardnet join --threads 1 --throughput 100 --layers a:b``
 processes on loopback serving the shipped tiny-llama (8 layers), the layers split into
@@ -26,7 +26,9 @@ channels and sleeps, logging, cbor2, ...) passes its time to its callers' catego
 proportion to the time each caller spent in it, and what reaches trio's run loop with no
 category is the event loop's own. The profile's call counts give message rates: pubsub RPCs
 read, gossip messages received (duplicates included), new claims validated from the claims
-topic, ed25519 signature checks.
+topic, ed25519 signature checks; cumulative times of a few entry points (``INCLUSIVE``) say
+what drives the connection layer's and the event loop's share. ``--profile-dir`` keeps each
+window's profile (``peer0-of-N.prof``, pstats' format). Figures: docs/performance.md (issue 37).
 """
 
 from __future__ import annotations
@@ -356,7 +358,7 @@ def report(args, sizes: list[Size]) -> None:
                      f"{s.profiled_cpu * 100:.2f}" if s.profiled_cpu is not None else "-"])
     print_table("per peer: CPU over the window as % of one core; ratio: the mean to the first size's",
                 ["peers", "visible", "after s", "looks", "measured", "cpu mean %", "cpu max %", "ratio",
-                 "bootstrap %", "rss mean MB", "rss max MB", "machine cores", "load 1m", "profiled %"], rows)
+                 "bootstrap %", "rss mean MiB", "rss max MiB", "machine cores", "load 1m", "profiled %"], rows)
     print("visible: live peers a fresh node's swarm_report listed (status' call), after s: seconds from the last "
           "peer's ready until it listed all (or the timeout); measured: peers in the CPU figures (the profiled "
           "one left out); machine cores: the whole machine's busy cores over the window (other work included); "
