@@ -7,7 +7,9 @@ from shardnet.testing.factories."""
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 
 def bench_parser(doc: str, *, quick: str, paragraph: bool = False) -> argparse.ArgumentParser:
@@ -47,3 +49,9 @@ def print_table(title: str | None, header: Sequence[str], rows: Iterable[Sequenc
 def ratio(a: float, b: float | None) -> str:
     """``a / b`` as the reports print a ratio: ``1.23x`` (``-`` when there is nothing to divide by)."""
     return f"{a / b:.2f}x" if b else "-"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

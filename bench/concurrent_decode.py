@@ -66,7 +66,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 import trio
 
-from bench._common import bench_parser, print_table, ratio
+from bench._common import bench_parser, cpu_seconds, print_table, ratio
 from bench.wan_emulator import Link, WanProxy
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.head_batcher import head_batcher
@@ -173,12 +173,6 @@ class Row:
     cores: float  # their CPU seconds per second of wall time
     outputs: list[list[int]]
     split: list[float] = field(default_factory=list)  # cores busy: client, then each peer
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

@@ -20,6 +20,8 @@ import trio
 from shardnet.transport.config import NodeConfig, parse_multiaddr, parse_peer_addr
 from shardnet.transport.errors import ShardnetError
 
+from .profiling import profiled_if_asked
+
 # One logger for every command module: its name shows in each stderr line, as before the split.
 log = logging.getLogger("shardnet.cli")
 
@@ -52,7 +54,8 @@ def run(main: Callable[[], Awaitable[Any]]) -> Any:
         return result[0] if result else None
 
     try:
-        return trio.run(_guarded)
+        with profiled_if_asked():  # $SHARDNET_PROFILE (a developer's look at where CPU time goes)
+            return trio.run(_guarded)
     except (ShardnetError, BaseExceptionGroup) as e:
         first = _first_shardnet_error(e)
         if first is None:
