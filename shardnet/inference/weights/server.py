@@ -27,9 +27,12 @@ from shardnet.transport.stream import Stream, StreamClosedError
 
 log = logging.getLogger(__name__)
 
-#: seconds between republishing cards and provider records (DHT provider records live 24 h,
-#: values as long as their holders keep them: a third of a claim's TTL keeps them found)
-REPUBLISH_S = 40.0
+#: seconds between republishing cards and provider records (DHT provider records live 48 h,
+#: values 24 h, as long as their holders stay: Kademlia republishes hourly; every 10 minutes keeps
+#: them found through a home swarm's churn). Each republication walks the DHT once per record
+#: (5-7 walks of up to 20 peers), so every 40 s, as before, was a fifth of an idle peer's CPU at
+#: 8-24 peers (docs/performance.md); ``add`` publishes at once when the models change.
+REPUBLISH_S = 600.0
 READ_TIMEOUT = 60.0
 #: seconds (uniformly at random) before the first cards go out
 FIRST_PUBLISH_DELAY = (0.5, 2.0)
