@@ -16,7 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from shardnet.errors import CheckpointError
-from shardnet.inference.model.stored import StoredWeight
+from shardnet.inference.model.stored import StoredWeight, dequantize_rows
+
+#: about this many weights are dequantized at a time into a reused buffer (4 MiB of float32)
+CHUNK = 1 << 20
 
 SCALE_SUFFIX = "_scale_inv"
 #: names of the tensors that only accompany a quantized weight (formats.py)
@@ -57,6 +60,11 @@ class Fp8Blocks:
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return dequantize(parts["weight"], parts["scale"], self.block).to(dtype)
+
+    def dequantize_into(self, parts: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        rows = self.block[0]
+        step = max(1, CHUNK // (rows * out.shape[-1])) * rows
+        dequantize_rows(self.dequantize, parts, out, {"weight": 1, "scale": rows}, step)
 
     def cat(self, parts_list: list[dict[str, torch.Tensor]], dim: int, shapes) -> dict[str, torch.Tensor] | None:
         """Joined along out (-2) or in (-1) where every piece but the last fills whole blocks."""
