@@ -124,3 +124,17 @@ def test_weights_are_dequantized_into_one_reused_buffer_with_the_same_results():
     out = torch.empty(72, 48, dtype=torch.bfloat16)
     big.fmt.dequantize_into(big.parts, out)
     assert torch.equal(out, big_dense.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_read_through_its_table_is_torchs_conversion_bit_for_bit(dtype):
+    """Every one of the 256 codes (NaNs, zeros of both signs, subnormals, the largest), alone and
+    in a weight of every code in shuffled order, as in rows sliced from a larger weight."""
+    from shardnet.inference.model.fp8 import to_float32
+
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    assert torch.equal(to_float32(codes).view(torch.int32), codes.float().view(torch.int32))
+    order = torch.randperm(256 * 64, generator=torch.Generator().manual_seed(0)) % 256
+    weight = order.to(torch.uint8).view(dtype).view(128, 128)
+    for part in (weight, weight[16:48], weight[:, :64]):
+        assert torch.equal(to_float32(part).view(torch.int32), part.float().view(torch.int32))
