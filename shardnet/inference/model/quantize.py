@@ -220,16 +220,26 @@ def quantize_bank(bank: torch.Tensor, bits: int, *, transposed: bool = False) ->
     group = (int4_group_size(inputs) or inputs) if bits == 4 else inputs
     if bits == 4 and inputs % 2:
         raise QuantizationError(f"int4 expert weights need an even input width, not {inputs}")
+    # one expert at a time: its float32 intermediates, not the whole bank's, are what it costs
+    pieces = [_int_groups(w[e], bits, group) for e in range(w.shape[0])] if w.dim() == 3 \
+        else [_int_groups(w, bits, group)]
+    q, scale, zero = (torch.stack(p) if w.dim() == 3 else p[0] for p in zip(*pieces))
+    parts = {"q": q, "scale": scale.to(bank.dtype), "zero": zero.to(bank.dtype)}
+    return StoredWeight(IntGroups(bits, group), parts, bank.shape, bank.dtype, transposed=transposed)
+
+
+def _int_groups(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[O, I] as round-to-nearest integers (``bits``: two a byte for 4), float32 scales and zero
+    points per ``group`` inputs."""
     levels = (1 << bits) - 1
-    g = w.float().unflatten(-1, (inputs // group, group))
+    g = w.float().unflatten(-1, (w.shape[-1] // group, group))
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / levels).clamp(min=1e-8)
     zero = (-lo / scale).round().clamp(0, levels)
     q = ((g / scale.unsqueeze(-1)).round() + zero.unsqueeze(-1)).clamp(0, levels).to(torch.uint8).flatten(-2)
     if bits == 4:
         q = q[..., 0::2] | (q[..., 1::2] << 4)
-    parts = {"q": q.contiguous(), "scale": scale.to(bank.dtype), "zero": zero.to(bank.dtype)}
-    return StoredWeight(IntGroups(bits, group), parts, bank.shape, bank.dtype, transposed=transposed)
+    return q.contiguous(), scale, zero
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

@@ -7,10 +7,10 @@ weight and its block scales, or packed int4 and its group scales (``StoredFormat
 read them). transformers' modules run on it unchanged:
 
 - ``F.linear(x, w)``, ``x @ w``, ``torch.matmul``: the weight is dequantized into the compute
-  dtype just for that call, into one buffer reused by every call (``_Scratch``: grown to the
-  largest weight, so a peer holds its weights at their stored size plus one weight in the
-  compute dtype; a format without ``dequantize_into``, or a second thread computing at the same
-  time, gets a new tensor freed after the call); ``torch._grouped_mm`` over a bank
+  dtype just for that call, on CPU into one buffer reused by every call (``_Scratch``: grown to
+  the largest weight, so a peer holds its weights at their stored size plus one weight in the
+  compute dtype; a format without ``dequantize_into``, a GPU, or a second thread computing at the
+  same time gets a new tensor freed after the call); ``torch._grouped_mm`` over a bank
   (transformers' grouped_mm experts) runs one expert at a time, the experts with rows only;
 - ``bank[e]`` (transformers' expert loop), ``w.t()``, ``w.transpose(-1, -2)``, ``detach``,
   ``torch.stack`` of per-expert weights (transformers' key conversion stacks them into banks) and
@@ -148,8 +148,12 @@ class _Scratch:
     def dense(self, w: StoredWeight):
         """``w`` dequantized, valid inside the ``with`` only."""
         into = getattr(w.fmt, "dequantize_into", None)
-        if into is None or torch.is_grad_enabled() or not self._lock.acquire(blocking=False):
-            yield w.dequantize()  # (with grad on, an op may keep its inputs for backward)
+        # (with grad on, an op may keep its inputs for backward; on a GPU the caching allocator
+        # reuses freed blocks itself, and a kernel may still read the buffer when the next call
+        # would write it)
+        if into is None or torch.is_grad_enabled() or w.device.type != "cpu" \
+                or not self._lock.acquire(blocking=False):
+            yield w.dequantize()
             return
         try:
             shape = list(w.shape)
