@@ -96,5 +96,6 @@ def loading():
         with _loads_lock:
             _loads -= 1
             if _loads == 0:
+                # (untuned: glibc's starting threshold, now fixed where it would have moved)
                 _GLIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD if _done else 128 << 10)
         trim()
