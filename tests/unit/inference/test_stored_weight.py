@@ -119,6 +119,8 @@ def test_weights_are_dequantized_into_one_reused_buffer_with_the_same_results():
             holder.join()
     finally:
         fp8_module.CHUNK = chunk
+    with torch.no_grad():  # (the buffer, made in inference mode, outside it)
+        assert torch.equal(F.linear(x, big), F.linear(x, big_dense))
     assert torch.equal(F.linear(x, big), F.linear(x, big_dense))  # grad on: a fresh tensor
     assert torch.equal(big.fmt.dequantize(big.parts, torch.bfloat16), big_dense.to(torch.bfloat16))
     out = torch.empty(72, 48, dtype=torch.bfloat16)
