@@ -182,14 +182,19 @@ SCRATCH = _Scratch()
 
 
 def dequantize_rows(dequantize, parts: dict[str, torch.Tensor], out: torch.Tensor, rows: dict[str, int],
-                    step: int) -> None:
-    """``out`` [..., O, I] = ``dequantize(parts, out.dtype)``, ``step`` rows (of O) at a time: each
-    part's dim -2 holds ``rows[name]`` of O's rows per row of its own (a block scale: one per
-    block of rows). ``step`` is a multiple of every ``rows``."""
+                    step: int, dims: dict[str, int] | None = None) -> None:
+    """``out`` [..., O, I] = ``dequantize(parts, out.dtype)``, ``step`` rows (of O) at a time. Each
+    part holds O along its dim ``dims[name]`` (default -2), ``rows[name]`` of O's rows per index
+    there (a block scale: one per block of rows; 8 nibbles packed in an int32: 8). ``step`` is a
+    multiple of every ``rows``."""
     total = out.shape[-2]
     for r in range(0, total, step):
-        piece = {k: p[..., r // rows[k]:-(-min(r + step, total) // rows[k]), :] for k, p in parts.items()}
-        out[..., r:r + step, :].copy_(dequantize(piece, out.dtype))
+        end = min(r + step, total)
+        piece = {}
+        for k, p in parts.items():
+            dim, per = (dims or {}).get(k, -2), rows[k]
+            piece[k] = p.narrow(dim, r // per, -(-end // per) - r // per)
+        out[..., r:end, :].copy_(dequantize(piece, out.dtype))
 
 
 def _swap_last(w: StoredWeight, *dims) -> StoredWeight | None:
