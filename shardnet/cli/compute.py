@@ -97,9 +97,9 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
             span = parse_layers(layers, ckpt.num_layers) if layers else None
             # before the network: an unsupported model fails at once (its span's layer kinds, or
             # every layer kind stored here when the span is chosen later)
-            ensure_family_matches(ckpt, span or (0, ckpt.num_layers),
-                                  dtype=resolve_dtype(dtype, ckpt, pick_device(device)))
-            allocator.trim()  # (the check's model is gone: its pages go back before the block comes)
+            with allocator.loading():  # (the check's buffers go back to the system as they are freed)
+                ensure_family_matches(ckpt, span or (0, ckpt.num_layers),
+                                      dtype=resolve_dtype(dtype, ckpt, pick_device(device)))
         except CheckpointError as e:
             fail(str(e))
     cfg = make_config(relays=relays, identity=identity, listen=listen, announce=announce, bootstrap=bootstrap,

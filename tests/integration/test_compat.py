@@ -417,6 +417,25 @@ def test_allocator_tuning_serves_buffers_below_64_mib_from_the_heap():
     assert (after, above, again) == ("False", "True", "True")  # now from the heap; above 64 MiB still mmapped
 
 
+_LOADING_PROBE = _ALLOCATOR_PROBE.split("from shardnet.transport")[0] + """
+from shardnet.transport import allocator
+allocator.tune()
+with allocator.loading():
+    with allocator.loading():  # (two loads at once)
+        inner = mmapped(4 << 20)
+    outer = mmapped(4 << 20)
+print(inner, outer, mmapped(4 << 20), mmapped(48 << 20))
+"""
+
+
+def test_while_a_block_loads_buffers_above_1_mib_are_mmapped_and_after_it_the_tuning_holds():
+    r = subprocess.run([sys.executable, "-c", _LOADING_PROBE], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    inner, outer, after, after_48 = r.stdout.split()
+    assert (inner, outer) == ("True", "True")  # the last load out restores the threshold
+    assert (after, after_48) == ("False", "False")
+
+
 async def test_auto_connector_does_not_dial_known_peers(loopback_config):
     """Upstream's auto-connector dials known peers until ~100 connections whenever the count is
     low; shardnet turns it off (its discovery loop tops up to ``low_watermark`` instead)."""

@@ -204,10 +204,11 @@ def _compare(ckpt: Checkpoint, checked: list[int], *, with_head: bool, dtype: to
     return verdicts
 
 
-def _reference(ckpt: Checkpoint, cfg, checked: list[int], with_head: bool, dtype: torch.dtype = torch.float32):
+def _reference(ckpt: Checkpoint, cfg, checked: list[int], with_head: bool, dtype: torch.dtype = torch.float32,
+               loaded: dict[str, torch.Tensor] | None = None):
     """The family's causal LM as ``from_pretrained`` builds and loads it, from this checkpoint's
-    tensors of the ``checked`` layers (and of the head, ``with_head``); every other layer a
-    pass-through. Returns the model and the hooks' record."""
+    tensors of the ``checked`` layers (and of the head, ``with_head``; ``loaded``: those tensors,
+    already read); every other layer a pass-through. Returns the model and the hooks' record."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.modeling_utils import LoadStateDictConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -235,7 +236,7 @@ def _reference(ckpt: Checkpoint, cfg, checked: list[int], with_head: bool, dtype
     else:  # fed hidden states, read before the final norm: the head is not built
         base.embed_tokens, base.norm = _StandIn(cfg.hidden_size), _StandIn(cfg.hidden_size)
         model.lm_head = _StandIn(cfg.hidden_size)
-    tensors = ckpt.load(names)
+    tensors = {n: loaded[n] for n in names} if loaded is not None else ckpt.load(names)
     tensors.update({f"{name}.weight": mod.weight.detach().clone() for name, mod in model.named_modules()
                     if isinstance(mod, _StandIn)})
     if ckpt.quant is not None:
@@ -251,6 +252,20 @@ def _reference(ckpt: Checkpoint, cfg, checked: list[int], with_head: bool, dtype
     if info.unexpected_keys:
         raise ValueError(f"transformers' model has no place for {sorted(info.unexpected_keys)[0]}")
     return model.eval(), base, run
+
+
+class _Loaded:
+    """``ckpt`` whose ``load`` hands out ``tensors``, read from it before (a block built from it
+    holds the very tensors transformers' model of the check held)."""
+
+    def __init__(self, ckpt: Checkpoint, tensors: dict[str, torch.Tensor]) -> None:
+        self.ckpt, self.tensors = ckpt, tensors
+
+    def __getattr__(self, name: str):
+        return getattr(self.ckpt, name)
+
+    def load(self, names: list[str], dtype=None, device: str = "cpu") -> dict[str, torch.Tensor]:
+        return {n: self.tensors[n].to(device=device, dtype=dtype) for n in names}
 
 
 class _PassThrough(torch.nn.Module):
@@ -349,7 +364,10 @@ def _compare_layers(ckpt: Checkpoint, checked: list[int], dtype: torch.dtype = t
     from shardnet.inference.model.block import Block
 
     cfg = check_config(ckpt)
-    model, base, run = _reference(ckpt, cfg, checked, with_head=False, dtype=dtype)
+    # read once: transformers' model and then shardnet's block are built from the same tensors
+    # (views of the checkpoint's file, in its stored format), so no layer is held twice
+    loaded = _Loaded(ckpt, ckpt.load([n for i in checked for n in ckpt.layer_tensors(i)]))
+    model, base, run = _reference(ckpt, cfg, checked, with_head=False, dtype=dtype, loaded=loaded.tensors)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, CHECK_TOKENS, cfg.hidden_size, generator=generator).to(dtype)
     with torch.inference_mode():
@@ -363,7 +381,7 @@ def _compare_layers(ckpt: Checkpoint, checked: list[int], dtype: torch.dtype = t
             out[i] = between
             continue
         kind = ckpt.family.layer_types(cfg)[i]
-        block = Block(ckpt, i, i + 1, config=cfg, dtype=dtype)
+        block = Block(loaded, i, i + 1, config=cfg, dtype=dtype)
         hidden, want = run.inputs[i], run.outputs[i]
         cache = block.new_cache()
         steps = [block.forward(hidden[:, :t - 3], cache, 0)]

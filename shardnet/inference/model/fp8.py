@@ -16,7 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from shardnet.errors import CheckpointError
-from shardnet.inference.model.stored import StoredWeight
+from shardnet.inference.model.stored import StoredWeight, dequantize_rows
+
+#: about this many weights (at least a row of blocks) are dequantized at a time into the reused
+#: buffer (1 MiB of float32: the size made no difference to the time, 2^16 to 2^20 tried)
+CHUNK = 1 << 18
 
 SCALE_SUFFIX = "_scale_inv"
 #: names of the tensors that only accompany a quantized weight (formats.py)
@@ -57,6 +61,11 @@ class Fp8Blocks:
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return dequantize(parts["weight"], parts["scale"], self.block).to(dtype)
+
+    def dequantize_into(self, parts: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        rows = self.block[0]
+        step = max(1, CHUNK // (rows * out.shape[-1])) * rows
+        dequantize_rows(self.dequantize, parts, out, {"weight": 1, "scale": rows}, step)
 
     def cat(self, parts_list: list[dict[str, torch.Tensor]], dim: int, shapes) -> dict[str, torch.Tensor] | None:
         """Joined along out (-2) or in (-1) where every piece but the last fills whole blocks."""
@@ -100,13 +109,30 @@ def _check(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], na
                               f"blocks of {rows}x{cols} needs {list(want)}")
 
 
+#: each FP8 dtype's 256 codes as float32, in the order of their bytes: torch's own conversion of
+#: every code, looked up by byte. On CPU torch converts FP8 one element at a time; the lookup
+#: gives the same bits (tests/unit/inference/test_stored_weight.py: every code) several times
+#: faster (docs/benchmarks.md)
+FLOAT32_OF_CODE = {dtype: torch.arange(256, dtype=torch.uint8).view(dtype).float()
+                   for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def to_float32(weight: torch.Tensor) -> torch.Tensor:
+    """``weight.float()``, bit for bit: FP8 on CPU read from ``FLOAT32_OF_CODE``."""
+    table = FLOAT32_OF_CODE.get(weight.dtype)
+    if table is None or weight.device.type != "cpu":
+        return weight.float()
+    codes = weight.reshape(-1).view(torch.uint8).int()  # (index_select takes int32 indices)
+    return table.index_select(0, codes).view(weight.shape)
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """[..., O, I] FP8 times its [..., ceil(O/rows), ceil(I/cols)] block scales, in float32
     (shapes checked at load: ``stored_fp8_blocks``)."""
     rows, cols = block
     *lead, out, inp = weight.shape
     if out % rows == 0 and inp % cols == 0:  # (no full-size copy of the scales)
-        blocks = weight.view(*lead, out // rows, rows, inp // cols, cols).float()
+        blocks = to_float32(weight).view(*lead, out // rows, rows, inp // cols, cols)
         return (blocks * scale.float()[..., :, None, :, None]).view(*lead, out, inp)
     full = scale.float().repeat_interleave(rows, -2).repeat_interleave(cols, -1)
-    return weight.float() * full[..., :out, :inp]
+    return to_float32(weight) * full[..., :out, :inp]

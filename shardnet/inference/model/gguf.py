@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from shardnet.errors import CheckpointError
-from shardnet.inference.model.stored import StoredWeight
+from shardnet.inference.model.stored import StoredWeight, dequantize_rows
 
 #: GGUF architectures read (``general.architecture``)
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -81,6 +81,10 @@ class GgufBlocks:
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         return dequantize(parts["blocks"], self.qtype).to(dtype)
+
+    def dequantize_into(self, parts: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        """A few rows at a time (rows are independent: the same bits)."""
+        dequantize_rows(self.dequantize, parts, out, {"blocks": 1}, max(1, (1 << 18) // out.shape[-1]))
 
     def cat(self, parts_list: list[dict[str, torch.Tensor]], dim: int, shapes) -> dict[str, torch.Tensor]:
         """Rows are independent and each row is whole blocks: joined along out or in as bytes."""

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from shardnet.errors import CheckpointError
-from shardnet.inference.model.stored import StoredWeight
+from shardnet.inference.model.stored import StoredWeight, dequantize_rows
 
 GPTQ, AWQ, CT = "gptq", "awq", "compressed-tensors"
 #: the part names of a quantized weight, per method (``X.<part>`` in the checkpoint)
@@ -138,7 +138,10 @@ def _nibbles(x: torch.Tensor) -> torch.Tensor:
     ``x[..., c]``. (Read as bytes on little-endian hosts, each byte two values: two passes over
     half a byte a weight instead of eight shifts over four.)"""
     if sys.byteorder == "little":
-        b = x.contiguous().view(torch.uint8)
+        b = x.contiguous()
+        if b.stride(-1) != 1:  # (a last dim of one: contiguous() keeps any stride there)
+            b = b.new_empty(b.shape).copy_(b)
+        b = b.view(torch.uint8)
         return torch.stack((b & 15, b >> 4), -1).flatten(-2)
     return ((x.unsqueeze(-1) >> _SHIFTS.to(x.device)) & 15).to(torch.uint8).flatten(-2)
 
@@ -188,6 +191,16 @@ class Int4Groups:
             w.sub_(z if isinstance(z, int) else z.repeat_interleave(self.group_size, -1)[..., :n])
             w.mul_(s.float().repeat_interleave(self.group_size, -1)[..., :n])
         return w.to(dtype)
+
+    def dequantize_into(self, parts: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        """A few output rows at a time (every value is its own: the same bits). Out lies along
+        dim -2 of compressed-tensors' parts and -1 of GPTQ's and AWQ's; zeros (and AWQ's weights)
+        pack 8 of its rows in an int32."""
+        packed = {"qzeros", "weight_zero_point"} | ({"qweight"} if self.method == AWQ else set())
+        dim = -2 if self.method == CT else -1
+        step = max(1, (1 << 18) // out.shape[-1] // 8) * 8
+        dequantize_rows(self.dequantize, parts, out, {k: 8 if k in packed else 1 for k in parts}, step,
+                        dict.fromkeys(parts, dim))
 
     def cat(self, parts_list: list[dict[str, torch.Tensor]], dim: int, shapes) -> dict[str, torch.Tensor] | None:
         """Joined along out (-2: transformers fuses gate and up projections so) where every

@@ -7,9 +7,10 @@ weight and its block scales, or packed int4 and its group scales (``StoredFormat
 read them). transformers' modules run on it unchanged:
 
 - ``F.linear(x, w)``, ``x @ w``, ``torch.matmul``: the weight is dequantized into the compute
-  dtype just for that call (or a format's kernel runs on the stored parts where it has one) and
-  freed after it, so a block holds its weights at their stored size and one weight's
-  full-precision copy at a time while it computes; ``torch._grouped_mm`` over a bank
+  dtype just for that call, on CPU into one buffer reused by every call (``_Scratch``: grown to
+  the largest weight, so a peer holds its weights at their stored size plus one weight in the
+  compute dtype; a format without ``dequantize_into``, a GPU, or a second thread computing at the
+  same time gets a new tensor freed after the call); ``torch._grouped_mm`` over a bank
   (transformers' grouped_mm experts) runs one expert at a time, the experts with rows only;
 - ``bank[e]`` (transformers' expert loop), ``w.t()``, ``w.transpose(-1, -2)``, ``detach``,
   ``torch.stack`` of per-expert weights (transformers' key conversion stacks them into banks) and
@@ -22,6 +23,8 @@ byte count of a block (its load report, placement, claims) goes through it.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,7 +45,9 @@ class StoredFormat(Protocol):
         ...
 
     # optional: ``cat(parts_list, dim, shapes)``, the parts of the weights joined along dim -2
-    # (out) or -1 (in) of their logical ``shapes``, or None where the format cannot join them
+    # (out) or -1 (in) of their logical ``shapes``, or None where the format cannot join them;
+    # ``dequantize_into(parts, out)``: what ``dequantize`` returns, written into ``out`` (a few
+    # rows at a time, so that its float32 intermediates stay small), bit for bit the same
 
 
 @dataclass(frozen=True)
@@ -110,11 +115,86 @@ class StoredWeight(torch.Tensor):
             out = view(*args, **kwargs)
             if out is not None:
                 return out
+        if func in _COMPUTE_OPS:
+            stored = [a for a in (*args, *kwargs.values()) if isinstance(a, StoredWeight)]
+            if len(stored) == 1:
+                with SCRATCH.dense(stored[0]) as w:
+                    def swap(a):
+                        return w if a is stored[0] else a
+                    return func(*map(swap, args), **{k: swap(v) for k, v in kwargs.items()})
         return func(*tree_map(_dense, args), **tree_map(_dense, kwargs))
 
 
 def _dense(x):
     return x.dequantize() if isinstance(x, StoredWeight) else x
+
+
+#: ops whose result is new memory, never a view of an argument: a stored weight among their
+#: arguments is dequantized into the scratch buffer, which the next call overwrites
+_COMPUTE_OPS = {aten.linear.default, aten.matmul.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
+                aten.baddbmm.default, aten._grouped_mm.default}
+
+
+class _Scratch:
+    """The buffer weights are dequantized into for one op each: one per compute dtype and device,
+    grown to the largest weight it has held. One thread uses it at a time; another finds it
+    taken and gets a tensor of its own (a peer computes one block's pass at a time)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def dense(self, w: StoredWeight):
+        """``w`` dequantized, valid inside the ``with`` only."""
+        into = getattr(w.fmt, "dequantize_into", None)
+        # (with grad on, an op may keep its inputs for backward; on a GPU the caching allocator
+        # reuses freed blocks itself, and a kernel may still read the buffer when the next call
+        # would write it)
+        if into is None or torch.is_grad_enabled() or w.device.type != "cpu" \
+                or not self._lock.acquire(blocking=False):
+            yield w.dequantize()
+            return
+        try:
+            shape = list(w.shape)
+            if w.stored_layout.transposed:
+                shape[-1], shape[-2] = shape[-2], shape[-1]
+            n = w.numel()
+            key = (w.dtype, w.device)
+            # (made and written in inference mode: an inference tensor may only be written there)
+            with torch.inference_mode():
+                buffer = self._buffers.get(key)
+                if buffer is None or buffer.numel() < n:
+                    self._buffers.pop(key, None)  # (the smaller one goes before the larger comes)
+                    buffer = self._buffers[key] = torch.empty(n, dtype=w.dtype, device=w.device)
+                out = buffer[:n].view(shape)
+                into(w.parts, out)
+            yield out.transpose(-1, -2) if w.stored_layout.transposed else out
+        finally:
+            self._lock.release()
+
+    def nbytes(self) -> int:
+        """Bytes the buffers hold now."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+SCRATCH = _Scratch()
+
+
+def dequantize_rows(dequantize, parts: dict[str, torch.Tensor], out: torch.Tensor, rows: dict[str, int],
+                    step: int, dims: dict[str, int] | None = None) -> None:
+    """``out`` [..., O, I] = ``dequantize(parts, out.dtype)``, ``step`` rows (of O) at a time. Each
+    part holds O along its dim ``dims[name]`` (default -2), ``rows[name]`` of O's rows per index
+    there (a block scale: one per block of rows; 8 nibbles packed in an int32: 8). ``step`` is a
+    multiple of every ``rows``."""
+    total = out.shape[-2]
+    for r in range(0, total, step):
+        end = min(r + step, total)
+        piece = {}
+        for k, p in parts.items():
+            dim, per = (dims or {}).get(k, -2), rows[k]
+            piece[k] = p.narrow(dim, r // per, -(-end // per) - r // per)
+        out[..., r:end, :].copy_(dequantize(piece, out.dtype))
 
 
 def _swap_last(w: StoredWeight, *dims) -> StoredWeight | None:
@@ -176,7 +256,8 @@ def _grouped_mm(x: torch.Tensor, w, offs=None, bias=None, out_dtype=None) -> tor
     for e, end in enumerate(offs.tolist()):
         if end > start:
             one = offs.new_tensor([end - start])
-            out[start:end] = aten._grouped_mm(x[start:end], _select(w, 0, e).dequantize()[None], one)
+            with SCRATCH.dense(_select(w, 0, e)) as expert:
+                out[start:end] = aten._grouped_mm(x[start:end], expert[None], one)
         start = end
     return out
 

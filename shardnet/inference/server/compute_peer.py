@@ -194,15 +194,15 @@ class ComputePeer:
         if ckpt.fetched:
             await fetch_tensors(self.node, ckpt, span_tensor_names(ckpt, start, end),
                                 progress=self.fetch_progress)
-        # every distinct layer configuration of the span against transformers (kept: once each)
-        await trio.to_thread.run_sync(partial(ensure_family_matches, ckpt, (start, end), dtype=self.dtype))
-        allocator.trim()  # (the check's model is gone: its pages go back before the block comes)
-        log.info("loading layers %d:%d of %s (%s%s, %s)", start, end, ckpt.path.name, self.dtype_name,
-                 f", weights {self.quantize}" if self.quantize else "", self.device)
-        block = await trio.to_thread.run_sync(
-            lambda: Block(ckpt, start, end, dtype=self.dtype, device=self.device, quantize=self.quantize))
-        # measured by a forward on one token: here, not on the event loop at the first claim
-        await trio.to_thread.run_sync(block.kv_bytes_per_token)
+        with allocator.loading():  # (its transient buffers go back to the system as they are freed)
+            # every distinct layer configuration of the span against transformers (kept: once each)
+            await trio.to_thread.run_sync(partial(ensure_family_matches, ckpt, (start, end), dtype=self.dtype))
+            log.info("loading layers %d:%d of %s (%s%s, %s)", start, end, ckpt.path.name, self.dtype_name,
+                     f", weights {self.quantize}" if self.quantize else "", self.device)
+            block = await trio.to_thread.run_sync(
+                lambda: Block(ckpt, start, end, dtype=self.dtype, device=self.device, quantize=self.quantize))
+            # measured by a forward on one token: here, not on the event loop at the first claim
+            await trio.to_thread.run_sync(block.kv_bytes_per_token)
         r = block.load_report
         log.info("loaded %d tensors (%.1f MB) in %.2f s", r.tensors, r.bytes / 1e6, r.seconds)
         head = None
@@ -212,8 +212,7 @@ class ComputePeer:
             self.tput = self.fixed_throughput
         else:
             self.tput = await trio.to_thread.run_sync(measure_throughput, block)
-        # what loading freed (the check's model, staging copies, dequantized weights of the
-        # measurement) goes back to the system: the heap keeps buffers under 64 MiB otherwise
+        # (the measurement runs as serving will, outside ``loading``: what it freed goes back too)
         allocator.trim()
         served = ServedBlock(block, self.model_id, KvBudget(self.kv_budget_bytes), head=head,
                              idle_timeout=self.idle_timeout,

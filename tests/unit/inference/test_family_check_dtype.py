@@ -42,3 +42,44 @@ def test_verdicts_are_kept_per_dtype_and_a_wrong_scale_is_refused_in_bfloat16(tm
     tolerance = fc.TOLERANCES[torch.bfloat16][0]
     assert fc._differs(ckpt, "its embeddings", embedded, embedded, tolerance) is None
     assert "differs from transformers" in fc._differs(ckpt, "its embeddings", embedded * 1.01, embedded, tolerance)
+
+
+@pytest.mark.parametrize("fmt", ["none", "fp8"])
+def test_the_check_reads_a_layer_once_and_its_block_computes_from_the_tensors_transformers_ran(tmp_path, monkeypatch,
+                                                                                              fmt):
+    """No second copy of a checked layer: its tensors are read once, in the checkpoint's own
+    format, and the one-layer block holds those very tensors (an FP8 weight's stored bytes)."""
+    import shardnet.inference.model.block as block_module
+    from shardnet.inference.model.stored import StoredWeight
+
+    path = init_random(tmp_path / "l", "llama", dtype="bfloat16", hidden=64, layers=2)
+    if fmt == "fp8":
+        from shardnet.testing.fp8 import quantize_checkpoint_fp8
+
+        path = quantize_checkpoint_fp8(path, tmp_path / "l-fp8")
+    ckpt = Checkpoint(path)
+    read: dict[str, torch.Tensor] = {}
+    reads: list[str] = []
+    load = ckpt.load
+
+    def counted(names, *args, **kwargs):
+        out = load(names, *args, **kwargs)
+        reads.extend(names)
+        read.update(out)
+        return out
+
+    monkeypatch.setattr(ckpt, "load", counted)
+    blocks = []
+
+    class Kept(block_module.Block):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            blocks.append(self)
+
+    monkeypatch.setattr(block_module, "Block", Kept)
+    assert fc._compare(ckpt, [1], with_head=False, dtype=torch.bfloat16) == {1: None}
+    assert sorted(reads) == sorted(ckpt.layer_tensors(1))
+    ptrs = {t.data_ptr() for t in read.values()}
+    held = [p.parts["weight"] if isinstance(p, StoredWeight) else p for p in blocks[0].layers.parameters()]
+    assert held and all(p.data_ptr() in ptrs for p in held)
+    assert (fmt == "fp8") == any(isinstance(p, StoredWeight) for p in blocks[0].layers.parameters())

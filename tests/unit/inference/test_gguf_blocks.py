@@ -78,3 +78,18 @@ def test_q_k_row_order_is_undone_as_transformers_undoes_it():
         assert np.array_equal(theirs, w)
         assert np.array_equal(stored[row_order(name, 16, cfg).numpy()], w)
     assert row_order("blk.0.attn_v.weight", 16, cfg) is None
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K])
+def test_dequantized_into_a_buffer_a_few_rows_at_a_time_the_same_bits(qtype, monkeypatch):
+    from shardnet.inference.model import stored as stored_module
+
+    x = weights(rows=11, cols=512)
+    blocks = quantize_q4_k(x) if qtype == T.Q4_K else gguf_quantize(x, qtype)
+    w = StoredWeight(GgufBlocks(int(qtype)), {"blocks": torch.from_numpy(blocks)}, (11, 512), torch.bfloat16)
+    rows = stored_module.dequantize_rows
+    monkeypatch.setattr("shardnet.inference.model.gguf.dequantize_rows",
+                        lambda dequantize, parts, out, per, step, dims=None: rows(dequantize, parts, out, per, 4))
+    out = torch.empty(11, 512, dtype=torch.bfloat16)
+    w.fmt.dequantize_into(w.parts, out)  # (pieces of 4 rows, the last one short)
+    assert torch.equal(out, w.dequantize())

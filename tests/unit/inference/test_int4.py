@@ -189,3 +189,35 @@ def test_act_order_g_idx_and_damaged_parts_are_refused_in_one_line():
     one_line(e.value)
     with pytest.raises(CheckpointError, match=r"m.qzeros accompanies m.qweight, which is not in the checkpoint"):
         stored(GPTQ_CONFIG, {"qzeros": t["qzeros"]})
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors"])
+def test_dequantized_into_a_buffer_a_few_rows_at_a_time_the_same_bits(method, monkeypatch):
+    """``dequantize_into`` (what a stored weight's linear writes into the reused buffer): pieces
+    of 16 output rows here, the last one short, the packed zeros (and AWQ's packed weights) cut
+    at their int32s; a bank's expert too."""
+    from shardnet.inference.model import stored as stored_module
+
+    out_f = 44 if method == "compressed-tensors" else 40  # (GPTQ's and AWQ's writers: 8 rows an int32)
+    w = torch.randn(out_f, 128, generator=torch.Generator().manual_seed(3))
+    if method == "gptq":
+        config, t = {**GPTQ_CONFIG, "sym": False}, gptq_tensors(w, 32, False)
+    elif method == "awq":
+        config, t = AWQ_CONFIG, awq_tensors(w, 32)
+    else:
+        config, t = ct_config(32, False), ct_tensors(w.bfloat16(), ct_scheme(32, False))
+    weight = stored(config, t, dtype=torch.bfloat16)["m.weight"]
+    calls = []
+    rows = stored_module.dequantize_rows
+
+    def small_steps(dequantize, parts, out, per, step, dims=None):
+        calls.append(step)
+        return rows(dequantize, parts, out, per, 16, dims)
+
+    monkeypatch.setattr("shardnet.inference.model.int4.dequantize_rows", small_steps)
+    out = torch.empty(out_f, 128, dtype=torch.bfloat16)
+    weight.fmt.dequantize_into(weight.parts, out)
+    assert calls and torch.equal(out, weight.dequantize())
+    bank = torch.stack([weight, weight])
+    bank.fmt.dequantize_into(bank[1].parts, out)
+    assert torch.equal(out, bank.dequantize()[1])

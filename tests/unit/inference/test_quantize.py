@@ -157,6 +157,31 @@ def test_a_bank_as_int_groups_is_close_to_the_bank_and_an_expert_runs_alone(bits
         assert stored_nbytes(stored) <= bank.numel() * (0.625 if bits == 4 else 1.1)  # (groups of 32 here)
 
 
+def test_int_groups_dequantized_into_a_buffer_a_few_rows_at_a_time_are_the_same_bits():
+    from shardnet.inference.model.quantize import quantize_bank
+
+    bank = torch.randn(3, 2500, 640, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    for bits in (4, 8):
+        stored = quantize_bank(bank, bits)
+        out = torch.empty(2500, 640, dtype=torch.bfloat16)
+        stored.fmt.dequantize_into(stored[2].parts, out)  # (1638 rows a piece: two, the last short)
+        assert torch.equal(out, stored.dequantize()[2])
+
+
+@pytest.mark.parametrize("mode", QUANT_MODES)
+def test_parameters_left_unquantized_no_longer_share_the_loaded_storage(layers, mode):
+    """A norm loaded from safetensors is a view of the file's mapping: kept as such, it kept every
+    page the quantized weights were read from resident. After quantization it is a copy."""
+    layer = copy.deepcopy(layers["llama"][0])
+    mapping = torch.zeros(HIDDEN * 4)  # stands for the file's mapping
+    norm = layer.input_layernorm
+    mapping[:HIDDEN] = norm.weight.detach()
+    norm.weight = torch.nn.Parameter(mapping[:HIDDEN], requires_grad=False)
+    quantize_module(layer, mode)
+    assert norm.weight.untyped_storage().data_ptr() != mapping.untyped_storage().data_ptr()
+    assert torch.equal(norm.weight, mapping[:HIDDEN])
+
+
 def test_the_swarm_simulation_assumes_no_fewer_bytes_than_int4_holds():
     """docs/scale.md simulates its models at ``BYTES_PER_PARAM`` (4.5 bits a parameter): ``join
     --quantize int4`` must hold them in no more, dense and expert weights alike (bf16 scales)."""

@@ -76,3 +76,67 @@ def test_an_fp8_weight_without_its_scales_is_refused():
     q, _ = quantize_fp8_blocks(torch.randn(32, 32), BLOCK)
     with pytest.raises(CheckpointError, match="has no w_scale_inv"):
         stored_fp8_blocks({"w": q}, BLOCK, torch.float32)
+
+
+def test_weights_are_dequantized_into_one_reused_buffer_with_the_same_results():
+    """Under inference mode a stored weight's op dequantizes into ``SCRATCH``: one buffer, grown
+    to the largest weight, the same bits as a fresh dequantization (FP8 a few rows at a time,
+    transposed or not, through a row count that is not a multiple of the block, a bank's
+    expert); with grad on, or while the buffer is taken, a fresh tensor as before."""
+    import threading
+
+    from shardnet.inference.model import fp8 as fp8_module
+    from shardnet.inference.model.stored import SCRATCH
+
+    big, big_dense = fp8_weight(72, 48, seed=5)
+    small, small_dense = fp8_weight(40, 48, seed=6)
+    bank = torch.stack([fp8_weight(seed=7)[0], fp8_weight(seed=8)[0]])
+    x = torch.randn(3, 48)
+    chunk = fp8_module.CHUNK
+    fp8_module.CHUNK = 16 * 48  # (one block row a piece: several pieces, the last one short)
+    try:
+        with torch.inference_mode():
+            assert torch.equal(F.linear(x, big), F.linear(x, big_dense))
+            buffer = SCRATCH._buffers[(big.dtype, big.device)]
+            assert buffer.numel() >= big.numel()
+            assert torch.equal(x @ small.t(), x @ small_dense.t())
+            assert torch.equal(torch.matmul(x[:, :40], small), torch.matmul(x[:, :40], small_dense))
+            assert torch.equal(F.linear(x, bank[1]), F.linear(x, bank.dequantize()[1]))
+            assert SCRATCH._buffers[(big.dtype, big.device)] is buffer  # reused, not grown
+            taken = threading.Event()
+            release = threading.Event()
+
+            def hold():
+                with SCRATCH.dense(big):
+                    taken.set()
+                    release.wait(10)
+
+            holder = threading.Thread(target=hold)
+            holder.start()
+            taken.wait(10)
+            assert torch.equal(F.linear(x, small), F.linear(x, small_dense))  # (the buffer is taken)
+            release.set()
+            holder.join()
+    finally:
+        fp8_module.CHUNK = chunk
+    with torch.no_grad():  # (the buffer, made in inference mode, outside it)
+        assert torch.equal(F.linear(x, big), F.linear(x, big_dense))
+    assert torch.equal(F.linear(x, big), F.linear(x, big_dense))  # grad on: a fresh tensor
+    assert torch.equal(big.fmt.dequantize(big.parts, torch.bfloat16), big_dense.to(torch.bfloat16))
+    out = torch.empty(72, 48, dtype=torch.bfloat16)
+    big.fmt.dequantize_into(big.parts, out)
+    assert torch.equal(out, big_dense.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_read_through_its_table_is_torchs_conversion_bit_for_bit(dtype):
+    """Every one of the 256 codes (NaNs, zeros of both signs, subnormals, the largest), alone and
+    in a weight of every code in shuffled order, as in rows sliced from a larger weight."""
+    from shardnet.inference.model.fp8 import to_float32
+
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    assert torch.equal(to_float32(codes).view(torch.int32), codes.float().view(torch.int32))
+    order = torch.randperm(256 * 64, generator=torch.Generator().manual_seed(0)) % 256
+    weight = order.to(torch.uint8).view(dtype).view(128, 128)
+    for part in (weight, weight[16:48], weight[:, :64]):
+        assert torch.equal(to_float32(part).view(torch.int32), part.float().view(torch.int32))
