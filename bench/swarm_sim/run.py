@@ -108,7 +108,8 @@ def row(s: dict) -> str:
     return (f"{s['model']:<12} {s['policy']:<18} {s['peers_mean']:>5.0f} {100 * s['covered']:>6.1f}% "
             f"{100 * s['routable']:>5.0f}% "
             f"{s['gaps_over_60s']:>8d} {100 * s['flow_over_bound']:>9.1f}% {s['delivered']:>11.0f} {tps:>17} "
-            f"{s['ttft_p50']:>4.1f}s {s['healed_h']:>8.0f} {s['failed_h']:>8.0f} {s['msgs_peer_s']:>11.1f} {s['bytes_peer_s'] / 1000:>9.1f} "
+            f"{s['ttft_p50']:>4.1f}s {s['healed_h']:>8.0f} {s['failed_h']:>8.0f} {s['msgs_peer_s']:>11.1f} "
+            f"{s['bytes_peer_s'] / 1000:>9.1f} "
             f"{placed:>14} {s['moves_peer_h']:>9.2f} {s['route_ms']:>8.1f} {s['wall_s']:>4.0f}s")
 
 

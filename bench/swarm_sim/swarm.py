@@ -517,7 +517,9 @@ class Swarm:
         self.count("gossip", GOSSIP_D * n, GOSSIP_D * n * wire.gossip(claim_bytes))
 
     def mean_claim_bytes(self) -> float:
-        return self._claim_bytes_total / len(self._claim_bytes) if self._claim_bytes else wire.claim_bytes("public", 0, False)
+        if not self._claim_bytes:
+            return wire.claim_bytes("public", 0, False)
+        return self._claim_bytes_total / len(self._claim_bytes)
 
     def count_lookup(self, p: Peer | None = None, times: int = 1) -> None:
         """``find_claims``: a find_providers walk (its answers name up to LOOKUP_PROVIDERS
