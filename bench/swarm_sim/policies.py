@@ -4,6 +4,9 @@
   (``shardnet.inference.server.placement``: ``best_window`` on joining, ``plan_move`` and
   ``fillable_gap`` at each upkeep, ``upkeep_step`` and ``move_turn_delay`` for timing), over
   what a peer sees: the claims of at most ``VIEW_PROVIDERS`` providers a DHT lookup returns.
+  Its messages are the code's: upkeep reads the node's gossip-fed claims view (looked up every
+  ``UPKEEP_LOOKUP_S``, swarm.py) and pings its unconnected peers; the decisions here still see a
+  lookup's 64 providers (docs/scale.md: what deciding from the whole view does).
 - ``least-served``: Petals' rule (petals/server/block_selection.py): a joining server takes the
   window whose sorted throughputs are least (the lowest start among equals), sees every server
   (those joining too), and every ``PETALS_CHECK_S`` (about) moves if moving would raise the
@@ -40,6 +43,7 @@ CENTRAL_GAIN = 0.10
 
 class Shardnet(Policy):
     name = "shardnet"
+    claims_view = True
 
     def __init__(self, *, view: int = VIEW_PROVIDERS) -> None:
         self.view = view
@@ -52,7 +56,7 @@ class Shardnet(Policy):
         if peer.span is None:
             return None
         claims = swarm.view_of(peer, self.view)
-        swarm.count_lookup(peer)
+        swarm.count_liveness(peer)
         me = swarm.claim_of(peer)
         gap = fillable_gap(claims, *peer.span, swarm.model.num_layers)
         settling = swarm.now < peer.settle_until
@@ -69,7 +73,7 @@ class Shardnet(Policy):
         if peer.gone or peer.moving or peer.span is None:
             return
         claims = swarm.view_of(peer, self.view)
-        swarm.count_lookup(peer)
+        swarm.count_liveness(peer)
         move = plan_move(claims, swarm.claim_of(peer), swarm.model.num_layers, margin=REBALANCE_MARGIN,
                          rng=swarm.rng)
         if move is not None:

@@ -21,9 +21,12 @@ out of every figure. One row per model and policy:
   decode time; ttft p50: waiting in line plus prefill;
 - healed/h, failed/h: sessions healed around a departed peer, sessions failed (no route, or
   busy past the queue timeout), per hour;
-- msgs/peer/s: DHT and gossip messages per peer per second (estimated from the protocols'
-  parameters for each publication and lookup); placed p50/p90: seconds from a peer's start to
-  its first claim; moves/peer/h; route ms: wall time of one ``plan_route`` here.
+- msgs/peer/s, KB/peer/s (after the warm-up): control messages (claim gossip, DHT RPCs, pings, direct claim
+  requests) per peer per second and their bytes (bench/swarm_sim/wire.py; estimated from the
+  protocols' parameters for each publication and lookup, claims' sizes measured with the real
+  encoder), with a line per run by kind and the claims published (news, refreshes);
+  placed p50/p90: seconds from a peer's start to its first claim; moves/peer/h; route ms: wall
+  time of one ``plan_route`` here.
 
 docs/scale.md records runs of this and what the model leaves out.
 """
@@ -80,8 +83,12 @@ def summarize(sim: Sim, stats: Stats, wall: float) -> dict:
         "completed_h": stats.completed / hours, "healed_h": stats.heals / hours,
         "failed_h": sum(stats.failed.values()) / hours, "failed_why": dict(stats.failed),
         "heal_s_p50": percentile(stats.heal_seconds, 0.5),
-        "msgs_peer_s": sum(stats.msgs.values()) / max(1.0, stats.peers_hours * 3600),
-        "msgs": dict(stats.msgs),
+        "msgs_peer_s": sum(stats.msgs.values()) / max(1.0, stats.observed_peer_s),
+        "bytes_peer_s": sum(stats.bytes.values()) / max(1.0, stats.observed_peer_s),
+        "msgs": dict(stats.msgs), "bytes": dict(stats.bytes),
+        "publications_peer_h": {k: 3600 * v / max(1.0, stats.observed_peer_s) for k, v in stats.publications.items()},
+        "news_why": dict(stats.news_why),
+        "peer_s": stats.observed_peer_s,
         "placed_p50": percentile(stats.placed_s, 0.5), "placed_p90": percentile(stats.placed_s, 0.9),
         "moves_peer_h": stats.moves / max(1e-9, stats.peers_hours),
         "joins": stats.joins, "leaves": stats.leaves,
@@ -92,7 +99,7 @@ def summarize(sim: Sim, stats: Stats, wall: float) -> dict:
 
 HEADER = (f"{'model':<12} {'policy':<18} {'peers':>5} {'covered':>7} {'chains':>6} {'gaps>60s':>8} {'flow/bound':>10} "
           f"{'deliv tok/s':>11} {'tok/s p10/p50/p90':>17} {'ttft':>5} {'healed/h':>8} {'failed/h':>8} "
-          f"{'msgs/peer/s':>11} {'placed p50/p90':>14} {'moves/p/h':>9} {'route ms':>8} {'wall':>5}")
+          f"{'msgs/peer/s':>11} {'KB/peer/s':>9} {'placed p50/p90':>14} {'moves/p/h':>9} {'route ms':>8} {'wall':>5}")
 
 
 def row(s: dict) -> str:
@@ -102,7 +109,22 @@ def row(s: dict) -> str:
             f"{100 * s['routable']:>5.0f}% "
             f"{s['gaps_over_60s']:>8d} {100 * s['flow_over_bound']:>9.1f}% {s['delivered']:>11.0f} {tps:>17} "
             f"{s['ttft_p50']:>4.1f}s {s['healed_h']:>8.0f} {s['failed_h']:>8.0f} {s['msgs_peer_s']:>11.1f} "
+            f"{s['bytes_peer_s'] / 1000:>9.1f} "
             f"{placed:>14} {s['moves_peer_h']:>9.2f} {s['route_ms']:>8.1f} {s['wall_s']:>4.0f}s")
+
+
+KINDS = ("gossip", "dht", "ping", "direct")
+
+
+def traffic_line(s: dict) -> str:
+    """Messages and bytes per peer per second by kind, and the claims published per peer-hour."""
+    per = max(1.0, s["peer_s"])
+    kinds = ", ".join(f"{k} {s['msgs'].get(k, 0) / per:.1f} ({s['bytes'].get(k, 0) / per / 1000:.1f} KB)"
+                      for k in KINDS)
+    pubs = s["publications_peer_h"]
+    why = ", ".join(f"{k} {v}" for k, v in sorted(s["news_why"].items(), key=lambda kv: -kv[1]))
+    return (f"  {s['model']} / {s['policy']}: msgs/peer/s (KB) {kinds}; claims per peer-hour: news "
+            f"{pubs.get('news', 0):.1f}, refreshes {pubs.get('refresh', 0):.1f}; news for: {why}")
 
 
 #: shardnet as it was before this simulator: no claims of spans being loaded, routes blind to
@@ -181,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
             s = future.result()
             results.append(s)
             print(row(s), flush=True)
+    print("control traffic per peer per second, by kind:")
+    for s in results:
+        print(traffic_line(s))
     for model in dict.fromkeys(s["model"] for s in results):
         s = next(s for s in results if s["model"] == model)
         print(f"({model}: offered {s['offered']:.0f} tok/s, {args.load:g} of the sessions its KV caches hold; "

@@ -4,7 +4,11 @@ their publications and lookups cost in messages.
 Placement is the policy's (bench/swarm_sim/policies.py: ``shardnet`` is
 ``shardnet.inference.server.placement`` called as a compute peer calls it); a peer's claim is a
 real ``Claim`` (its span, the one it is loading, tokens/s, load, free KV tokens, its successors'
-round trips), published on joining, at every upkeep and every ``REPUBLISH_S``.
+round trips), published by the claim publisher's rules (``ClaimPublisher``): it looks on joining,
+at every upkeep and when a refresh is due; a claim that is news against the one it published last
+(``block_claim.news``) gets a new version and goes out on gossip and in the DHT; otherwise, once
+``REPUBLISH_S`` has passed since the last put, the same version goes in the DHT again (a put and
+a provide, no gossip).
 
 - Peers arrive as a Poisson process that keeps the swarm at its size, each for a Weibull
   session (bench/swarm_sim/world.py), and leave closing their connections (``graceful``) or
@@ -13,14 +17,25 @@ round trips), published on joining, at every upkeep and every ``REPUBLISH_S``.
 - A joining peer looks the swarm up (DHT hops, then the providers' claims and pings), waits
   (``RECHECK_DELAY``), looks again and chooses; it loads its span from disk or its downlink,
   then serves and claims it. A move loads the new span while the old one serves.
-- DHT and gossip messages are counted, not sent: estimated from the protocols' parameters
-  (``DHT_ALPHA``, ``DHT_K``, ``GOSSIP_D``) for each publication and lookup.
+- Messages are counted, not sent, by kind (gossip, dht, ping, direct), with their bytes
+  (bench/swarm_sim/wire.py: a claim's size measured with the real encoder, the rest estimated
+  from the protocols' formats): estimated from the protocols' parameters (``DHT_ALPHA``,
+  ``DHT_K``, ``GOSSIP_D``) for each publication and lookup. A lookup (``find_claims``) is a
+  find_providers walk and one direct request to each provider (at most ``LOOKUP_PROVIDERS``).
+  A compute peer's claims view (gossiped news) looks up every ``UPKEEP_LOOKUP_S``; at each upkeep
+  it counts the peers it is connected to live (``CONNECTED``: the connection manager's high
+  watermark) and pings the others of its view, dialling them first.
+- What a gossip-fed view holds: a claim heard as news stays in views until it expires
+  (``CLAIM_TTL`` after it was built); a refresh is not gossiped, so a claim with no news for a
+  TTL is in a view only if a lookup of that view asked its peer (``heard_until``, and each
+  gateway's ``looked_up``).
 
 A peer's departure is handed to ``on_leave`` (the traffic's: requests through it heal).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -29,11 +44,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bench.swarm_sim import world
+from bench.swarm_sim import wire, world
 from bench.swarm_sim.events import EventLoop
 from bench.swarm_sim.models import ModelSpec
 from bench.swarm_sim.stats import Stats
-from shardnet.inference.claims import CLAIM_TTL
+from shardnet.inference.claims import CLAIM_TTL, RTT_SAMPLES
 from shardnet.inference.server.placement import (
     DEFAULT_REBALANCE_INTERVAL,
     MEMORY_USE,
@@ -42,13 +57,23 @@ from shardnet.inference.server.placement import (
     layers_fitting,
     upkeep_step,
 )
-from shardnet.protocols.block_claim import MAX_RTTS, Claim
+from shardnet.protocols.block_claim import MAX_RTTS, Claim, news
+from shardnet.transport.config import NodeConfig
 
 #: the most tokens one forward pass of a peer's block scheduler takes (scheduler.DEFAULT_MAX_TOKENS,
 #: not imported: that module needs torch); more sessions take more passes
 BATCH_TOKENS = 256
-#: the claim publisher republishes every third of the TTL (claim_publisher.py)
+#: the claim publisher puts its claim in the DHT again (and provides) a third of the TTL after
+#: its last put (claim_publisher.py)
 REPUBLISH_S = CLAIM_TTL / 3
+#: compute_peer.UPKEEP_LOOKUP_S (not imported: that module needs torch; a test keeps them equal):
+#: a compute peer's claims view looks up this often, gossip bringing news in between
+UPKEEP_LOOKUP_S = CLAIM_TTL / 3
+#: ``find_claims`` asks the DHT for at most this many providers, then each of them directly
+LOOKUP_PROVIDERS = 64
+#: the connections a peer holds (the connection manager prunes above its high watermark): the
+#: peers of its view that upkeep counts live without a ping
+CONNECTED = NodeConfig().high_watermark
 #: compute_peer.RECHECK_DELAY
 RECHECK_DELAY = (0.5, 2.5)
 #: Kademlia: py-libp2p's concurrency (kad_dht/common.py ALPHA) and replication (BUCKET_SIZE)
@@ -87,6 +112,13 @@ class Peer:
     open_spans: Counter = field(default_factory=Counter)
     rtts: tuple = ()
     since: float = 0.0
+    #: the claim last published as news (its ``seq`` the version others hold); when the claim
+    #: was last put in the DHT and last built (what a direct request answers)
+    published: Claim | None = None
+    last_put: float = -math.inf
+    last_look: float = -math.inf
+    publishing: bool = False
+    view_started: bool = False
     _steps: dict = field(default_factory=dict)
     _tput: dict = field(default_factory=dict)
 
@@ -133,6 +165,9 @@ class Policy:
     name = "?"
     #: whether peers look the swarm up (DHT lookups, pings) to decide
     decentralized = True
+    #: whether upkeep reads the node's gossip-fed claims view (shardnet's compute peers), looked
+    #: up every UPKEEP_LOOKUP_S, its unconnected peers pinged at each upkeep
+    claims_view = False
 
     def choose(self, swarm: Swarm, peer: Peer) -> tuple[int, int]:
         raise NotImplementedError
@@ -159,9 +194,14 @@ class Swarm:
         self.warmup_s = warmup_s
         #: peers claim the span they are loading (``Claim.loading``), as shardnet peers do now
         self.announce_loading = announce_loading
-        #: what if a peer republished its claim whenever its load crossed a multiple of this
-        #: (None: only at its upkeep and every REPUBLISH_S, as shardnet does)
+        #: what if a peer's publisher looked whenever its load crossed a multiple of this (None:
+        #: only at its upkeep and when a refresh is due, as shardnet does); ``news`` decides
         self.load_step = load_step
+        #: until when gossip keeps each peer's claim in views: its last news' expiry
+        self.heard_until: dict[str, float] = {}
+        self._in_views = (-math.inf, 0)
+        self._claim_bytes: dict[str, int] = {}
+        self._claim_bytes_total = 0
         self.peers: dict[str, Peer] = {}
         self.claims: dict[str, Claim] = {}  # peers' claims, in the order they first claimed
         self.claim_ids = SampleSet()  # the same peers, to draw a lookup's providers from
@@ -242,6 +282,7 @@ class Swarm:
         self.stats.peers_hours += len(self.peers) * dt / 3600
         if self.now >= self.warmup_s:
             self.stats.observed_s += dt
+            self.stats.observed_peer_s += len(self.peers) * dt
             if min(self.layer_count) > 0:
                 self.stats.covered_s += dt
 
@@ -271,8 +312,8 @@ class Swarm:
         p.target = span
         self._replan(p)
         if self.announce_loading:
-            self._put_claim(p)  # a claim of the span it loads (not routable)
-            self.count_publish()
+            self.look(p)  # a claim of the span it loads (not routable)
+            self._start_publishing(p)
         self.clock.later(self.load_seconds(p, span, held=None), lambda: self._loaded(p, span, first=True))
 
     def load_seconds(self, p: Peer, span: tuple[int, int], held: tuple[int, int] | None) -> float:
@@ -287,7 +328,6 @@ class Swarm:
         if first:
             self.stats.placed_s.append(self.now - p.joined)
             p.since = self.now
-            self.clock.later(self.rng.uniform(0, REPUBLISH_S), lambda: self._republish(p))
             # the first look comes soon, as a peer that only just chose its span looks (maintain)
             first_look = upkeep_step(DEFAULT_REBALANCE_INTERVAL, gap=False, settling=True)
             self.clock.later(first_look * self.rng.uniform(*UPKEEP_JITTER), lambda: self._upkeep(p))
@@ -295,21 +335,38 @@ class Swarm:
         p.moving = False
         p.settle_until = self.now + SETTLE_S
         self.publish(p)
+        self._start_publishing(p)
 
     def _upkeep(self, p: Peer) -> None:
         if p.gone:
             return
+        if self.policy.claims_view and not p.view_started:
+            p.view_started = True  # the view starts at the first upkeep: a lookup, then one every UPKEEP_LOOKUP_S
+            self._view_lookup(p)
         self.measure_successors(p)
         self.publish(p)  # upkeep ends with publisher.refresh()
         nxt = self.policy.upkeep(self, p)
         if nxt is not None:
             self.clock.later(nxt, lambda: self._upkeep(p))
 
-    def _republish(self, p: Peer) -> None:
+    def _view_lookup(self, p: Peer) -> None:
         if p.gone:
             return
-        self.publish(p)
-        self.clock.later(REPUBLISH_S, lambda: self._republish(p))
+        self.count_lookup(p)
+        self.clock.later(UPKEEP_LOOKUP_S, lambda: self._view_lookup(p))
+
+    def _start_publishing(self, p: Peer) -> None:
+        if not p.publishing:
+            p.publishing = True
+            self.clock.at(p.last_put + REPUBLISH_S, lambda: self._republish(p))
+
+    def _republish(self, p: Peer) -> None:
+        """The publisher wakes when its refresh is due (a third of the TTL after its last put)."""
+        if p.gone:
+            return
+        if self.now >= p.last_put + REPUBLISH_S - 1e-6:
+            self.look(p, refresh_due=True)
+        self.clock.at(p.last_put + REPUBLISH_S, lambda: self._republish(p))
 
     def move(self, p: Peer, span: tuple[int, int]) -> None:
         """Load ``span`` (the old one served meanwhile), then switch to it."""
@@ -377,49 +434,143 @@ class Swarm:
                      load=load, rtts=p.rtts, loading=loading)
 
     def publish(self, p: Peer) -> None:
-        """A claim publication: a DHT put and provide, and a gossip message."""
-        if p.span is None:
+        """The publisher looks again (``ClaimPublisher.refresh``) once the peer serves a span."""
+        if p.span is not None:
+            self.look(p)
+
+    def look(self, p: Peer, *, refresh_due: bool = False) -> None:
+        """One round of ``ClaimPublisher.serve``: the claim built anew; news (``block_claim.news``
+        against the last claim published) gets the next version, on gossip and in the DHT; a
+        refresh due puts the claim in the DHT and provides (no gossip)."""
+        fresh = self.claim_of(p)
+        p.last_look = self.now
+        reason = news(p.published, fresh)
+        refresh_due = refresh_due or self.now - p.last_put >= REPUBLISH_S
+        if reason is None and not refresh_due:
             return
-        self._put_claim(p)
-        self.count_publish()
+        size = wire.size_of(fresh)
+        self.count_put(size)
+        if refresh_due:
+            self.count_provide()
+        if reason is not None:
+            p.published = dataclasses.replace(fresh, seq=p.published.seq + 1 if p.published else 1)
+            self._put_claim(p, p.published)
+            self.heard_until[p.id] = fresh.expires
+            self.count_gossip(size)
+            if self.now >= self.warmup_s:
+                self.stats.publications["news"] += 1
+                self.stats.news_why[reason] += 1
+        elif self.now >= self.warmup_s:
+            self.stats.publications["refresh"] += 1
+        p.last_put = self.now
 
     def load_changed(self, q: Peer) -> None:
-        """``q``'s KV use changed: republish if ``load_step`` says so."""
+        """``q``'s KV use changed: its publisher looks if ``load_step`` says so."""
         if self.load_step and q.span is not None and q.id in self.claims:
             published = self.claims[q.id].load
             if int(published / self.load_step) != int(min(1.0, q.kv_used / q.kv_bytes) / self.load_step):
                 self.publish(q)
 
-    def _put_claim(self, p: Peer) -> None:
+    def _put_claim(self, p: Peer, claim: Claim | None = None) -> None:
         old = self.claims.get(p.id)
-        c = self.claims[p.id] = self.claim_of(p)  # a newer claim keeps the peer's place in the view
+        c = self.claims[p.id] = claim or self.claim_of(p)  # a newer claim keeps the peer's place in the view
         if old is not None and old.start != c.start:
             self.by_start.get(old.start, {}).pop(p.id, None)
         self.claim_ids.add(p.id)
         self.by_start.setdefault(c.start, {})[p.id] = None
+        size = wire.size_of(c)
+        self._claim_bytes_total += size - self._claim_bytes.get(p.id, 0)
+        self._claim_bytes[p.id] = size
 
     def _drop_claim(self, p: Peer) -> None:
         old = self.claims.pop(p.id, None)
         if old is not None:
             self.by_start.get(old.start, {}).pop(p.id, None)
         self.claim_ids.discard(p.id)
+        self._claim_bytes_total -= self._claim_bytes.pop(p.id, 0)
+        self.heard_until.pop(p.id, None)
 
-    def count_publish(self) -> None:
-        n = max(2, len(self.peers))
-        self.stats.msgs["dht"] += 2 * (DHT_ALPHA * math.ceil(math.log2(n)) + DHT_K)
-        self.stats.msgs["gossip"] += GOSSIP_D * n  # every subscriber hears it from its mesh
+    # -- what it costs ---------------------------------------------------------------------------
+    def count(self, kind: str, msgs: float, nbytes: float) -> None:
+        """Messages of ``kind`` and their bytes, counted after the warm-up (the swarm assembling)."""
+        if self.now < self.warmup_s:
+            return
+        self.stats.msgs[kind] += msgs
+        self.stats.bytes[kind] += nbytes
 
-    def count_lookup(self, p: Peer, times: int = 1) -> None:
+    def walk_rpcs(self) -> int:
+        """The RPCs of one DHT walk: ``DHT_ALPHA`` at a time, a round per bit of the swarm's size."""
+        return DHT_ALPHA * math.ceil(math.log2(max(2, len(self.peers))))
+
+    def count_put(self, claim_bytes: int) -> None:
+        """A DHT put: a walk to the key, then the record at the ``DHT_K`` closest peers."""
+        w = self.walk_rpcs()
+        self.count("dht", w + DHT_K, w * wire.walk_rpc() + DHT_K * wire.put_rpc(claim_bytes))
+
+    def count_provide(self) -> None:
+        w = self.walk_rpcs()
+        self.count("dht", w + DHT_K, w * wire.walk_rpc() + DHT_K * wire.provide_rpc())
+
+    def count_gossip(self, claim_bytes: int) -> None:
+        """News on the model's topic: every subscriber (every peer) hears it from its mesh."""
         n = max(2, len(self.peers))
-        self.stats.msgs["dht"] += times * (DHT_ALPHA * math.ceil(math.log2(n)) + 2 * min(64, len(self.claims)))
+        self.count("gossip", GOSSIP_D * n, GOSSIP_D * n * wire.gossip(claim_bytes))
+
+    def mean_claim_bytes(self) -> float:
+        if not self._claim_bytes:
+            return wire.claim_bytes("public", 0, False)
+        return self._claim_bytes_total / len(self._claim_bytes)
+
+    def count_lookup(self, p: Peer | None = None, times: int = 1) -> None:
+        """``find_claims``: a find_providers walk (its answers name up to LOOKUP_PROVIDERS
+        providers), then one direct request to each, dialling those it holds no connection to
+        (whose connections it holds are answered on them; then all are connected, so the
+        liveness check that follows pings none)."""
+        n = max(2, len(self.peers))
+        providers = min(LOOKUP_PROVIDERS, len(self.claims))
+        w = self.walk_rpcs()
+        self.count("dht", times * w, times * (w * wire.walk_rpc() + providers * wire.PEER_INFO))
+        unconnected = max(0.0, 1.0 - CONNECTED / n)
+        self.count("direct", times * providers,
+                   times * providers * (wire.direct(self.mean_claim_bytes()) + unconnected * wire.DIAL))
+
+    def count_liveness(self, p: Peer) -> None:
+        """Upkeep reading the claims view: connected peers count live, the others are pinged
+        (each dialled first)."""
+        pings = max(0, self.in_views() - 1 - CONNECTED)
+        self.count("ping", pings, pings * (wire.PING + wire.DIAL))
+
+    def in_views(self) -> int:
+        """How many claims a gossip-fed view holds now (news heard within its TTL; recounted
+        every 10 simulated seconds)."""
+        at, n = self._in_views
+        if self.now - at >= 10.0:
+            n = sum(1 for t in self.heard_until.values() if t > self.now)
+            self._in_views = (self.now, n)
+        return n
+
+    def visible(self, peer: str, looked_up: dict[str, float]) -> bool:
+        """Whether a view holds ``peer``'s claim: heard as news within its TTL, or found by one
+        of the view's own lookups (``looked_up``: peer -> the expiry of the claim it got)."""
+        return self.heard_until.get(peer, 0.0) > self.now or looked_up.get(peer, 0.0) > self.now
+
+    def look_up_into(self, looked_up: dict[str, float]) -> None:
+        """A view's lookup: LOOKUP_PROVIDERS providers asked directly, each answering the claim
+        its publisher built last (expiring a TTL after that)."""
+        self.count_lookup()
+        for peer in self.claim_ids.sample(self.rng, LOOKUP_PROVIDERS):
+            q = self.peers.get(peer)
+            if q is not None:
+                looked_up[peer] = q.last_look + CLAIM_TTL
 
     def measure_successors(self, p: Peer) -> None:
-        """Round trips to the peers serving the layers after its own, reported in its claim."""
+        """Round trips to the peers serving the layers after its own (``RTT_SAMPLES`` pings
+        each), reported in its claim."""
         if p.span is None:
             return
         nxt = [self.peers[q] for q in itertools.islice(self.by_start.get(p.span[1], ()), 32) if q in self.peers]
         p.rtts = tuple((q.id, self.rtt(p, q)) for q in nxt[:MAX_RTTS])
-        self.stats.msgs["ping"] += len(nxt)
+        self.count("ping", RTT_SAMPLES * len(nxt), RTT_SAMPLES * len(nxt) * wire.PING)
 
     def view_of(self, p: Peer, most: int | None) -> list[Claim]:
         """The live claims a peer's lookup finds (``most`` providers; None: all), not its own."""

@@ -33,12 +33,13 @@ import statistics
 import time as wallclock
 from dataclasses import dataclass, field
 
-from bench.swarm_sim import world
+from bench.swarm_sim import wire, world
 from bench.swarm_sim.events import TICK_S, EventLoop
 from bench.swarm_sim.models import ModelSpec
 from bench.swarm_sim.stats import Stats
 from bench.swarm_sim.swarm import Peer, Swarm, layer_capacity
 from shardnet.errors import NoRouteError
+from shardnet.inference.claims_view import REFRESH_S as VIEW_REFRESH_S
 from shardnet.inference.client.heal_plan import plan_heal
 from shardnet.inference.client.own_load import OwnLoad
 from shardnet.inference.client.route_planner import RTT_CACHE_S
@@ -97,6 +98,9 @@ class Gateway:
     known_gone: set[str] = field(default_factory=set)
     #: KV tokens this gateway's open sessions hold per peer (the client's OwnLoad)
     own: OwnLoad = field(default_factory=OwnLoad)
+    #: peer -> expiry of the claim this gateway's view got from it by a lookup (its ClaimsView
+    #: holds those and the news gossip brings)
+    looked_up: dict[str, float] = field(default_factory=dict)
 
 
 class Traffic:
@@ -127,6 +131,10 @@ class Traffic:
         self.gateways = [Gateway(n, world.city(n)) for n in world.GATEWAY_CITIES]
         self._rtt_cache: dict[tuple[str, str], float] = {}
         swarm.on_leave = self.peer_left
+        # each gateway's claims view looks up every claims_view.REFRESH_S (gossip brings news
+        # in between), the gateways a share of that apart
+        for i, g in enumerate(self.gateways):
+            self.clock.at(VIEW_REFRESH_S * i / len(self.gateways), lambda g=g: self.view_lookup(g))
         # The request load: ``load`` times the sessions the swarm's KV caches can hold at once
         # (sessions of the median context), arriving at the rate that keeps that many open if
         # each decodes at ``estimated_rate``; in cohorts no larger than a chain's KV cache takes.
@@ -149,6 +157,10 @@ class Traffic:
     @property
     def now(self) -> float:
         return self.clock.now
+
+    def view_lookup(self, g: Gateway) -> None:
+        self.swarm.look_up_into(g.looked_up)
+        self.clock.later(VIEW_REFRESH_S, lambda: self.view_lookup(g))
 
     def gateway_rtt(self, g: Gateway, p: Peer) -> float:
         key = (g.name, p.id)
@@ -187,7 +199,9 @@ class Traffic:
         self.requests = [r for r in self.requests if not r.over]
 
     def usable(self, g: Gateway, avoid: set[str] | frozenset[str]) -> list[Claim]:
-        return [c for c in self.swarm.claims.values() if c.peer not in g.known_gone and c.peer not in avoid]
+        visible = self.swarm.visible
+        return [c for c in self.swarm.claims.values()
+                if c.peer not in g.known_gone and c.peer not in avoid and visible(c.peer, g.looked_up)]
 
     def route(self, r: Request, *, avoid: set[str] | frozenset[str] = frozenset(), keep: list[Claim] | None = None,
               or_wait: bool = False) -> bool:
@@ -235,7 +249,7 @@ class Traffic:
                 continue
             q = self.swarm.peers.get(peer)
             g.probed_at[peer] = self.now
-            self.stats.msgs["ping"] += 1
+            self.swarm.count("ping", 1, wire.PING)
             if q is None:
                 g.known_gone.add(peer)
             else:
