@@ -24,7 +24,7 @@ a provide, no gossip).
   find_providers walk and one direct request to each provider (at most ``LOOKUP_PROVIDERS``).
   A compute peer's claims view (gossiped news) looks up every ``UPKEEP_LOOKUP_S``; at each upkeep
   it counts the peers it is connected to live (``CONNECTED``: the connection manager's high
-  watermark) and pings the others of its view, dialling them first.
+  watermark) and pings at most ``UPKEEP_PINGS`` of the others of its view, dialling them first.
 - What a gossip-fed view holds: a claim heard as news stays in views until it expires
   (``CLAIM_TTL`` after it was built); a refresh is not gossiped, so a claim with no news for a
   TTL is in a view only if a lookup of that view asked its peer (``heard_until``, and each
@@ -69,6 +69,8 @@ REPUBLISH_S = CLAIM_TTL / 3
 #: compute_peer.UPKEEP_LOOKUP_S (not imported: that module needs torch; a test keeps them equal):
 #: a compute peer's claims view looks up this often, gossip bringing news in between
 UPKEEP_LOOKUP_S = CLAIM_TTL / 3
+#: compute_peer.UPKEEP_PINGS: the most unconnected claims one upkeep round pings
+UPKEEP_PINGS = 16
 #: ``find_claims`` asks the DHT for at most this many providers, then each of them directly
 LOOKUP_PROVIDERS = 64
 #: the connections a peer holds (the connection manager prunes above its high watermark): the
@@ -532,12 +534,12 @@ class Swarm:
         self.count("dht", times * w, times * (w * wire.walk_rpc() + providers * wire.PEER_INFO))
         unconnected = max(0.0, 1.0 - CONNECTED / n)
         self.count("direct", times * providers,
-                   times * providers * (wire.direct(self.mean_claim_bytes()) + unconnected * wire.DIAL))
+                   times * providers * (wire.direct_request(self.mean_claim_bytes()) + unconnected * wire.DIAL))
 
     def count_liveness(self, p: Peer) -> None:
-        """Upkeep reading the claims view: connected peers count live, the others are pinged
-        (each dialled first)."""
-        pings = max(0, self.in_views() - 1 - CONNECTED)
+        """Upkeep reading the claims view: connected peers count live, at most ``UPKEEP_PINGS``
+        of the others are pinged (each dialled first), the rest trusted until they expire."""
+        pings = min(UPKEEP_PINGS, max(0, self.in_views() - 1 - CONNECTED))
         self.count("ping", pings, pings * (wire.PING + wire.DIAL))
 
     def in_views(self) -> int:

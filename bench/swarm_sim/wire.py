@@ -96,6 +96,6 @@ def gossip(claim: int) -> int:
     return claim + GOSSIP_ENVELOPE + FRAME
 
 
-def direct(claim: int) -> int:
+def direct_request(claim: int) -> int:
     """A direct claim request (a new stream) and its reply (a CBOR list of one claim)."""
     return (STREAM_OPEN + FRAME) + (claim + 4 + FRAME)

@@ -241,9 +241,9 @@ CHANGE_SHARE = 0.25
 def news(old: Claim | None, new: Claim) -> str | None:
     """What makes ``new`` news against the claim last published (``old``), or None when it only
     refreshes it: the first claim, another span (served or loading), addresses, reachability,
-    dtype or quantization, a start time, another successor set; load into another of
-    ``LOAD_STEPS`` steps; tokens/s, free KV tokens or a successor's round trip changed by
-    ``CHANGE_SHARE`` or more. A publisher raises ``seq`` for news only (sans-IO: both the
+    dtype or quantization, a start time; successors measured where there were none (or none
+    left); load into another of ``LOAD_STEPS`` steps; tokens/s, free KV tokens or the fastest
+    successor's round trip changed by ``CHANGE_SHARE`` or more. A publisher raises ``seq`` for news only (sans-IO: both the
     publisher and the swarm simulation call this)."""
     if old is None:
         return "first claim"
@@ -258,10 +258,13 @@ def news(old: Claim | None, new: Claim) -> str | None:
         return "tput"
     if _moved(old.kv_tokens, new.kv_tokens):
         return "kv_tokens"
-    old_rtts, new_rtts = dict(old.rtts), dict(new.rtts)
-    if old_rtts.keys() != new_rtts.keys():
+    # successors: only the fastest round trip (what a client's route through us is bounded by)
+    # and whether there is one at all; which peers they are changes every upkeep in a large
+    # swarm, and as news it was most of the gossip there (docs/scale.md)
+    old_best, new_best = min((t for _, t in old.rtts), default=None), min((t for _, t in new.rtts), default=None)
+    if (old_best is None) != (new_best is None):
         return "successors"
-    if any(_moved(old_rtts[p], t, RTT_FLOOR_S) for p, t in new_rtts.items()):
+    if old_best is not None and _moved(old_best, new_best, RTT_FLOOR_S):
         return "rtts"
     return None
 

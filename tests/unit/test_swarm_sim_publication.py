@@ -23,6 +23,7 @@ def test_constants_mirrored_from_torch_modules_stay_equal():
     from shardnet.inference.server import compute_peer, scheduler
 
     assert swarm.UPKEEP_LOOKUP_S == compute_peer.UPKEEP_LOOKUP_S
+    assert swarm.UPKEEP_PINGS == compute_peer.UPKEEP_PINGS
     assert swarm.BATCH_TOKENS == scheduler.DEFAULT_MAX_TOKENS
     assert REPUBLISH_S == CLAIM_TTL / 3
 
@@ -70,7 +71,7 @@ def test_a_lookup_is_a_walk_and_a_direct_request_per_provider():
     swarm, stats = a_swarm(80)
     swarm.count_lookup()
     assert stats.msgs["direct"] == LOOKUP_PROVIDERS  # at most 64 providers asked, of 80
-    assert stats.msgs["dht"] > 0 and stats.bytes["direct"] >= LOOKUP_PROVIDERS * wire.direct(500)
+    assert stats.msgs["dht"] > 0 and stats.bytes["direct"] >= LOOKUP_PROVIDERS * wire.direct_request(500)
 
 
 def test_a_claims_size_is_measured_with_the_real_encoder():

@@ -81,6 +81,8 @@ MEASURE_S = 3.0
 #: seconds between a compute peer's lookups of the claims (gossip brings news in between; a
 #: lookup brings refreshed claims, which are not gossiped): a third of the claims' TTL
 UPKEEP_LOOKUP_S = CLAIM_TTL / 3
+#: the most claims of peers we are not connected to that one upkeep round pings
+UPKEEP_PINGS = 16
 
 
 def measure_throughput(block: Block, tokens: int = 8, rounds: int = 3) -> float:
@@ -284,7 +286,20 @@ class ComputePeer:
                 with trio.move_on_after(wait):
                     await self.view.first_lookup.wait()
             claims = self.view.current()
-        return await live_claims(self.node, [c for c in claims if c.peer != me], connected_are_live=True)
+        claims = [c for c in claims if c.peer != me]
+        if look_up:
+            return await live_claims(self.node, claims, connected_are_live=True)
+        # upkeep: peers we are connected to are live (keepalive closes dead connections, and a
+        # closed one wakes upkeep); of the others, ping at most UPKEEP_PINGS, our chain
+        # neighbours and span-mates first, and trust the rest until their claims expire: pinging
+        # every claim each round grew with the swarm (docs/scale.md)
+        connected = [c for c in claims if self.node.link(c.peer) is not None]
+        others = [c for c in claims if self.node.link(c.peer) is None]
+        start, end = self.span if self.served is not None else (-1, -1)
+        random.shuffle(others)
+        others.sort(key=lambda c: not (c.start == end or c.end == start or (c.start, c.end) == (start, end)))
+        pinged = await live_claims(self.node, others[:UPKEEP_PINGS])
+        return connected + pinged + others[UPKEEP_PINGS:]
 
     async def measure_successors(self, claims: list[Claim]) -> None:
         """Round trips to the peers serving the layers right after ours (for clients' routing)."""

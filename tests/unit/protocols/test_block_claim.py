@@ -169,8 +169,10 @@ def test_what_is_news():
     assert bc.news(old, dataclasses.replace(old, load=0.38)) == "load"  # into the next eighth
     assert bc.news(old, dataclasses.replace(old, tput=9.0)) == "tput"
     assert bc.news(old, dataclasses.replace(old, kv_tokens=700)) == "kv_tokens"
-    assert bc.news(old, dataclasses.replace(old, rtts=(("a", 0.020),))) == "successors"
-    assert bc.news(old, dataclasses.replace(old, rtts=(("a", 0.020), ("b", 0.080)))) == "rtts"
+    assert bc.news(old, dataclasses.replace(old, rtts=())) == "successors"  # none left
+    assert bc.news(dataclasses.replace(old, rtts=()), old) == "successors"  # measured at last
+    assert bc.news(old, dataclasses.replace(old, rtts=(("c", 0.021), ("b", 0.080)))) is None  # others, as fast
+    assert bc.news(old, dataclasses.replace(old, rtts=(("a", 0.035), ("b", 0.050)))) == "rtts"  # the fastest slower
     # a round trip's jitter under RTT_FLOOR_S is not news, whatever its share
     assert bc.news(old, dataclasses.replace(old, rtts=(("a", 0.024), ("b", 0.050)))) is None
 
