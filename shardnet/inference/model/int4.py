@@ -30,7 +30,7 @@ GPU kernel (opt-in: ``SHARDNET_STORED_KERNELS=1``, stored.py; not yet run on any
 ``Int4Groups.cuda_linear`` computes ``x @ W.T`` with PyTorch's int4 tinygemm kernel
 (``aten._weight_int4pack_mm``, the one torchao's int4 weight-only CUDA layout calls) for bfloat16
 activations on CUDA, with group size 32, 64, 128 or 256, whole groups, in features a multiple of
-64 and out features of 8. Each call repacks the stored nibbles into tinygemm's tile layout on the
+32 and out features of 8. Each call repacks the stored nibbles into tinygemm's tile layout on the
 GPU (``_convert_weight_to_int4pack``; the block keeps only the stored layout, which the CPU
 fallback reads) and rewrites the scales and zeros as tinygemm reads them: ``W = (q - 8) * s + m``
 with ``m = (8 - z) * s``, both in bfloat16. That rounding (fp16 scales to bf16: 8 mantissa bits
@@ -208,12 +208,12 @@ class Int4Groups:
         """``x @ W.T`` by tinygemm on a CUDA device, else None (module docstring)."""
         n = self.columns
         if x.device.type != "cuda" or x.dtype != torch.bfloat16 or self.group_size not in (32, 64, 128, 256) \
-                or n % self.group_size or n % 64:
+                or n % self.group_size or n % 32:
             return None
         q, z, s = self.ints(parts)
         if q.dim() != 2 or q.shape[0] % 8:
             return None
-        inner_k_tiles = 8 if n % 256 == 0 else 4 if n % 128 == 0 else 2
+        inner_k_tiles = 8 if n % 128 == 0 else 4 if n % 64 == 0 else 2  # (in features a multiple of 16 x tiles)
         packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), inner_k_tiles)
         scale = s.float()
         zero = (8 - (z if isinstance(z, int) else z.float())) * scale  # exact in float32, then rounded
