@@ -89,7 +89,7 @@ MIN_DRAFT_CALLS_AS_CPU = 0.8
 MIN_BATCHED_ARGMAX = 0.99
 STORED_KERNEL_FORMATS = {  # row -> (format written, format name in KERNEL_CALLS)
     "fp8 128x128": ("fp8", "fp8-blocks"), "fp8 per-row": ("fp8-rows", "fp8-blocks"),
-    "gptq": ("gptq", "gptq-int4"), "awq": ("awq", "awq-int4"), "compressed-tensors": ("compressed-tensors", "compressed-tensors-int4"),
+    **{f: (f, f"{f}-int4") for f in ("gptq", "awq", "compressed-tensors")},
 }
 #: row -> (max relative error of one Linear, of the block's logits; min top-1 agreement): about
 #: twice to three times what a CPU emulation of each kernel's rounding measured (docstring)

@@ -88,7 +88,7 @@ class Fp8Blocks:
         """``x @ W.T`` by ``scaled_mm`` on a CUDA device that has the recipe, else None (module docstring)."""
         weight, scale = parts["weight"], parts["scale"]
         if x.device.type != "cuda" or x.dtype != torch.bfloat16 or weight.dim() != 2 \
-                or weight.dtype != torch.float8_e4m3fn:
+                or weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous():
             return None
         out_f, in_f = weight.shape
         capability = torch.cuda.get_device_capability(x.device)

@@ -218,7 +218,7 @@ class Int4Groups:
         scale = s.float()
         zero = (8 - (z if isinstance(z, int) else z.float())) * scale  # exact in float32, then rounded
         scale_and_zero = torch.stack((scale, zero), -1).to(torch.bfloat16).transpose(0, 1).contiguous()  # [G, O, 2]
-        y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, n), packed, self.group_size, scale_and_zero)
+        y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, n).contiguous(), packed, self.group_size, scale_and_zero)
         return y.reshape(*x.shape[:-1], q.shape[0])
 
     def dequantize_into(self, parts: dict[str, torch.Tensor], out: torch.Tensor) -> None:
