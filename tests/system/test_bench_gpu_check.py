@@ -1,5 +1,6 @@
 """bench/gpu_check.py --device cpu --quick runs every row of the GPU check on the CPU: each path
-passes against its reference (the KV pool, not built yet, is skipped), printed as one table; and
+passes against its reference (the stored-format kernels fall back to the dequantizing path there, bit
+for bit; the KV pool, not built yet, is skipped), printed as one table; and
 asked for CUDA where there is none, it says so in one line."""
 
 import subprocess
@@ -12,7 +13,9 @@ from shardnet.testing.helpers import REPO_ROOT
 
 BENCH = [sys.executable, "-m", "bench.gpu_check"]
 ROWS = ["draft, CUDA graph: tiny-llama-draft", "batched block (BlockScheduler)", "quantized int8 (bf16)",
-        "quantized int4 (bf16)", "2-peer chain, one device", "kv pool"]
+        "quantized int4 (bf16)", *(f"stored kernel: {f}" for f in ("fp8 128x128", "fp8 per-row", "gptq", "awq",
+                                                                    "compressed-tensors")),
+        "2-peer chain, one device", "kv pool"]
 
 
 @pytest.mark.slow
@@ -32,7 +35,7 @@ def test_every_row_runs_on_the_cpu():
         assert status == "pass", r.stdout
         assert reference != "-" and agreement != "-" and float(diff) >= 0 and float(seconds) > 0, r.stdout
         assert "FAILED" not in note, r.stdout
-    assert lines[-1].startswith(f"{len(ROWS)} rows in ") and lines[-1].endswith("5 passed, 0 failed, 1 skipped")
+    assert lines[-1].startswith(f"{len(ROWS)} rows in ") and lines[-1].endswith("10 passed, 0 failed, 1 skipped")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="there is a CUDA device here")

@@ -7,6 +7,22 @@ before Hopper) computes with the dequantized weight: ``W.float() * scale`` per b
 compute dtype, one weight at a time as it runs: the block keeps the FP8 bytes and the scales
 (``stored_fp8_blocks``: a ``StoredWeight`` each, stored.py). Tensors without a scale (norms, embeddings, routers) pass through
 unchanged; an FP8 one without its scale is refused.
+
+GPU kernel (opt-in: ``SHARDNET_STORED_KERNELS=1``, stored.py; not yet run on any device):
+``Fp8Blocks.cuda_linear`` computes ``x @ W.T`` with ``torch.nn.functional.scaled_mm`` (torch's
+``_scaled_mm``) from the FP8 bytes and scales as stored, quantizing the activations to e4m3 on
+the fly (scale = amax / 448 per group; e4m3 keeps 3 mantissa bits, so each activation is
+rounded by at most 2^-4 of itself, about 2 % on average: the error DeepSeek-V3's recipe accepts):
+
+- 128x128 weight blocks (DeepSeek-V3, Qwen3-FP8): activations in 1x128 groups, torch's
+  ``BlockWise1x128`` x ``BlockWise128x128`` recipe: Hopper (capability 9.x) with CUDA >= 12.9
+  (cuBLASLt's block scaling), in and out features multiples of 128;
+- one scale per output row (``weight_block_size`` [1, n] with n >= in features): activations per
+  row, the ``RowWise`` recipe, capability >= 8.9; in and out features multiples of 16.
+
+bfloat16 activations only (the compute dtype of FP8 checkpoints; the row-wise kernel writes
+bfloat16 only). Any other case (other block sizes, another GPU, a CPU) returns None and the
+weight is dequantized as above.
 """
 
 from __future__ import annotations
@@ -14,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from shardnet.errors import CheckpointError
 from shardnet.inference.model.stored import StoredWeight, dequantize_rows
@@ -67,12 +84,56 @@ class Fp8Blocks:
         step = max(1, CHUNK // (rows * out.shape[-1])) * rows
         dequantize_rows(self.dequantize, parts, out, {"weight": 1, "scale": rows}, step)
 
+    def cuda_linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """``x @ W.T`` by ``scaled_mm`` on a CUDA device that has the recipe, else None (module docstring)."""
+        weight, scale = parts["weight"], parts["scale"]
+        if x.device.type != "cuda" or x.dtype != torch.bfloat16 or weight.dim() != 2 \
+                or weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous():
+            return None
+        out_f, in_f = weight.shape
+        capability = torch.cuda.get_device_capability(x.device)
+        cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+        x2 = x.reshape(-1, in_f)
+        if self.block == (128, 128) and capability[0] == 9 and cuda >= (12, 9) \
+                and in_f % 128 == 0 and out_f % 128 == 0:
+            xq, xs = quantize_groups(x2, 128)
+            k_blocks = in_f // 128
+            padded = -(-k_blocks // 4) * 4  # cuBLASLt's scale_b: [ceil(K/128) up to 4s, N/128], column-major
+            scale_b = scale.new_zeros(out_f // 128, padded)
+            scale_b[:, :k_blocks] = scale
+            y = F.scaled_mm(xq, weight.t(), xs.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                            scale_b.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+        elif self.block[0] == 1 and self.block[1] >= in_f and capability >= (8, 9) \
+                and in_f % 16 == 0 and out_f % 16 == 0:
+            xq, xs = quantize_groups(x2, in_f)
+            y = F.scaled_mm(xq, weight.t(), xs.contiguous(), F.ScalingType.RowWise,
+                            scale.reshape(1, out_f).contiguous(), F.ScalingType.RowWise, output_dtype=torch.bfloat16)
+        else:
+            return None
+        return y.reshape(*x.shape[:-1], out_f)
+
     def cat(self, parts_list: list[dict[str, torch.Tensor]], dim: int, shapes) -> dict[str, torch.Tensor] | None:
         """Joined along out (-2) or in (-1) where every piece but the last fills whole blocks."""
         step = self.block[0] if dim == -2 else self.block[1]
         if any(shape[dim] % step for shape in shapes[:-1]):
             return None
         return {k: torch.cat([p[k] for p in parts_list], dim) for k in ("weight", "scale")}
+
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [M, K] as float8_e4m3fn and its float32 scales [M, ceil(K/group)], one per ``group``
+    consecutive values of a row (amax / 448; an all-zero group gets scale 1): the activations'
+    half of a scaled matmul."""
+    m, k = x.shape
+    groups = -(-k // group)
+    g = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    amax = g.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (g / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, -1)[:, :k].contiguous(), scale
 
 
 def stored_fp8_blocks(tensors: dict[str, torch.Tensor], block: tuple[int, int],

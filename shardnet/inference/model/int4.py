@@ -25,6 +25,18 @@ kernel on CPU). ``g_idx`` (GPTQ) must be the trivial ``i // group_size`` (no act
 permutation) and is then dropped, as is ``weight_shape`` (the weight's logical shape is kept).
 Transformers' MoE key conversion stacks per-expert weights into banks and joins gate and up
 along out: both stay stored (``Int4Groups.cat``).
+
+GPU kernel (opt-in: ``SHARDNET_STORED_KERNELS=1``, stored.py; not yet run on any device):
+``Int4Groups.cuda_linear`` computes ``x @ W.T`` with PyTorch's int4 tinygemm kernel
+(``aten._weight_int4pack_mm``, the one torchao's int4 weight-only CUDA layout calls) for bfloat16
+activations on CUDA, with group size 32, 64, 128 or 256, whole groups, in features a multiple of
+32 and out features of 8. Each call repacks the stored nibbles into tinygemm's tile layout on the
+GPU (``_convert_weight_to_int4pack``; the block keeps only the stored layout, which the CPU
+fallback reads) and rewrites the scales and zeros as tinygemm reads them: ``W = (q - 8) * s + m``
+with ``m = (8 - z) * s``, both in bfloat16. That rounding (fp16 scales to bf16: 8 mantissa bits
+instead of 11) changes the numerics slightly (at most about 2^-9 of ``|8 - z| * s + 8 * s``, a
+few hundredths of one quantization step), so it is used on the GPU only and opt-in; the
+dequantizing path computes ``(q - z) * s`` exactly. Other cases return None (dequantize).
 """
 
 from __future__ import annotations
@@ -191,6 +203,23 @@ class Int4Groups:
             w.sub_(z if isinstance(z, int) else z.repeat_interleave(self.group_size, -1)[..., :n])
             w.mul_(s.float().repeat_interleave(self.group_size, -1)[..., :n])
         return w.to(dtype)
+
+    def cuda_linear(self, x: torch.Tensor, parts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """``x @ W.T`` by tinygemm on a CUDA device, else None (module docstring)."""
+        n = self.columns
+        if x.device.type != "cuda" or x.dtype != torch.bfloat16 or self.group_size not in (32, 64, 128, 256) \
+                or n % self.group_size or n % 32:
+            return None
+        q, z, s = self.ints(parts)
+        if q.dim() != 2 or q.shape[0] % 8:
+            return None
+        inner_k_tiles = 8 if n % 128 == 0 else 4 if n % 64 == 0 else 2  # (in features a multiple of 16 x tiles)
+        packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), inner_k_tiles)
+        scale = s.float()
+        zero = (8 - (z if isinstance(z, int) else z.float())) * scale  # exact in float32, then rounded
+        scale_and_zero = torch.stack((scale, zero), -1).to(torch.bfloat16).transpose(0, 1).contiguous()  # [G, O, 2]
+        y = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, n).contiguous(), packed, self.group_size, scale_and_zero)
+        return y.reshape(*x.shape[:-1], q.shape[0])
 
     def dequantize_into(self, parts: dict[str, torch.Tensor], out: torch.Tensor) -> None:
         """A few output rows at a time (every value is its own: the same bits). Out lies along

@@ -13,7 +13,9 @@ The unquantized model's bank is the transpose, ``gate_up_proj`` [E, I, O] (gpt-o
 so ``bank[e]`` is a view and ``x @ bank[e]`` dequantizes that one expert as it runs
 (``dequantize_transposed``: what transformers' ``convert_moe_packed_tensors`` returns, bit for
 bit, in the same layout). GPUs with an MXFP4 kernel (transformers uses
-triton's ``matmul_ogs`` on Hopper) compute from the packed bytes; none is used here. The biases,
+triton's ``matmul_ogs`` on Hopper) compute from the packed bytes; none is used here: ``Mxfp4``
+has no ``cuda_linear`` (stored.py's opt-in kernel hook), as no MXFP4 kernel package installs here
+without triton and hub access. The biases,
 router, attention, norms and embeddings are stored in bf16 and pass through unchanged.
 """
 

@@ -17,6 +17,14 @@ read them). transformers' modules run on it unchanged:
   ``.to(dtype)`` are views of the stored parts: they dequantize nothing;
 - any other operation on it dequantizes it first and runs on the result (correct, just not kept).
 
+GPU kernels (opt-in, not yet run on any device): a format may define ``cuda_linear(x, parts)``,
+``x @ W.T`` for a 2-D stored ``W`` [out, in] straight from its parts with a kernel of the device
+(FP8: ``torch._scaled_mm``'s recipes, fp8.py; int4: PyTorch's tinygemm, int4.py), or None where
+it has none for that case. ``F.linear(x, w)`` and ``x @ w.t()`` (``mm``/``addmm``/``matmul``)
+use it only when ``SHARDNET_STORED_KERNELS=1`` is set and the weight is on a CUDA device
+(``kernels_enabled``); everywhere else, and wherever the hook returns None, the weight is
+dequantized as above. ``KERNEL_CALLS`` counts the calls each format's kernel served.
+
 ``stored_nbytes(t)``: what a tensor holds in memory, stored parts for a ``StoredWeight``; every
 byte count of a block (its load report, placement, claims) goes through it.
 """
@@ -24,7 +32,9 @@ byte count of a block (its load report, placement, claims) goes through it.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -115,6 +125,10 @@ class StoredWeight(torch.Tensor):
             out = view(*args, **kwargs)
             if out is not None:
                 return out
+        if func in _KERNEL_OPS:
+            out = _kernel_linear(func, args, kwargs)
+            if out is not None:
+                return out
         if func in _COMPUTE_OPS:
             stored = [a for a in (*args, *kwargs.values()) if isinstance(a, StoredWeight)]
             if len(stored) == 1:
@@ -133,6 +147,54 @@ def _dense(x):
 #: arguments is dequantized into the scratch buffer, which the next call overwrites
 _COMPUTE_OPS = {aten.linear.default, aten.matmul.default, aten.mm.default, aten.addmm.default, aten.bmm.default,
                 aten.baddbmm.default, aten._grouped_mm.default}
+
+
+#: set to 1 to let stored weights on a CUDA device use their format's kernel (``cuda_linear``):
+#: opt-in while no device has run them (bench/gpu_check.py's stored-kernel rows check them)
+KERNELS_ENV = "SHARDNET_STORED_KERNELS"
+#: format name -> calls its ``cuda_linear`` served (bench/gpu_check.py checks the kernels ran)
+KERNEL_CALLS: Counter[str] = Counter()
+
+
+def on_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def kernels_enabled(device: torch.device) -> bool:
+    """Whether a stored weight on ``device`` may use its format's kernel: ``SHARDNET_STORED_KERNELS=1``
+    and a CUDA device."""
+    return os.environ.get(KERNELS_ENV) == "1" and on_cuda(device)
+
+
+#: the ops ``_kernel_linear`` serves: linear(x, W[, b]), and mm/matmul(x, W.t()), addmm(b, x, W.t())
+_KERNEL_OPS = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.addmm.default}
+
+
+def _kernel_linear(func, args, kwargs) -> torch.Tensor | None:
+    """``func`` computed by the stored weight's ``cuda_linear``, or None (the dequantizing path)
+    where the op is not ``x @ W.T (+ b)`` of a 2-D stored ``W``, kernels are not enabled for its
+    device, or its format has no kernel for this case."""
+    if func is aten.linear.default:
+        x, w, bias = (*args, None)[:3] if not kwargs else (args[0], args[1], kwargs.get("bias"))
+        transposed = False
+    elif func is aten.addmm.default and len(args) == 3 and not kwargs:  # (beta = alpha = 1)
+        bias, x, w = args
+        transposed = True
+    elif func in (aten.mm.default, aten.matmul.default) and len(args) == 2 and not kwargs:
+        (x, w), bias, transposed = args, None, True
+    else:
+        return None
+    if not isinstance(w, StoredWeight) or isinstance(x, StoredWeight) or isinstance(bias, StoredWeight) \
+            or w.dim() != 2 or w.stored_layout.transposed != transposed:
+        return None
+    hook = getattr(w.fmt, "cuda_linear", None)
+    if hook is None or not kernels_enabled(w.device):
+        return None
+    out = hook(x, w.parts)
+    if out is None:
+        return None
+    KERNEL_CALLS[w.fmt.name] += 1
+    return out if bias is None else out + bias
 
 
 class _Scratch:
