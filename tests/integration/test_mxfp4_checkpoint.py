@@ -8,6 +8,7 @@ each peer must hold the experts as the MXFP4 bytes.
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from shardnet.inference.client.client import Client
 from shardnet.inference.model.block import Block
 from shardnet.inference.model.checkpoint import Checkpoint
 from shardnet.inference.model.local_model import LocalModel
+from shardnet.inference.model.quantize import bytes_per_param, weight_bytes
 from shardnet.inference.model.random_model import init_random
 from shardnet.inference.model.stored import StoredWeight, module_stored_nbytes, stored_nbytes
 from shardnet.inference.server.placement import layer_bytes
@@ -105,10 +107,21 @@ def test_join_quantize_keeps_the_mxfp4_banks_and_placement_counts_them(checkpoin
     assert type(block.layers[0].self_attn.q_proj.weight).__name__ == "Int8Tensor"
     banks = sum(ckpt.entries[n].size for n in ckpt.layer_tensors(0) if n.endswith(("_blocks", "_scales")))
     assert stored_nbytes(experts.gate_up_proj) + stored_nbytes(experts.down_proj) == banks
-    # the layers differ only by their banks (gpt-oss's transposed bf16 banks stay bf16 under --quantize)
-    bf16_banks = sum(original.entries[n].size for n in original.layer_tensors(0) if n.endswith("_proj"))
+    # the layers differ only by their banks (the bf16 original's quantized as 8-bit groups)
+    bf16_banks = sum(math.prod(shape) * bytes_per_param("int8", 2, in_features=min(shape[1:]), expert=True)
+                     for shape in (original.catalog[n].shape for n in original.layer_tensors(0) if n.endswith("_proj")))
     assert layer_bytes(ckpt, 0, "bfloat16", "int8") - layer_bytes(original, 0, "bfloat16", "int8") == \
-        banks - bf16_banks
+        pytest.approx(banks - bf16_banks, abs=2)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_placement_counts_quantized_bf16_banks_as_held(checkpoints, mode):
+    """``--quantize`` makes 8- or 4-bit groups of gpt-oss's bf16 expert banks: placement's bytes
+    are what the block holds (at most the worst case of the groups above)."""
+    original = Checkpoint(checkpoints[0])
+    block = Block(original, 0, 1, dtype=torch.bfloat16, quantize=mode)
+    held, counted = weight_bytes(block.layers), layer_bytes(original, 0, "bfloat16", mode)
+    assert held <= counted <= 1.2 * held, (held, counted)
 
 
 @pytest.fixture

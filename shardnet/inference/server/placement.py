@@ -59,6 +59,12 @@ def layer_bytes(ckpt, layer: int, dtype: str, quantize: str | None = None) -> in
             continue  # (quantized anew from the dequantized weight: its stored scales are not kept)
         if quantize and len(shape) == 2 and name.endswith(".weight") and shape[0] >= MIN_QUANTIZED_OUT:
             total += n * bytes_per_param(quantize, size, in_features=shape[1], expert=".experts." in name)
+        elif quantize and len(shape) == 3 and ".experts." in name and held_bytes(ckpt.quant, name, info, size) \
+                == n * size:
+            # an expert bank ([experts, ...] in the compute dtype): quantized as a bank (IntGroups);
+            # which of its two widths is the input (transposed or not) is not known here: the
+            # narrower, whose groups cost more
+            total += n * bytes_per_param(quantize, size, in_features=min(shape[1:]), expert=True)
         else:
             total += held_bytes(ckpt.quant, name, info, size)
     return int(total)
