@@ -115,7 +115,7 @@ class Node:
         self.bootstrap = BootstrapSupervisor(list(bootstrap), config)
         self.discovery = Discovery(config, lambda peer: self.emit(PeerEvent("discovered", peer)))
         self.keepalive = Keepalive(config)
-        self.connections = ConnectionManager(config)
+        self.connection_manager = ConnectionManager(config)
         for core in self.core_behaviours:
             core.attach(self)
         #: set (and replaced) whenever a connection opens or closes or a bootstrap dial fails
@@ -137,7 +137,7 @@ class Node:
     @property
     def core_behaviours(self) -> list[Behaviour]:
         """What every node runs: bootstrap supervision, discovery, keepalive, the connection manager."""
-        return [self.bootstrap, self.discovery, self.keepalive, self.connections]
+        return [self.bootstrap, self.discovery, self.keepalive, self.connection_manager]
 
     def behaviour(self, cls: type[B]) -> B | None:
         """The node's (pluggable) behaviour of type ``cls``, or None."""
@@ -669,7 +669,7 @@ async def _start_behaviours(node: Node, nursery: trio.Nursery, behaviours: list[
     node.started.set()
     await nursery.start(node.discovery.run, node)
     await nursery.start(node.keepalive.run, node)
-    await nursery.start(node.connections.run, node)
+    await nursery.start(node.connection_manager.run, node)
     log.info("node %s listening on %s", node.peer_id, ", ".join(map(str, node.listen_addrs)))
 
 

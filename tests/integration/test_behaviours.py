@@ -237,13 +237,13 @@ async def test_the_connection_manager_trims_idle_connections_over_the_high_water
         for o in others:
             await hub.connect(f"{o.listen_addrs[0]}/p2p/{o.peer_id}")
         await hub.wait_bootstrapped()
-        hub.connections.protect(others[0].peer_id, "successor")
+        hub.connection_manager.protect(others[0].peer_id, "successor")
         busy = await hub.new_stream(others[1].peer_id, echo.PROTOCOL_ID)
         stay = {boot.peer_id, others[0].peer_id, others[1].peer_id}
         with trio.fail_after(20):
             while set(hub.host.get_connected_peers()) != stay:  # (a connection busy a moment waits a round)
-                hub.connections.trim_soon()
+                hub.connection_manager.trim_soon()
                 await trio.sleep(0.1)
-        assert hub.connections.snapshot().trimmed == 3
+        assert hub.connection_manager.snapshot().trimmed == 3
         assert await echo.echo_once(busy, b"still here") == b"still here"
         await busy.close()

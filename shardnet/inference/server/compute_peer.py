@@ -223,7 +223,7 @@ class ComputePeer:
         self.endpoint.serve(served)
         self.served = served
         for peer in self.successor_rtts:  # (the next upkeep measures the new span's successors)
-            self.node.connections.unprotect(peer, "successor")
+            self.node.connection_manager.unprotect(peer, "successor")
         self.successor_rtts = {}
         return served
 
@@ -309,9 +309,9 @@ class ComputePeer:
         successors = {peer: p.rtt for peer, p in pings.items() if p.rtt is not None}
         # our chain neighbours keep their connections whatever the connection manager trims
         for peer in self.successor_rtts.keys() - successors.keys():
-            self.node.connections.unprotect(peer, "successor")
+            self.node.connection_manager.unprotect(peer, "successor")
         for peer in successors:
-            self.node.connections.protect(peer, "successor")
+            self.node.connection_manager.protect(peer, "successor")
         self.successor_rtts = successors
 
     async def maintain(self, publisher: ClaimPublisher, *, interval: float, rebalance: bool,
