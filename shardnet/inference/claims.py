@@ -34,15 +34,19 @@ RTT_SAMPLES = 3
 
 
 async def live_claims(node: Node, claims: list[bc.Claim], *, timeout: float = 3.0,
-                      connected_are_live: bool = False) -> list[bc.Claim]:
+                      connected_are_live: bool = False, ping_most: int | None = None) -> list[bc.Claim]:
     """The claims whose peers answer a ping now (a claim outlives its peer until it expires).
     ``connected_are_live``: a peer we hold a connection to counts as live without a ping (its
     keepalive closes the connection within ``keepalive_interval + keepalive_timeout`` of the
-    peer going silent, and a process that exits closes it at once)."""
+    peer going silent, and a process that exits closes it at once); of the others, only the
+    first ``ping_most`` (in the order given; None: all) are pinged, the rest trusted until
+    their claims expire."""
     if connected_are_live:
-        connected = [c for c in claims if node.link(c.peer) is not None]
-        others = [c for c in claims if node.link(c.peer) is None]
-        return connected + await live_claims(node, others, timeout=timeout)
+        linked = {c.peer for c in claims if node.link(c.peer) is not None}
+        others = [c for c in claims if c.peer not in linked]
+        most = len(others) if ping_most is None else ping_most
+        pinged = await live_claims(node, others[:most], timeout=timeout)
+        return [c for c in claims if c.peer in linked] + pinged + others[most:]
     pings = await node.ping_many([c.peer for c in claims], timeout=timeout)
     for peer, p in pings.items():
         if p.rtt is None:

@@ -287,19 +287,16 @@ class ComputePeer:
                     await self.view.first_lookup.wait()
             claims = self.view.current()
         claims = [c for c in claims if c.peer != me]
-        if look_up:
-            return await live_claims(self.node, claims, connected_are_live=True)
-        # upkeep: peers we are connected to are live (keepalive closes dead connections, and a
-        # closed one wakes upkeep); of the others, ping at most UPKEEP_PINGS, our chain
-        # neighbours and span-mates first, and trust the rest until their claims expire: pinging
-        # every claim each round grew with the swarm (docs/scale.md)
-        connected = [c for c in claims if self.node.link(c.peer) is not None]
-        others = [c for c in claims if self.node.link(c.peer) is None]
-        start, end = self.span if self.served is not None else (-1, -1)
-        random.shuffle(others)
-        others.sort(key=lambda c: not (c.start == end or c.end == start or (c.start, c.end) == (start, end)))
-        pinged = await live_claims(self.node, others[:UPKEEP_PINGS])
-        return connected + pinged + others[UPKEEP_PINGS:]
+        if not look_up:
+            # upkeep: peers we are connected to are live (keepalive closes dead connections, and
+            # a closed one wakes upkeep); of the others, ping at most UPKEEP_PINGS, our chain
+            # neighbours and span-mates first, and trust the rest until their claims expire:
+            # pinging every claim each round grew with the swarm (docs/scale.md)
+            start, end = self.span if self.served is not None else (-1, -1)
+            random.shuffle(claims)
+            claims.sort(key=lambda c: not (c.start == end or c.end == start or (c.start, c.end) == (start, end)))
+        return await live_claims(self.node, claims, connected_are_live=True,
+                                 ping_most=None if look_up else UPKEEP_PINGS)
 
     async def measure_successors(self, claims: list[Claim]) -> None:
         """Round trips to the peers serving the layers right after ours (for clients' routing)."""
