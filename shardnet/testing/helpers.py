@@ -20,6 +20,17 @@ from shardnet.testing.localswarm import free_port, shardnet_argv  # noqa: F401 (
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def bench_stdout(module: str, *args: str, timeout: float) -> str:
+    """Run a bench as its smoke tests do (``python -m bench.NAME ARGS`` from the repository root)
+    and return what it printed; it must exit 0 (the assertion shows the end of its stderr)."""
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                       timeout=timeout, check=False, cwd=REPO_ROOT)
+    assert r.returncode == 0, f"{module} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
 def transformers_model(path, dtype: str | None = None):
     """The checkpoint at ``path`` as single-process transformers loads it, for inference: in its own
     dtype (``dtype=None``: transformers' default, as shardnet's ``--dtype auto``) or in ``dtype``

@@ -4,22 +4,18 @@ peer visible, the CPU figures, the profile's categories (their shares adding up 
 message rates from its call counts. The figures themselves are not checked."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
-from shardnet.testing.helpers import REPO_ROOT
+from shardnet.testing.helpers import bench_stdout
 
 NUM = r"-?[\d.]+"
 
 
 @pytest.mark.slow
 def test_idle_swarm_bench_runs_and_prints_its_tables():
-    r = subprocess.run([sys.executable, "-m", "bench.idle_swarm", "--quick"], capture_output=True, text=True,
-                       timeout=300, check=False, cwd=REPO_ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.splitlines()
+    out = bench_stdout("bench.idle_swarm", "--quick", timeout=300)
+    lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("peers visible"))
     for n, line in zip((2, 3), lines[header + 1:header + 3]):
         # peers, visible, after s, looks, measured, cpu mean/max %, ratio, bootstrap %, rss mean/max,
@@ -45,4 +41,4 @@ def test_idle_swarm_bench_runs_and_prints_its_tables():
     rates = lines.index("messages at the profiled peer, per second (from the profile's call counts)")
     for what in ("pubsub RPCs read", "gossip msgs received", "new claims validated", "ed25519 verifies",
                  "DHT queries sent", "socket reads"):
-        assert any(re.match(rf"^{what} +{NUM} +{NUM}$", line) for line in lines[rates:]), (what, r.stdout)
+        assert any(re.match(rf"^{what} +{NUM} +{NUM}$", line) for line in lines[rates:]), (what, out)

@@ -1,17 +1,13 @@
 """bench/memory.py runs its whole report on a tiny setting (``--quick``): a row per peer and
 format, with stored bytes, RSS, peak, the bound and per-token time."""
 
-import subprocess
-import sys
 
-from shardnet.testing.helpers import REPO_ROOT
+from shardnet.testing.helpers import bench_stdout
 
 
 def test_memory_bench_runs_and_prints_its_table():
-    r = subprocess.run([sys.executable, "-m", "bench.memory", "--quick"], capture_output=True, text=True,
-                       timeout=300, check=False, cwd=REPO_ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.splitlines()
+    out = bench_stdout("bench.memory", "--quick", timeout=300)
+    lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("model "))
     rows = [line.split() for line in lines[header + 1:] if line.startswith("llama")]
     assert [(row[1], row[2]) for row in rows] == [(f, s) for f in ("none", "fp8", "int4") for s in ("0:1", "1:2")]
@@ -21,4 +17,4 @@ def test_memory_bench_runs_and_prints_its_table():
         assert row[-1] in ("meets", "misses"), row
     fp8, none = float(rows[2][3]), float(rows[0][3])
     assert fp8 < 0.75 * none  # FP8 weights held at their stored size
-    assert "baseline (a peer serving one layer of the shipped tiny model)" in r.stdout
+    assert "baseline (a peer serving one layer of the shipped tiny model)" in out

@@ -6,13 +6,11 @@ concurrent_decode, families and weights_fetch have tests of their own (test_benc
 tests/unit/test_bench_coverage.py fails on a bench that no test runs."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
 from shardnet.testing import natlab
-from shardnet.testing.helpers import REPO_ROOT
+from shardnet.testing.helpers import bench_stdout
 
 
 NUM = r"-?[\d.]+"
@@ -105,11 +103,9 @@ MULTI_PROCESS = {
 
 def run_bench(script: str, args: list[str], patterns: list[str], timeout: float) -> None:
     module = "bench." + script.removesuffix(".py").replace("/", ".")  # run as python -m bench.NAME
-    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                       timeout=timeout, check=False, cwd=REPO_ROOT)
-    assert r.returncode == 0, f"{script} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    missing = [p for p in patterns if not re.search(p, r.stdout, re.MULTILINE)]
-    assert not missing, f"{script}: no line matches {missing} in:\n{r.stdout}"
+    out = bench_stdout(module, *args, timeout=timeout)
+    missing = [p for p in patterns if not re.search(p, out, re.MULTILINE)]
+    assert not missing, f"{script}: no line matches {missing} in:\n{out}"
 
 
 @pytest.mark.parametrize("script", ONE_PROCESS)

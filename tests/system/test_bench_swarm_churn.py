@@ -6,12 +6,10 @@ issue's 60 s targets (which the bench's 24-peer run is measured against, docs/be
 CI's machine runs 13 processes on 2 cores."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from shardnet.testing.helpers import REPO_ROOT
+from shardnet.testing.helpers import bench_stdout
 
 pytestmark = pytest.mark.slow
 
@@ -20,13 +18,11 @@ BOUND_S = 90.0
 
 def test_twelve_peers_are_visible_generate_and_recover_from_losing_a_third(tmp_path):
     out = tmp_path / "churn.json"
-    r = subprocess.run([sys.executable, "-m", "bench.swarm_churn", "--peers", "12", "--kill", "4",
-                        "--timeout", "240", "--json", str(out)],
-                       cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    print(r.stdout)
+    stdout = bench_stdout("bench.swarm_churn", "--peers", "12", "--kill", "4", "--timeout", "240",
+                          "--json", str(out), timeout=1200)
+    print(stdout)
     c = json.loads(out.read_text())
-    assert "all peers visible" in r.stdout and "output equal to transformers again" in r.stdout
+    assert "all peers visible" in stdout and "output equal to transformers again" in stdout
     assert c["visible_s"] is not None and c["visible_s"] <= BOUND_S, c
     assert c["output_equal"], c
     assert c["killed_layer0"] >= 1 and c["covered_again_s"] is not None and c["covered_again_s"] <= BOUND_S, c
