@@ -79,7 +79,39 @@ class Claim:
 
 
 def topic(model_id: str) -> str:
+    """The model-wide topic (dissemination 1: every claim of the model; no longer published on)."""
     return f"{PROTOCOL_ID}/{model_id}"
+
+
+# -- layer ranges: where a claim is published and looked up (dissemination 2) ---------------------
+#: a model's layers fall into at most this many ranges of (nearly) equal size; a claim is gossiped
+#: on, and provided under, the ranges its span overlaps, so a peer hears the claims near its own
+#: span and a lookup asks for the ranges it routes through, not the whole swarm's claims
+CLAIM_RANGES = 16
+
+
+def layer_ranges(num_layers: int) -> list[tuple[int, int]]:
+    """The ranges [a, b) that tile 0..num_layers: min(num_layers, CLAIM_RANGES) of them, their
+    sizes differing by at most one layer."""
+    n = max(1, min(num_layers, CLAIM_RANGES))
+    return [(i * num_layers // n, (i + 1) * num_layers // n) for i in range(n)]
+
+
+def ranges_of(start: int, end: int, num_layers: int) -> list[int]:
+    """The indices of the ranges that layers [start, end) overlap (clipped to the model)."""
+    start, end = max(0, start), min(num_layers, end)
+    return [i for i, (a, b) in enumerate(layer_ranges(num_layers)) if a < end and start < b]
+
+
+def neighbourhood(start: int, end: int, num_layers: int) -> list[int]:
+    """The ranges a peer serving [start, end) follows: its own, and those holding the layer just
+    before and just after its span (its predecessors' and successors' claims)."""
+    return ranges_of(start - 1, end + 1, num_layers)
+
+
+def range_topic(model_id: str, index: int) -> str:
+    """The gossip topic of one layer range of a model (dissemination 2)."""
+    return f"{PROTOCOL_ID}/{model_id}/r{index}"
 
 
 REACH_VALUES = ("public", "private", "unknown")
