@@ -28,6 +28,17 @@ def provider_name(model_id: str) -> str:
     return f"model/{model_id}"
 
 
+def range_provider_name(model_id: str, index: int) -> str:
+    """The provider key of one layer range of a model (``block_claim.layer_ranges``): a claim is
+    provided under each range its span overlaps (dissemination 2)."""
+    return f"model/{model_id}/r{index}"
+
+
+#: a lookup of one layer range asks the DHT for at most this many of its providers (a sample in
+#: a large swarm), then each of them directly
+LOOKUP_PROVIDERS_PER_RANGE = 16
+
+
 # Round trips are the least of a few pings: one sample can land behind a busy moment at either
 # end (a loaded event loop adds tens of ms), and routing compares them across peers.
 RTT_SAMPLES = 3
