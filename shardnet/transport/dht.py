@@ -1,9 +1,15 @@
-"""Kademlia DHT as shardnet uses it: bounded waits, signed values, de-duplicated providers."""
+"""Kademlia DHT as shardnet uses it: bounded waits, signed values, de-duplicated providers.
+
+Provider lookups scale with the number of providers of a key: a node answers GET_PROVIDERS with
+a random sample of at most 20 of the providers it holds (compat fix 18), and ``find_providers``
+returns ``count`` peers sampled at random from the union of what the closest peers answered, so
+its cost and result stay bounded, and different lookups see different providers."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -226,7 +232,10 @@ class DHT:
         return f"{what}: none of the {len(closest)} closest DHT peers stored it"
 
     async def find_providers(self, name: str, count: int = 20) -> list[PeerInfo]:
-        """Providers of ``name``, each peer once with the union of its addresses."""
+        """Providers of ``name``, each peer once with the union of its addresses: all found when
+        they are at most ``count``, else ``count`` of them at random. The closest peers to the
+        key each answer a random sample of at most 20 of the providers they hold, so where many
+        peers provide a key a lookup finds a sample of them, and each lookup another one."""
         key = bytes.fromhex(provider_key(name))
         store = self.kad.provider_store
         # py-libp2p's find_providers returns the local store alone whenever it is non-empty
@@ -256,7 +265,8 @@ class DHT:
             for a in info.addrs:
                 if a not in addrs:
                     addrs.append(a)
-        return [PeerInfo(pid, addrs) for pid, addrs in merged.items()][:count]
+        found = [PeerInfo(pid, addrs) for pid, addrs in merged.items()]
+        return found if len(found) <= count else random.sample(found, count)
 
     # -- helpers -----------------------------------------------------------------------------
     def _key_pair(self):

@@ -132,6 +132,38 @@ async def test_dht_signed_values_and_providers(loopback_config):
         assert sorted(map(str, ids)) == sorted([str(a.peer_id), str(b.peer_id)])
 
 
+async def test_provider_replies_are_bounded_random_samples(loopback_config):
+    """A node holding 30 providers of a key (upstream held the first 20 and dropped the rest)
+    answers each GET_PROVIDERS with a random sample of at most 20 of them, another sample each
+    time; find_providers samples ``count`` of what it found (compat fix 18)."""
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerinfo import PeerInfo
+
+    from shardnet.transport.compat import kad as compat_kad
+    from shardnet.transport.dht import provider_key
+    from shardnet.transport.identity import generate
+
+    async with open_node(loopback_config()) as holder:
+        key = bytes.fromhex(provider_key("model/many"))
+        ids = {ID.from_pubkey(generate().public_key) for _ in range(30)}
+        store = holder.dht.kad.provider_store
+        for pid in ids:
+            store.add_provider(key, PeerInfo(pid, []))  # as ADD_PROVIDER requests do
+        assert len(store.providers[key]) == 30  # all held
+        async with open_node(loopback_config(bootstrap=[str(holder.listen_addrs[0])])) as asker:
+            await asker.wait_bootstrapped()
+            replies = []
+            for _ in range(4):
+                providers, _closer = await compat_kad.providers_from_peer(
+                    asker.dht.kad.provider_store, holder.peer_id, key)
+                replies.append(frozenset(p.peer_id for p in providers))
+            assert all(len(r) == 20 and r <= ids for r in replies)
+            assert len(set(replies)) > 1  # another sample each time (the same four: 1 in 10^24)
+            found = [frozenset(p.peer_id for p in await asker.dht.find_providers("model/many", count=5))
+                     for _ in range(3)]
+            assert all(len(f) == 5 and f <= ids for f in found) and len(set(found)) > 1
+
+
 async def test_publishing_with_no_peer_to_store_at_says_so(loopback_config):
     """A record only this node holds is one nobody else finds: put and provide say so, one line,
     before bootstrap (and still keep it here, where a later peer may ask)."""

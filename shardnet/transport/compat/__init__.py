@@ -10,7 +10,7 @@ on another (docs/embedding.md).
 
 One module per upstream subsystem holds the patches and their explanation, under the fix
 numbers the docs cite: swarm.py (1, 3, 6, 9, 12, 17), tcp.py (13), yamux.py (2, 3, 6, 10, 15, 17),
-noise.py (6), pubsub.py (4, 16), kad.py (11, 14), identify.py (7, 8), logger.py (5); naps.py holds the
+noise.py (6), pubsub.py (4, 16), kad.py (11, 14, 18), identify.py (7, 8), logger.py (5); naps.py holds the
 trio proxy of fix 3, which swarm.py and yamux.py both install. The same modules
 hold the small accessors through which the rest of shardnet reads py-libp2p's private state
 (``swarm.forget_failed_dial``, ``kad.providers_from_peer``, ...), so that state is touched only
@@ -178,6 +178,14 @@ PATCHES: tuple[Patch, ...] = (
           _T + "test_strangers_are_bounded_before_the_handshake", 13, tcp.bound_multistream_messages_in_communicator),
     Patch("libp2p.io.trio:TrioTCPStream.read", "wrap", "a TCP read of n bytes allocated n at once, n from a stranger",
           _T + "test_tcp_reads_never_ask_the_socket_for_more_than_a_bound", 13, tcp.bound_tcp_reads),
+    Patch("libp2p.kad_dht.provider_store:BUCKET_SIZE", "replace",
+          "a node held the first 20 providers of a key and ignored later ones: now up to 4,096",
+          "tests/integration/test_node.py::test_provider_replies_are_bounded_random_samples", 18,
+          kad.hold_more_providers_per_key),
+    Patch("libp2p.kad_dht.provider_store:ProviderStore.get_providers", "wrap",
+          "GET_PROVIDERS answered every provider held: now a random sample of at most 20",
+          "tests/integration/test_node.py::test_provider_replies_are_bounded_random_samples", 18,
+          kad.answer_a_sample_of_providers),
     Patch("libp2p.kad_dht.kad_dht:read_varint_prefixed_bytes_limited", "wrap",
           "a DHT request stream was read with no limit on how many messages or how fast",
           "tests/system/test_limits.py::test_dht_requests_per_peer", 14, kad.meter_dht_requests),

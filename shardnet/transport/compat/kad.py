@@ -14,10 +14,18 @@ state that dht.py needs.
 14. A DHT request stream is read message after message with no limit on how many or how fast.
    Each message read from a stream the node meters (dht.py: inbound request streams) first takes
    a token from its peer's bucket (``dht_requests_per_peer``); without one the stream is reset.
+18. A node holds at most 20 providers per key, the first 20 to announce themselves (later ones
+   are dropped until one of those expires, 48 h on), and answers GET_PROVIDERS with all it holds.
+   Where hundreds of peers provide one key (a layer range's claims, docs/protocols.md) every
+   lookup then saw the same 20, never a peer that came later. A node now holds up to
+   ``PROVIDERS_HELD_PER_KEY`` per key and answers with a random sample of at most
+   ``PROVIDERS_PER_REPLY`` (k = 20) of them: a reply's size stays bounded, and different askers
+   (and asks) see different providers.
 """
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import trio
@@ -97,6 +105,34 @@ def meter_dht_requests() -> None:
         return await read(stream, max_length)
 
     kad_dht.read_varint_prefixed_bytes_limited = metered_read
+
+
+# 18. provider records: more held per key, a random sample answered -------------------------------
+#: provider records a node holds per key (upstream: 20, the first to arrive)
+PROVIDERS_HELD_PER_KEY = 4096
+#: the most providers a GET_PROVIDERS reply names (Kademlia's k): a random sample of those held
+PROVIDERS_PER_REPLY = 20
+
+
+def hold_more_providers_per_key() -> None:
+    from libp2p.kad_dht import provider_store
+
+    provider_store.BUCKET_SIZE = PROVIDERS_HELD_PER_KEY  # (read there only by add_provider's cap)
+
+
+def answer_a_sample_of_providers() -> None:
+    from libp2p.kad_dht.provider_store import ProviderStore
+
+    get_providers = ProviderStore.get_providers
+
+    def sampled_providers(self, key: bytes) -> list:
+        # what the GET_PROVIDERS handler answers (and what a node reads of its own store)
+        providers = get_providers(self, key)
+        if len(providers) <= PROVIDERS_PER_REPLY:
+            return providers
+        return random.sample(providers, PROVIDERS_PER_REPLY)
+
+    ProviderStore.get_providers = sampled_providers
 
 
 # accessors: the DHT's private state, read only here --------------------------------------------
