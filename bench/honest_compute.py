@@ -43,7 +43,7 @@ async def main_async(args) -> None:
             await node.wait_bootstrapped()
             model = LocalModel(default_model_path())
             with trio.fail_after(60):
-                while len(await find_claims(node, model.model_id)) < 4:
+                while len(await find_claims(node, model.model_id, num_layers=model.ckpt.num_layers)) < 4:
                     await trio.sleep(0.5)
             modes = {"off": dict(receipts=False, audit_rate=0.0), "receipts": dict(receipts=True, audit_rate=0.0)}
             modes |= {f"receipts+checks@{r:g}": dict(receipts=True, audit_rate=r) for r in rates}

@@ -93,8 +93,9 @@ async def main_async(args) -> None:
                 async with open_node(cfg) as node:
                     await node.wait_bootstrapped()
                     client = Client(node, LocalModel(default_model_path()), audit_rate=0)  # routing alone
+                    model_id, num_layers = client.model.model_id, client.model.ckpt.num_layers
                     with trio.fail_after(60):
-                        while len(claims := await find_claims(node, client.model.model_id)) < 4:
+                        while len(claims := await find_claims(node, model_id, num_layers=num_layers)) < 4:
                             await trio.sleep(0.5)
                     by_peer = {c.peer: c for c in claims}
                     slow_route = [by_peer[peers["slow0"][1]], by_peer[peers["slow1"][1]]]
@@ -153,7 +154,8 @@ async def main_async(args) -> None:
                         pid = await ready(p)
                         peers[fresh], names[pid] = (p, pid), fresh
                         with trio.fail_after(60):  # once its claim is found
-                            while pid not in {c.peer for c in await find_claims(node, client.model.model_id)}:
+                            while pid not in {c.peer for c in await find_claims(node, model_id,
+                                                                                num_layers=num_layers)}:
                                 await trio.sleep(0.5)
                     print(f"healing: median heal {statistics.median(heals) * 1000:.0f} ms; a request with one "
                           f"failure takes {statistics.median(extra):+.2f} s over an uninterrupted one "

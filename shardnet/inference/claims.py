@@ -1,9 +1,13 @@
 """Finding block claims (through the DHT and direct requests): what the server publishes under
-(``claim_record_name``, ``provider_name``) and what clients and status queries look up."""
+(``claim_record_name``, ``range_provider_name`` of each layer range its span overlaps) and what
+clients, compute peers and status queries look up (``find_claims``: the providers of each layer
+range, then each provider asked directly; docs/protocols.md, "Claim dissemination")."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import cbor2
 import trio
@@ -11,6 +15,9 @@ import trio
 from shardnet.errors import ShardnetError
 from shardnet.protocols import block_claim as bc
 from shardnet.transport.node import Node
+
+if TYPE_CHECKING:
+    from libp2p.peer.peerinfo import PeerInfo
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +32,7 @@ def claim_record_name(model_id: str) -> str:
 
 
 def provider_name(model_id: str) -> str:
+    """The model-wide provider key (dissemination 1: no longer provided under nor looked up)."""
     return f"model/{model_id}"
 
 
@@ -87,14 +95,38 @@ async def fetch_claims(node: Node, peer: str, *, timeout: float = 10.0) -> list[
     return out
 
 
-async def find_claims(node: Node, model_id: str, *, timeout: float = 15.0) -> list[bc.Claim]:
-    """Every claim for ``model_id`` whose peer the DHT knows as a provider (at most 64), verified:
-    asked of each peer directly, from the DHT when it does not answer."""
+async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Iterable[int] | None = None,
+                      timeout: float = 15.0) -> list[bc.Claim]:
+    """The claims for ``model_id`` of the peers the DHT knows as providers of its layer ranges
+    (``ranges``: indices into ``block_claim.layer_ranges(num_layers)``; all by default), verified:
+    the ranges' providers are looked up at once, at most ``LOOKUP_PROVIDERS_PER_RANGE`` per range
+    (a random sample where there are more), then each peer found is asked directly once, its DHT
+    record read when it does not answer. Raises the lookup's error only when every range's
+    provider lookup failed."""
+    ranges = range(len(bc.layer_ranges(num_layers))) if ranges is None else sorted(set(ranges))
     claims: dict[str, bc.Claim] = {}
     with trio.move_on_after(timeout):
-        providers = await node.dht.find_providers(provider_name(model_id), count=64)
+        providers: dict[str, PeerInfo] = {}
+        errors: list[ShardnetError] = []
 
-        async def one(info) -> None:
+        async def providers_of(index: int) -> None:
+            try:
+                found = await node.dht.find_providers(range_provider_name(model_id, index),
+                                                      count=LOOKUP_PROVIDERS_PER_RANGE)
+            except ShardnetError as e:
+                log.debug("providers of range %d of %s: %s", index, model_id[:16], e)
+                errors.append(e)
+                return
+            for info in found:
+                providers.setdefault(str(info.peer_id), info)  # one request per peer, whatever its ranges
+
+        async with trio.open_nursery() as nursery:
+            for index in ranges:
+                nursery.start_soon(providers_of, index)
+        if ranges and len(errors) == len(ranges):
+            raise errors[0]
+
+        async def one(info: PeerInfo) -> None:
             # the peer itself first (one stream, its freshest claim); the DHT record (a walk of
             # the DHT) only when the peer does not answer
             pid = str(info.peer_id)
@@ -116,6 +148,6 @@ async def find_claims(node: Node, model_id: str, *, timeout: float = 15.0) -> li
                     claims[c.peer] = c
 
         async with trio.open_nursery() as nursery:
-            for info in providers:
+            for info in providers.values():
                 nursery.start_soon(one, info)
     return list(claims.values())

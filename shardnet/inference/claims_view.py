@@ -1,4 +1,5 @@
-"""``ClaimsView``: one process's view of the claims for a model, shared by all its requests."""
+"""``ClaimsView``: one process's view of the claims for a model, shared by all its requests (and by
+its compute peer, which has it follow the gossip of its span's neighbourhood)."""
 
 from __future__ import annotations
 
@@ -28,24 +29,31 @@ LOOKUP_TIMEOUT = 15.0
 
 class ClaimsView:
     """The claims for one model as this process knows them, kept fresh in the background
-    (``ClaimsView.of(node, model_id, probes)``; one per node and model, shared by every client).
+    (``ClaimsView.of(node, model_id, probes, num_layers=...)``; one per node and model, shared by
+    every client and the node's compute peer).
 
     A request reads the view instead of looking the claims up itself: lookups cost DHT requests
     that compute peers rate-limit per peer (``dht_requests_per_peer``), so a request per lookup
     had concurrent requests refused and their empty answers read as "nothing is served". The view
     looks up every ``REFRESH_S`` and when a request finds no route (``kick``; one lookup at a time
-    and at most one per ``LOOKUP_GAP_S``, whoever asks), and takes every claim published on the
-    model's gossip topic as it arrives (news only: docs/protocols.md). A lookup only adds: a
-    peer's claim is replaced by a newer one (a higher version, or the same one expiring later)
-    and dropped when it expires, so a refused or failed lookup keeps the last known view.
-    Whether a claim's peer is alive is the prober's business (probes.py); a new version of a
-    peer's claim clears its probe verdict (a peer that restarted and claimed again is probed
-    afresh, not taken for dead) and gives the node its addresses (it may listen on another port
-    now): ``probes`` are the node's. Used by clients (routing) and compute peers (placement)."""
+    and at most one per ``LOOKUP_GAP_S``, whoever asks); a lookup covers every layer range of the
+    model. Between lookups it takes the claims published on the gossip topics of the layer ranges
+    it follows (``follow``: a compute peer follows its span's neighbourhood,
+    ``block_claim.neighbourhood``, and follows again when its span changes; a client's or a
+    gateway's view follows none and relies on its lookups; news only: docs/protocols.md). A
+    lookup only adds: a peer's claim is replaced by a newer one (a higher version, or the same one
+    expiring later) and dropped when it expires, so a refused or failed lookup keeps the last
+    known view. Whether a claim's peer is alive is the prober's business (probes.py); a new
+    version of a peer's claim clears its probe verdict (a peer that restarted and claimed again
+    is probed afresh, not taken for dead) and gives the node its addresses (it may listen on
+    another port now): ``probes`` are the node's. Used by clients (routing) and compute peers
+    (placement)."""
 
     def __init__(self, node: Node, model_id: str, probes: Probes, owner: ClaimsViews | None = None,
-                 refresh_s: float = REFRESH_S) -> None:
+                 refresh_s: float = REFRESH_S, *, num_layers: int) -> None:
         self.node, self.model_id = node, model_id
+        #: the model's layers, which its layer ranges (lookups, gossip topics) are cut from
+        self.num_layers = num_layers
         #: seconds between background lookups (the least any user of the view asked for)
         self.refresh_s = refresh_s
         self.probes = probes
@@ -55,16 +63,21 @@ class ClaimsView:
         self.first_lookup = trio.Event()  # set once a lookup has finished, found or not
         self.last_lookup_error: str | None = None
         self.from_gossip = 0  # claims taken from gossip
+        #: the layer ranges whose gossip topics the view follows (``follow``)
+        self.following: frozenset[int] = frozenset()
+        self._topics: dict[int, trio.CancelScope] = {}  # the ranges subscribed to while running
+        self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
         self._kick = trio.Event()
         self._last_lookup = -LOOKUP_GAP_S
         self._running = False
 
     @classmethod
-    def of(cls, node: Node, model_id: str, probes: Probes, *, refresh_s: float = REFRESH_S) -> ClaimsView:
+    def of(cls, node: Node, model_id: str, probes: Probes, *, num_layers: int,
+           refresh_s: float = REFRESH_S) -> ClaimsView:
         """The node's view of ``model_id`` (its ``ClaimsViews`` behaviour, made on first use),
         looking the claims up at least every ``refresh_s``."""
-        view = node.ensure_behaviour(ClaimsViews, lambda: ClaimsViews(node, probes)).view(model_id)
+        view = node.ensure_behaviour(ClaimsViews, lambda: ClaimsViews(node, probes)).view(model_id, num_layers)
         view.refresh_s = min(view.refresh_s, refresh_s)
         return view
 
@@ -74,6 +87,22 @@ class ClaimsView:
         if not self._running and self._owner is not None:
             self._running = True
             self._owner.spawn(self._run)
+
+    def follow(self, ranges) -> None:
+        """From now on take the news gossiped on these layer ranges' topics (indices into
+        ``block_claim.layer_ranges(num_layers)``), and on no others; subscribed to while the view
+        runs."""
+        self.following = frozenset(ranges)
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        if self._nursery is None:
+            return
+        for index in [i for i in self._topics if i not in self.following]:
+            self._topics.pop(index).cancel()
+        for index in sorted(self.following - self._topics.keys()):
+            self._topics[index] = scope = trio.CancelScope()
+            self._nursery.start_soon(self._gossip, index, scope)
 
     @property
     def running(self) -> bool:
@@ -113,7 +142,7 @@ class ClaimsView:
         """One lookup through the DHT (and direct requests), merged into the view."""
         self._last_lookup = trio.current_time()
         try:
-            found = await find_claims(self.node, self.model_id, timeout=timeout)
+            found = await find_claims(self.node, self.model_id, num_layers=self.num_layers, timeout=timeout)
             self.last_lookup_error = None if found else "the last lookup found no claims"
         except Exception as e:  # whatever it was, the view (and the node it runs in) carries on
             found = []
@@ -130,7 +159,8 @@ class ClaimsView:
     async def _run(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._gossip)
+                self._nursery = nursery
+                self._subscribe()
                 while True:
                     await self.lookup()
                     with trio.move_on_after(self.refresh_s):
@@ -138,29 +168,36 @@ class ClaimsView:
                     self._kick = trio.Event()
                     await trio.sleep(max(0.0, self._last_lookup + LOOKUP_GAP_S - trio.current_time()))
         finally:
+            self._nursery = None
+            self._topics.clear()
             self._running = False
 
-    async def _gossip(self) -> None:
+    async def _gossip(self, index: int, scope: trio.CancelScope) -> None:
+        """Take the claims gossiped on one layer range's topic, until ``scope`` is cancelled."""
         def valid(data: bytes) -> bool:
+            # a claim belongs on the topics of the ranges its span (or the span it loads) overlaps
             try:
-                return bc.decode(data).model == self.model_id
+                c = bc.decode(data)
             except bc.ClaimError:
                 return False
+            spans = [(c.start, c.end)] + ([c.loading] if c.loading else [])
+            return c.model == self.model_id and any(index in bc.ranges_of(a, b, self.num_layers) for a, b in spans)
 
-        while True:
-            try:
-                async with self.node.pubsub.subscribe(bc.topic(self.model_id), validate=valid) as sub:
-                    async for msg in sub:
-                        try:
-                            claim = bc.decode(msg.data)
-                        except bc.ClaimError:
-                            continue
-                        if self.note(claim):
-                            self.from_gossip += 1
-            except Exception as e:  # the view still has its lookups; the node carries on
-                log.info("following claims on gossip failed (again in %g s): %s: %s", REFRESH_S,
-                         type(e).__name__, e)
-            await trio.sleep(REFRESH_S)
+        with scope:
+            while True:
+                try:
+                    async with self.node.pubsub.subscribe(bc.range_topic(self.model_id, index), validate=valid) as sub:
+                        async for msg in sub:
+                            try:
+                                claim = bc.decode(msg.data)
+                            except bc.ClaimError:
+                                continue
+                            if self.note(claim):
+                                self.from_gossip += 1
+                except Exception as e:  # the view still has its lookups; the node carries on
+                    log.info("following claims of range %d on gossip failed (again in %g s): %s: %s", index,
+                             REFRESH_S, type(e).__name__, e)
+                await trio.sleep(REFRESH_S)
 
 
 class ClaimsViews(Behaviour):
@@ -173,8 +210,9 @@ class ClaimsViews(Behaviour):
         self.probes = probes
         self.views: dict[str, ClaimsView] = {}
 
-    def view(self, model_id: str) -> ClaimsView:
+    def view(self, model_id: str, num_layers: int) -> ClaimsView:
         v = self.views.get(model_id)
         if v is None:
-            v = self.views[model_id] = ClaimsView(self.node, model_id, self.probes, self, refresh_s=math.inf)
+            v = self.views[model_id] = ClaimsView(self.node, model_id, self.probes, self, refresh_s=math.inf,
+                                                  num_layers=num_layers)
         return v

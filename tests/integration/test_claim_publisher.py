@@ -1,18 +1,20 @@
-"""A compute peer's claim publisher between real nodes: news (a new version) goes out on gossip
-and to the DHT, what is not news changes only the claim a direct request gets, and a refresh puts
-the same version back in the DHT, expiring later (docs/protocols.md, "Claim dissemination")."""
+"""A compute peer's claim publisher between real nodes: news (a new version) goes out on the gossip
+topics of the layer ranges its span overlaps and to the DHT, what is not news changes only the
+claim a direct request gets, a refresh puts the same version back in the DHT, expiring later, and
+the claim is provided under each of its ranges (docs/protocols.md, "Claim dissemination")."""
 
 import time
 
 import trio
 
-from shardnet.inference.claims import claim_record_name, fetch_claims, find_claims
+from shardnet.inference.claims import claim_record_name, fetch_claims, find_claims, range_provider_name
 from shardnet.inference.server.claim_publisher import ClaimPublisher
 from shardnet.protocols import block_claim as bc
 from shardnet.testing import factories
 from shardnet.transport import open_node
 
 MODEL = "ab" * 32
+LAYERS = 8  # a layer range per layer
 
 
 async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_config):
@@ -29,20 +31,26 @@ async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_
                                    kv_tokens=1000, tput=10.0, expires=expires, **state)
 
         heard: list[bc.Claim] = []
-        async with listener.pubsub.subscribe(bc.topic(MODEL)) as sub, trio.open_nursery() as nursery:
-            async def listen() -> None:
+        topics: list[str] = []
+        # the listener follows ranges 3 and 4: the claim of 0:4 comes on the first, that of 4:8 on the other
+        async with listener.pubsub.subscribe(bc.range_topic(MODEL, 3)) as sub3, \
+                listener.pubsub.subscribe(bc.range_topic(MODEL, 4)) as sub4, trio.open_nursery() as nursery:
+            async def listen(sub) -> None:
                 async for msg in sub:
                     heard.append(bc.decode(msg.data))
+                    topics.append(msg.topic)
 
-            nursery.start_soon(listen)
-            await trio.sleep(1.5)  # the listener's subscription reaches the peer, a heartbeat passes
-            publisher = ClaimPublisher(peer, claim_fn, ttl=600.0)
+            nursery.start_soon(listen, sub3)
+            nursery.start_soon(listen, sub4)
+            await trio.sleep(1.5)  # the listener's subscriptions reach the peer, a heartbeat passes
+            publisher = ClaimPublisher(peer, claim_fn, num_layers=LAYERS, ttl=600.0)
             await nursery.start(publisher.run)
             with trio.fail_after(10):
                 while not heard:
                     await trio.sleep(0.05)
             first = heard[0]
             assert first.seq > 0 and publisher.counts == {"news": 1, "refresh": 0}
+            assert topics == [bc.range_topic(MODEL, 3)] and publisher.provided == {0, 1, 2, 3}
 
             state["load"] = 0.33  # the same eighth of the KV budget: not news
             publisher.refresh()
@@ -57,7 +65,15 @@ async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_
                 while len(heard) < 2:
                     await trio.sleep(0.05)
             assert heard[1].seq > first.seq and (heard[1].start, heard[1].end) == (4, 8)
+            assert topics == [bc.range_topic(MODEL, 3), bc.range_topic(MODEL, 4)]
             assert publisher.counts == {"news": 2, "refresh": 0}
+            assert publisher.provided == set(range(8))  # the new ranges' keys too (the old ones stay until a refresh)
+            for i in (0, 7):  # (provided after the gossip and the DHT record)
+                with trio.fail_after(10):
+                    while not await listener.dht.find_providers(range_provider_name(MODEL, i)):
+                        await trio.sleep(0.1)
+                assert [p.peer_id for p in await listener.dht.find_providers(range_provider_name(MODEL, i))] \
+                    == [peer.peer_id]
             stored = bc.decode(await listener.dht.get(peer.peer_id, claim_record_name(MODEL)))
             assert stored.seq == heard[1].seq
 
@@ -69,7 +85,7 @@ async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_
                     await trio.sleep(0.05)
             refreshed = bc.decode(await listener.dht.get(peer.peer_id, claim_record_name(MODEL)))
             assert refreshed.seq == heard[1].seq and refreshed.expires > stored.expires - 597
-            assert len(heard) == 2
-            found = await find_claims(listener, MODEL, timeout=10)
+            assert len(heard) == 2 and publisher.provided == {4, 5, 6, 7}
+            found = await find_claims(listener, MODEL, num_layers=LAYERS, timeout=10)
             assert [c.seq for c in found] == [heard[1].seq] and found[0].expires > time.time()
             nursery.cancel_scope.cancel()

@@ -2,19 +2,17 @@
 shipped model): one view of the swarm's claims, one probe per peer at a time, a line for
 sessions; and what a peer that failed must do to be routed through again (claim anew)."""
 
-import dataclasses
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import trio
 
 from shardnet.errors import InferenceError, NoRouteError
-from shardnet.inference.claims import claim_record_name
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel
+from shardnet.inference.server.claim_publisher import ClaimPublisher
 from shardnet.inference.server.compute_peer import serve_block
 from shardnet.models import default_model_path
-from shardnet.protocols import block_claim as bc
 from shardnet.transport import open_node
 from shardnet.transport.errors import ShardnetError
 from shardnet.transport.limits import Limits
@@ -74,14 +72,16 @@ async def test_a_failed_peer_that_claims_again_is_routed_through(loopback_config
         client.planner.forget_peer(first)  # as healing does when it failed during a request
         with pytest.raises(NoRouteError, match="layers 0-3"):
             await client.planner.find_route(timeout=1)
-        # it signs a newer claim (as after a restart) and publishes it as a publisher does
+        # it claims anew (a new version, as after a restart); a client follows no claim topic:
+        # the lookups its failing route asks for (kick) take the new version, which clears the verdict
         old = client.planner.view.get(first)
-        blob = bc.encode(peers[0].key_pair, dataclasses.replace(old, expires=old.expires + 1))
-        await peers[0].dht.put(claim_record_name(old.model), blob)
-        await peers[0].pubsub.publish(bc.topic(old.model), blob)
+        publisher = peers[0].behaviour(ClaimPublisher)
+        publisher.published = None
+        publisher.refresh()
         with trio.fail_after(30):
             route = await client.planner.find_route(timeout=25)
-        assert route[0].peer == first and client.planner.view.get(first).expires == old.expires + 1
+        assert route[0].peer == first and client.planner.view.get(first).seq > old.seq
+        assert not client.planner.view.following
         print(f"claims taken from gossip: {client.planner.view.from_gossip}, lookups: {client.planner.view.lookups}")
 
 

@@ -59,7 +59,8 @@ async def test_routing_picks_the_low_latency_chain(loopback_config):
             claims, reported = {}, {}
             with trio.move_on_after(60):
                 while True:
-                    claims = {c.peer: c for c in await find_claims(node, client.model.model_id)}
+                    claims = {c.peer: c for c in await find_claims(node, client.model.model_id,
+                                                                    num_layers=client.model.ckpt.num_layers)}
                     reported = {names[p]: t for p, t in claims[peers["a1"]].rtts} if peers["a1"] in claims else {}
                     if {"a2", "b2"} <= reported.keys() and len(claims) == 4:
                         break

@@ -161,7 +161,7 @@ async def test_two_peers_that_took_the_same_window_are_fixed_within_seconds_at_t
                 await node.wait_bootstrapped()
                 peer = ComputePeer(node, path, throughput=100.0)
                 await peer.load(half, n_layers)
-                publisher = ClaimPublisher(node, peer.claim)
+                publisher = ClaimPublisher(node, peer.claim, num_layers=n_layers)
                 await nursery.start(lambda task_status, p=publisher: p.run(ttl=120, task_status=task_status))
                 peers.append((peer, publisher))
             t0 = trio.current_time()

@@ -86,7 +86,7 @@ class Client:
         self.last_stats: GenerationStats | None = None
         #: the swarm's claims for this model, shared by every request and client of this node
         #: (kept fresh in the background from now on, unless this client has a fixed route)
-        view = ClaimsView.of(node, model.model_id, services.probes)
+        view = ClaimsView.of(node, model.model_id, services.probes, num_layers=model.ckpt.num_layers)
         if route is None:
             view.start()
         #: which peers to route through (holds the claims view, the round-trip probes and the own

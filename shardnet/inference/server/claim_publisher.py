@@ -1,5 +1,5 @@
-"""``ClaimPublisher``: keeps one compute peer's block claim fresh in the DHT and on the gossip topic,
-and answers direct requests for it."""
+"""``ClaimPublisher``: keeps one compute peer's block claim fresh in the DHT and on the gossip topics
+of the layer ranges its span overlaps, and answers direct requests for it."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import dataclasses
 import logging
 import math
 import time
+from functools import partial
 
 import cbor2
 import trio
 
-from shardnet.inference.claims import CLAIM_TTL, claim_record_name, provider_name
+from shardnet.inference.claims import CLAIM_TTL, claim_record_name, range_provider_name
 from shardnet.protocols import block_claim as bc
 from shardnet.transport.behaviour import Behaviour
 from shardnet.transport.node import Node
@@ -21,29 +22,42 @@ log = logging.getLogger(__name__)
 
 
 class ClaimPublisher(Behaviour):
-    """A node behaviour: keeps one peer's claim fresh in the DHT and on the gossip topic, and
-    answers requests. Ready once the first claim is out (``node.add_behaviour`` returns then).
+    """A node behaviour: keeps one peer's claim fresh in the DHT and on the gossip topics of its
+    layer ranges, and answers requests. Ready once the first claim is out (``node.add_behaviour``
+    returns then).
 
     The rules (docs/protocols.md, "Claim dissemination"): each time it looks (at ``refresh()``,
     when the relay addresses change, and every third of the TTL) it builds the claim anew; when
     that is news against the last claim it published (``block_claim.news``: another span,
     addresses, a step of load...) it raises the claim's version (``seq``) and publishes it on
-    gossip and in the DHT; otherwise it only puts the same version, expiring later, in the DHT
-    once a third of the TTL has passed since the last put (and announces itself as a provider
-    again then). A direct request always gets the claim as built last, signed."""
+    the topic of every layer range the claim's span (and the span it is loading) overlaps
+    (``block_claim.range_topic``) and in the DHT, and provides those ranges' keys
+    (``range_provider_name``) that it did not provide last; otherwise it only puts the same
+    version, expiring later, in the DHT once a third of the TTL has passed since the last put,
+    and provides every range's key again then. A direct request always gets the claim as built
+    last, signed. ``num_layers``: the model's, which its ranges are cut from."""
 
-    def __init__(self, node: Node, claim_fn, *, ttl: float = CLAIM_TTL) -> None:
+    def __init__(self, node: Node, claim_fn, *, num_layers: int, ttl: float = CLAIM_TTL) -> None:
         self.node = node
         self.claim_fn = claim_fn  # (expires) -> Claim, built fresh each round (span, addresses, load)
+        self.num_layers = num_layers
         self.ttl = ttl
         self.current: bytes | None = None
         #: the last claim published as news (its ``seq`` is the version others hold)
         self.published: bc.Claim | None = None
         #: publications so far: news (gossip and DHT) and refreshes (DHT only)
         self.counts = {"news": 0, "refresh": 0}
+        #: the layer ranges provided since the last refresh (their provider keys)
+        self.provided: frozenset[int] = frozenset()
         self._last_put = -math.inf  # trio time
         self._wake = trio.Event()
         node.set_stream_handler(bc.PROTOCOL_ID, self._answer)
+
+    def ranges(self, claim: bc.Claim) -> list[int]:
+        """The layer ranges ``claim`` is published on: those its span overlaps, and those of the
+        span it is loading."""
+        spans = {(claim.start, claim.end)} | ({claim.loading} if claim.loading else set())
+        return sorted({i for a, b in spans for i in bc.ranges_of(a, b, self.num_layers)})
 
     def refresh(self) -> None:
         """Look again now (the span or what the claim reports may have changed): published if news."""
@@ -74,18 +88,25 @@ class ClaimPublisher(Behaviour):
             claim, reason = self.next_claim(time.time())
             self.current = blob = bc.encode(self.node.key_pair, claim)
             refresh_due = trio.current_time() - self._last_put >= self.ttl / 3
-            steps = []
-            if reason is not None or refresh_due:
-                steps.append(("DHT record", lambda: self.node.dht.put(claim_record_name(claim.model), blob)))
-            if refresh_due:
-                steps.append(("provider record", lambda: self.node.dht.provide(provider_name(claim.model))))
+            ranges = self.ranges(claim)
+            steps = []  # news on gossip first (the peers following those ranges), then the DHT
             if reason is not None:
-                steps.append(("gossip", lambda: self.node.pubsub.publish(bc.topic(claim.model), blob)))
+                for i in ranges:
+                    steps.append((f"gossip on range {i}", partial(self.node.pubsub.publish,
+                                                                  bc.range_topic(claim.model, i), blob)))
                 self.published = claim
                 self.counts["news"] += 1
-                log.debug("claim version %d published (%s)", claim.seq, reason)
+                log.debug("claim version %d published on ranges %s (%s)", claim.seq, ranges, reason)
             elif refresh_due:
                 self.counts["refresh"] += 1
+            if reason is not None or refresh_due:
+                steps.append(("DHT record", lambda: self.node.dht.put(claim_record_name(claim.model), blob)))
+            # every range's key at a refresh; with news, those of ranges new to the claim
+            to_provide = ranges if refresh_due else [i for i in ranges if i not in self.provided]
+            for i in to_provide:
+                steps.append((f"provider record of range {i}",
+                              partial(self.node.dht.provide, range_provider_name(claim.model, i))))
+            self.provided = frozenset(ranges) if refresh_due else self.provided | set(to_provide)
             if steps:
                 self._last_put = trio.current_time()
             for what, publish in steps:

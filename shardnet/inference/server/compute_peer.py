@@ -62,6 +62,7 @@ from shardnet.inference.services import inference_services
 from shardnet.inference.weights.fetcher import ProgressFn
 from shardnet.inference.weights.server import WeightServer
 from shardnet.inference.weights.swarm_model import fetch_tensors, span_tensor_names
+from shardnet.protocols import block_claim as bc
 from shardnet.protocols.block_claim import Claim
 from shardnet.protocols.receipts import region_problem
 from shardnet.transport import allocator
@@ -177,9 +178,11 @@ class ComputePeer:
         self._departed = trio.Event()
         #: what this node's parts share (its clients too, if it runs any): the metrics report our block
         self.services = inference_services(node)
-        #: the claims for our model as this node knows them (gossiped news; looked up rarely): what
-        #: upkeep and placement decide on
-        self.view = ClaimsView.of(node, self.model_id, self.services.probes, refresh_s=UPKEEP_LOOKUP_S)
+        #: the claims for our model as this node knows them (news gossiped on our span's
+        #: neighbourhood of layer ranges; every range looked up rarely): what upkeep and placement
+        #: decide on
+        self.view = ClaimsView.of(node, self.model_id, self.services.probes, num_layers=self.ckpt.num_layers,
+                                  refresh_s=UPKEEP_LOOKUP_S)
         #: serves the loaded block to the sessions the node's activation router hands over (until
         #: the first load it answers that this peer serves no block)
         self.endpoint = BlockEndpoint(node)
@@ -190,9 +193,17 @@ class ComputePeer:
         b = self.served.block
         return b.start, b.end
 
+    def follow_neighbourhood(self, *spans: tuple[int, int]) -> None:
+        """Have the claims view follow the gossip of the layer ranges next to the span we serve,
+        the one we are loading and ``spans`` (``block_claim.neighbourhood``): our predecessors'
+        and successors' news arrives as it happens, the rest of the swarm's with the lookups."""
+        spans = spans + tuple(s for s in (self.span if self.served else None, self.loading) if s)
+        self.view.follow({i for a, b in spans for i in bc.neighbourhood(a, b, self.ckpt.num_layers)})
+
     async def load(self, start: int, end: int) -> ServedBlock:
         """Load layers start..end and serve them to new sessions (open ones keep their block)."""
         ckpt = self.ckpt
+        self.follow_neighbourhood((start, end))  # both spans' neighbours while loading
         if ckpt.fetched:
             await fetch_tensors(self.node, ckpt, span_tensor_names(ckpt, start, end),
                                 progress=self.fetch_progress)
@@ -222,6 +233,7 @@ class ComputePeer:
                              region=self.region)
         self.endpoint.serve(served)
         self.served = served
+        self.follow_neighbourhood()  # (the span we serve now, and any still loading)
         for peer in self.successor_rtts:  # (the next upkeep measures the new span's successors)
             self.node.connection_manager.unprotect(peer, "successor")
         self.successor_rtts = {}
@@ -277,7 +289,7 @@ class ComputePeer:
         claims view's (gossiped news, looked up every ``UPKEEP_LOOKUP_S``)."""
         me = str(self.node.peer_id)
         if look_up:
-            claims = await find_claims(self.node, self.model_id, timeout=wait)
+            claims = await find_claims(self.node, self.model_id, num_layers=self.ckpt.num_layers, timeout=wait)
             for c in claims:
                 self.view.note(c)
         else:
@@ -402,7 +414,8 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
         # Claim the span while loading it (minutes, when its weights come over a home line):
         # peers joining meanwhile choose around it instead of all taking the same layers.
         peer.loading = layers
-        publisher = await node.add_behaviour(ClaimPublisher(node, peer.claim, ttl=claim_ttl))
+        publisher = await node.add_behaviour(ClaimPublisher(node, peer.claim, num_layers=peer.ckpt.num_layers,
+                                                            ttl=claim_ttl))
     try:
         await peer.load(*layers)
     except BaseException:
@@ -414,7 +427,8 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
     weights = node.behaviour(WeightServer) or await node.add_behaviour(WeightServer(node))
     weights.add(peer.ckpt, peer.names)
     if publisher is None:
-        publisher = await node.add_behaviour(ClaimPublisher(node, peer.claim, ttl=claim_ttl))  # first claim out
+        publisher = await node.add_behaviour(ClaimPublisher(node, peer.claim, num_layers=peer.ckpt.num_layers,
+                                                            ttl=claim_ttl))  # first claim out
     else:
         publisher.refresh()  # serving now
     try:

@@ -214,7 +214,7 @@ async def list_models(node: Node, *, timeout: float = 15.0) -> list[SwarmModel]:
 
 async def _add_claims(node: Node, models: list[SwarmModel], *, timeout: float) -> None:
     async def one(m: SwarmModel) -> None:
-        claims = await find_claims(node, m.card.model_id, timeout=timeout)
+        claims = await find_claims(node, m.card.model_id, num_layers=m.card.num_layers, timeout=timeout)
         for c in await live_claims(node, claims):
             if c.serving:
                 m.spans.append((c.start, c.end, c.peer, c.quant))

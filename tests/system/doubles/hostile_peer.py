@@ -130,7 +130,8 @@ async def slowloris(node, target, host, port, _model):
 
 # -- flood -------------------------------------------------------------------------------------
 async def flood(node, target, host, port, model):
-    topics = [bc.topic(model), rg.TOPIC, rg.REPORT_TOPIC]
+    # every claim topic a model can have (one per layer range), and the receipts' topics
+    topics = [bc.range_topic(model, i) for i in range(bc.CLAIM_RANGES)] + [rg.TOPIC, rg.REPORT_TOPIC]
 
     async def gossip():
         for t in topics:
