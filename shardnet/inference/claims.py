@@ -45,6 +45,9 @@ def range_provider_name(model_id: str, index: int) -> str:
 #: a lookup of one layer range asks the DHT for at most this many of its providers (a sample in
 #: a large swarm), then each of them directly
 LOOKUP_PROVIDERS_PER_RANGE = 16
+#: how many ranges' provider lookups run at once: in a swarm of under 20 DHT servers every range's
+#: walk asks every server, and more at once ran into their ``dht_streams_per_peer`` (8)
+LOOKUP_RANGES_AT_ONCE = 4
 
 
 # Round trips are the least of a few pings: one sample can land behind a busy moment at either
@@ -99,8 +102,9 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
                       timeout: float = 15.0) -> list[bc.Claim]:
     """The claims for ``model_id`` of the peers the DHT knows as providers of its layer ranges
     (``ranges``: indices into ``block_claim.layer_ranges(num_layers)``; all by default), verified:
-    the ranges' providers are looked up at once, at most ``LOOKUP_PROVIDERS_PER_RANGE`` per range
-    (a random sample where there are more), then each peer found is asked directly once, its DHT
+    the ranges' providers are looked up together (``LOOKUP_RANGES_AT_ONCE`` at a time), at most
+    ``LOOKUP_PROVIDERS_PER_RANGE`` per range (a random sample where there are more), then each
+    peer found is asked directly once, its DHT
     record read when it does not answer. Raises the lookup's error only when every range's
     provider lookup failed."""
     ranges = range(len(bc.layer_ranges(num_layers))) if ranges is None else sorted(set(ranges))
@@ -109,10 +113,13 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
         providers: dict[str, PeerInfo] = {}
         errors: list[ShardnetError] = []
 
+        at_once = trio.CapacityLimiter(LOOKUP_RANGES_AT_ONCE)
+
         async def providers_of(index: int) -> None:
             try:
-                found = await node.dht.find_providers(range_provider_name(model_id, index),
-                                                      count=LOOKUP_PROVIDERS_PER_RANGE)
+                async with at_once:
+                    found = await node.dht.find_providers(range_provider_name(model_id, index),
+                                                          count=LOOKUP_PROVIDERS_PER_RANGE)
             except ShardnetError as e:
                 log.debug("providers of range %d of %s: %s", index, model_id[:16], e)
                 errors.append(e)

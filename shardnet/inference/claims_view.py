@@ -180,8 +180,7 @@ class ClaimsView:
                 c = bc.decode(data)
             except bc.ClaimError:
                 return False
-            spans = [(c.start, c.end)] + ([c.loading] if c.loading else [])
-            return c.model == self.model_id and any(index in bc.ranges_of(a, b, self.num_layers) for a, b in spans)
+            return c.model == self.model_id and index in bc.claim_ranges(c, self.num_layers)
 
         with scope:
             while True:

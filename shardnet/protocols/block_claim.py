@@ -103,6 +103,13 @@ def ranges_of(start: int, end: int, num_layers: int) -> list[int]:
     return [i for i, (a, b) in enumerate(layer_ranges(num_layers)) if a < end and start < b]
 
 
+def claim_ranges(claim: Claim, num_layers: int) -> list[int]:
+    """The ranges a claim is published on (gossiped, provided): those its span overlaps, and
+    those of the span it is loading."""
+    spans = {(claim.start, claim.end)} | ({claim.loading} if claim.loading else set())
+    return sorted({i for a, b in spans for i in ranges_of(a, b, num_layers)})
+
+
 def neighbourhood(start: int, end: int, num_layers: int) -> list[int]:
     """The ranges a peer serving [start, end) follows: its own, and those holding the layer just
     before and just after its span (its predecessors' and successors' claims)."""

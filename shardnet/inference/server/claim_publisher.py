@@ -53,12 +53,6 @@ class ClaimPublisher(Behaviour):
         self._wake = trio.Event()
         node.set_stream_handler(bc.PROTOCOL_ID, self._answer)
 
-    def ranges(self, claim: bc.Claim) -> list[int]:
-        """The layer ranges ``claim`` is published on: those its span overlaps, and those of the
-        span it is loading."""
-        spans = {(claim.start, claim.end)} | ({claim.loading} if claim.loading else set())
-        return sorted({i for a, b in spans for i in bc.ranges_of(a, b, self.num_layers)})
-
     def refresh(self) -> None:
         """Look again now (the span or what the claim reports may have changed): published if news."""
         self._wake.set()
@@ -88,7 +82,7 @@ class ClaimPublisher(Behaviour):
             claim, reason = self.next_claim(time.time())
             self.current = blob = bc.encode(self.node.key_pair, claim)
             refresh_due = trio.current_time() - self._last_put >= self.ttl / 3
-            ranges = self.ranges(claim)
+            ranges = bc.claim_ranges(claim, self.num_layers)
             steps = []  # news on gossip first (the peers following those ranges), then the DHT
             if reason is not None:
                 for i in ranges:

@@ -3,6 +3,7 @@
 import pytest
 
 from shardnet.protocols import block_claim as bc
+from shardnet.testing import factories
 
 
 @pytest.mark.parametrize("num_layers", [1, 2, 8, 16, 17, 61, 80, 126])
@@ -31,6 +32,16 @@ def test_neighbourhood_adds_the_layers_either_side():
     assert bc.neighbourhood(0, 5, 80) == [0, 1]
     assert bc.neighbourhood(75, 80, 80) == [14, 15]
     assert bc.neighbourhood(2, 4, 8) == [1, 2, 3, 4]
+
+
+def test_a_claim_goes_on_the_ranges_of_its_span_and_of_the_span_it_loads():
+    serving = factories.claim(start=5, end=10)
+    assert bc.claim_ranges(serving, 80) == [1]
+    moving = factories.claim(start=5, end=10, loading=(70, 80))
+    assert bc.claim_ranges(moving, 80) == [1, 14, 15]
+    joining = factories.claim(start=0, end=6, loading=(0, 6))  # serves nothing yet: the span it loads
+    assert bc.claim_ranges(joining, 80) == [0, 1]
+    assert bc.claim_ranges(factories.claim(start=2, end=4), 8) == [2, 3]
 
 
 def test_range_topics_differ_from_the_model_topic():
