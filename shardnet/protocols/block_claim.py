@@ -9,9 +9,11 @@ which clients use as edge weights when routing), ``dtype`` (what it computes in:
 through peers computing in their own dtype, and honest-compute checks allow for it when comparing
 peers' outputs) and ``quant`` (how its weights are quantized, "none" when they are not: clients
 may require or refuse quantized spans). It is signed with the peer's Ed25519 identity key, so anyone can check it came from P
-and was not altered; it travels through the DHT (a signed value plus a provider record), the
-gossipsub topic ``/shardnet/block-claim/1.0.0/<model>``, and this protocol's stream (a peer
-answers a request with its current claims).
+and was not altered; it travels through the DHT (a signed value, plus a provider record under
+each layer range its span overlaps: ``layer_ranges``), as news on those ranges' gossipsub topics
+``/shardnet/block-claim/1.0.0/<model>/r<i>`` (``range_topic``; a compute peer follows its span's
+``neighbourhood``), and on this protocol's stream (a peer answers a request with its current
+claims). docs/protocols.md, "Claim dissemination", has the rules.
 
 Signing and verifying use py-libp2p's keys and peer IDs, imported inside ``encode`` and ``decode``:
 importing this module (the Claim type, the ClaimTable) loads no network stack.
