@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 
 import trio
 
@@ -88,7 +89,7 @@ class ClaimsView:
             self._running = True
             self._owner.spawn(self._run)
 
-    def follow(self, ranges) -> None:
+    def follow(self, ranges: Iterable[int]) -> None:
         """From now on take the news gossiped on these layer ranges' topics (indices into
         ``block_claim.layer_ranges(num_layers)``), and on no others; subscribed to while the view
         runs."""

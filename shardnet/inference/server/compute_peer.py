@@ -197,7 +197,7 @@ class ComputePeer:
         """Have the claims view follow the gossip of the layer ranges next to the span we serve,
         the one we are loading and ``spans`` (``block_claim.neighbourhood``): our predecessors'
         and successors' news arrives as it happens, the rest of the swarm's with the lookups."""
-        spans = spans + tuple(s for s in (self.span if self.served else None, self.loading) if s)
+        spans += tuple(s for s in (self.span if self.served is not None else None, self.loading) if s)
         self.view.follow({i for a, b in spans for i in bc.neighbourhood(a, b, self.ckpt.num_layers)})
 
     async def load(self, start: int, end: int) -> ServedBlock:
