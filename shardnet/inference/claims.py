@@ -101,60 +101,57 @@ async def fetch_claims(node: Node, peer: str, *, timeout: float = 10.0) -> list[
 async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Iterable[int] | None = None,
                       timeout: float = 15.0) -> list[bc.Claim]:
     """The claims for ``model_id`` of the peers the DHT knows as providers of its layer ranges
-    (``ranges``: indices into ``block_claim.layer_ranges(num_layers)``; all by default), verified:
-    the ranges' providers are looked up together (``LOOKUP_RANGES_AT_ONCE`` at a time), at most
-    ``LOOKUP_PROVIDERS_PER_RANGE`` per range (a random sample where there are more), then each
-    peer found is asked directly once, its DHT
-    record read when it does not answer. Raises the lookup's error only when every range's
-    provider lookup failed."""
+    (``ranges``: indices into ``block_claim.layer_ranges(num_layers)``; all by default), verified.
+    The ranges' providers are looked up together (``LOOKUP_RANGES_AT_ONCE`` walks at a time), at
+    most ``LOOKUP_PROVIDERS_PER_RANGE`` per range (a random sample where there are more); each
+    peer found is asked directly once, as soon as a range names it (whatever other ranges name
+    it too), its DHT record read when it does not answer. Raises the lookup's error only when
+    every range's provider lookup failed."""
     ranges = range(len(bc.layer_ranges(num_layers))) if ranges is None else sorted(set(ranges))
     claims: dict[str, bc.Claim] = {}
-    with trio.move_on_after(timeout):
-        providers: dict[str, PeerInfo] = {}
-        errors: list[ShardnetError] = []
+    asked: set[str] = set()
+    errors: list[ShardnetError] = []
+    at_once = trio.CapacityLimiter(LOOKUP_RANGES_AT_ONCE)
 
-        at_once = trio.CapacityLimiter(LOOKUP_RANGES_AT_ONCE)
+    async def providers_of(index: int, nursery: trio.Nursery) -> None:
+        try:
+            async with at_once:
+                found = await node.dht.find_providers(range_provider_name(model_id, index),
+                                                      count=LOOKUP_PROVIDERS_PER_RANGE)
+        except ShardnetError as e:
+            log.debug("providers of range %d of %s: %s", index, model_id[:16], e)
+            errors.append(e)
+            return
+        for info in found:
+            if str(info.peer_id) not in asked:
+                asked.add(str(info.peer_id))
+                nursery.start_soon(claims_of, info)
 
-        async def providers_of(index: int) -> None:
+    async def claims_of(info: PeerInfo) -> None:
+        # the peer itself first (one stream, its freshest claim); the DHT record (a walk of
+        # the DHT) only when the peer does not answer
+        pid = str(info.peer_id)
+        if info.addrs:
+            node.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 600)
+        try:
+            got = await fetch_claims(node, pid, timeout=timeout / 2)
+        except (ShardnetError, trio.TooSlowError) as e:
+            log.debug("direct claim request to %s: %s", pid[:16], e)
+            got = []
+        if not got:
             try:
-                async with at_once:
-                    found = await node.dht.find_providers(range_provider_name(model_id, index),
-                                                          count=LOOKUP_PROVIDERS_PER_RANGE)
-            except ShardnetError as e:
-                log.debug("providers of range %d of %s: %s", index, model_id[:16], e)
-                errors.append(e)
-                return
-            for info in found:
-                providers.setdefault(str(info.peer_id), info)  # one request per peer, whatever its ranges
+                blob = await node.dht.get(pid, claim_record_name(model_id))
+                got = [bc.decode(blob)] if blob else []
+            except (ShardnetError, bc.ClaimError) as e:
+                log.debug("DHT claim of %s: %s", pid[:16], e)
+        for c in got:
+            if c.model == model_id and c.peer == pid:
+                claims[c.peer] = c
 
+    with trio.move_on_after(timeout):
         async with trio.open_nursery() as nursery:
             for index in ranges:
-                nursery.start_soon(providers_of, index)
-        if ranges and len(errors) == len(ranges):
-            raise errors[0]
-
-        async def one(info: PeerInfo) -> None:
-            # the peer itself first (one stream, its freshest claim); the DHT record (a walk of
-            # the DHT) only when the peer does not answer
-            pid = str(info.peer_id)
-            if info.addrs:
-                node.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 600)
-            try:
-                got = await fetch_claims(node, pid, timeout=timeout / 2)
-            except (ShardnetError, trio.TooSlowError) as e:
-                log.debug("direct claim request to %s: %s", pid[:16], e)
-                got = []
-            if not got:
-                try:
-                    blob = await node.dht.get(pid, claim_record_name(model_id))
-                    got = [bc.decode(blob)] if blob else []
-                except (ShardnetError, bc.ClaimError) as e:
-                    log.debug("DHT claim of %s: %s", pid[:16], e)
-            for c in got:
-                if c.model == model_id and c.peer == pid:
-                    claims[c.peer] = c
-
-        async with trio.open_nursery() as nursery:
-            for info in providers.values():
-                nursery.start_soon(one, info)
+                nursery.start_soon(providers_of, index, nursery)
+    if ranges and len(errors) == len(ranges):
+        raise errors[0]
     return list(claims.values())
