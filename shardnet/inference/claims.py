@@ -102,8 +102,10 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
                       timeout: float = 15.0) -> list[bc.Claim]:
     """The claims for ``model_id`` of the peers the DHT knows as providers of its layer ranges
     (``ranges``: indices into ``block_claim.layer_ranges(num_layers)``; all by default), verified.
-    The ranges' providers are looked up together (``LOOKUP_RANGES_AT_ONCE`` walks at a time), at
-    most ``LOOKUP_PROVIDERS_PER_RANGE`` per range (a random sample where there are more); each
+    The ranges' providers are looked up together (``LOOKUP_RANGES_AT_ONCE`` at a time; in a
+    network of fewer than k DHT servers one walk finds them all and each is asked for every
+    range, ``dht.servers_if_few``), at most ``LOOKUP_PROVIDERS_PER_RANGE`` per range (a random
+    sample where there are more); each
     peer found is asked directly once, as soon as a range names it (whatever other ranges name
     it too), its DHT record read when it does not answer. Raises the lookup's error only when
     every range's provider lookup failed."""
@@ -113,11 +115,11 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
     errors: list[ShardnetError] = []
     at_once = trio.CapacityLimiter(LOOKUP_RANGES_AT_ONCE)
 
-    async def providers_of(index: int, nursery: trio.Nursery) -> None:
+    async def providers_of(index: int, nursery: trio.Nursery, servers: list | None) -> None:
         try:
             async with at_once:
                 found = await node.dht.find_providers(range_provider_name(model_id, index),
-                                                      count=LOOKUP_PROVIDERS_PER_RANGE)
+                                                      count=LOOKUP_PROVIDERS_PER_RANGE, closest=servers)
         except ShardnetError as e:
             log.debug("providers of range %d of %s: %s", index, model_id[:16], e)
             errors.append(e)
@@ -149,9 +151,17 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
                 claims[c.peer] = c
 
     with trio.move_on_after(timeout):
+        # in a network of fewer than k DHT servers every range's closest peers are all of them:
+        # one walk, not one per range (a walk asked each server about 3 times)
+        servers = None
+        if len(ranges) > 1:
+            try:
+                servers = await node.dht.servers_if_few()
+            except ShardnetError as e:  # then a walk per range
+                log.debug("closest-peers walk: %s", e)
         async with trio.open_nursery() as nursery:
             for index in ranges:
-                nursery.start_soon(providers_of, index, nursery)
+                nursery.start_soon(providers_of, index, nursery, servers)
     if ranges and len(errors) == len(ranges):
         raise errors[0]
     return list(claims.values())

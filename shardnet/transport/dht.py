@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 PROVIDER_DOMAIN = b"shardnet-provider/1:"
 
 
+#: Kademlia's k: how many closest peers a walk finds and a record is stored at
+K = 20
+
 #: a sha2-256 multihash's prefix (code 0x12, 32 bytes)
 SHA256_MULTIHASH = b"\x12\x20"
 
@@ -231,11 +234,21 @@ class DHT:
             return f"{what}: no DHT peer to store it at (not connected to a swarm yet: wait_bootstrapped first)"
         return f"{what}: none of the {len(closest)} closest DHT peers stored it"
 
-    async def find_providers(self, name: str, count: int = 20) -> list[PeerInfo]:
+    async def servers_if_few(self) -> list[ID] | None:
+        """Every DHT server a walk reaches, when that is fewer than k (20): any key's closest peers
+        are then all of them, so a caller looking up many keys can ask them (``find_providers``'
+        ``closest``) instead of walking once per key; None in a larger network. One walk (towards
+        our own ID)."""
+        async with self._bounded("closest-peers lookup"):
+            found = list(await self.kad.peer_routing.find_closest_peers_network(self.host.get_id().to_bytes(), K))
+        return found if len(found) < K else None
+
+    async def find_providers(self, name: str, count: int = 20, *, closest: list[ID] | None = None) -> list[PeerInfo]:
         """Providers of ``name``, each peer once with the union of its addresses: all found when
         they are at most ``count``, else ``count`` of them at random. The closest peers to the
         key each answer a random sample of at most 20 of the providers they hold, so where many
-        peers provide a key a lookup finds a sample of them, and each lookup another one."""
+        peers provide a key a lookup finds a sample of them, and each lookup another one.
+        ``closest``: the peers to ask (``servers_if_few``) instead of walking to the key's."""
         key = bytes.fromhex(provider_key(name))
         store = self.kad.provider_store
         # py-libp2p's find_providers returns the local store alone whenever it is non-empty
@@ -243,7 +256,8 @@ class DHT:
         # provider. Ask the closest peers ourselves, then merge and de-duplicate.
         found = list(store.get_providers(key))
         async with self._bounded(f"find_providers {name}"):
-            closest = await self.kad.peer_routing.find_closest_peers_network(key)
+            if closest is None:
+                closest = await self.kad.peer_routing.find_closest_peers_network(key)
             me = self.host.get_id()
 
             async def ask(peer: ID) -> None:
