@@ -21,10 +21,11 @@ out of every figure. One row per model and policy:
   decode time; ttft p50: waiting in line plus prefill;
 - healed/h, failed/h: sessions healed around a departed peer, sessions failed (no route, or
   busy past the queue timeout), per hour;
-- msgs/peer/s, KB/peer/s (after the warm-up): control messages (claim gossip, DHT RPCs, pings, direct claim
-  requests) per peer per second and their bytes (bench/swarm_sim/wire.py; estimated from the
-  protocols' parameters for each publication and lookup, claims' sizes measured with the real
-  encoder), with a line per run by kind and the claims published (news, refreshes);
+- msgs/peer/s, KB/peer/s (after the warm-up): control messages (claim gossip on the layer
+  ranges' topics, DHT RPCs, pings, direct claim requests) per peer per second and their bytes
+  (bench/swarm_sim/wire.py; estimated from the protocols' parameters for each publication and
+  lookup, claims' sizes measured with the real encoder), with a line per run by kind, the
+  claims published (news, refreshes) and how many claims a compute peer's view held at upkeep;
   placed p50/p90: seconds from a peer's start to its first claim; moves/peer/h; route ms: wall
   time of one ``plan_route`` here.
 
@@ -88,6 +89,7 @@ def summarize(sim: Sim, stats: Stats, wall: float) -> dict:
         "msgs": dict(stats.msgs), "bytes": dict(stats.bytes),
         "publications_peer_h": {k: 3600 * v / max(1.0, stats.observed_peer_s) for k, v in stats.publications.items()},
         "news_why": dict(stats.news_why),
+        "view_p50": percentile(stats.view_claims, 0.5), "view_p90": percentile(stats.view_claims, 0.9),
         "peer_s": stats.observed_peer_s,
         "placed_p50": percentile(stats.placed_s, 0.5), "placed_p90": percentile(stats.placed_s, 0.9),
         "moves_peer_h": stats.moves / max(1e-9, stats.peers_hours),
@@ -123,8 +125,10 @@ def traffic_line(s: dict) -> str:
                       for k in KINDS)
     pubs = s["publications_peer_h"]
     why = ", ".join(f"{k} {v}" for k, v in sorted(s["news_why"].items(), key=lambda kv: -kv[1]))
+    view = (f"; claims in a compute peer's view at upkeep p50/p90: {s['view_p50']:.0f}/{s['view_p90']:.0f}"
+            if s["view_p50"] == s["view_p50"] else "")  # NaN: no upkeep read a view
     return (f"  {s['model']} / {s['policy']}: msgs/peer/s (KB) {kinds}; claims per peer-hour: news "
-            f"{pubs.get('news', 0):.1f}, refreshes {pubs.get('refresh', 0):.1f}; news for: {why}")
+            f"{pubs.get('news', 0):.1f}, refreshes {pubs.get('refresh', 0):.1f}; news for: {why}{view}")
 
 
 #: shardnet as it was before this simulator: no claims of spans being loaded, routes blind to
@@ -132,8 +136,8 @@ def traffic_line(s: dict) -> str:
 BEFORE = "shardnet-before"
 #: shardnet if a chain could enter a peer's span at any layer (what the simulation suggests next)
 SUFFIX = "shardnet+suffix"
-#: shardnet if compute peers decided from every claim (the gossip-fed view clients keep), not
-#: from the 64 providers a lookup returns
+#: shardnet if compute peers decided from every claim, not from their claims view (the news of
+#: their neighbourhood's ranges and their lookups' samples of every range)
 FULL_VIEW = "shardnet+full-view"
 VARIANTS = (BEFORE, *POLICIES, SUFFIX, FULL_VIEW)
 
@@ -141,7 +145,7 @@ VARIANTS = (BEFORE, *POLICIES, SUFFIX, FULL_VIEW)
 def simulate(model: str, policy: str, args) -> dict:
     before = policy == BEFORE
     if policy == FULL_VIEW:
-        chosen = Shardnet(view=None)
+        chosen = Shardnet(full_view=True)
     else:
         chosen = make("shardnet" if policy in (BEFORE, SUFFIX) else policy)
     sim = Sim(model=MODELS[model], policy=chosen,
