@@ -6,8 +6,9 @@
   what a peer sees: on joining, the claims one lookup of every layer range finds (at most
   ``LOOKUP_PROVIDERS_PER_RANGE`` providers a range); at upkeep, its claims view
   (``Swarm.view_claims``: the news heard on the topics of its span's neighbourhood and what its
-  lookups of every range, every ``UPKEEP_LOOKUP_S``, got; a random sample of
-  ``VIEW_DECIDE_MOST`` of it when it holds more, to keep 10,000 peers to minutes), pinging at
+  lookups of every range, every ``UPKEEP_LOOKUP_S``, got; when it holds more than
+  ``VIEW_DECIDE_MOST``, random samples that stand for the rest, to keep 10,000 peers to
+  minutes), pinging at
   most ``UPKEEP_PINGS`` of its unconnected peers. With ``full_view`` (``shardnet+full-view``,
   a what-if) it decides from every claim instead.
 - ``least-served``: Petals' rule (petals/server/block_selection.py): a joining server takes the
@@ -23,7 +24,7 @@
 
 from __future__ import annotations
 
-from bench.swarm_sim.swarm import Policy
+from bench.swarm_sim.swarm import VIEW_DECIDE_MOST, Policy
 from shardnet.inference.server.placement import (
     DEFAULT_REBALANCE_INTERVAL,
     REBALANCE_MARGIN,
@@ -46,8 +47,10 @@ class Shardnet(Policy):
     name = "shardnet"
     claims_view = True
 
-    def __init__(self, *, full_view: bool = False) -> None:
+    def __init__(self, *, full_view: bool = False, view_most: int | None = VIEW_DECIDE_MOST) -> None:
         self.full_view = full_view
+        #: the most claims of its view a peer plans over (None: all; Swarm.view_claims)
+        self.view_most = view_most
 
     def choose(self, swarm, peer):
         # the join's lookups are counted by the swarm (Swarm.join)
@@ -56,7 +59,7 @@ class Shardnet(Policy):
 
     def view(self, swarm, peer):
         """The claims upkeep plans over, the liveness check counted."""
-        claims, held = swarm.view_claims(peer)
+        claims, held = swarm.view_claims(peer, self.view_most)
         swarm.count_liveness(peer, held)
         swarm.stats.view_claims.append(held)
         return swarm.every_claim(peer) if self.full_view else claims

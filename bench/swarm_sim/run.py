@@ -3,7 +3,7 @@
     python -m bench.swarm_sim.run [--peers 1000] [--models llama-70b,deepseek-v3] [--hours 1]
                                   [--policies shardnet-before,shardnet,least-served,water-filling]
                                   [--load 0.3]
-                                  [--seed 1] [--cohort N] [--probe-order stalest|first]
+                                  [--seed 1] [--cohort N] [--probe-order stalest|first] [--view-most 512]
                                   [--jobs N] [--plots DIR] [--json FILE] [--quick]
 
 ``shardnet-before`` is shardnet as it was before this simulator found what it fixed (see
@@ -47,6 +47,7 @@ from bench.swarm_sim.models import MODELS  # noqa: E402
 from bench.swarm_sim.policies import POLICIES, Shardnet, make  # noqa: E402
 from bench.swarm_sim.sim import Sim  # noqa: E402
 from bench.swarm_sim.stats import Stats  # noqa: E402
+from bench.swarm_sim.swarm import VIEW_DECIDE_MOST  # noqa: E402
 
 
 def percentile(values: list[float], q: float, weights: list[int] | None = None) -> float:
@@ -144,10 +145,13 @@ VARIANTS = (BEFORE, *POLICIES, SUFFIX, FULL_VIEW)
 
 def simulate(model: str, policy: str, args) -> dict:
     before = policy == BEFORE
+    view_most = args.view_most or None
     if policy == FULL_VIEW:
-        chosen = Shardnet(full_view=True)
+        chosen = Shardnet(full_view=True, view_most=view_most)
+    elif policy in (BEFORE, SUFFIX, "shardnet"):
+        chosen = Shardnet(view_most=view_most)
     else:
-        chosen = make("shardnet" if policy in (BEFORE, SUFFIX) else policy)
+        chosen = make(policy)
     sim = Sim(model=MODELS[model], policy=chosen,
               peers=args.peers, hours=args.hours, seed=args.seed, load=args.load, cohort=args.cohort,
               probe_order="first" if before else args.probe_order, announce_loading=not before,
@@ -181,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-step", type=float, default=None,
                     help="what if peers republished their claim whenever their load crossed a multiple of this")
     ap.add_argument("--probe-order", choices=("stalest", "first"), default="stalest")
+    ap.add_argument("--view-most", type=int, default=VIEW_DECIDE_MOST,
+                    help="the most claims of its view a simulated compute peer plans over: samples stand for a "
+                         "larger view (0: the whole view, slow at 10,000 peers)")
     ap.add_argument("--plots", type=Path, default=None, help="write PNG plots (needs matplotlib) here")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,

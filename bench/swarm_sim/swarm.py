@@ -37,8 +37,8 @@ a provide, no gossip).
   the news went out) until it expires (``CLAIM_TTL`` after it was built), and the claims its
   own lookups got (``looked_up``: peer -> expiry); a refresh is not gossiped. It holds the
   peer's current claim (a stale version it would hold in fact is not modelled). Compute peers
-  decide from their view (``view_claims``; at most ``VIEW_DECIDE_MOST`` of it, a random
-  sample, when it holds more); at each upkeep they count the peers they are connected to live
+  decide from their view (``view_claims``; when it holds more than ``VIEW_DECIDE_MOST``,
+  random samples of it that stand for the rest); at each upkeep they count the peers they are connected to live
   (``CONNECTED``: the connection manager's high watermark) and ping at most ``UPKEEP_PINGS`` of
   the others of their view, dialling them first.
 
@@ -83,10 +83,11 @@ REPUBLISH_S = CLAIM_TTL / 3
 UPKEEP_LOOKUP_S = CLAIM_TTL / 3
 #: compute_peer.UPKEEP_PINGS: the most unconnected claims one upkeep round pings
 UPKEEP_PINGS = 16
-#: the most claims of its view a simulated compute peer plans over (a random sample of a larger
-#: view): planning over thousands of claims at every upkeep of 10,000 peers is too slow here;
-#: the real peer plans over its whole view (docs/scale.md)
-VIEW_DECIDE_MOST = 1000
+#: the most claims of its view a simulated compute peer plans over (``Swarm.view_claims``: half
+#: of them a sample of what its lookups got, half of the news it heard, their tokens/s scaled
+#: up to stand for the rest): planning over thousands of claims at every upkeep of 10,000 peers
+#: is too slow for this simulator; the real peer plans over its whole view (docs/scale.md)
+VIEW_DECIDE_MOST = 512
 #: the connections a peer holds (the connection manager prunes above its high watermark): the
 #: peers of its view that upkeep counts live without a ping
 CONNECTED = NodeConfig().high_watermark
@@ -653,26 +654,33 @@ class Swarm:
         return any(r in subs and subs[r] <= at for r in ranges)
 
     def view_claims(self, p: Peer, most: int | None = VIEW_DECIDE_MOST) -> tuple[list[Claim], int]:
-        """The claims of ``p``'s view, not its own (news heard on its neighbourhood's topics, and
-        what its lookups got), and how many it holds; when it holds more than ``most``, a random
-        sample of ``most`` of them (the count estimated from the sample)."""
-        looked = [q for q, t in p.looked_up.items() if t > self.now and q in self.claims]
+        """The claims of ``p``'s view, not its own: what its lookups got, and the news it heard on
+        its neighbourhood's topics; and how many it holds. Where either part holds more than
+        ``most`` / 2, a random sample of that many stands for it, each sampled claim's tokens/s
+        scaled by the part's size over the sample's (so a layer's planned tokens/s is the
+        view's, in expectation), and the count is estimated from the sample."""
+        now, claims = self.now, self.claims
+        looked = [q for q, t in p.looked_up.items() if t > now and q in claims and q != p.id]
         candidates: list[str] = []
         for r in p.subs:
             candidates.extend(self.providers[r])
         candidates = list(dict.fromkeys(candidates))  # a peer may provide under several ranges
-        scale = 1.0
-        if most is not None and len(candidates) + len(looked) > most:
-            total = len(candidates) + len(looked)
-            scale = total / most
-            looked = self.rng.sample(looked, round(most * len(looked) / total))
-            candidates = self.rng.sample(candidates, most - len(looked))
-        seen = dict.fromkeys(looked)
-        for q in candidates:
-            if q not in seen and self.heard(p, q):
-                seen[q] = None
-        seen.pop(p.id, None)
-        return [self.claims[q] for q in seen], round(len(seen) * scale)
+        in_lookups = set(looked)
+        half = None if most is None else most // 2
+        looked_weight = heard_weight = 1.0
+        if half is not None and len(looked) > half:
+            looked_weight = len(looked) / half
+            looked = self.rng.sample(looked, half)
+        if half is not None and len(candidates) > half:
+            heard_weight = len(candidates) / half
+            candidates = self.rng.sample(candidates, half)
+        heard = [q for q in candidates if q != p.id and q not in in_lookups and self.heard(p, q)]
+        held = round(len(looked) * looked_weight + len(heard) * heard_weight)
+        view = [claims[q] for q in looked] + [claims[q] for q in heard]
+        if looked_weight != 1.0 or heard_weight != 1.0:
+            view = ([dataclasses.replace(c, tput=c.tput * looked_weight) for c in view[:len(looked)]]
+                    + [dataclasses.replace(c, tput=c.tput * heard_weight) for c in view[len(looked):]])
+        return view, held
 
     def lookup_claims(self, p: Peer) -> list[Claim]:
         """The claims one lookup of every range finds (not counted: the caller counts), not

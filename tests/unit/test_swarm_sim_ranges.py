@@ -79,3 +79,15 @@ def test_a_run_reports_messages_per_peer_per_second_by_kind():
         assert re.search(rf"\b{kind} \d+\.\d \(\d+\.\d KB\)", line), line
     assert all(summary["msgs"].get(kind, 0) > 0 for kind in ("gossip", "dht", "direct")), summary["msgs"]
     assert "claims in a compute peer's view at upkeep" in line
+
+
+def test_a_large_view_is_planned_over_samples_that_stand_for_the_rest():
+    swarm, _ = a_swarm()
+    me = a_listening_peer(swarm, (0, 5))
+    others = [a_listening_peer(swarm, (0, 5)) for _ in range(20)]
+    whole, held = swarm.view_claims(me, None)
+    assert held == len(whole) == 20 and {c.peer for c in whole} == {q.id for q in others}
+    sample, estimate = swarm.view_claims(me, 8)  # at most 4 of the news heard (21 candidates, me too)
+    assert 0 < len(sample) <= 4 and estimate == round(len(sample) * 21 / 4)
+    for c in sample:  # each stands for 21 / 4 claims of the view
+        assert c.tput == swarm.claims[c.peer].tput * 21 / 4
