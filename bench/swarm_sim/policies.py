@@ -10,7 +10,8 @@
   ``VIEW_DECIDE_MOST``, random samples that stand for the rest, to keep 10,000 peers to
   minutes), pinging at
   most ``UPKEEP_PINGS`` of its unconnected peers. With ``full_view`` (``shardnet+full-view``,
-  a what-if) it decides from every claim instead.
+  a what-if) it decides from every claim instead; with ``providers`` (``shardnet-before``) from
+  that many random claims, as one lookup of the model-wide provider key found them before.
 - ``least-served``: Petals' rule (petals/server/block_selection.py): a joining server takes the
   window whose sorted throughputs are least (the lowest start among equals), sees every server
   (those joining too), and every ``PETALS_CHECK_S`` (about) moves if moving would raise the
@@ -47,14 +48,28 @@ class Shardnet(Policy):
     name = "shardnet"
     claims_view = True
 
-    def __init__(self, *, full_view: bool = False, view_most: int | None = VIEW_DECIDE_MOST) -> None:
+    def __init__(self, *, full_view: bool = False, view_most: int | None = VIEW_DECIDE_MOST,
+                 providers: int | None = None) -> None:
         self.full_view = full_view
         #: the most claims of its view a peer plans over (None: all; Swarm.view_claims)
         self.view_most = view_most
+        #: decide from this many random claims instead, as ``find_claims`` of one model-wide
+        #: provider key returned them before dissemination 2 (``shardnet-before``)
+        self.providers = providers
+
+    def decide_from(self, swarm, peer, view):
+        if self.full_view:
+            return swarm.every_claim(peer)
+        if self.providers is not None:
+            return swarm.random_claims(peer, self.providers)
+        return view
 
     def choose(self, swarm, peer):
         # the join's lookups are counted by the swarm (Swarm.join)
-        claims = swarm.every_claim(peer) if self.full_view else swarm.lookup_claims(peer)
+        if self.full_view or self.providers is not None:
+            claims = self.decide_from(swarm, peer, None)
+        else:
+            claims = swarm.lookup_claims(peer)
         return best_window(planned_throughput(claims, swarm.model.num_layers), peer.n_layers, rng=swarm.rng)
 
     def view(self, swarm, peer):
@@ -62,7 +77,7 @@ class Shardnet(Policy):
         claims, held = swarm.view_claims(peer, self.view_most)
         swarm.count_liveness(peer, held)
         swarm.stats.view_claims.append(held)
-        return swarm.every_claim(peer) if self.full_view else claims
+        return self.decide_from(swarm, peer, claims)
 
     def upkeep(self, swarm, peer):
         if peer.span is None:

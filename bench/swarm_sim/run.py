@@ -133,8 +133,10 @@ def traffic_line(s: dict) -> str:
 
 
 #: shardnet as it was before this simulator: no claims of spans being loaded, routes blind to
-#: peers' load, probes of the first 64 peers only (the gap rule of plan_move is not undone)
+#: peers' load, probes of the first 64 peers only, placement decided from the claims of 64
+#: random providers (the gap rule of plan_move is not undone; claims travel as shardnet's do now)
 BEFORE = "shardnet-before"
+BEFORE_PROVIDERS = 64
 #: shardnet if a chain could enter a peer's span at any layer (what the simulation suggests next)
 SUFFIX = "shardnet+suffix"
 #: shardnet if compute peers decided from every claim, not from their claims view (the news of
@@ -148,7 +150,9 @@ def simulate(model: str, policy: str, args) -> dict:
     view_most = args.view_most or None
     if policy == FULL_VIEW:
         chosen = Shardnet(full_view=True, view_most=view_most)
-    elif policy in (BEFORE, SUFFIX, "shardnet"):
+    elif policy == BEFORE:
+        chosen = Shardnet(view_most=view_most, providers=BEFORE_PROVIDERS)
+    elif policy in (SUFFIX, "shardnet"):
         chosen = Shardnet(view_most=view_most)
     else:
         chosen = make(policy)

@@ -703,6 +703,11 @@ class Swarm:
         p.rtts = tuple((q.id, self.rtt(p, q)) for q in nxt[:MAX_RTTS])
         self.count("ping", RTT_SAMPLES * len(nxt), RTT_SAMPLES * len(nxt) * wire.PING)
 
+    def random_claims(self, p: Peer, most: int) -> list[Claim]:
+        """At most ``most`` random live claims but ``p``'s own."""
+        picked = self.claim_ids.sample(self.rng, most + 1)
+        return [self.claims[peer] for peer in picked if peer != p.id][:most]
+
     def every_claim(self, p: Peer) -> list[Claim]:
         """Every live claim but ``p``'s own (``shardnet+full-view``'s what-if)."""
         return [c for peer, c in self.claims.items() if peer != p.id]
