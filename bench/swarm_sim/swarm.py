@@ -47,6 +47,7 @@ A peer's departure is handed to ``on_leave`` (the traffic's: requests through it
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -657,30 +658,48 @@ class Swarm:
         """The claims of ``p``'s view, not its own: what its lookups got, and the news it heard on
         its neighbourhood's topics; and how many it holds. Where either part holds more than
         ``most`` / 2, a random sample of that many stands for it, each sampled claim's tokens/s
-        scaled by the part's size over the sample's (so a layer's planned tokens/s is the
+        scaled by how many claims of the part it stands for (so a layer's planned tokens/s is the
         view's, in expectation), and the count is estimated from the sample."""
         now, claims = self.now, self.claims
         looked = [q for q, t in p.looked_up.items() if t > now and q in claims and q != p.id]
-        candidates: list[str] = []
-        for r in p.subs:
-            candidates.extend(self.providers[r])
-        candidates = list(dict.fromkeys(candidates))  # a peer may provide under several ranges
         in_lookups = set(looked)
         half = None if most is None else most // 2
-        looked_weight = heard_weight = 1.0
+        looked_weight = 1.0
         if half is not None and len(looked) > half:
             looked_weight = len(looked) / half
             looked = self.rng.sample(looked, half)
-        if half is not None and len(candidates) > half:
-            heard_weight = len(candidates) / half
-            candidates = self.rng.sample(candidates, half)
-        heard = [q for q in candidates if q != p.id and q not in in_lookups and self.heard(p, q)]
-        held = round(len(looked) * looked_weight + len(heard) * heard_weight)
-        view = [claims[q] for q in looked] + [claims[q] for q in heard]
-        if looked_weight != 1.0 or heard_weight != 1.0:
-            view = ([dataclasses.replace(c, tput=c.tput * looked_weight) for c in view[:len(looked)]]
-                    + [dataclasses.replace(c, tput=c.tput * heard_weight) for c in view[len(looked):]])
-        return view, held
+        view = [claims[q] for q in looked]
+        if looked_weight != 1.0:
+            view = [_scaled(c, looked_weight) for c in view]
+        held = len(looked) * looked_weight
+        # the news heard: candidates are the providers of the ranges it follows
+        subs = p.subs
+        slots = sum(len(self.providers[r]) for r in subs)  # a peer providing under k of them: k slots
+        if half is None or slots <= 8 * half:
+            candidates = list(dict.fromkeys(q for r in subs for q in self.providers[r]))
+            weight = 1.0
+            if half is not None and len(candidates) > half:
+                weight = len(candidates) / half
+                candidates = self.rng.sample(candidates, half)
+            drawn = [(q, weight) for q in candidates]
+        else:
+            # many: draw slots at random (with replacement; cheaper than listing the candidates),
+            # each standing for slots / half of them, divided among a peer's k slots
+            sizes = list(itertools.accumulate(len(self.providers[r]) for r in subs))
+            members = [self.providers[r] for r in subs]
+            drawn = []
+            for _ in range(half):
+                i = self.rng.randrange(slots)
+                at = bisect.bisect_right(sizes, i)
+                q = members[at].at(i - (sizes[at - 1] if at else 0))
+                k = sum(1 for r in self._provider_ranges.get(q, ()) if r in subs) or 1
+                drawn.append((q, slots / (half * k)))
+        for q, weight in drawn:
+            if q != p.id and q not in in_lookups and self.heard(p, q):
+                c = claims[q]
+                view.append(c if weight == 1.0 else _scaled(c, weight))
+                held += weight
+        return view, round(held)
 
     def lookup_claims(self, p: Peer) -> list[Claim]:
         """The claims one lookup of every range finds (not counted: the caller counts), not
@@ -735,6 +754,15 @@ class Swarm:
                 self._planned[i] += t
 
 
+def _scaled(c: Claim, weight: float) -> Claim:
+    """``c`` with its tokens/s times ``weight`` (``dataclasses.replace`` without re-checking
+    the claim: 6x faster, and a simulated view's samples make many)."""
+    scaled = object.__new__(Claim)
+    scaled.__dict__.update(c.__dict__)
+    object.__setattr__(scaled, "tput", c.tput * weight)
+    return scaled
+
+
 class SampleSet:
     """A set that draws random members in O(k) (a list with an index)."""
 
@@ -763,6 +791,9 @@ class SampleSet:
 
     def __iter__(self):
         return iter(self._items)
+
+    def at(self, i: int) -> str:
+        return self._items[i]
 
 
 _LAYER_CAPACITY: dict[tuple[str, str, int], float] = {}

@@ -91,3 +91,14 @@ def test_a_large_view_is_planned_over_samples_that_stand_for_the_rest():
     assert 0 < len(sample) <= 4 and estimate == round(len(sample) * 21 / 4)
     for c in sample:  # each stands for 21 / 4 claims of the view
         assert c.tput == swarm.claims[c.peer].tput * 21 / 4
+
+
+def test_a_view_of_many_providers_is_drawn_by_slot_each_claim_standing_for_its_share():
+    swarm, _ = a_swarm()
+    me = a_listening_peer(swarm, (0, 5))
+    for _ in range(40):
+        a_listening_peer(swarm, (0, 5))
+    sample, estimate = swarm.view_claims(me, 8)  # 41 slots (range 0's providers) > 8 x 4: 4 drawn
+    assert 0 < len(sample) <= 4 and abs(estimate - len(sample) * 41 / 4) <= 0.5
+    for c in sample:
+        assert c.tput == swarm.claims[c.peer].tput * 41 / 4
