@@ -1,6 +1,6 @@
 """The swarm simulation (bench/swarm_sim) publishes claims by the claim publisher's rules and
 counts what they cost: news on gossip and in the DHT, refreshes in the DHT only, lookups as a
-find_providers walk and direct requests; constants mirrored from modules that need torch stay
+find_providers walk per layer range and a direct request per provider; constants mirrored from modules that need torch stay
 equal to them."""
 
 import random
