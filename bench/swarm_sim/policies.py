@@ -3,10 +3,15 @@
 - ``shardnet``: the project's own rules, called as a compute peer calls them
   (``shardnet.inference.server.placement``: ``best_window`` on joining, ``plan_move`` and
   ``fillable_gap`` at each upkeep, ``upkeep_step`` and ``move_turn_delay`` for timing), over
-  what a peer sees: the claims of at most ``VIEW_PROVIDERS`` providers a DHT lookup returns.
-  Its messages are the code's: upkeep reads the node's gossip-fed claims view (looked up every
-  ``UPKEEP_LOOKUP_S``, swarm.py) and pings its unconnected peers; the decisions here still see a
-  lookup's 64 providers (docs/scale.md: what deciding from the whole view does).
+  what a peer sees: on joining, the claims one lookup of every layer range finds (at most
+  ``LOOKUP_PROVIDERS_PER_RANGE`` providers a range); at upkeep, its claims view
+  (``Swarm.view_claims``: the news heard on the topics of its span's neighbourhood and what its
+  lookups of every range, every ``UPKEEP_LOOKUP_S``, got; when it holds more than
+  ``VIEW_DECIDE_MOST``, random samples that stand for the rest, to keep 10,000 peers to
+  minutes), pinging at
+  most ``UPKEEP_PINGS`` of its unconnected peers. With ``full_view`` (``shardnet+full-view``,
+  a what-if) it decides from every claim instead; with ``providers`` (``shardnet-before``) from
+  that many random claims, as one lookup of the model-wide provider key found them before.
 - ``least-served``: Petals' rule (petals/server/block_selection.py): a joining server takes the
   window whose sorted throughputs are least (the lowest start among equals), sees every server
   (those joining too), and every ``PETALS_CHECK_S`` (about) moves if moving would raise the
@@ -20,7 +25,7 @@
 
 from __future__ import annotations
 
-from bench.swarm_sim.swarm import Policy
+from bench.swarm_sim.swarm import VIEW_DECIDE_MOST, Policy
 from shardnet.inference.server.placement import (
     DEFAULT_REBALANCE_INTERVAL,
     REBALANCE_MARGIN,
@@ -33,8 +38,6 @@ from shardnet.inference.server.placement import (
     upkeep_step,
 )
 
-#: ``find_claims`` asks the DHT for this many providers (claims.py)
-VIEW_PROVIDERS = 64
 PETALS_CHECK_S = 120.0
 PETALS_BALANCE_QUALITY = 0.75
 CENTRAL_PERIOD_S = 600.0
@@ -45,18 +48,41 @@ class Shardnet(Policy):
     name = "shardnet"
     claims_view = True
 
-    def __init__(self, *, view: int = VIEW_PROVIDERS) -> None:
-        self.view = view
+    def __init__(self, *, full_view: bool = False, view_most: int | None = VIEW_DECIDE_MOST,
+                 providers: int | None = None) -> None:
+        self.full_view = full_view
+        #: the most claims of its view a peer plans over (None: all; Swarm.view_claims)
+        self.view_most = view_most
+        #: decide from this many random claims instead, as ``find_claims`` of one model-wide
+        #: provider key returned them before dissemination 2 (``shardnet-before``)
+        self.providers = providers
+
+    def decide_from(self, swarm, peer, view):
+        if self.full_view:
+            return swarm.every_claim(peer)
+        if self.providers is not None:
+            return swarm.random_claims(peer, self.providers)
+        return view
 
     def choose(self, swarm, peer):
-        claims = swarm.view_of(peer, self.view)
+        # the join's lookups are counted by the swarm (Swarm.join)
+        if self.full_view or self.providers is not None:
+            claims = self.decide_from(swarm, peer, None)
+        else:
+            claims = swarm.lookup_claims(peer)
         return best_window(planned_throughput(claims, swarm.model.num_layers), peer.n_layers, rng=swarm.rng)
+
+    def view(self, swarm, peer):
+        """The claims upkeep plans over, the liveness check counted."""
+        claims, held = swarm.view_claims(peer, self.view_most)
+        swarm.count_liveness(peer, held)
+        swarm.stats.view_claims.append(held)
+        return self.decide_from(swarm, peer, claims)
 
     def upkeep(self, swarm, peer):
         if peer.span is None:
             return None
-        claims = swarm.view_of(peer, self.view)
-        swarm.count_liveness(peer)
+        claims = self.view(swarm, peer)
         me = swarm.claim_of(peer)
         gap = fillable_gap(claims, *peer.span, swarm.model.num_layers)
         settling = swarm.now < peer.settle_until
@@ -72,8 +98,7 @@ class Shardnet(Policy):
     def _confirm(self, swarm, peer):
         if peer.gone or peer.moving or peer.span is None:
             return
-        claims = swarm.view_of(peer, self.view)
-        swarm.count_liveness(peer)
+        claims = self.view(swarm, peer)
         move = plan_move(claims, swarm.claim_of(peer), swarm.model.num_layers, margin=REBALANCE_MARGIN,
                          rng=swarm.rng)
         if move is not None:

@@ -3,7 +3,7 @@
     python -m bench.swarm_sim.run [--peers 1000] [--models llama-70b,deepseek-v3] [--hours 1]
                                   [--policies shardnet-before,shardnet,least-served,water-filling]
                                   [--load 0.3]
-                                  [--seed 1] [--cohort N] [--probe-order stalest|first]
+                                  [--seed 1] [--cohort N] [--probe-order stalest|first] [--view-most 512]
                                   [--jobs N] [--plots DIR] [--json FILE] [--quick]
 
 ``shardnet-before`` is shardnet as it was before this simulator found what it fixed (see
@@ -21,10 +21,11 @@ out of every figure. One row per model and policy:
   decode time; ttft p50: waiting in line plus prefill;
 - healed/h, failed/h: sessions healed around a departed peer, sessions failed (no route, or
   busy past the queue timeout), per hour;
-- msgs/peer/s, KB/peer/s (after the warm-up): control messages (claim gossip, DHT RPCs, pings, direct claim
-  requests) per peer per second and their bytes (bench/swarm_sim/wire.py; estimated from the
-  protocols' parameters for each publication and lookup, claims' sizes measured with the real
-  encoder), with a line per run by kind and the claims published (news, refreshes);
+- msgs/peer/s, KB/peer/s (after the warm-up): control messages (claim gossip on the layer
+  ranges' topics, DHT RPCs, pings, direct claim requests) per peer per second and their bytes
+  (bench/swarm_sim/wire.py; estimated from the protocols' parameters for each publication and
+  lookup, claims' sizes measured with the real encoder), with a line per run by kind, the
+  claims published (news, refreshes) and how many claims a compute peer's view held at upkeep;
   placed p50/p90: seconds from a peer's start to its first claim; moves/peer/h; route ms: wall
   time of one ``plan_route`` here.
 
@@ -46,6 +47,7 @@ from bench.swarm_sim.models import MODELS  # noqa: E402
 from bench.swarm_sim.policies import POLICIES, Shardnet, make  # noqa: E402
 from bench.swarm_sim.sim import Sim  # noqa: E402
 from bench.swarm_sim.stats import Stats  # noqa: E402
+from bench.swarm_sim.swarm import VIEW_DECIDE_MOST  # noqa: E402
 
 
 def percentile(values: list[float], q: float, weights: list[int] | None = None) -> float:
@@ -88,6 +90,7 @@ def summarize(sim: Sim, stats: Stats, wall: float) -> dict:
         "msgs": dict(stats.msgs), "bytes": dict(stats.bytes),
         "publications_peer_h": {k: 3600 * v / max(1.0, stats.observed_peer_s) for k, v in stats.publications.items()},
         "news_why": dict(stats.news_why),
+        "view_p50": percentile(stats.view_claims, 0.5), "view_p90": percentile(stats.view_claims, 0.9),
         "peer_s": stats.observed_peer_s,
         "placed_p50": percentile(stats.placed_s, 0.5), "placed_p90": percentile(stats.placed_s, 0.9),
         "moves_peer_h": stats.moves / max(1e-9, stats.peers_hours),
@@ -123,27 +126,36 @@ def traffic_line(s: dict) -> str:
                       for k in KINDS)
     pubs = s["publications_peer_h"]
     why = ", ".join(f"{k} {v}" for k, v in sorted(s["news_why"].items(), key=lambda kv: -kv[1]))
+    view = (f"; claims in a compute peer's view at upkeep p50/p90: {s['view_p50']:.0f}/{s['view_p90']:.0f}"
+            if s["view_p50"] == s["view_p50"] else "")  # NaN: no upkeep read a view
     return (f"  {s['model']} / {s['policy']}: msgs/peer/s (KB) {kinds}; claims per peer-hour: news "
-            f"{pubs.get('news', 0):.1f}, refreshes {pubs.get('refresh', 0):.1f}; news for: {why}")
+            f"{pubs.get('news', 0):.1f}, refreshes {pubs.get('refresh', 0):.1f}; news for: {why}{view}")
 
 
 #: shardnet as it was before this simulator: no claims of spans being loaded, routes blind to
-#: peers' load, probes of the first 64 peers only (the gap rule of plan_move is not undone)
+#: peers' load, probes of the first 64 peers only, placement decided from the claims of 64
+#: random providers (the gap rule of plan_move is not undone; claims travel as shardnet's do now)
 BEFORE = "shardnet-before"
+BEFORE_PROVIDERS = 64
 #: shardnet if a chain could enter a peer's span at any layer (what the simulation suggests next)
 SUFFIX = "shardnet+suffix"
-#: shardnet if compute peers decided from every claim (the gossip-fed view clients keep), not
-#: from the 64 providers a lookup returns
+#: shardnet if compute peers decided from every claim, not from their claims view (the news of
+#: their neighbourhood's ranges and their lookups' samples of every range)
 FULL_VIEW = "shardnet+full-view"
 VARIANTS = (BEFORE, *POLICIES, SUFFIX, FULL_VIEW)
 
 
 def simulate(model: str, policy: str, args) -> dict:
     before = policy == BEFORE
+    view_most = args.view_most or None
     if policy == FULL_VIEW:
-        chosen = Shardnet(view=None)
+        chosen = Shardnet(full_view=True, view_most=view_most)
+    elif policy == BEFORE:
+        chosen = Shardnet(view_most=view_most, providers=BEFORE_PROVIDERS)
+    elif policy in (SUFFIX, "shardnet"):
+        chosen = Shardnet(view_most=view_most)
     else:
-        chosen = make("shardnet" if policy in (BEFORE, SUFFIX) else policy)
+        chosen = make(policy)
     sim = Sim(model=MODELS[model], policy=chosen,
               peers=args.peers, hours=args.hours, seed=args.seed, load=args.load, cohort=args.cohort,
               probe_order="first" if before else args.probe_order, announce_loading=not before,
@@ -177,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-step", type=float, default=None,
                     help="what if peers republished their claim whenever their load crossed a multiple of this")
     ap.add_argument("--probe-order", choices=("stalest", "first"), default="stalest")
+    ap.add_argument("--view-most", type=int, default=VIEW_DECIDE_MOST,
+                    help="the most claims of its view a simulated compute peer plans over: samples stand for a "
+                         "larger view (0: the whole view, slow at 10,000 peers)")
     ap.add_argument("--plots", type=Path, default=None, help="write PNG plots (needs matplotlib) here")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,

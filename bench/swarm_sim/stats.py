@@ -33,4 +33,6 @@ class Stats:
     publications: Counter = field(default_factory=Counter)
     news_why: Counter = field(default_factory=Counter)
     route_ms: list[float] = field(default_factory=list)
+    #: claims in a compute peer's view at each upkeep (``shardnet``)
+    view_claims: list[int] = field(default_factory=list)
     uncovered_since: dict[int, tuple[float, bool]] = field(default_factory=dict)

@@ -20,21 +20,34 @@ a provide, no gossip).
 - Messages are counted, not sent, by kind (gossip, dht, ping, direct), with their bytes
   (bench/swarm_sim/wire.py: a claim's size measured with the real encoder, the rest estimated
   from the protocols' formats): estimated from the protocols' parameters (``DHT_ALPHA``,
-  ``DHT_K``, ``GOSSIP_D``) for each publication and lookup. A lookup (``find_claims``) is a
-  find_providers walk and one direct request to each provider (at most ``LOOKUP_PROVIDERS``).
-  A compute peer's claims view (gossiped news) looks up every ``UPKEEP_LOOKUP_S``; at each upkeep
-  it counts the peers it is connected to live (``CONNECTED``: the connection manager's high
-  watermark) and pings at most ``UPKEEP_PINGS`` of the others of its view, dialling them first.
-- What a gossip-fed view holds: a claim heard as news stays in views until it expires
-  (``CLAIM_TTL`` after it was built); a refresh is not gossiped, so a claim with no news for a
-  TTL is in a view only if a lookup of that view asked its peer (``heard_until``, and each
-  gateway's ``looked_up``).
+  ``DHT_K``, ``GOSSIP_D``) for each publication and lookup.
+- Claims travel by layer range (dissemination 2, docs/protocols.md; the ranges are
+  ``block_claim.layer_ranges``): a news goes out on the topic of every range its claim overlaps
+  (``ranges_of`` of its span and of the span it loads), each delivered ``GOSSIP_D`` times (the
+  mesh's duplicates) to every compute peer subscribed to that topic but the publisher; a compute
+  peer's claims view subscribes to the ranges of ``neighbourhood(its span)`` when it starts and
+  again whenever its span changes; gateways subscribe to none. A publication puts the claim
+  record (one key) and, when its refresh is due, provides under every range it overlaps (news
+  provides under the ranges it did not cover yet). A lookup (``find_claims``) is, per range, a
+  find_providers walk that returns a random sample of at most ``LOOKUP_PROVIDERS_PER_RANGE``
+  of that range's providers, then one direct request per distinct provider. A compute peer's
+  view looks every range up every ``UPKEEP_LOOKUP_S``, a gateway's every
+  ``claims_view.REFRESH_S`` and when a request finds no route (traffic.py).
+- What a view holds: a claim whose news the view heard (on a topic it was subscribed to when
+  the news went out) until it expires (``CLAIM_TTL`` after it was built), and the claims its
+  own lookups got (``looked_up``: peer -> expiry); a refresh is not gossiped. It holds the
+  peer's current claim (a stale version it would hold in fact is not modelled). Compute peers
+  decide from their view (``view_claims``; when it holds more than ``VIEW_DECIDE_MOST``,
+  random samples of it that stand for the rest); at each upkeep they count the peers they are connected to live
+  (``CONNECTED``: the connection manager's high watermark) and ping at most ``UPKEEP_PINGS`` of
+  the others of their view, dialling them first.
 
 A peer's departure is handed to ``on_leave`` (the traffic's: requests through it heal).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -48,7 +61,7 @@ from bench.swarm_sim import wire, world
 from bench.swarm_sim.events import EventLoop
 from bench.swarm_sim.models import ModelSpec
 from bench.swarm_sim.stats import Stats
-from shardnet.inference.claims import CLAIM_TTL, RTT_SAMPLES
+from shardnet.inference.claims import CLAIM_TTL, LOOKUP_PROVIDERS_PER_RANGE, RTT_SAMPLES
 from shardnet.inference.server.placement import (
     DEFAULT_REBALANCE_INTERVAL,
     MEMORY_USE,
@@ -57,7 +70,7 @@ from shardnet.inference.server.placement import (
     layers_fitting,
     upkeep_step,
 )
-from shardnet.protocols.block_claim import MAX_RTTS, Claim, news
+from shardnet.protocols.block_claim import MAX_RTTS, Claim, layer_ranges, neighbourhood, news, ranges_of
 from shardnet.transport.config import NodeConfig
 
 #: the most tokens one forward pass of a peer's block scheduler takes (scheduler.DEFAULT_MAX_TOKENS,
@@ -71,8 +84,11 @@ REPUBLISH_S = CLAIM_TTL / 3
 UPKEEP_LOOKUP_S = CLAIM_TTL / 3
 #: compute_peer.UPKEEP_PINGS: the most unconnected claims one upkeep round pings
 UPKEEP_PINGS = 16
-#: ``find_claims`` asks the DHT for at most this many providers, then each of them directly
-LOOKUP_PROVIDERS = 64
+#: the most claims of its view a simulated compute peer plans over (``Swarm.view_claims``: half
+#: of them a sample of what its lookups got, half of the news it heard, their tokens/s scaled
+#: up to stand for the rest): planning over thousands of claims at every upkeep of 10,000 peers
+#: is too slow for this simulator; the real peer plans over its whole view (docs/scale.md)
+VIEW_DECIDE_MOST = 512
 #: the connections a peer holds (the connection manager prunes above its high watermark): the
 #: peers of its view that upkeep counts live without a ping
 CONNECTED = NodeConfig().high_watermark
@@ -121,6 +137,12 @@ class Peer:
     last_look: float = -math.inf
     publishing: bool = False
     view_started: bool = False
+    #: the claim topics (layer ranges) its view is subscribed to, each since when
+    subs: dict = field(default_factory=dict)
+    #: the ranges its publisher provided under since its last refresh
+    provided: frozenset = frozenset()
+    #: peer -> expiry of the claim its view's lookups got from that peer
+    looked_up: dict = field(default_factory=dict)
     _steps: dict = field(default_factory=dict)
     _tput: dict = field(default_factory=dict)
 
@@ -201,7 +223,14 @@ class Swarm:
         self.load_step = load_step
         #: until when gossip keeps each peer's claim in views: its last news' expiry
         self.heard_until: dict[str, float] = {}
-        self._in_views = (-math.inf, 0)
+        #: each peer's last news: when, and on which ranges' topics
+        self.news_of: dict[str, tuple[float, tuple[int, ...]]] = {}
+        self.ranges = layer_ranges(model.num_layers)
+        #: per range, the peers whose claim overlaps it (its providers), and the compute peers
+        #: whose view is subscribed to its topic
+        self.providers = [SampleSet() for _ in self.ranges]
+        self._provider_ranges: dict[str, tuple[int, ...]] = {}
+        self.subscribers: list[dict[str, None]] = [{} for _ in self.ranges]
         self._claim_bytes: dict[str, int] = {}
         self._claim_bytes_total = 0
         self.peers: dict[str, Peer] = {}
@@ -342,9 +371,14 @@ class Swarm:
     def _upkeep(self, p: Peer) -> None:
         if p.gone:
             return
-        if self.policy.claims_view and not p.view_started:
-            p.view_started = True  # the view starts at the first upkeep: a lookup, then one every UPKEEP_LOOKUP_S
-            self._view_lookup(p)
+        if not p.view_started:
+            # the view starts at the first upkeep: subscribed to its neighbourhood's topics
+            # (whatever the placement policy: gossip costs the same), then, for a policy that
+            # reads the view, a lookup of every range and one every UPKEEP_LOOKUP_S
+            p.view_started = True
+            self.subscribe(p)
+            if self.policy.claims_view:
+                self._view_lookup(p)
         self.measure_successors(p)
         self.publish(p)  # upkeep ends with publisher.refresh()
         nxt = self.policy.upkeep(self, p)
@@ -354,7 +388,7 @@ class Swarm:
     def _view_lookup(self, p: Peer) -> None:
         if p.gone:
             return
-        self.count_lookup(p)
+        self.look_up_into(p.looked_up)
         self.clock.later(UPKEEP_LOOKUP_S, lambda: self._view_lookup(p))
 
     def _start_publishing(self, p: Peer) -> None:
@@ -399,7 +433,20 @@ class Swarm:
             self._put_claim(p)
         else:
             self._drop_claim(p)
+        if p.view_started:
+            self.subscribe(p)  # the view follows the span's neighbourhood
         self._replan(p)
+
+    def subscribe(self, p: Peer) -> None:
+        """Subscribe ``p``'s view to the topics of ``neighbourhood(its span)`` (none once it
+        serves nothing), leaving the others; a topic joined now hears news from now on."""
+        want = set(neighbourhood(*p.span, self.model.num_layers)) if p.span is not None and not p.gone else set()
+        for r in set(p.subs) - want:
+            del p.subs[r]
+            self.subscribers[r].pop(p.id, None)
+        for r in want - set(p.subs):
+            p.subs[r] = self.now
+            self.subscribers[r][p.id] = None
 
     def close_gaps(self) -> None:
         for i, (since, spare) in list(self.stats.uncovered_since.items()):
@@ -440,10 +487,19 @@ class Swarm:
         if p.span is not None:
             self.look(p)
 
+    def claim_ranges(self, c: Claim) -> tuple[int, ...]:
+        """The layer ranges a claim is published and provided under: those its span overlaps and
+        those of the span it is loading."""
+        L = self.model.num_layers
+        if c.loading is None:
+            return tuple(ranges_of(c.start, c.end, L))
+        return tuple(sorted({*ranges_of(c.start, c.end, L), *ranges_of(*c.loading, L)}))
+
     def look(self, p: Peer, *, refresh_due: bool = False) -> None:
         """One round of ``ClaimPublisher.serve``: the claim built anew; news (``block_claim.news``
-        against the last claim published) gets the next version, on gossip and in the DHT; a
-        refresh due puts the claim in the DHT and provides (no gossip)."""
+        against the last claim published) gets the next version, on the topic of every range it
+        overlaps and in the DHT; a refresh due puts the claim in the DHT and provides under every
+        range it overlaps (no gossip); news provides under the ranges not provided yet."""
         fresh = self.claim_of(p)
         p.last_look = self.now
         reason = news(p.published, fresh)
@@ -451,14 +507,20 @@ class Swarm:
         if reason is None and not refresh_due:
             return
         size = wire.size_of(fresh)
+        ranges = self.claim_ranges(fresh)
         self.count_put(size)
         if refresh_due:
-            self.count_provide()
+            self.count_provide(len(ranges))
+            p.provided = frozenset(ranges)
+        elif not p.provided.issuperset(ranges):
+            self.count_provide(len(set(ranges) - p.provided))
+            p.provided |= frozenset(ranges)
         if reason is not None:
             p.published = dataclasses.replace(fresh, seq=p.published.seq + 1 if p.published else 1)
             self._put_claim(p, p.published)
             self.heard_until[p.id] = fresh.expires
-            self.count_gossip(size)
+            self.news_of[p.id] = (self.now, ranges)
+            self.count_gossip(size, ranges, publisher=p.id)
             if self.now >= self.warmup_s:
                 self.stats.publications["news"] += 1
                 self.stats.news_why[reason] += 1
@@ -480,6 +542,12 @@ class Swarm:
             self.by_start.get(old.start, {}).pop(p.id, None)
         self.claim_ids.add(p.id)
         self.by_start.setdefault(c.start, {})[p.id] = None
+        ranges = self.claim_ranges(c)
+        for r in set(self._provider_ranges.get(p.id, ())) - set(ranges):
+            self.providers[r].discard(p.id)
+        for r in ranges:
+            self.providers[r].add(p.id)
+        self._provider_ranges[p.id] = ranges
         size = wire.size_of(c)
         self._claim_bytes_total += size - self._claim_bytes.get(p.id, 0)
         self._claim_bytes[p.id] = size
@@ -489,8 +557,11 @@ class Swarm:
         if old is not None:
             self.by_start.get(old.start, {}).pop(p.id, None)
         self.claim_ids.discard(p.id)
+        for r in self._provider_ranges.pop(p.id, ()):
+            self.providers[r].discard(p.id)
         self._claim_bytes_total -= self._claim_bytes.pop(p.id, 0)
         self.heard_until.pop(p.id, None)
+        self.news_of.pop(p.id, None)
 
     # -- what it costs ---------------------------------------------------------------------------
     def count(self, kind: str, msgs: float, nbytes: float) -> None:
@@ -509,13 +580,16 @@ class Swarm:
         w = self.walk_rpcs()
         self.count("dht", w + DHT_K, w * wire.walk_rpc() + DHT_K * wire.put_rpc(claim_bytes))
 
-    def count_provide(self) -> None:
+    def count_provide(self, ranges: int = 1) -> None:
+        """ADD_PROVIDER under ``ranges`` keys: per key a walk to it, then the ``DHT_K`` closest peers."""
         w = self.walk_rpcs()
-        self.count("dht", w + DHT_K, w * wire.walk_rpc() + DHT_K * wire.provide_rpc())
+        self.count("dht", ranges * (w + DHT_K), ranges * (w * wire.walk_rpc() + DHT_K * wire.provide_rpc()))
 
-    def count_gossip(self, claim_bytes: int) -> None:
-        """News on the model's topic: every subscriber (every peer) hears it from its mesh."""
-        n = max(2, len(self.peers))
+    def count_gossip(self, claim_bytes: int, ranges: tuple[int, ...], publisher: str | None = None) -> None:
+        """News on the topic of each of ``ranges``: every subscriber of that topic but the
+        publisher hears it from its mesh (``GOSSIP_D`` deliveries each: the duplicates), one
+        message per topic."""
+        n = sum(len(self.subscribers[r]) - (publisher in self.subscribers[r]) for r in ranges)
         self.count("gossip", GOSSIP_D * n, GOSSIP_D * n * wire.gossip(claim_bytes))
 
     def mean_claim_bytes(self) -> float:
@@ -523,47 +597,121 @@ class Swarm:
             return wire.claim_bytes("public", 0, False)
         return self._claim_bytes_total / len(self._claim_bytes)
 
-    def count_lookup(self, p: Peer | None = None, times: int = 1) -> None:
-        """``find_claims``: a find_providers walk (its answers name up to LOOKUP_PROVIDERS
-        providers), then one direct request to each, dialling those it holds no connection to
-        (whose connections it holds are answered on them; then all are connected, so the
-        liveness check that follows pings none)."""
+    def lookup(self) -> dict[str, None]:
+        """``find_claims`` over every layer range: per range a find_providers walk whose answers
+        name a random sample of at most LOOKUP_PROVIDERS_PER_RANGE of its providers, then one
+        direct request to each distinct provider, dialling those it holds no connection to
+        (those whose connections it holds are answered on them; then all are connected, so the
+        liveness check that follows pings none). Returns the providers asked."""
+        asked: dict[str, None] = {}  # (a dict: in the order found, whatever the process's hash seed)
+        named = 0
+        for members in self.providers:
+            got = members.sample(self.rng, LOOKUP_PROVIDERS_PER_RANGE)
+            named += len(got)
+            asked.update(dict.fromkeys(got))
         n = max(2, len(self.peers))
-        providers = min(LOOKUP_PROVIDERS, len(self.claims))
         w = self.walk_rpcs()
-        self.count("dht", times * w, times * (w * wire.walk_rpc() + providers * wire.PEER_INFO))
+        walks = len(self.ranges)
+        self.count("dht", walks * w, walks * w * wire.walk_rpc() + named * wire.PEER_INFO)
         unconnected = max(0.0, 1.0 - CONNECTED / n)
-        self.count("direct", times * providers,
-                   times * providers * (wire.direct_request(self.mean_claim_bytes()) + unconnected * wire.DIAL))
+        self.count("direct", len(asked),
+                   len(asked) * (wire.direct_request(self.mean_claim_bytes()) + unconnected * wire.DIAL))
+        return asked
 
-    def count_liveness(self, p: Peer) -> None:
-        """Upkeep reading the claims view: connected peers count live, at most ``UPKEEP_PINGS``
-        of the others are pinged (each dialled first), the rest trusted until they expire."""
-        pings = min(UPKEEP_PINGS, max(0, self.in_views() - 1 - CONNECTED))
+    def count_lookup(self, p: Peer | None = None, times: int = 1) -> None:
+        """``times`` lookups of every range (``lookup``), counted."""
+        for _ in range(times):
+            self.lookup()
+
+    def count_liveness(self, p: Peer, view: int) -> None:
+        """Upkeep reading the claims view (``view`` claims): connected peers count live, at most
+        ``UPKEEP_PINGS`` of the others are pinged (each dialled first), the rest trusted until
+        they expire."""
+        pings = min(UPKEEP_PINGS, max(0, view - CONNECTED))
         self.count("ping", pings, pings * (wire.PING + wire.DIAL))
 
-    def in_views(self) -> int:
-        """How many claims a gossip-fed view holds now (news heard within its TTL; recounted
-        every 10 simulated seconds)."""
-        at, n = self._in_views
-        if self.now - at >= 10.0:
-            n = sum(1 for t in self.heard_until.values() if t > self.now)
-            self._in_views = (self.now, n)
-        return n
-
     def visible(self, peer: str, looked_up: dict[str, float]) -> bool:
-        """Whether a view holds ``peer``'s claim: heard as news within its TTL, or found by one
-        of the view's own lookups (``looked_up``: peer -> the expiry of the claim it got)."""
-        return self.heard_until.get(peer, 0.0) > self.now or looked_up.get(peer, 0.0) > self.now
+        """Whether a gateway's view (subscribed to no topic) holds ``peer``'s claim: found by one
+        of its own lookups (``looked_up``: peer -> the expiry of the claim it got)."""
+        return looked_up.get(peer, 0.0) > self.now
 
     def look_up_into(self, looked_up: dict[str, float]) -> None:
-        """A view's lookup: LOOKUP_PROVIDERS providers asked directly, each answering the claim
-        its publisher built last (expiring a TTL after that)."""
-        self.count_lookup()
-        for peer in self.claim_ids.sample(self.rng, LOOKUP_PROVIDERS):
+        """A view's lookup of every range: each provider asked answers the claim its publisher
+        built last (expiring a TTL after that); expired entries leave the view."""
+        for peer in [q for q, t in looked_up.items() if t <= self.now]:
+            del looked_up[peer]
+        for peer in self.lookup():
             q = self.peers.get(peer)
             if q is not None:
                 looked_up[peer] = q.last_look + CLAIM_TTL
+
+    def heard(self, p: Peer, peer: str) -> bool:
+        """Whether ``p``'s view heard ``peer``'s last news (on a topic it was subscribed to when
+        the news went out) and holds it still (unexpired)."""
+        if self.heard_until.get(peer, 0.0) <= self.now:
+            return False
+        at, ranges = self.news_of.get(peer, (math.inf, ()))
+        subs = p.subs
+        return any(r in subs and subs[r] <= at for r in ranges)
+
+    def view_claims(self, p: Peer, most: int | None = VIEW_DECIDE_MOST) -> tuple[list[Claim], int]:
+        """The claims of ``p``'s view, not its own: what its lookups got, and the news it heard on
+        its neighbourhood's topics; and how many it holds. Where either part holds more than
+        ``most`` / 2, a random sample of that many stands for it, each sampled claim's tokens/s
+        scaled by how many claims of the part it stands for (so a layer's planned tokens/s is the
+        view's, in expectation), and the count is estimated from the sample."""
+        now, claims = self.now, self.claims
+        looked = [q for q, t in p.looked_up.items() if t > now and q in claims and q != p.id]
+        in_lookups = set(looked)
+        half = None if most is None else most // 2
+        looked_weight = 1.0
+        if half is not None and len(looked) > half:
+            looked_weight = len(looked) / half
+            looked = self.rng.sample(looked, half)
+        view = [claims[q] for q in looked]
+        if looked_weight != 1.0:
+            view = [_scaled(c, looked_weight) for c in view]
+        held = len(looked) * looked_weight
+        # the news heard: candidates are the providers of the ranges it follows
+        subs = p.subs
+        slots = sum(len(self.providers[r]) for r in subs)  # a peer providing under k of them: k slots
+        if half is None or slots <= 8 * half:
+            candidates = list(dict.fromkeys(q for r in subs for q in self.providers[r]))
+            weight = 1.0
+            if half is not None and len(candidates) > half:
+                weight = len(candidates) / half
+                candidates = self.rng.sample(candidates, half)
+            drawn = [(q, weight) for q in candidates]
+        else:
+            # many: draw slots at random (with replacement; cheaper than listing the candidates),
+            # each standing for slots / half of them, divided among a peer's k slots
+            sizes = list(itertools.accumulate(len(self.providers[r]) for r in subs))
+            members = [self.providers[r] for r in subs]
+            drawn = []
+            for _ in range(half):
+                i = self.rng.randrange(slots)
+                at = bisect.bisect_right(sizes, i)
+                q = members[at].at(i - (sizes[at - 1] if at else 0))
+                k = sum(1 for r in self._provider_ranges.get(q, ()) if r in subs) or 1
+                drawn.append((q, slots / (half * k)))
+        for q, weight in drawn:
+            if q != p.id and q not in in_lookups and self.heard(p, q):
+                c = claims[q]
+                view.append(c if weight == 1.0 else _scaled(c, weight))
+                held += weight
+        return view, round(held)
+
+    def lookup_claims(self, p: Peer) -> list[Claim]:
+        """The claims one lookup of every range finds (not counted: the caller counts), not
+        ``p``'s own; noted in its view."""
+        picked: dict[str, None] = {}
+        for members in self.providers:
+            picked.update(dict.fromkeys(members.sample(self.rng, LOOKUP_PROVIDERS_PER_RANGE)))
+        picked.pop(p.id, None)
+        for q in picked:
+            if q in self.peers:
+                p.looked_up[q] = self.peers[q].last_look + CLAIM_TTL
+        return [self.claims[q] for q in picked if q in self.claims]
 
     def measure_successors(self, p: Peer) -> None:
         """Round trips to the peers serving the layers after its own (``RTT_SAMPLES`` pings
@@ -574,12 +722,14 @@ class Swarm:
         p.rtts = tuple((q.id, self.rtt(p, q)) for q in nxt[:MAX_RTTS])
         self.count("ping", RTT_SAMPLES * len(nxt), RTT_SAMPLES * len(nxt) * wire.PING)
 
-    def view_of(self, p: Peer, most: int | None) -> list[Claim]:
-        """The live claims a peer's lookup finds (``most`` providers; None: all), not its own."""
-        if most is None:
-            return [c for peer, c in self.claims.items() if peer != p.id]
+    def random_claims(self, p: Peer, most: int) -> list[Claim]:
+        """At most ``most`` random live claims but ``p``'s own."""
         picked = self.claim_ids.sample(self.rng, most + 1)
         return [self.claims[peer] for peer in picked if peer != p.id][:most]
+
+    def every_claim(self, p: Peer) -> list[Claim]:
+        """Every live claim but ``p``'s own (``shardnet+full-view``'s what-if)."""
+        return [c for peer, c in self.claims.items() if peer != p.id]
 
     # -- placement -------------------------------------------------------------------------------
     def planned_served(self, without: Peer | None = None) -> list[float]:
@@ -602,6 +752,15 @@ class Swarm:
             self._planned_by[p.id] = (*span, t)
             for i in range(*span):
                 self._planned[i] += t
+
+
+def _scaled(c: Claim, weight: float) -> Claim:
+    """``c`` with its tokens/s times ``weight`` (``dataclasses.replace`` without re-checking
+    the claim: 6x faster, and a simulated view's samples make many)."""
+    scaled = object.__new__(Claim)
+    scaled.__dict__.update(c.__dict__)
+    object.__setattr__(scaled, "tput", c.tput * weight)
+    return scaled
 
 
 class SampleSet:
@@ -629,6 +788,12 @@ class SampleSet:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def at(self, i: int) -> str:
+        return self._items[i]
 
 
 _LAYER_CAPACITY: dict[tuple[str, str, int], float] = {}

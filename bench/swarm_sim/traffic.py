@@ -21,6 +21,8 @@ What is modelled, coarsely and on purpose (docs/scale.md says what that leaves o
   keepalive closes the connection to it (``keepalive_interval`` + ``keepalive_timeout`` at
   most; ``STEP_TIMEOUT`` is the last resort, never reached here). Gateways' views drop a departed peer's claim when a
   request fails on it, or when a probe finds it gone (within ``RTT_CACHE_S``).
+- Gateways' views subscribe to no claim topic: they hold the claims their lookups of every
+  layer range got (every ``claims_view.REFRESH_S``, and when a request finds no route).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from bench.swarm_sim.models import ModelSpec
 from bench.swarm_sim.stats import Stats
 from bench.swarm_sim.swarm import Peer, Swarm, layer_capacity
 from shardnet.errors import NoRouteError
+from shardnet.inference.claims_view import LOOKUP_GAP_S
 from shardnet.inference.claims_view import REFRESH_S as VIEW_REFRESH_S
 from shardnet.inference.client.heal_plan import plan_heal
 from shardnet.inference.client.own_load import OwnLoad
@@ -99,8 +102,9 @@ class Gateway:
     #: KV tokens this gateway's open sessions hold per peer (the client's OwnLoad)
     own: OwnLoad = field(default_factory=OwnLoad)
     #: peer -> expiry of the claim this gateway's view got from it by a lookup (its ClaimsView
-    #: holds those and the news gossip brings)
+    #: subscribes to no claim topic: it holds what its lookups got)
     looked_up: dict[str, float] = field(default_factory=dict)
+    last_lookup: float = -math.inf
 
 
 class Traffic:
@@ -131,8 +135,8 @@ class Traffic:
         self.gateways = [Gateway(n, world.city(n)) for n in world.GATEWAY_CITIES]
         self._rtt_cache: dict[tuple[str, str], float] = {}
         swarm.on_leave = self.peer_left
-        # each gateway's claims view looks up every claims_view.REFRESH_S (gossip brings news
-        # in between), the gateways a share of that apart
+        # each gateway's claims view looks every layer range up every claims_view.REFRESH_S (and
+        # when a request finds no route), the gateways a share of that apart
         for i, g in enumerate(self.gateways):
             self.clock.at(VIEW_REFRESH_S * i / len(self.gateways), lambda g=g: self.view_lookup(g))
         # The request load: ``load`` times the sessions the swarm's KV caches can hold at once
@@ -159,8 +163,18 @@ class Traffic:
         return self.clock.now
 
     def view_lookup(self, g: Gateway) -> None:
-        self.swarm.look_up_into(g.looked_up)
+        self.look_up(g)
         self.clock.later(VIEW_REFRESH_S, lambda: self.view_lookup(g))
+
+    def look_up(self, g: Gateway) -> None:
+        g.last_lookup = self.now
+        self.swarm.look_up_into(g.looked_up)
+
+    def kick(self, g: Gateway) -> None:
+        """A request found no route: the view looks up (``ClaimsView.kick``), at most once per
+        ``LOOKUP_GAP_S``; the request has failed meanwhile."""
+        if self.now - g.last_lookup >= LOOKUP_GAP_S:
+            self.look_up(g)
 
     def gateway_rtt(self, g: Gateway, p: Peer) -> float:
         key = (g.name, p.id)
@@ -226,6 +240,7 @@ class Traffic:
                                               load=g.own.load if self.route_by_load else _no_load),
                                rng=self.rng)
         except NoRouteError:
+            self.kick(g)
             if not or_wait:
                 self.fail(r, "no route")
             return False

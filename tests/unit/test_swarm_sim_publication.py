@@ -1,6 +1,6 @@
 """The swarm simulation (bench/swarm_sim) publishes claims by the claim publisher's rules and
 counts what they cost: news on gossip and in the DHT, refreshes in the DHT only, lookups as a
-find_providers walk and direct requests; constants mirrored from modules that need torch stay
+find_providers walk per layer range and a direct request per provider; constants mirrored from modules that need torch stay
 equal to them."""
 
 import random
@@ -12,8 +12,8 @@ from bench.swarm_sim.events import EventLoop
 from bench.swarm_sim.models import MODELS
 from bench.swarm_sim.policies import make
 from bench.swarm_sim.stats import Stats
-from bench.swarm_sim.swarm import LOOKUP_PROVIDERS, REPUBLISH_S, Swarm
-from shardnet.inference.claims import CLAIM_TTL
+from bench.swarm_sim.swarm import GOSSIP_D, REPUBLISH_S, Swarm
+from shardnet.inference.claims import CLAIM_TTL, LOOKUP_PROVIDERS_PER_RANGE
 from shardnet.protocols import block_claim as bc
 
 
@@ -28,26 +28,37 @@ def test_constants_mirrored_from_torch_modules_stay_equal():
     assert REPUBLISH_S == CLAIM_TTL / 3
 
 
-def a_swarm(peers: int = 0) -> tuple[Swarm, Stats]:
+def a_swarm(peers: int = 0, span=lambda i: (0, 1)) -> tuple[Swarm, Stats]:
     stats = Stats()
     swarm = Swarm(model=MODELS["llama-70b"], policy=make("shardnet"), target_peers=10, clock=EventLoop(3600.0),
                   stats=stats, world_rng=random.Random(1), rng=random.Random(2), warmup_s=0.0)
-    for _ in range(peers):
-        p = swarm.new_peer(0.0)
-        swarm.peers[p.id] = p
-        p.target = p.span = (0, 1)
-        swarm.look(p)
+    for i in range(peers):
+        a_peer(swarm, span(i))
     return swarm, stats
+
+
+def a_peer(swarm: Swarm, span: tuple[int, int], *, listening: bool = False):
+    """A peer serving ``span`` that has published its claim; ``listening``: its claims view is
+    subscribed to its neighbourhood's topics."""
+    p = swarm.new_peer(swarm.now)
+    swarm.peers[p.id] = p
+    p.target = p.span = span
+    if listening:
+        p.view_started = True
+        swarm.subscribe(p)
+    swarm.look(p)
+    return p
 
 
 def test_only_news_is_gossiped_and_a_refresh_is_a_dht_put_and_provide():
     swarm, stats = a_swarm()
-    p = swarm.new_peer(0.0)
-    swarm.peers[p.id] = p
-    p.target = p.span = (0, 4)
-    swarm.look(p)
+    a_peer(swarm, (0, 4), listening=True)  # hears the news of range 0
+    stats.msgs.clear()
+    stats.publications.clear()
+    stats.news_why.clear()
+    p = a_peer(swarm, (0, 4))
     assert stats.publications == {"news": 1} and stats.news_why == {"first claim": 1}
-    assert swarm.claims[p.id].seq == 1 and stats.msgs["gossip"] > 0
+    assert swarm.claims[p.id].seq == 1 and stats.msgs["gossip"] == GOSSIP_D  # one topic, one listener
     gossip, dht = stats.msgs["gossip"], stats.msgs["dht"]
 
     swarm.clock.now = 60.0
@@ -67,11 +78,19 @@ def test_only_news_is_gossiped_and_a_refresh_is_a_dht_put_and_provide():
     assert bc.news(swarm.claims[p.id], swarm.claim_of(p)) is None
 
 
-def test_a_lookup_is_a_walk_and_a_direct_request_per_provider():
-    swarm, stats = a_swarm(80)
+def test_a_lookup_is_a_walk_per_range_and_a_direct_request_per_provider():
+    swarm, stats = a_swarm(80)  # all 80 on layer 0: providers of range 0 only
+    stats.msgs.clear()
+    stats.bytes.clear()
     swarm.count_lookup()
-    assert stats.msgs["direct"] == LOOKUP_PROVIDERS  # at most 64 providers asked, of 80
-    assert stats.msgs["dht"] > 0 and stats.bytes["direct"] >= LOOKUP_PROVIDERS * wire.direct_request(500)
+    assert stats.msgs["direct"] == LOOKUP_PROVIDERS_PER_RANGE  # a sample of range 0's 80 providers
+    assert stats.msgs["dht"] == len(swarm.ranges) * swarm.walk_rpcs()  # a walk per range, empty or not
+    assert stats.bytes["direct"] >= LOOKUP_PROVIDERS_PER_RANGE * wire.direct_request(500)
+
+    swarm, stats = a_swarm(80, span=lambda i: (i, i + 1))  # 5 providers in each of the 16 ranges
+    stats.msgs.clear()
+    swarm.count_lookup()
+    assert stats.msgs["direct"] == 80  # every provider, each asked once
 
 
 def test_a_claims_size_is_measured_with_the_real_encoder():
