@@ -22,13 +22,13 @@ a provide, no gossip).
   from the protocols' formats): estimated from the protocols' parameters (``DHT_ALPHA``,
   ``DHT_K``, ``GOSSIP_D``) for each publication and lookup.
 - Claims travel by layer range (dissemination 2, docs/protocols.md; the ranges are
-  ``block_claim.layer_ranges``): a news goes out on the topic of every range its claim overlaps
-  (``ranges_of`` of its span and of the span it loads), each delivered ``GOSSIP_D`` times (the
+  ``block_claim.layer_ranges``): a news goes out on the topic of the range holding its claim's
+  first layer (``block_claim.claim_ranges``; and that of the span it loads), each delivered ``GOSSIP_D`` times (the
   mesh's duplicates) to every compute peer subscribed to that topic but the publisher; a compute
   peer's claims view subscribes to the ranges of ``neighbourhood(its span)`` when it starts and
   again whenever its span changes; gateways subscribe to none. A publication puts the claim
-  record (one key) and, when its refresh is due, provides under every range it overlaps (news
-  provides under the ranges it did not cover yet). A lookup (``find_claims``) is, per range, a
+  record (one key) and, when its refresh is due, provides under those ranges (news provides
+  under the ranges it did not cover yet). A lookup (``find_claims``) is, per range, a
   find_providers walk that returns a random sample of at most ``LOOKUP_PROVIDERS_PER_RANGE``
   of that range's providers, then one direct request per distinct provider. A compute peer's
   view looks every range up every ``UPKEEP_LOOKUP_S``, a gateway's every
@@ -70,7 +70,7 @@ from shardnet.inference.server.placement import (
     layers_fitting,
     upkeep_step,
 )
-from shardnet.protocols.block_claim import MAX_RTTS, Claim, layer_ranges, neighbourhood, news, ranges_of
+from shardnet.protocols.block_claim import MAX_RTTS, Claim, claim_ranges, layer_ranges, neighbourhood, news
 from shardnet.transport.config import NodeConfig
 
 #: the most tokens one forward pass of a peer's block scheduler takes (scheduler.DEFAULT_MAX_TOKENS,
@@ -226,7 +226,7 @@ class Swarm:
         #: each peer's last news: when, and on which ranges' topics
         self.news_of: dict[str, tuple[float, tuple[int, ...]]] = {}
         self.ranges = layer_ranges(model.num_layers)
-        #: per range, the peers whose claim overlaps it (its providers), and the compute peers
+        #: per range, the peers whose claim starts in it (its providers), and the compute peers
         #: whose view is subscribed to its topic
         self.providers = [SampleSet() for _ in self.ranges]
         self._provider_ranges: dict[str, tuple[int, ...]] = {}
@@ -487,19 +487,15 @@ class Swarm:
         if p.span is not None:
             self.look(p)
 
-    def claim_ranges(self, c: Claim) -> tuple[int, ...]:
-        """The layer ranges a claim is published and provided under: those its span overlaps and
-        those of the span it is loading."""
-        L = self.model.num_layers
-        if c.loading is None:
-            return tuple(ranges_of(c.start, c.end, L))
-        return tuple(sorted({*ranges_of(c.start, c.end, L), *ranges_of(*c.loading, L)}))
+    def claim_ranges(self, c: Claim) -> list[int]:
+        """The layer ranges a claim is published and provided under (``block_claim.claim_ranges``)."""
+        return claim_ranges(c, self.model.num_layers)
 
     def look(self, p: Peer, *, refresh_due: bool = False) -> None:
         """One round of ``ClaimPublisher.serve``: the claim built anew; news (``block_claim.news``
         against the last claim published) gets the next version, on the topic of every range it
-        overlaps and in the DHT; a refresh due puts the claim in the DHT and provides under every
-        range it overlaps (no gossip); news provides under the ranges not provided yet."""
+        holds its first layer (``claim_ranges``) and in the DHT; a refresh due puts the claim in the
+        DHT and provides under those ranges (no gossip); news provides under the ranges not provided yet."""
         fresh = self.claim_of(p)
         p.last_look = self.now
         reason = news(p.published, fresh)

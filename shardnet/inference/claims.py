@@ -1,5 +1,5 @@
 """Finding block claims (through the DHT and direct requests): what the server publishes under
-(``claim_record_name``, ``range_provider_name`` of each layer range its span overlaps) and what
+(``claim_record_name``, ``range_provider_name`` of the layer range holding its first layer) and what
 clients, compute peers and status queries look up (``find_claims``: the providers of each layer
 range, then each provider asked directly; docs/protocols.md, "Claim dissemination")."""
 
@@ -38,7 +38,7 @@ def provider_name(model_id: str) -> str:
 
 def range_provider_name(model_id: str, index: int) -> str:
     """The provider key of one layer range of a model (``block_claim.layer_ranges``): a claim is
-    provided under each range its span overlaps (dissemination 2)."""
+    provided under the range holding its first layer (``block_claim.claim_ranges``; dissemination 2)."""
     return f"model/{model_id}/r{index}"
 
 

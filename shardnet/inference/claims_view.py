@@ -176,7 +176,7 @@ class ClaimsView:
     async def _gossip(self, index: int, scope: trio.CancelScope) -> None:
         """Take the claims gossiped on one layer range's topic, until ``scope`` is cancelled."""
         def valid(data: bytes) -> bool:
-            # a claim belongs on the topics of the ranges its span (or the span it loads) overlaps
+            # a claim belongs on the topic of the range holding its first layer (or that of the span it loads)
             try:
                 c = bc.decode(data)
             except bc.ClaimError:

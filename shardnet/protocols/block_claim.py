@@ -10,8 +10,8 @@ through peers computing in their own dtype, and honest-compute checks allow for 
 peers' outputs) and ``quant`` (how its weights are quantized, "none" when they are not: clients
 may require or refuse quantized spans). It is signed with the peer's Ed25519 identity key, so anyone can check it came from P
 and was not altered; it travels through the DHT (a signed value, plus a provider record under
-each layer range its span overlaps: ``layer_ranges``), as news on those ranges' gossipsub topics
-``/shardnet/block-claim/1.0.0/<model>/r<i>`` (``range_topic``; a compute peer follows its span's
+the layer range holding its first layer: ``layer_ranges``, ``claim_ranges``), as news on that
+range's gossipsub topic ``/shardnet/block-claim/1.0.0/<model>/r<i>`` (``range_topic``; a compute peer follows its span's
 ``neighbourhood``), and on this protocol's stream (a peer answers a request with its current
 claims). docs/protocols.md, "Claim dissemination", has the rules.
 
@@ -87,15 +87,18 @@ def topic(model_id: str) -> str:
 
 # -- layer ranges: where a claim is published and looked up (dissemination 2) ---------------------
 #: a model's layers fall into at most this many ranges of (nearly) equal size; a claim is gossiped
-#: on, and provided under, the ranges its span overlaps, so a peer hears the claims near its own
-#: span and a lookup asks for the ranges it routes through, not the whole swarm's claims
+#: on, and provided under, the range holding its first layer, so a peer hears the claims near its
+#: own span and a lookup asks for the ranges it routes through, not the whole swarm's claims
 CLAIM_RANGES = 16
+#: and ranges hold at least this many layers: a range narrower than a typical span filters no
+#: better (a peer follows its whole span's neighbourhood) and only adds a lookup per range
+MIN_RANGE_LAYERS = 4
 
 
 def layer_ranges(num_layers: int) -> list[tuple[int, int]]:
-    """The ranges [a, b) that tile 0..num_layers: min(num_layers, CLAIM_RANGES) of them, their
-    sizes differing by at most one layer."""
-    n = max(1, min(num_layers, CLAIM_RANGES))
+    """The ranges [a, b) that tile 0..num_layers: min(CLAIM_RANGES, num_layers // MIN_RANGE_LAYERS)
+    of them (at least one), their sizes differing by at most one layer."""
+    n = max(1, min(CLAIM_RANGES, num_layers // MIN_RANGE_LAYERS))
     return [(i * num_layers // n, (i + 1) * num_layers // n) for i in range(n)]
 
 
@@ -106,16 +109,20 @@ def ranges_of(start: int, end: int, num_layers: int) -> list[int]:
 
 
 def claim_ranges(claim: Claim, num_layers: int) -> list[int]:
-    """The ranges a claim is published on (gossiped, provided): those its span overlaps, and
-    those of the span it is loading."""
-    spans = {(claim.start, claim.end)} | ({claim.loading} if claim.loading else set())
-    return sorted({i for a, b in spans for i in ranges_of(a, b, num_layers)})
+    """The ranges a claim is published on (gossiped, provided): the one holding its first layer,
+    and the one holding the first layer of the span it is loading. A route enters a claim at its
+    first layer, and the peers that need it hear it there: its predecessors (whose neighbourhood
+    holds the layer after their span) and the peers whose spans hold that layer. So a lookup of
+    every range finds every claim once, and a claim spanning many ranges costs one message."""
+    firsts = {claim.start} | ({claim.loading[0]} if claim.loading else set())
+    return sorted({i for a in firsts for i in ranges_of(a, a + 1, num_layers)})
 
 
 def neighbourhood(start: int, end: int, num_layers: int) -> list[int]:
-    """The ranges a peer serving [start, end) follows: its own, and those holding the layer just
-    before and just after its span (its predecessors' and successors' claims)."""
-    return ranges_of(start - 1, end + 1, num_layers)
+    """The ranges a peer serving [start, end) follows: those its span overlaps and the one holding
+    the layer after it, so it hears the claims that start inside its span (span-mates, peers a
+    move would meet) and at its end (its successors)."""
+    return ranges_of(start, end + 1, num_layers)
 
 
 def range_topic(model_id: str, index: int) -> str:

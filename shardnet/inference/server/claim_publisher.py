@@ -1,5 +1,5 @@
 """``ClaimPublisher``: keeps one compute peer's block claim fresh in the DHT and on the gossip topics
-of the layer ranges its span overlaps, and answers direct requests for it."""
+of the layer range holding its first layer, and answers direct requests for it."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class ClaimPublisher(Behaviour):
     when the relay addresses change, and every third of the TTL) it builds the claim anew; when
     that is news against the last claim it published (``block_claim.news``: another span,
     addresses, a step of load...) it raises the claim's version (``seq``) and publishes it on
-    the topic of every layer range the claim's span (and the span it is loading) overlaps
+    the topic of the layer range holding the claim's first layer (and that of the span it is loading)
     (``block_claim.range_topic``) and in the DHT, and provides those ranges' keys
     (``range_provider_name``) that it did not provide last; otherwise it only puts the same
     version, expiring later, in the DHT once a third of the TTL has passed since the last put,
