@@ -16,6 +16,7 @@ bench/swarm_sim drives these functions over thousands of simulated peers (docs/s
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -112,13 +113,18 @@ def planned_throughput(claims: Iterable[Claim], num_layers: int) -> list[float]:
     yet, and counts as the mean of those that have (any positive number keeps its layers from
     looking unserved; the mean keeps it from looking like more than one peer)."""
     claims = list(claims)
-    measured = [c.tput for c in claims if c.serving and c.tput > 0]
-    guess = sum(measured) / len(measured) if measured else 1.0
+    guess = unmeasured_tput(claims)
     planned = [0.0] * num_layers
     for c in claims:
         start, end = c.loading or (c.start, c.end)
         _add(planned, start, end, max(c.tput, 0.0) if c.serving else guess)
     return planned
+
+
+def unmeasured_tput(claims: list[Claim]) -> float:
+    """What a peer that has measured nothing yet counts as: the mean of those that have (1.0 if none)."""
+    measured = [c.tput for c in claims if c.serving and c.tput > 0]
+    return sum(measured) / len(measured) if measured else 1.0
 
 
 def staying_throughput(claims: Iterable[Claim], num_layers: int) -> list[float]:
@@ -143,6 +149,12 @@ def best_window(served: list[float], n: int, *, rng: random.Random | None = None
     neighbours (so spans pack without leaving gaps too narrow for the next peer), then at random
     (so peers joining at once tend to spread)."""
     n = max(1, min(n, len(served)))
+    s = (rng or random).choice(_neediest_starts(served, n))
+    return s, s + n
+
+
+def _neediest_starts(served: list[float], n: int) -> list[int]:
+    """The starts of the neediest ``n``-layer windows, the ones that pack (see best_window) if any."""
     keys = {s: sorted(served[s:s + n]) for s in range(len(served) - n + 1)}
     best = min(keys.values())
     starts = [s for s, k in keys.items() if k == best]
@@ -152,9 +164,55 @@ def best_window(served: list[float], n: int, *, rng: random.Random | None = None
         right = s + n == len(served) or served[s + n] > served[s + n - 1]
         return left or right
 
-    starts = [s for s in starts if flush(s)] or starts
-    s = (rng or random).choice(starts)
-    return s, s + n
+    return [s for s in starts if flush(s)] or starts
+
+
+def window_fills(planned: list[float], n: int, *, joiners: int = 1, tput: float = 1.0) -> list[tuple[int, int]]:
+    """The windows ``joiners`` peers of ``tput`` tokens/s each would take joining one after
+    another (each the neediest given the ones before; ties to the first that packs), and after
+    them those that more would take while each still covers a layer as needy as the neediest
+    window's weakest (free choices: on an empty swarm, one span per piece of a tiling of it)."""
+    n = max(1, min(n, len(planned)))
+    view = list(planned)
+    first = _neediest_starts(planned, n)[0]
+    floor = min(planned[first:first + n])
+    fills: list[tuple[int, int]] = []
+    while len(fills) < len(planned):
+        s = _neediest_starts(view, n)[0]
+        if len(fills) >= joiners and min(view[s:s + n]) > floor:
+            break
+        fills.append(_window(s, n))
+        _add(view, s, s + n, tput)
+    return fills
+
+
+def spread_window(planned: list[float], n: int, peer: str, *, joiners: int = 1, tput: float = 1.0,
+                  keep: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The window a joining peer takes, given the swarm as it sees it (``planned``) and an
+    estimate of how many peers choose at this moment (``joiners``, itself included: peers that
+    started together do not see each other's claims yet): of ``window_fills``, ``keep`` (the
+    span it chose before looking again) if among them, else the one a hash of its peer ID names:
+    the same for one peer each time it looks at the same swarm, different from peer to peer, so
+    that peers seeing the same swarm spread over the windows it needs instead of all taking the
+    neediest. One joiner alone takes the neediest."""
+    fills = window_fills(planned, n, joiners=joiners, tput=tput)
+    return keep if keep in fills else fills[peer_rank(peer) % len(fills)]
+
+
+def peer_rank(peer: str) -> int:
+    """A number drawn from the peer ID (SHA-256): the same in every process, uniform across peers."""
+    return int.from_bytes(hashlib.sha256(peer.encode()).digest()[:8], "big")
+
+
+def joining_estimate(claims: Iterable[Claim]) -> int:
+    """How many peers are choosing their span now, ourselves included: 1 and one more for each
+    peer we see loading its first span (others started with them whose claims have not reached
+    us yet are as likely as those that have)."""
+    return 1 + sum(1 for c in claims if not c.serving)
+
+
+def _window(start: int, n: int) -> tuple[int, int]:
+    return start, start + n
 
 
 @dataclass(frozen=True)
