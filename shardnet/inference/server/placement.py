@@ -9,6 +9,11 @@ peer moves when the window it would take now, without itself, raises the bottlen
 (or, while layers are unserved, leaves fewer of them unserved), and only when every layer it
 leaves is still served by someone else who stays.
 
+Peers that choose at the same moment do not see each other's claims yet: a joining peer takes,
+of the windows left to take (a tiling of an empty swarm, and one greedy fill more for each peer
+it sees loading its first span), the one a hash of its peer ID names (``spread_window``), so
+that a wave of joins spreads instead of all taking the neediest window.
+
 Peers are counted where they will be: a claim names the span its peer is loading (``loading``),
 so that peers choosing while another loads (minutes, on a home line) choose around it.
 bench/swarm_sim drives these functions over thousands of simulated peers (docs/scale.md).
