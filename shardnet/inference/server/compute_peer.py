@@ -51,7 +51,6 @@ from shardnet.inference.server.placement import (
     Move,
     affordable_layers,
     fillable_gap,
-    joining_estimate,
     move_turn_delay,
     plan_move,
     planned_throughput,
@@ -248,17 +247,15 @@ class ComputePeer:
 
     # -- choosing and revising the span ----------------------------------------------------------
     async def choose_span(self, *, max_layers: int | None = None, wait: float = 5.0) -> tuple[int, int]:
-        """How many layers fit here, and the window of that size the swarm needs most (spread
-        among the needy ones by peer ID while others choose too: placement.spread_window)."""
+        """How many layers fit here, and the window of that size the swarm needs most (among
+        equally needy ones, the one this peer's ID names: placement.spread_window)."""
         n = affordable_layers(self.ckpt, self.dtype_name, free_memory_bytes(self.device), quantize=self.quantize,
                               reserve_bytes=self.kv_budget_bytes, max_layers=max_layers)
         claims = await self.live_claims(wait)
         served = planned_throughput(claims, self.ckpt.num_layers)
-        joiners = joining_estimate(claims)
-        start, end = spread_window(served, n, str(self.node.peer_id), joiners=joiners, tput=unmeasured_tput(claims))
-        log.info("room for %d of %d layers; the swarm serves %s tok/s per layer (%d peer(s) choosing now, by "
-                 "the claims): taking %d:%d", n, self.ckpt.num_layers, [round(x, 1) for x in served], joiners,
-                 start, end)
+        start, end = spread_window(served, n, str(self.node.peer_id), tput=unmeasured_tput(claims))
+        log.info("room for %d of %d layers; the swarm serves %s tok/s per layer: taking %d:%d",
+                 n, self.ckpt.num_layers, [round(x, 1) for x in served], start, end)
         return start, end
 
     async def recheck_span(self, span: tuple[int, int], *, wait: float = 5.0) -> tuple[int, int]:
@@ -267,8 +264,7 @@ class ComputePeer:
         start, end = span
         claims = await self.live_claims(wait)
         served = planned_throughput(claims, self.ckpt.num_layers)
-        best = spread_window(served, end - start, str(self.node.peer_id), joiners=joining_estimate(claims),
-                             tput=unmeasured_tput(claims), keep=span)
+        best = spread_window(served, end - start, str(self.node.peer_id), tput=unmeasured_tput(claims), keep=span)
         if best != span:
             log.info("the swarm changed while choosing (%d live claims): taking %d:%d instead of %d:%d",
                      len(claims), *best, start, end)

@@ -9,10 +9,10 @@ peer moves when the window it would take now, without itself, raises the bottlen
 (or, while layers are unserved, leaves fewer of them unserved), and only when every layer it
 leaves is still served by someone else who stays.
 
-Peers that choose at the same moment do not see each other's claims yet: a joining peer takes,
-of the windows left to take (a tiling of an empty swarm, and one greedy fill more for each peer
-it sees loading its first span), the one a hash of its peer ID names (``spread_window``), so
-that a wave of joins spreads instead of all taking the neediest window.
+Peers that choose at the same moment see the same claims (or none of each other's): a joining
+peer takes, of the windows as needy as the neediest (on an empty swarm, a tiling of the model),
+the one a hash of its peer ID names (``spread_window``), so that a wave of joins spreads over
+them instead of all taking the same one.
 
 Peers are counted where they will be: a claim names the span its peer is loading (``loading``),
 so that peers choosing while another loads (minutes, on a home line) choose around it.
@@ -172,11 +172,11 @@ def _neediest_starts(served: list[float], n: int) -> list[int]:
     return [s for s in starts if flush(s)] or starts
 
 
-def window_fills(planned: list[float], n: int, *, joiners: int = 1, tput: float = 1.0) -> list[tuple[int, int]]:
-    """The windows ``joiners`` peers of ``tput`` tokens/s each would take joining one after
-    another (each the neediest given the ones before; ties to the first that packs), and after
-    them those that more would take while each still covers a layer as needy as the neediest
-    window's weakest (free choices: on an empty swarm, one span per piece of a tiling of it)."""
+def window_fills(planned: list[float], n: int, *, tput: float = 1.0) -> list[tuple[int, int]]:
+    """The windows as needy as the neediest: those that peers of ``tput`` tokens/s each would take
+    joining one after another (each the neediest given the ones before; ties to the first that
+    packs) while each still covers a layer as little served as the neediest window's weakest. On
+    an empty swarm, one per piece of a tiling of the model; where one window lacks most, it alone."""
     n = max(1, min(n, len(planned)))
     view = list(planned)
     first = _neediest_starts(planned, n)[0]
@@ -184,36 +184,27 @@ def window_fills(planned: list[float], n: int, *, joiners: int = 1, tput: float 
     fills: list[tuple[int, int]] = []
     while len(fills) < len(planned):
         s = _neediest_starts(view, n)[0]
-        if len(fills) >= joiners and min(view[s:s + n]) > floor:
+        if fills and min(view[s:s + n]) > floor:
             break
         fills.append(_window(s, n))
         _add(view, s, s + n, tput)
     return fills
 
 
-def spread_window(planned: list[float], n: int, peer: str, *, joiners: int = 1, tput: float = 1.0,
+def spread_window(planned: list[float], n: int, peer: str, *, tput: float = 1.0,
                   keep: tuple[int, int] | None = None) -> tuple[int, int]:
-    """The window a joining peer takes, given the swarm as it sees it (``planned``) and an
-    estimate of how many peers choose at this moment (``joiners``, itself included: peers that
-    started together do not see each other's claims yet): of ``window_fills``, ``keep`` (the
-    span it chose before looking again) if among them, else the one a hash of its peer ID names:
-    the same for one peer each time it looks at the same swarm, different from peer to peer, so
-    that peers seeing the same swarm spread over the windows it needs instead of all taking the
-    neediest. One joiner alone takes the neediest."""
-    fills = window_fills(planned, n, joiners=joiners, tput=tput)
+    """The window a joining peer takes, given the swarm as it sees it (``planned``): of the
+    windows as needy as the neediest (``window_fills``), ``keep`` (the span it chose before
+    looking again) if among them, else the one a hash of its peer ID names: the same each time
+    one peer looks at the same swarm, different from peer to peer, so that peers that see the
+    same swarm (joining at the same moment) spread over those windows instead of all taking one."""
+    fills = window_fills(planned, n, tput=tput)
     return keep if keep in fills else fills[peer_rank(peer) % len(fills)]
 
 
 def peer_rank(peer: str) -> int:
     """A number drawn from the peer ID (SHA-256): the same in every process, uniform across peers."""
     return int.from_bytes(hashlib.sha256(peer.encode()).digest()[:8], "big")
-
-
-def joining_estimate(claims: Iterable[Claim]) -> int:
-    """How many peers are choosing their span now, ourselves included: 1 and one more for each
-    peer we see loading its first span (others started with them whose claims have not reached
-    us yet are as likely as those that have)."""
-    return 1 + sum(1 for c in claims if not c.serving)
 
 
 def _window(start: int, n: int) -> tuple[int, int]:

@@ -52,7 +52,7 @@ def test_a_joining_peer_takes_the_least_served_window_and_packs_against_its_neig
 
 
 def test_peers_choosing_at_once_from_the_same_empty_swarm_spread_over_a_tiling_of_it():
-    # the windows free to take on an empty swarm: a tiling (the old rule took 0:2 or 6:8 alone)
+    # the windows to take on an empty swarm: a tiling (best_window takes 0:2 or 6:8 alone)
     assert window_fills([0.0] * 8, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert window_fills([0.0] * 8, 3) == [(0, 3), (3, 6), (5, 8)]  # every layer in some window
     # 24 peers (fixed IDs) that see the same empty swarm: by their IDs' hashes, each window taken
@@ -67,16 +67,16 @@ def test_peers_choosing_at_once_from_the_same_empty_swarm_spread_over_a_tiling_o
     assert peer_rank("a") == peer_rank("a") != peer_rank("b")
 
 
-def test_a_lone_joiner_takes_the_neediest_window_and_a_wave_spreads_over_the_needy_ones():
+def test_a_joiner_takes_a_window_as_needy_as_the_neediest():
     half_served = [100.0] * 4 + [0.0] * 4
     assert {spread_window(half_served, 4, f"p{i}") for i in range(20)} == {(4, 8)}
     assert spread_window(half_served, 4, "p", keep=(0, 4)) == (4, 8)  # a span no longer to take is left
-    # three choosing now (two others seen loading): the gap twice as likely as the served half
-    assert window_fills(half_served, 4, joiners=3, tput=100.0) == [(4, 8), (0, 4), (4, 8)]
-    # the uneven spans of a 24-peer run (5, 13, 3, 3 peers): six choosing now go to the thin ones first
+    # the uneven spans of a 24-peer run (5, 13, 3, 3 peers): the two thinnest, never 0:2 or 2:4
     uneven = [5.0, 5.0, 13.0, 13.0, 3.0, 3.0, 3.0, 3.0]
-    fills = window_fills(uneven, 2, joiners=6)
-    assert len(fills) == 6 and (2, 4) not in fills and {(4, 6), (6, 8)} <= set(fills)
+    assert window_fills(uneven, 2) == [(4, 6), (6, 8)]
+    assert {spread_window(uneven, 2, f"p{i}") for i in range(20)} == {(4, 6), (6, 8)}
+    # 0:2 and 6:8 served: the two windows between them, each with an unserved layer
+    assert window_fills([1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0], 2) == [(2, 4), (4, 6)]
 
 
 def test_a_peer_moves_only_when_it_raises_the_bottleneck_and_never_leaves_a_gap():
