@@ -9,9 +9,11 @@ On loopback, serving the shipped tiny-llama (8 layers), all from this machine:
    ``shardnet generate`` of ``--tokens`` tokens through them, its time (prefill + decode, from the
    command's own report; the process's start is not counted).
 2. The swarm: a new bootstrap and ``--peers`` ``shardnet join --max-layers N`` processes, started
-   at once, choosing their layers; from the last one's ``ready``, how long until a fresh node
-   (``shardnet status --json``, a new process each look) lists every peer live and every layer
-   served; then the same generation, its time against the baseline's, its text against
+   at once, choosing their layers; when each was started and when it joined (its ``serving``
+   event: loaded, first claim as a server out); from the last join (the issue's measure) and
+   from the last process's start, how long until a fresh node (``shardnet status --json``, a
+   new process each look, each look's time and findings kept) lists every peer live and every
+   layer served; then the same generation, its time against the baseline's, its text against
    single-process transformers.
 3. ``--kill`` peers killed at once with SIGKILL by PID, every peer serving layer 0 among them (the
    rest picked in start order); how long until ``shardnet status`` sees every layer served again,
@@ -31,6 +33,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,19 +46,35 @@ STATUS_EVERY_S = 2.0
 
 
 @dataclass
+class Look:
+    """One ``shardnet status`` look after the last peer joined."""
+
+    at_s: float  # when it began, after the last peer's ``serving``
+    took_s: float  # the whole process, start to exit
+    listed: int  # live peers it listed
+    unanswered: int  # claims it found whose peers did not answer its ping (3 s)
+    complete: bool  # every layer served
+
+
+@dataclass
 class Churn:
     peers: int
     killed: int
     baseline_gen_s: float
-    visible_s: float | None  # None: not within the timeout
+    joined_s: float  # from the last process's start to the last peer's ``serving`` (all joined)
+    #: from the last ``serving`` to the end of the first look listing every peer (None: not within the timeout)
+    visible_s: float | None
+    visible_after_spawn_s: float | None  # the same from the last process's start
     visible_most: int  # the most live peers any look listed
+    looks: list[Look]
     gen_s: float
     output_equal: bool
     killed_layer0: int  # how many of the killed served layer 0 (all that did)
     covered_again_s: float | None
     output_again_s: float | None
     output_equal_after: bool
-    spans: list[list[int]]
+    chosen: list[list[int]]  # the spans the peers chose, as they joined
+    spans: list[list[int]]  # the spans when all were visible (after any moves)
 
 
 def status(swarm: LocalSwarm) -> dict:
@@ -108,22 +127,33 @@ def run(peers: int, kill: int, *, max_layers: int = 2, tokens: int = 12, timeout
         swarm.start_bootstrap()
         procs = [swarm.spawn_node(f"p{i}", "--threads", "1", "--throughput", "100", "--max-layers", str(max_layers),
                                   command="join") for i in range(peers)]
-        by_id = {}
+        last_spawn = procs[-1].started
+        by_id, ready_at, chosen = {}, [], []
         for p in procs:
-            p.wait_event(lambda e: e.get("event") == "serving", timeout)
+            # joined: its ``serving`` event, once its first claim as a server is out (stamped as
+            # it came, however late it is read here)
+            chosen.append(p.wait_event(lambda e: e.get("event") == "serving", timeout)["layers"])
+            ready_at.append(p.line_at)
             by_id[swarm.wait_ready(p, 60)["peer_id"]] = p
-        joined = time.monotonic()
-        progress(f"{peers} peers serving; looking with `shardnet status`")
-        visible_s, most, sw = None, 0, {}
-        while time.monotonic() - joined < timeout:
+        last_ready = max(ready_at)
+        progress(f"{peers} peers serving, the last {last_ready - last_spawn:.1f} s after the last spawn "
+                 f"(each {min(r - p.started for r, p in zip(ready_at, procs)):.1f}-"
+                 f"{max(r - p.started for r, p in zip(ready_at, procs)):.1f} s); looking with `shardnet status`")
+        visible_at, most, sw, looks = None, 0, {}, []
+        while time.monotonic() - last_ready < timeout:
+            began = time.monotonic()
             sw = status(swarm)
+            ended = time.monotonic()
             most = max(most, len(sw["peers"]))
+            looks.append(Look(round(began - last_ready, 1), round(ended - began, 1), len(sw["peers"]),
+                              len(sw["unreachable_claims"]), sw["complete"]))
+            progress(f"look: {looks[-1]}")
             if len(sw["peers"]) == peers and sw["complete"]:
-                visible_s = time.monotonic() - joined
+                visible_at = ended
                 break
             time.sleep(STATUS_EVERY_S)
         spans = {p["peer_id"]: tuple(p["layers"]) for p in sw.get("peers", [])}
-        progress(f"visible: {most}/{peers} after {time.monotonic() - joined:.1f} s")
+        progress(f"visible: {most}/{peers} after {time.monotonic() - last_ready:.1f} s")
         text, gen_s = generation(swarm, tokens)
         text2, gen2_s = generation(swarm, tokens)
         gen_s, equal = min(gen_s, gen2_s), text == want and text2 == want
@@ -150,19 +180,28 @@ def run(peers: int, kill: int, *, max_layers: int = 2, tokens: int = 12, timeout
                     output_s = time.monotonic() - killed
                     break
             time.sleep(STATUS_EVERY_S)
-        return Churn(peers, kill, base, visible_s, most, gen_s, equal, sum(v in first for v in victims),
-                     covered_s, output_s, equal_after, sorted(list(s) for s in spans.values()))
+        return Churn(peers, kill, base, round(last_ready - last_spawn, 1),
+                     None if visible_at is None else round(visible_at - last_ready, 1),
+                     None if visible_at is None else round(visible_at - last_spawn, 1), most, looks, gen_s, equal,
+                     sum(v in first for v in victims), covered_s, output_s, equal_after, sorted(chosen),
+                     sorted(list(s) for s in spans.values()))
 
 
 def report(c: Churn) -> None:
     def s(x):
         return "never" if x is None else f"{x:.1f} s"
 
+    def counts(spans):
+        return ", ".join(f"{n} on {a}:{b}" for (a, b), n in sorted(Counter(map(tuple, spans)).items()))
+
     print_table(f"A swarm of {c.peers} `shardnet join --max-layers` processes on this machine, "
-                f"{c.killed} killed at once (spans chosen: {c.spans})",
+                f"{c.killed} killed at once (spans chosen: {counts(c.chosen)}; when all were visible: "
+                f"{counts(c.spans)})",
                 ["measure", "figure", "target"], [
-                    ["all peers visible to `shardnet status`", f"{s(c.visible_s)} ({c.visible_most}/{c.peers})",
-                     "<= 60 s after the last join"],
+                    ["all peers joined (`serving`), from the last process's start", f"{c.joined_s:.1f} s", ""],
+                    ["all peers visible to `shardnet status`, from the last join",
+                     f"{s(c.visible_s)} ({c.visible_most}/{c.peers}, {len(c.looks)} looks)", "<= 60 s"],
+                    ["the same, from the last process's start", s(c.visible_after_spawn_s), ""],
                     ["generation, 2-peer swarm", f"{c.baseline_gen_s:.2f} s", ""],
                     [f"generation, {c.peers}-peer swarm", f"{c.gen_s:.2f} s ({ratio(c.gen_s, c.baseline_gen_s)})",
                      "<= 2x the 2-peer time"],

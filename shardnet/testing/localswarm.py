@@ -55,7 +55,11 @@ class ShardnetProcess:
             start_new_session=True,
         )
         self.pid = self.proc.pid
-        self.lines: queue.Queue[str | None] = queue.Queue()
+        #: when it was started, and when the line ``next_line`` returned last came (monotonic
+        #: times; stamped by the reading thread, so a late reader still learns when it came)
+        self.started = time.monotonic()
+        self.line_at = self.started
+        self.lines: queue.Queue[tuple[float, str | None]] = queue.Queue()
         self.seen: list[str] = []
         self._ids = itertools.count(1)
         threading.Thread(target=self._pump, daemon=True, name=f"stdout-{name}").start()
@@ -63,18 +67,19 @@ class ShardnetProcess:
     def _pump(self) -> None:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
-            self.lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
-        self.lines.put(None)
+            self.lines.put((time.monotonic(), raw.decode("utf-8", "replace").rstrip("\n")))
+        self.lines.put((time.monotonic(), None))
 
     def next_line(self, timeout: float) -> str:
         try:
-            line = self.lines.get(timeout=max(0.0, timeout))
+            at, line = self.lines.get(timeout=max(0.0, timeout))
         except queue.Empty:
             raise ShardnetError(f"{self.name}: no output within {timeout:.1f} s (log: {self.log_path})") from None
         if line is None:
-            self.lines.put(None)
+            self.lines.put((at, None))
             raise ShardnetError(f"{self.name} exited with {self.proc.wait()}: {self.tail_log()}")
         self.seen.append(line)
+        self.line_at = at
         return line
 
     def wait_for_line(self, predicate, timeout: float) -> str:

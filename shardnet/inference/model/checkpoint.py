@@ -30,8 +30,6 @@ import cbor2
 from shardnet.errors import CheckpointError
 from shardnet.inference.model.families import Family, family_for
 from shardnet.inference.model.formats import stored_quant
-from shardnet.inference.model.gguf import find_gguf, read_gguf, read_gguf_header
-from shardnet.inference.model.gguf import read_tensors as read_gguf_tensors
 from shardnet.protocols.weights import CHUNK_SIZE, blob_root, chunk_hash
 
 log = logging.getLogger(__name__)
@@ -76,6 +74,20 @@ class TensorInfo:
     size: int
 
 
+def find_gguf(path: Path) -> Path | None:
+    """The .gguf file a checkpoint path names: the file itself, or the one .gguf in a directory
+    that has no config.json; None for a safetensors checkpoint."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(path.glob("*.gguf"))
+    if len(found) > 1:
+        raise CheckpointError(f"{path} holds {len(found)} .gguf files ({found[0].name}, {found[1].name}...); "
+                              "name one of them")
+    return found[0] if found else None
+
+
 class Checkpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).expanduser().resolve()
@@ -92,6 +104,8 @@ class Checkpoint:
         #: (the header's name in the manifest, the file holding it from byte 0, its size)
         self._gguf_header: tuple[str, Path, int] | None = None
         if self.gguf_file is not None:
+            from shardnet.inference.model.gguf import read_gguf  # (torch: imported where a GGUF is read)
+
             self.path = self.gguf_file.parent
             self._gguf = read_gguf(self.gguf_file, TensorEntry)
             self._gguf_header = (self.gguf_file.name, self.gguf_file, self._gguf.header_size)
@@ -100,6 +114,8 @@ class Checkpoint:
             header = self.path / FETCHED_GGUF_HEADER
             if not header.is_file():
                 raise CheckpointError(f"{self.path} has not fetched the header of {name} yet")
+            from shardnet.inference.model.gguf import read_gguf_header
+
             self._gguf = read_gguf_header(header, self._manifest, TensorEntry)
             self._gguf_header = (name, header, size)
         if self._gguf is not None:
@@ -258,6 +274,8 @@ class Checkpoint:
                 raise CheckpointError(f"tensor {n} is not in {self.path}")
             by_file.setdefault(self.entries[n].file, []).append(n)
         if self._gguf is not None:
+            from shardnet.inference.model.gguf import read_tensors as read_gguf_tensors
+
             out = read_gguf_tensors(self._gguf, self.entries, names, device)
             return {n: t.to(dtype) for n, t in out.items()} if dtype is not None else out
         out = {}

@@ -138,20 +138,6 @@ def _dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
 
 
 # -- reading a .gguf file ----------------------------------------------------------------------
-def find_gguf(path: Path) -> Path | None:
-    """The .gguf file a checkpoint path names: the file itself, or the one .gguf in a directory
-    that has no config.json; None for a safetensors checkpoint."""
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if not path.is_dir() or (path / "config.json").exists():
-        return None
-    found = sorted(path.glob("*.gguf"))
-    if len(found) > 1:
-        raise CheckpointError(f"{path} holds {len(found)} .gguf files ({found[0].name}, {found[1].name}...); "
-                              "name one of them")
-    return found[0] if found else None
-
-
 @dataclass
 class GgufIndex:
     raw_config: dict

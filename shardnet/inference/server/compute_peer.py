@@ -50,11 +50,12 @@ from shardnet.inference.server.placement import (
     UPKEEP_JITTER,
     Move,
     affordable_layers,
-    best_window,
     fillable_gap,
     move_turn_delay,
     plan_move,
     planned_throughput,
+    spread_window,
+    unmeasured_tput,
     upkeep_step,
 )
 from shardnet.inference.server.scheduler import DEFAULT_MAX_TOKENS
@@ -257,30 +258,28 @@ class ComputePeer:
                      load=min(1.0, kv.used / kv.limit) if kv.limit else 0.0, rtts=rtts, **common)
 
     # -- choosing and revising the span ----------------------------------------------------------
-    async def choose_span(self, *, max_layers: int | None = None, wait: float = 5.0,
-                          rng: random.Random | None = None) -> tuple[int, int]:
-        """How many layers fit here, and the window of that size the swarm needs most."""
+    async def choose_span(self, *, max_layers: int | None = None, wait: float = 5.0) -> tuple[int, int]:
+        """How many layers fit here, and the window of that size the swarm needs most (among
+        equally needy ones, the one this peer's ID names: placement.spread_window)."""
         n = affordable_layers(self.ckpt, self.dtype_name, free_memory_bytes(self.device), quantize=self.quantize,
                               reserve_bytes=self.kv_budget_bytes, max_layers=max_layers)
         claims = await self.live_claims(wait)
         served = planned_throughput(claims, self.ckpt.num_layers)
-        start, end = best_window(served, n, rng=rng)
+        start, end = spread_window(served, n, str(self.node.peer_id), tput=unmeasured_tput(claims))
         log.info("room for %d of %d layers; the swarm serves %s tok/s per layer: taking %d:%d",
                  n, self.ckpt.num_layers, [round(x, 1) for x in served], start, end)
         return start, end
 
-    async def recheck_span(self, span: tuple[int, int], *, wait: float = 5.0,
-                           rng: random.Random | None = None) -> tuple[int, int]:
-        """``span`` if it is still among the windows the swarm needs most, given the claims now;
-        else the neediest window of the same size."""
+    async def recheck_span(self, span: tuple[int, int], *, wait: float = 5.0) -> tuple[int, int]:
+        """``span`` if it is still among the windows to take, given the claims now; else the one
+        of them this peer's ID names."""
         start, end = span
         claims = await self.live_claims(wait)
         served = planned_throughput(claims, self.ckpt.num_layers)
-        best = best_window(served, end - start, rng=rng)
-        if sorted(served[start:end]) <= sorted(served[best[0]:best[1]]):
-            return span
-        log.info("the swarm changed while choosing (%d live claims): taking %d:%d instead of %d:%d",
-                 len(claims), *best, start, end)
+        best = spread_window(served, end - start, str(self.node.peer_id), tput=unmeasured_tput(claims), keep=span)
+        if best != span:
+            log.info("the swarm changed while choosing (%d live claims): taking %d:%d instead of %d:%d",
+                     len(claims), *best, start, end)
         return best
 
     async def live_claims(self, wait: float = 5.0, *, look_up: bool = True) -> list[Claim]:

@@ -9,6 +9,11 @@ peer moves when the window it would take now, without itself, raises the bottlen
 (or, while layers are unserved, leaves fewer of them unserved), and only when every layer it
 leaves is still served by someone else who stays.
 
+Peers that choose at the same moment see the same claims (or none of each other's): a joining
+peer takes, of the windows as needy as the neediest (on an empty swarm, a tiling of the model),
+the one a hash of its peer ID names (``spread_window``), so that a wave of joins spreads over
+them instead of all taking the same one.
+
 Peers are counted where they will be: a claim names the span its peer is loading (``loading``),
 so that peers choosing while another loads (minutes, on a home line) choose around it.
 bench/swarm_sim drives these functions over thousands of simulated peers (docs/scale.md).
@@ -16,6 +21,7 @@ bench/swarm_sim drives these functions over thousands of simulated peers (docs/s
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -112,13 +118,18 @@ def planned_throughput(claims: Iterable[Claim], num_layers: int) -> list[float]:
     yet, and counts as the mean of those that have (any positive number keeps its layers from
     looking unserved; the mean keeps it from looking like more than one peer)."""
     claims = list(claims)
-    measured = [c.tput for c in claims if c.serving and c.tput > 0]
-    guess = sum(measured) / len(measured) if measured else 1.0
+    guess = unmeasured_tput(claims)
     planned = [0.0] * num_layers
     for c in claims:
         start, end = c.loading or (c.start, c.end)
         _add(planned, start, end, max(c.tput, 0.0) if c.serving else guess)
     return planned
+
+
+def unmeasured_tput(claims: list[Claim]) -> float:
+    """What a peer that has measured nothing yet counts as: the mean of those that have (1.0 if none)."""
+    measured = [c.tput for c in claims if c.serving and c.tput > 0]
+    return sum(measured) / len(measured) if measured else 1.0
 
 
 def staying_throughput(claims: Iterable[Claim], num_layers: int) -> list[float]:
@@ -143,6 +154,12 @@ def best_window(served: list[float], n: int, *, rng: random.Random | None = None
     neighbours (so spans pack without leaving gaps too narrow for the next peer), then at random
     (so peers joining at once tend to spread)."""
     n = max(1, min(n, len(served)))
+    s = (rng or random).choice(_neediest_starts(served, n))
+    return s, s + n
+
+
+def _neediest_starts(served: list[float], n: int) -> list[int]:
+    """The starts of the neediest ``n``-layer windows, the ones that pack (see best_window) if any."""
     keys = {s: sorted(served[s:s + n]) for s in range(len(served) - n + 1)}
     best = min(keys.values())
     starts = [s for s, k in keys.items() if k == best]
@@ -152,9 +169,46 @@ def best_window(served: list[float], n: int, *, rng: random.Random | None = None
         right = s + n == len(served) or served[s + n] > served[s + n - 1]
         return left or right
 
-    starts = [s for s in starts if flush(s)] or starts
-    s = (rng or random).choice(starts)
-    return s, s + n
+    return [s for s in starts if flush(s)] or starts
+
+
+def window_fills(planned: list[float], n: int, *, tput: float = 1.0) -> list[tuple[int, int]]:
+    """The windows as needy as the neediest: those that peers of ``tput`` tokens/s each would take
+    joining one after another (each the neediest given the ones before; ties to the first that
+    packs) while each still covers a layer as little served as the neediest window's weakest. On
+    an empty swarm, one per piece of a tiling of the model; where one window lacks most, it alone."""
+    n = max(1, min(n, len(planned)))
+    view = list(planned)
+    first = _neediest_starts(planned, n)[0]
+    floor = min(planned[first:first + n])
+    fills: list[tuple[int, int]] = []
+    while len(fills) < len(planned):
+        s = _neediest_starts(view, n)[0]
+        if fills and min(view[s:s + n]) > floor:
+            break
+        fills.append(_window(s, n))
+        _add(view, s, s + n, tput)
+    return fills
+
+
+def spread_window(planned: list[float], n: int, peer: str, *, tput: float = 1.0,
+                  keep: tuple[int, int] | None = None) -> tuple[int, int]:
+    """The window a joining peer takes, given the swarm as it sees it (``planned``): of the
+    windows as needy as the neediest (``window_fills``), ``keep`` (the span it chose before
+    looking again) if among them, else the one a hash of its peer ID names: the same each time
+    one peer looks at the same swarm, different from peer to peer, so that peers that see the
+    same swarm (joining at the same moment) spread over those windows instead of all taking one."""
+    fills = window_fills(planned, n, tput=tput)
+    return keep if keep in fills else fills[peer_rank(peer) % len(fills)]
+
+
+def peer_rank(peer: str) -> int:
+    """A number drawn from the peer ID (SHA-256): the same in every process, uniform across peers."""
+    return int.from_bytes(hashlib.sha256(peer.encode()).digest()[:8], "big")
+
+
+def _window(start: int, n: int) -> tuple[int, int]:
+    return start, start + n
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,11 @@ from shardnet.inference.server.placement import (
     best_window,
     coverage,
     layer_bytes,
+    peer_rank,
     plan_move,
     served_throughput,
+    spread_window,
+    window_fills,
 )
 from shardnet.models import default_model_path
 from shardnet.testing import factories
@@ -46,6 +49,34 @@ def test_a_joining_peer_takes_the_least_served_window_and_packs_against_its_neig
     # all served once: the window whose weakest layers are weakest
     served = served_throughput([claim(start=0, end=8, peer="a", tput=10), claim(start=0, end=4, peer="b", tput=10)], 8)
     assert best_window(served, 4) == (4, 8)
+
+
+def test_peers_choosing_at_once_from_the_same_empty_swarm_spread_over_a_tiling_of_it():
+    # the windows to take on an empty swarm: a tiling (best_window takes 0:2 or 6:8 alone)
+    assert window_fills([0.0] * 8, 2) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert window_fills([0.0] * 8, 3) == [(0, 3), (3, 6), (5, 8)]  # every layer in some window
+    # 24 peers (fixed IDs) that see the same empty swarm: by their IDs' hashes, each window taken
+    # by a few (independent draws: 6 +- 2 each for 41% of random sets of 24 IDs, every window
+    # taken for 99.6%); here 6, 8, 4, 6
+    peers = [f"12D3KooWpeer{i}" for i in range(24)]
+    spans = [spread_window([0.0] * 8, 2, p) for p in peers]
+    assert sorted(spans.count(w) for w in window_fills([0.0] * 8, 2)) == [4, 6, 6, 8]
+    # one peer is the same each time it looks, and keeps a span still among those to take
+    assert all(spread_window([0.0] * 8, 2, p) == s for p, s in zip(peers, spans))
+    assert spread_window([0.0] * 8, 2, peers[0], keep=(4, 6)) == (4, 6)
+    assert peer_rank("a") == peer_rank("a") != peer_rank("b")
+
+
+def test_a_joiner_takes_a_window_as_needy_as_the_neediest():
+    half_served = [100.0] * 4 + [0.0] * 4
+    assert {spread_window(half_served, 4, f"p{i}") for i in range(20)} == {(4, 8)}
+    assert spread_window(half_served, 4, "p", keep=(0, 4)) == (4, 8)  # a span no longer to take is left
+    # the uneven spans of a 24-peer run (5, 13, 3, 3 peers): the two thinnest, never 0:2 or 2:4
+    uneven = [5.0, 5.0, 13.0, 13.0, 3.0, 3.0, 3.0, 3.0]
+    assert window_fills(uneven, 2) == [(4, 6), (6, 8)]
+    assert {spread_window(uneven, 2, f"p{i}") for i in range(20)} == {(4, 6), (6, 8)}
+    # 0:2 and 6:8 served: the two windows between them, each with an unserved layer
+    assert window_fills([1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0], 2) == [(2, 4), (4, 6)]
 
 
 def test_a_peer_moves_only_when_it_raises_the_bottleneck_and_never_leaves_a_gap():
