@@ -26,7 +26,7 @@ a provide, no gossip).
   first layer (``block_claim.claim_ranges``; and that of the span it loads), each delivered ``GOSSIP_D`` times (the
   mesh's duplicates) to every compute peer subscribed to that topic but the publisher; a compute
   peer's claims view subscribes to the ranges of ``neighbourhood(its span)`` when it starts and
-  again whenever its span changes; gateways subscribe to none. A publication puts the claim
+  again whenever its span changes; gateways follow every range's topic. A publication puts the claim
   record (one key) and, when its refresh is due, provides under those ranges (news provides
   under the ranges it did not cover yet). A lookup (``find_claims``) is, per range, a
   find_providers walk that returns a random sample of at most ``LOOKUP_PROVIDERS_PER_RANGE``
@@ -84,6 +84,8 @@ REPUBLISH_S = CLAIM_TTL / 3
 UPKEEP_LOOKUP_S = CLAIM_TTL / 3
 #: compute_peer.UPKEEP_PINGS: the most unconnected claims one upkeep round pings
 UPKEEP_PINGS = 16
+#: compute_peer.SUCCESSOR_RTT_MAX_AGE_S: a successor's round trip is measured again this late
+SUCCESSOR_RTT_MAX_AGE_S = 60.0
 #: the most claims of its view a simulated compute peer plans over (``Swarm.view_claims``: half
 #: of them a sample of what its lookups got, half of the news it heard, their tokens/s scaled
 #: up to stand for the rest): planning over thousands of claims at every upkeep of 10,000 peers
@@ -129,6 +131,8 @@ class Peer:
     #: (the old block stays loaded until they do, as compute_peer does)
     open_spans: Counter = field(default_factory=Counter)
     rtts: tuple = ()
+    #: successor -> when its round trip was last measured
+    rtt_measured: dict = field(default_factory=dict)
     since: float = 0.0
     #: the claim last published as news (its ``seq`` the version others hold); when the claim
     #: was last put in the DHT and last built (what a direct request answers)
@@ -231,6 +235,9 @@ class Swarm:
         self.providers = [SampleSet() for _ in self.ranges]
         self._provider_ranges: dict[str, tuple[int, ...]] = {}
         self.subscribers: list[dict[str, None]] = [{} for _ in self.ranges]
+        #: how many gateways follow every range's topic (a gateway routes through every range:
+        #: its view hears every news, as ``Gateway`` makes it do; set by the traffic)
+        self.gateway_followers = 0
         self._claim_bytes: dict[str, int] = {}
         self._claim_bytes_total = 0
         self.peers: dict[str, Peer] = {}
@@ -583,9 +590,10 @@ class Swarm:
 
     def count_gossip(self, claim_bytes: int, ranges: tuple[int, ...], publisher: str | None = None) -> None:
         """News on the topic of each of ``ranges``: every subscriber of that topic but the
-        publisher hears it from its mesh (``GOSSIP_D`` deliveries each: the duplicates), one
-        message per topic."""
-        n = sum(len(self.subscribers[r]) - (publisher in self.subscribers[r]) for r in ranges)
+        publisher (the compute peers following it, and every gateway) hears it from its mesh
+        (``GOSSIP_D`` deliveries each: the duplicates), one message per topic."""
+        n = sum(len(self.subscribers[r]) - (publisher in self.subscribers[r]) + self.gateway_followers
+                for r in ranges)
         self.count("gossip", GOSSIP_D * n, GOSSIP_D * n * wire.gossip(claim_bytes))
 
     def mean_claim_bytes(self) -> float:
@@ -627,9 +635,10 @@ class Swarm:
         self.count("ping", pings, pings * (wire.PING + wire.DIAL))
 
     def visible(self, peer: str, looked_up: dict[str, float]) -> bool:
-        """Whether a gateway's view (subscribed to no topic) holds ``peer``'s claim: found by one
-        of its own lookups (``looked_up``: peer -> the expiry of the claim it got)."""
-        return looked_up.get(peer, 0.0) > self.now
+        """Whether a gateway's view holds ``peer``'s claim: heard as news (it follows every
+        range's topic from the start) or found by one of its own lookups (``looked_up``: peer ->
+        the expiry of the claim it got)."""
+        return self.heard_until.get(peer, 0.0) > self.now or looked_up.get(peer, 0.0) > self.now
 
     def look_up_into(self, looked_up: dict[str, float]) -> None:
         """A view's lookup of every range: each provider asked answers the claim its publisher
@@ -710,13 +719,16 @@ class Swarm:
         return [self.claims[q] for q in picked if q in self.claims]
 
     def measure_successors(self, p: Peer) -> None:
-        """Round trips to the peers serving the layers after its own (``RTT_SAMPLES`` pings
-        each), reported in its claim."""
+        """Round trips to the peers serving the layers after its own, reported in its claim:
+        ``RTT_SAMPLES`` pings to each successor new to it or measured ``SUCCESSOR_RTT_MAX_AGE_S``
+        ago or more (``ComputePeer.measure_successors``)."""
         if p.span is None:
             return
         nxt = [self.peers[q] for q in itertools.islice(self.by_start.get(p.span[1], ()), 32) if q in self.peers]
+        stale = [q for q in nxt if self.now - p.rtt_measured.get(q.id, -math.inf) >= SUCCESSOR_RTT_MAX_AGE_S]
+        p.rtt_measured = {q.id: self.now if q in stale else p.rtt_measured[q.id] for q in nxt}
         p.rtts = tuple((q.id, self.rtt(p, q)) for q in nxt[:MAX_RTTS])
-        self.count("ping", RTT_SAMPLES * len(nxt), RTT_SAMPLES * len(nxt) * wire.PING)
+        self.count("ping", RTT_SAMPLES * len(stale), RTT_SAMPLES * len(stale) * wire.PING)
 
     def random_claims(self, p: Peer, most: int) -> list[Claim]:
         """At most ``most`` random live claims but ``p``'s own."""

@@ -102,7 +102,7 @@ class Gateway:
     #: KV tokens this gateway's open sessions hold per peer (the client's OwnLoad)
     own: OwnLoad = field(default_factory=OwnLoad)
     #: peer -> expiry of the claim this gateway's view got from it by a lookup (its ClaimsView
-    #: subscribes to no claim topic: it holds what its lookups got)
+    #: also follows every range's topic: ``Swarm.visible``)
     looked_up: dict[str, float] = field(default_factory=dict)
     last_lookup: float = -math.inf
 
@@ -133,6 +133,7 @@ class Traffic:
         self._ids = itertools.count()
         self.requests: list[Request] = []
         self.gateways = [Gateway(n, world.city(n)) for n in world.GATEWAY_CITIES]
+        swarm.gateway_followers = len(self.gateways)
         self._rtt_cache: dict[tuple[str, str], float] = {}
         swarm.on_leave = self.peer_left
         # each gateway's claims view looks every layer range up every claims_view.REFRESH_S (and

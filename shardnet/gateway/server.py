@@ -78,6 +78,9 @@ class Gateway:
         self.client, self.name, self.route_timeout = client, name, route_timeout
         self.api_key = api_key or None
         self.model = client.model
+        # a gateway routes through every layer range: its claims view hears every range's news
+        # (a peer's load as it changes) besides its lookups (docs/protocols.md)
+        client.planner.view.follow_all()
         self.created = oa.now()
         self.context = int(getattr(self.model.ckpt.config, "max_position_embeddings", 0) or 1 << 30)
         self.template = chat_template if chat_template is not None else chat_template_of(self.model.ckpt.path)

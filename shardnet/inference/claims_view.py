@@ -96,6 +96,12 @@ class ClaimsView:
         self.following = frozenset(ranges)
         self._subscribe()
 
+    def follow_all(self) -> None:
+        """Follow every layer range's topic: a gateway routes through all of them, and hearing
+        every news keeps each peer's load in its view fresh (at 8 gateways, what they hear adds
+        little per compute peer: each news reaches each gateway once per mesh link, docs/scale.md)."""
+        self.follow(range(len(bc.layer_ranges(self.num_layers))))
+
     def _subscribe(self) -> None:
         if self._nursery is None:
             return

@@ -3,6 +3,7 @@ two layer ranges, 0:4 and 4:8): a peer's claims view hears on gossip the news of
 layers next to its own and not of those far from it, follows its new neighbourhood after it
 moves, and a lookup over every range finds every peer (docs/protocols.md, "Claim dissemination")."""
 
+import time
 from contextlib import AsyncExitStack
 
 import trio
@@ -91,3 +92,41 @@ async def test_news_reaches_neighbours_only_and_a_lookup_finds_every_peer(loopba
                 await trio.sleep(0.5)
         found = await find_claims(client, a.model_id, num_layers=LAYERS, ranges=[1])
         assert {x.peer for x in found} == {ids["a"], ids["c"], ids["d"]}, ({n for n, i in ids.items() if i in {x.peer for x in found}})
+
+
+async def test_a_successors_round_trip_is_measured_once_then_again_when_it_is_old(loopback_config, monkeypatch):
+    """Upkeep runs every 2 s while a peer settles: a known successor is pinged again only once its
+    round trip is SUCCESSOR_RTT_MAX_AGE_S old; a new successor at once."""
+    from shardnet.inference.server import compute_peer
+
+    async with AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(open_node(loopback_config()))
+        cfg = loopback_config(bootstrap=[str(boot.listen_addrs[0])])
+        peers = []
+        for span in ((0, 4), (4, 8), (4, 8)):
+            node = await stack.enter_async_context(open_node(cfg))
+            await node.wait_bootstrapped()
+            peers.append(await stack.enter_async_context(
+                join_swarm(node, str(PATH), layers=span, rebalance_interval=0, throughput=100.0)))
+        first, second, third = peers
+        pinged: list[str] = []
+        ping_many = first.node.ping_many
+
+        async def counting(ps, **kw):
+            pinged.extend(ps)
+            return await ping_many(ps, **kw)
+
+        monkeypatch.setattr(first.node, "ping_many", counting)
+        claims = [second.claim(time.time() + 60)]
+        await first.measure_successors(claims)
+        assert pinged == [claims[0].peer] and claims[0].peer in first.successor_rtts
+        await first.measure_successors(claims)  # fresh: not pinged again, still reported
+        assert pinged == [claims[0].peer] and claims[0].peer in first.successor_rtts
+        claims.append(third.claim(time.time() + 60))  # a new successor: pinged at once, alone
+        await first.measure_successors(claims)
+        assert pinged == [claims[0].peer, claims[1].peer] and len(first.successor_rtts) == 2
+        monkeypatch.setattr(compute_peer, "SUCCESSOR_RTT_MAX_AGE_S", 0.0)  # both old now
+        await first.measure_successors(claims)
+        assert sorted(pinged[2:]) == sorted(c.peer for c in claims)
+        await first.measure_successors(claims[1:])  # one left: the other is no successor any more
+        assert list(first.successor_rtts) == [claims[1].peer]

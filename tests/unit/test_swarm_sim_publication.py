@@ -2,7 +2,7 @@
 counts what they cost: news on gossip and in the DHT, refreshes in the DHT only, lookups as a
 find_providers walk per layer range and a direct request per provider; a news reaches only the
 views subscribed to the topic of its claim's layer range (``block_claim.neighbourhood`` of their
-span; gateways hear none); a run reports its messages per peer per second by kind; constants
+span; gateways follow every range); a run reports its messages per peer per second by kind; constants
 mirrored from modules that need torch stay equal to them."""
 
 import random
@@ -29,6 +29,7 @@ def test_constants_mirrored_from_torch_modules_stay_equal():
 
     assert swarm.UPKEEP_LOOKUP_S == compute_peer.UPKEEP_LOOKUP_S
     assert swarm.UPKEEP_PINGS == compute_peer.UPKEEP_PINGS
+    assert swarm.SUCCESSOR_RTT_MAX_AGE_S == compute_peer.SUCCESSOR_RTT_MAX_AGE_S
     assert swarm.BATCH_TOKENS == scheduler.DEFAULT_MAX_TOKENS
     assert REPUBLISH_S == CLAIM_TTL / 3
 
@@ -138,7 +139,15 @@ def test_a_news_reaches_only_the_views_whose_neighbourhood_holds_one_of_its_rang
     # far follows range 12; nobody else follows range 0 (near follows 1 and 2)
     assert stats.msgs["gossip"] == GOSSIP_D * 1
     assert swarm.heard(far, first.id) and not swarm.heard(near, first.id)
-    assert not swarm.visible(first.id, {})  # a gateway hears no news: only its lookups fill its view
+    assert swarm.visible(first.id, {})  # gateways follow every range: news fills their views
+
+    stats.msgs.clear()
+    swarm.gateway_followers = 3  # (the traffic sets it: its gateways)
+    swarm.clock.now = 60.0
+    far.target = (0, 5)  # news on ranges 12 and 0: 3 gateways on each, and first on one of them
+    swarm.look(far)
+    assert swarm.claim_ranges(swarm.claims[far.id]) == [0, 12]
+    assert stats.msgs["gossip"] == GOSSIP_D * (3 * 2 + 1)
 
 
 def test_a_topic_joined_later_hears_only_the_news_that_follows():

@@ -13,6 +13,7 @@ block first; sessions already open finish on the old one.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import time
@@ -85,6 +86,8 @@ MEASURE_S = 3.0
 UPKEEP_LOOKUP_S = CLAIM_TTL / 3
 #: the most claims of peers we are not connected to that one upkeep round pings
 UPKEEP_PINGS = 16
+#: a successor's round trip is measured again once it is this old (seconds; the next upkeep after)
+SUCCESSOR_RTT_MAX_AGE_S = 60.0
 
 
 def measure_throughput(block: Block, tokens: int = 8, rounds: int = 3) -> float:
@@ -172,6 +175,7 @@ class ComputePeer:
         self.since = time.time()
         self.tput = 0.0
         self.successor_rtts: dict[str, float] = {}
+        self._rtt_measured: dict[str, float] = {}  # when each successor's round trip was measured (trio time)
         self.moves: list[Move] = []
         #: the span being loaded (claimed as such, so that other peers choose around it)
         self.loading: tuple[int, int] | None = None
@@ -310,11 +314,25 @@ class ComputePeer:
                                  ping_most=None if look_up else UPKEEP_PINGS)
 
     async def measure_successors(self, claims: list[Claim]) -> None:
-        """Round trips to the peers serving the layers right after ours (for clients' routing)."""
+        """Round trips to the peers serving the layers right after ours (for clients' routing):
+        a successor new to us is pinged at once, a known one again once its round trip is
+        ``SUCCESSOR_RTT_MAX_AGE_S`` old (upkeep runs every 2 s while settling; pinging every
+        successor each round was most of a settling peer's CPU in a 12-peer swarm)."""
         _, end = self.span
-        pings = await self.node.ping_many([c.peer for c in claims if c.start == end][:32], timeout=3.0,
-                                          samples=RTT_SAMPLES)
-        successors = {peer: p.rtt for peer, p in pings.items() if p.rtt is not None}
+        now = trio.current_time()
+        want = [c.peer for c in claims if c.start == end][:32]
+        stale = [peer for peer in want if peer not in self.successor_rtts
+                 or now - self._rtt_measured.get(peer, -math.inf) >= SUCCESSOR_RTT_MAX_AGE_S]
+        pings = await self.node.ping_many(stale, timeout=3.0, samples=RTT_SAMPLES) if stale else {}
+        successors = {}
+        for peer in want:
+            if peer in pings:
+                if pings[peer].rtt is not None:
+                    successors[peer] = pings[peer].rtt
+                    self._rtt_measured[peer] = now
+            elif peer in self.successor_rtts:
+                successors[peer] = self.successor_rtts[peer]
+        self._rtt_measured = {peer: t for peer, t in self._rtt_measured.items() if peer in successors}
         # our chain neighbours keep their connections whatever the connection manager trims
         for peer in self.successor_rtts.keys() - successors.keys():
             self.node.connection_manager.unprotect(peer, "successor")

@@ -12,6 +12,7 @@ from shardnet.gateway.server import Gateway
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.models import default_model_path
+from shardnet.protocols import block_claim as bc
 from shardnet.transport import NodeConfig, open_node
 
 KEY = "sk-test-123"
@@ -90,6 +91,15 @@ async def test_without_a_key_nothing_is_asked(model):
         status, got, _ = await call(app, "POST", "/v1/completions", COMPLETION)
         assert (status, got["error"]["code"]) == (503, "no_route")
         assert app.requests == 1
+
+
+async def test_a_gateways_claims_view_follows_every_layer_range(model):
+    """A gateway routes through every range: its view hears each range's news (a Python client's
+    follows none and looks up)."""
+    async with open_node(NodeConfig(dht_mode="client")) as node:
+        app = gateway(node, model)
+        ranges = bc.layer_ranges(model.ckpt.num_layers)
+        assert app.client.planner.view.following == frozenset(range(len(ranges)))
 
 
 async def test_livez_and_readyz(model):
