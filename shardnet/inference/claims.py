@@ -45,6 +45,11 @@ def range_provider_name(model_id: str, index: int) -> str:
 #: a lookup of one layer range asks the DHT for at most this many of its providers (a sample in
 #: a large swarm), then each of them directly
 LOOKUP_PROVIDERS_PER_RANGE = 16
+#: what ``shardnet status`` and the model listing take of each range: every provider the DHT
+#: names (each of the key's closest peers answers at most 20 at random), so that they list a
+#: small swarm's every peer, where a sample of 16 missed some (a range's providers include the
+#: peers that left it: provider records cannot be withdrawn)
+STATUS_PROVIDERS_PER_RANGE = 400
 #: how many ranges' provider lookups run at once: in a swarm of under 20 DHT servers every range's
 #: walk asks every server, and more at once ran into their ``dht_streams_per_peer`` (8)
 LOOKUP_RANGES_AT_ONCE = 4
@@ -99,13 +104,14 @@ async def fetch_claims(node: Node, peer: str, *, timeout: float = 10.0) -> list[
 
 
 async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Iterable[int] | None = None,
-                      timeout: float = 15.0) -> list[bc.Claim]:
+                      per_range: int = LOOKUP_PROVIDERS_PER_RANGE, timeout: float = 15.0) -> list[bc.Claim]:
     """The claims for ``model_id`` of the peers the DHT knows as providers of its layer ranges
     (``ranges``: indices into ``block_claim.layer_ranges(num_layers)``; all by default), verified.
     The ranges' providers are looked up together (``LOOKUP_RANGES_AT_ONCE`` at a time; in a
     network of fewer than k DHT servers one walk finds them all and each is asked for every
-    range, ``dht.servers_if_few``), at most ``LOOKUP_PROVIDERS_PER_RANGE`` per range (a random
-    sample where there are more); each
+    range, ``dht.servers_if_few``), at most ``per_range`` per range (a random sample where there
+    are more: a view's lookups take ``LOOKUP_PROVIDERS_PER_RANGE``, ``shardnet status`` every
+    provider the DHT names, ``STATUS_PROVIDERS_PER_RANGE``); each
     peer found is asked directly once, as soon as a range names it (whatever other ranges name
     it too), its DHT record read when it does not answer. Raises the lookup's error only when
     every range's provider lookup failed."""
@@ -119,7 +125,7 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
         try:
             async with at_once:
                 found = await node.dht.find_providers(range_provider_name(model_id, index),
-                                                      count=LOOKUP_PROVIDERS_PER_RANGE, closest=servers)
+                                                      count=per_range, closest=servers)
         except ShardnetError as e:
             log.debug("providers of range %d of %s: %s", index, model_id[:16], e)
             errors.append(e)

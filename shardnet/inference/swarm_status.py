@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import time
 
-from shardnet.inference.claims import find_claims
+from shardnet.inference.claims import STATUS_PROVIDERS_PER_RANGE, find_claims
 from shardnet.inference.client.routing import format_layers, uncovered_layers
 from shardnet.inference.server.placement import coverage
 from shardnet.transport.node import Node
 
 
 async def swarm_report(node: Node, model_id: str, num_layers: int, *, wait: float = 10.0) -> dict:
-    claims = await find_claims(node, model_id, num_layers=num_layers, timeout=wait)
+    claims = await find_claims(node, model_id, num_layers=num_layers, per_range=STATUS_PROVIDERS_PER_RANGE,
+                               timeout=wait)
     pings = await node.ping_many([c.peer for c in claims], timeout=3.0)
     rtts = {peer: p.rtt for peer, p in pings.items() if p.rtt is not None}
     live = [c for c in claims if c.peer in rtts]

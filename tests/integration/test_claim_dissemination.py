@@ -92,6 +92,9 @@ async def test_news_reaches_neighbours_only_and_a_lookup_finds_every_peer(loopba
                 await trio.sleep(0.5)
         found = await find_claims(client, a.model_id, num_layers=LAYERS, ranges=[1])
         assert {x.peer for x in found} == {ids["a"], ids["c"], ids["d"]}, ({n for n, i in ids.items() if i in {x.peer for x in found}})
+        # a view's lookup takes a sample of each range's providers (status takes them all)
+        one = await find_claims(client, a.model_id, num_layers=LAYERS, ranges=[1], per_range=1)
+        assert len(one) == 1 and one[0].peer in {ids["a"], ids["c"], ids["d"]}
 
 
 async def test_a_successors_round_trip_is_measured_once_then_again_when_it_is_old(loopback_config, monkeypatch):

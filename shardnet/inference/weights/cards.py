@@ -24,7 +24,7 @@ import cbor2
 import trio
 
 from shardnet.errors import ShardnetError
-from shardnet.inference.claims import find_claims, live_claims
+from shardnet.inference.claims import STATUS_PROVIDERS_PER_RANGE, find_claims, live_claims
 from shardnet.inference.weights.names import NameBindings, choose, parse_model_spec
 from shardnet.transport.node import Node
 
@@ -214,7 +214,8 @@ async def list_models(node: Node, *, timeout: float = 15.0) -> list[SwarmModel]:
 
 async def _add_claims(node: Node, models: list[SwarmModel], *, timeout: float) -> None:
     async def one(m: SwarmModel) -> None:
-        claims = await find_claims(node, m.card.model_id, num_layers=m.card.num_layers, timeout=timeout)
+        claims = await find_claims(node, m.card.model_id, num_layers=m.card.num_layers,
+                                   per_range=STATUS_PROVIDERS_PER_RANGE, timeout=timeout)
         for c in await live_claims(node, claims):
             if c.serving:
                 m.spans.append((c.start, c.end, c.peer, c.quant))
