@@ -199,9 +199,10 @@ class ComputePeer:
         return b.start, b.end
 
     def follow_neighbourhood(self, *spans: tuple[int, int]) -> None:
-        """Have the claims view follow the gossip of the layer ranges next to the span we serve,
-        the one we are loading and ``spans`` (``block_claim.neighbourhood``): our predecessors'
-        and successors' news arrives as it happens, the rest of the swarm's with the lookups."""
+        """Have the claims view follow the gossip of the layer ranges of the span we serve, the
+        one we are loading and ``spans``, and of the layer after each (``block_claim.neighbourhood``):
+        the news of the peers whose spans start inside ours or at its end (span-mates,
+        successors) arrives as it happens, the rest of the swarm's with the lookups."""
         spans += tuple(s for s in (self.span if self.served is not None else None, self.loading) if s)
         self.view.follow({i for a, b in spans for i in bc.neighbourhood(a, b, self.ckpt.num_layers)})
 
