@@ -40,8 +40,9 @@ class ClaimsView:
     and at most one per ``LOOKUP_GAP_S``, whoever asks); a lookup covers every layer range of the
     model. Between lookups it takes the claims published on the gossip topics of the layer ranges
     it follows (``follow``: a compute peer follows its span's neighbourhood,
-    ``block_claim.neighbourhood``, and follows again when its span changes; a client's or a
-    gateway's view follows none and relies on its lookups; news only: docs/protocols.md). A
+    ``block_claim.neighbourhood``, and follows again when its span changes; a gateway's view
+    follows every range, ``follow_all``; a Python client's follows none and relies on its
+    lookups; news only: docs/protocols.md). A
     lookup only adds: a peer's claim is replaced by a newer one (a higher version, or the same one
     expiring later) and dropped when it expires, so a refused or failed lookup keeps the last
     known view. Whether a claim's peer is alive is the prober's business (probes.py); a new
