@@ -49,8 +49,11 @@ class Shardnet(Policy):
     claims_view = True
 
     def __init__(self, *, full_view: bool = False, view_most: int | None = VIEW_DECIDE_MOST,
-                 providers: int | None = None) -> None:
+                 providers: int | None = None, follow_edges: bool = False) -> None:
         self.full_view = full_view
+        #: what if a compute peer's view followed only the range of its span's first layer and
+        #: that of the layer after its span, not every range its span covers (``Swarm.subscribe``)
+        self.follow_edges = follow_edges
         #: the most claims of its view a peer plans over (None: all; Swarm.view_claims)
         self.view_most = view_most
         #: decide from this many random claims instead, as ``find_claims`` of one model-wide

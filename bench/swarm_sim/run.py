@@ -7,8 +7,10 @@
                                   [--jobs N] [--plots DIR] [--json FILE] [--quick]
 
 ``shardnet-before`` is shardnet as it was before this simulator found what it fixed (see
-docs/scale.md); ``shardnet+suffix`` and ``shardnet+full-view`` are what-ifs not in the code (a
-chain entering a span at any layer; compute peers deciding from every claim). Every policy runs the same world (the same seed: the same peers, places, sessions and request
+docs/scale.md); ``shardnet+suffix``, ``shardnet+full-view`` and ``shardnet+edge-follow`` are
+what-ifs not in the code (a chain entering a span at any layer; compute peers deciding from every
+claim; a compute peer's view following only the ranges of its first layer and of the layer after
+its span). Every policy runs the same world (the same seed: the same peers, places, sessions and request
 arrivals) for ``--hours`` simulated hours; the first 10 minutes (the swarm assembling) are left
 out of every figure. One row per model and policy:
 
@@ -142,7 +144,10 @@ SUFFIX = "shardnet+suffix"
 #: shardnet if compute peers decided from every claim, not from their claims view (the news of
 #: their neighbourhood's ranges and their lookups' samples of every range)
 FULL_VIEW = "shardnet+full-view"
-VARIANTS = (BEFORE, *POLICIES, SUFFIX, FULL_VIEW)
+#: shardnet if a compute peer's view followed only the range of its first layer and that of the
+#: layer after its span (not every range its span covers)
+EDGE_FOLLOW = "shardnet+edge-follow"
+VARIANTS = (BEFORE, *POLICIES, SUFFIX, FULL_VIEW, EDGE_FOLLOW)
 
 
 def simulate(model: str, policy: str, args) -> dict:
@@ -150,6 +155,8 @@ def simulate(model: str, policy: str, args) -> dict:
     view_most = args.view_most or None
     if policy == FULL_VIEW:
         chosen = Shardnet(full_view=True, view_most=view_most)
+    elif policy == EDGE_FOLLOW:
+        chosen = Shardnet(view_most=view_most, follow_edges=True)
     elif policy == BEFORE:
         chosen = Shardnet(view_most=view_most, providers=BEFORE_PROVIDERS)
     elif policy in (SUFFIX, "shardnet"):

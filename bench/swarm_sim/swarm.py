@@ -70,7 +70,7 @@ from shardnet.inference.server.placement import (
     layers_fitting,
     upkeep_step,
 )
-from shardnet.protocols.block_claim import MAX_RTTS, Claim, claim_ranges, layer_ranges, neighbourhood, news
+from shardnet.protocols.block_claim import MAX_RTTS, Claim, claim_ranges, layer_ranges, neighbourhood, news, ranges_of
 from shardnet.transport.config import NodeConfig
 
 #: the most tokens one forward pass of a peer's block scheduler takes (scheduler.DEFAULT_MAX_TOKENS,
@@ -444,10 +444,20 @@ class Swarm:
             self.subscribe(p)  # the view follows the span's neighbourhood
         self._replan(p)
 
+    def followed_ranges(self, span: tuple[int, int]) -> set[int]:
+        """The ranges a compute peer serving ``span`` follows: ``block_claim.neighbourhood``, or,
+        with the policy's ``follow_edges`` what-if, the range of its first layer and that of the
+        layer after it."""
+        L = self.model.num_layers
+        if getattr(self.policy, "follow_edges", False):
+            s, e = span
+            return set(ranges_of(s, s + 1, L)) | set(ranges_of(e, e + 1, L))
+        return set(neighbourhood(*span, L))
+
     def subscribe(self, p: Peer) -> None:
         """Subscribe ``p``'s view to the topics of ``neighbourhood(its span)`` (none once it
         serves nothing), leaving the others; a topic joined now hears news from now on."""
-        want = set(neighbourhood(*p.span, self.model.num_layers)) if p.span is not None and not p.gone else set()
+        want = self.followed_ranges(p.span) if p.span is not None and not p.gone else set()
         for r in set(p.subs) - want:
             del p.subs[r]
             self.subscribers[r].pop(p.id, None)

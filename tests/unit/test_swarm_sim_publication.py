@@ -13,7 +13,7 @@ import pytest
 from bench.swarm_sim import wire
 from bench.swarm_sim.events import EventLoop
 from bench.swarm_sim.models import MODELS
-from bench.swarm_sim.policies import make
+from bench.swarm_sim.policies import Shardnet, make
 from bench.swarm_sim.run import KINDS, summarize, traffic_line
 from bench.swarm_sim.sim import Sim
 from bench.swarm_sim.stats import Stats
@@ -191,3 +191,11 @@ def test_a_view_of_many_providers_is_drawn_by_slot_each_claim_standing_for_its_s
     assert 0 < len(sample) <= 4 and abs(estimate - len(sample) * 41 / 4) <= 0.5
     for c in sample:
         assert c.tput == swarm.claims[c.peer].tput * 41 / 4
+
+
+def test_the_edge_follow_what_if_follows_the_first_layers_and_the_layer_after_the_span():
+    swarm, _ = a_swarm()  # llama-70b: 80 layers, 16 ranges of 5
+    assert swarm.followed_ranges((5, 40)) == set(bc.neighbourhood(5, 40, 80)) == set(range(1, 9))
+    swarm.policy = Shardnet(follow_edges=True)
+    assert swarm.followed_ranges((5, 40)) == {1, 8}
+    assert swarm.followed_ranges((40, 80)) == {8}  # nothing after the last layer
