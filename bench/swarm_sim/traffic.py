@@ -21,8 +21,9 @@ What is modelled, coarsely and on purpose (docs/scale.md says what that leaves o
   keepalive closes the connection to it (``keepalive_interval`` + ``keepalive_timeout`` at
   most; ``STEP_TIMEOUT`` is the last resort, never reached here). Gateways' views drop a departed peer's claim when a
   request fails on it, or when a probe finds it gone (within ``RTT_CACHE_S``).
-- Gateways' views subscribe to no claim topic: they hold the claims their lookups of every
-  layer range got (every ``claims_view.REFRESH_S``, and when a request finds no route).
+- Gateways' views follow every layer range's topic (``Swarm.visible``): they hold the news they
+  heard and the claims their lookups of every layer range got (every ``claims_view.REFRESH_S``,
+  and when a request finds no route).
 """
 
 from __future__ import annotations
