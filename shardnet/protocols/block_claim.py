@@ -11,9 +11,9 @@ peers' outputs) and ``quant`` (how its weights are quantized, "none" when they a
 may require or refuse quantized spans). It is signed with the peer's Ed25519 identity key, so anyone can check it came from P
 and was not altered; it travels through the DHT (a signed value, plus a provider record under
 the layer range holding its first layer: ``layer_ranges``, ``claim_ranges``), as news on that
-range's gossipsub topic ``/shardnet/block-claim/1.0.0/<model>/r<i>`` (``range_topic``; a compute peer follows its span's
-``neighbourhood``), and on this protocol's stream (a peer answers a request with its current
-claims). docs/protocols.md, "Claim dissemination", has the rules.
+range's gossipsub topic ``/shardnet/block-claim/1.0.0/<model>/r<i>`` (``range_topic``; a compute
+peer follows its span's ``neighbourhood``), and on this protocol's stream (a peer answers a
+request with its current claims). docs/protocols.md, "Claim dissemination", has the rules.
 
 Signing and verifying use py-libp2p's keys and peer IDs, imported inside ``encode`` and ``decode``:
 importing this module (the Claim type, the ClaimTable) loads no network stack.

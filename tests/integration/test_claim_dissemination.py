@@ -91,7 +91,8 @@ async def test_news_reaches_neighbours_only_and_a_lookup_finds_every_peer(loopba
             while {x.peer for x in await find_claims(client, a.model_id, num_layers=LAYERS)} != set(ids.values()):
                 await trio.sleep(0.5)
         found = await find_claims(client, a.model_id, num_layers=LAYERS, ranges=[1])
-        assert {x.peer for x in found} == {ids["a"], ids["c"], ids["d"]}, ({n for n, i in ids.items() if i in {x.peer for x in found}})
+        names = {n for n, i in ids.items() if i in {x.peer for x in found}}
+        assert names == {"a", "c", "d"}, names  # a moved to 6:8: range 1 now
         # a view's lookup takes a sample of each range's providers (status takes them all)
         one = await find_claims(client, a.model_id, num_layers=LAYERS, ranges=[1], per_range=1)
         assert len(one) == 1 and one[0].peer in {ids["a"], ids["c"], ids["d"]}
