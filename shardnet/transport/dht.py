@@ -239,8 +239,7 @@ class DHT:
         are then all of them, so a caller looking up many keys can ask them (``find_providers``'
         ``closest``) instead of walking once per key; None in a larger network. One walk (towards
         our own ID)."""
-        async with self._bounded("closest-peers lookup"):
-            found = list(await self.kad.peer_routing.find_closest_peers_network(self.host.get_id().to_bytes(), K))
+        found = await self.closest_peers(self.host.get_id().to_bytes(), K)
         return found if len(found) < K else None
 
     async def find_providers(self, name: str, count: int = 20, *, closest: list[ID] | None = None) -> list[PeerInfo]:

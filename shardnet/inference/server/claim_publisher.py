@@ -1,4 +1,4 @@
-"""``ClaimPublisher``: keeps one compute peer's block claim fresh in the DHT and on the gossip topics
+"""``ClaimPublisher``: keeps one compute peer's block claim fresh in the DHT and on the gossip topic
 of the layer range holding its first layer, and answers direct requests for it."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 
 
 class ClaimPublisher(Behaviour):
-    """A node behaviour: keeps one peer's claim fresh in the DHT and on the gossip topics of its
-    layer ranges, and answers requests. Ready once the first claim is out (``node.add_behaviour``
+    """A node behaviour: keeps one peer's claim fresh in the DHT and on the gossip topic of its
+    layer range (``block_claim.claim_ranges``), and answers requests. Ready once the first claim is out (``node.add_behaviour``
     returns then).
 
     The rules (docs/protocols.md, "Claim dissemination"): each time it looks (at ``refresh()``,
@@ -34,7 +34,7 @@ class ClaimPublisher(Behaviour):
     (``block_claim.range_topic``) and in the DHT, and provides those ranges' keys
     (``range_provider_name``) that it did not provide last; otherwise it only puts the same
     version, expiring later, in the DHT once a third of the TTL has passed since the last put,
-    and provides every range's key again then. A direct request always gets the claim as built
+    and provides its ranges' keys again then. A direct request always gets the claim as built
     last, signed. ``num_layers``: the model's, which its ranges are cut from."""
 
     def __init__(self, node: Node, claim_fn, *, num_layers: int, ttl: float = CLAIM_TTL) -> None:
