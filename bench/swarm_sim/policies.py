@@ -101,6 +101,8 @@ class Shardnet(Policy):
     def _confirm(self, swarm, peer):
         if peer.gone or peer.moving or peer.span is None:
             return
+        if self.claims_view:
+            swarm.look_up_into(peer.looked_up)  # compute_peer looks the claims up before moving
         claims = self.view(swarm, peer)
         move = plan_move(claims, swarm.claim_of(peer), swarm.model.num_layers, margin=REBALANCE_MARGIN,
                          rng=swarm.rng)

@@ -394,6 +394,11 @@ class ComputePeer:
                               | {str(self.node.peer_id)})
                 rank = same.index(str(self.node.peer_id))
                 await trio.sleep(move_turn_delay(rank, u.step, u.rng))
+                # and look the claims up before deciding: the view hears news only of its
+                # neighbourhood's ranges, so a peer that joined elsewhere since the last lookup
+                # is missing from it, and a layer it serves may look unserved (peers moved there
+                # all at once, tests/system/test_placement.py)
+                await self.view.lookup()
                 move = self._plan(await self.live_claims(look_up=False), u.rng)
             if move is not None:
                 old = self.span
