@@ -38,6 +38,14 @@ class EventLoop:
         """Call ``fn`` ``dt`` simulated seconds from now."""
         self.at(self.now + dt, fn)
 
+    def run_until(self, t: float) -> None:
+        """Call every event due by ``t``, in order, then stand at ``t``."""
+        while self._events and self._events[0][0] <= t:
+            when, _, fn = heapq.heappop(self._events)
+            self.now = when
+            fn()
+        self.now = t
+
     def run(self, tick: Callable[[float], None], sample: Callable[[], None],
             progress: Callable[[float], None] | None = None) -> None:
         """Run to the end: ``tick(TICK_S)`` every tick, after the events due by then;
@@ -46,11 +54,7 @@ class EventLoop:
         next_sample = 0.0
         next_progress = PROGRESS_S
         while t < self.end:
-            while self._events and self._events[0][0] <= t:
-                when, _, fn = heapq.heappop(self._events)
-                self.now = when
-                fn()
-            self.now = t
+            self.run_until(t)
             tick(TICK_S)
             if t >= next_sample:
                 sample()

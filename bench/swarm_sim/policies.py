@@ -49,8 +49,11 @@ class Shardnet(Policy):
     claims_view = True
 
     def __init__(self, *, full_view: bool = False, view_most: int | None = VIEW_DECIDE_MOST,
-                 providers: int | None = None, follow_edges: bool = False) -> None:
+                 providers: int | None = None, follow_edges: bool = False, follow_crowded: bool = False) -> None:
         self.full_view = full_view
+        #: what if a compute peer's view kept following a crowded range's topic, as it did before
+        #: ``claims_view.CROWDED_NEWS`` (``Swarm._crowd_out``)
+        self.follow_crowded = follow_crowded
         #: what if a compute peer's view followed only the range of its span's first layer and
         #: that of the layer after its span, not every range its span covers (``Swarm.subscribe``)
         self.follow_edges = follow_edges

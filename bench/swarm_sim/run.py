@@ -7,10 +7,11 @@
                                   [--jobs N] [--plots DIR] [--json FILE] [--quick]
 
 ``shardnet-before`` is shardnet as it was before this simulator found what it fixed (see
-docs/scale.md); ``shardnet+suffix``, ``shardnet+full-view`` and ``shardnet+edge-follow`` are
-what-ifs not in the code (a chain entering a span at any layer; compute peers deciding from every
-claim; a compute peer's view following only the ranges of its first layer and of the layer after
-its span). Every policy runs the same world (the same seed: the same peers, places, sessions and request
+docs/scale.md); ``shardnet+suffix``, ``shardnet+full-view``, ``shardnet+edge-follow`` and
+``shardnet+follow-crowded`` are what-ifs not in the code (a chain entering a span at any layer;
+compute peers deciding from every claim; a compute peer's view following only the ranges of its
+first layer and of the layer after its span; a view that keeps following a crowded range).
+Every policy runs the same world (the same seed: the same peers, places, sessions and request
 arrivals) for ``--hours`` simulated hours; the first 10 minutes (the swarm assembling) are left
 out of every figure. One row per model and policy:
 
@@ -147,7 +148,9 @@ FULL_VIEW = "shardnet+full-view"
 #: shardnet if a compute peer's view followed only the range of its first layer and that of the
 #: layer after its span (not every range its span covers)
 EDGE_FOLLOW = "shardnet+edge-follow"
-VARIANTS = (BEFORE, *POLICIES, SUFFIX, FULL_VIEW, EDGE_FOLLOW)
+#: shardnet if a compute peer's view kept following a crowded range (before claims_view.CROWDED_NEWS)
+FOLLOW_CROWDED = "shardnet+follow-crowded"
+VARIANTS = (BEFORE, *POLICIES, SUFFIX, FULL_VIEW, EDGE_FOLLOW, FOLLOW_CROWDED)
 
 
 def simulate(model: str, policy: str, args) -> dict:
@@ -157,6 +160,8 @@ def simulate(model: str, policy: str, args) -> dict:
         chosen = Shardnet(full_view=True, view_most=view_most)
     elif policy == EDGE_FOLLOW:
         chosen = Shardnet(view_most=view_most, follow_edges=True)
+    elif policy == FOLLOW_CROWDED:
+        chosen = Shardnet(view_most=view_most, follow_crowded=True)
     elif policy == BEFORE:
         chosen = Shardnet(view_most=view_most, providers=BEFORE_PROVIDERS)
     elif policy in (SUFFIX, "shardnet"):

@@ -53,6 +53,7 @@ import itertools
 import math
 import random
 import zlib
+import collections
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ from bench.swarm_sim.events import EventLoop
 from bench.swarm_sim.models import ModelSpec
 from bench.swarm_sim.stats import Stats
 from shardnet.inference.claims import CLAIM_TTL, LOOKUP_PROVIDERS_PER_RANGE, RTT_SAMPLES
+from shardnet.inference.claims_view import CROWDED_NEWS, CROWDED_PAUSE_S, CROWDED_WINDOW_S
+from shardnet.inference.server.claim_publisher import PROVIDE_REFRESH_S
 from shardnet.inference.server.placement import (
     DEFAULT_REBALANCE_INTERVAL,
     MEMORY_USE,
@@ -138,11 +141,15 @@ class Peer:
     #: was last put in the DHT and last built (what a direct request answers)
     published: Claim | None = None
     last_put: float = -math.inf
+    last_provide: float = -math.inf
     last_look: float = -math.inf
     publishing: bool = False
     view_started: bool = False
     #: the claim topics (layer ranges) its view is subscribed to, each since when
     subs: dict = field(default_factory=dict)
+    #: the followed ranges it left for being crowded (``claims_view.CROWDED_NEWS``): range ->
+    #: (subscribed since, left when, resumes when)
+    paused: dict = field(default_factory=dict)
     #: the ranges its publisher provided under since its last refresh
     provided: frozenset = frozenset()
     #: peer -> expiry of the claim its view's lookups got from that peer
@@ -234,7 +241,10 @@ class Swarm:
         #: whose view is subscribed to its topic
         self.providers = [SampleSet() for _ in self.ranges]
         self._provider_ranges: dict[str, tuple[int, ...]] = {}
+        #: per range, the compute peers subscribed to its topic, in the order they subscribed
         self.subscribers: list[dict[str, None]] = [{} for _ in self.ranges]
+        #: per range, when its topic's last news went out (within ``CROWDED_WINDOW_S``)
+        self.topic_news: list[collections.deque] = [collections.deque() for _ in self.ranges]
         #: how many gateways follow every range's topic (a gateway routes through every range:
         #: its view hears every news, as ``Gateway`` makes it do; set by the traffic)
         self.gateway_followers = 0
@@ -456,14 +466,47 @@ class Swarm:
 
     def subscribe(self, p: Peer) -> None:
         """Subscribe ``p``'s view to the topics of ``neighbourhood(its span)`` (none once it
-        serves nothing), leaving the others; a topic joined now hears news from now on."""
+        serves nothing), leaving the others; a topic joined now hears news from now on. A range
+        it left for being crowded stays left until its pause ends (``_resume``), unless it stops
+        following it meanwhile."""
         want = self.followed_ranges(p.span) if p.span is not None and not p.gone else set()
+        for r in set(p.paused) - want:
+            del p.paused[r]
+        want -= p.paused.keys()
         for r in set(p.subs) - want:
             del p.subs[r]
             self.subscribers[r].pop(p.id, None)
         for r in want - set(p.subs):
             p.subs[r] = self.now
             self.subscribers[r][p.id] = None
+
+    def _crowd_out(self, r: int) -> None:
+        """A news went out on range ``r``'s topic: every subscriber that heard ``CROWDED_NEWS`` of
+        them within ``CROWDED_WINDOW_S`` leaves it for ``CROWDED_PAUSE_S`` (``ClaimsView``; its
+        lookups still cover the range). Subscribers are in the order they subscribed, so those
+        that heard enough are the first ones."""
+        news = self.topic_news[r]
+        news.append(self.now)
+        while news and news[0] < self.now - CROWDED_WINDOW_S:
+            news.popleft()
+        if len(news) < CROWDED_NEWS:
+            return
+        since = news[-CROWDED_NEWS]  # subscribed by then: it heard CROWDED_NEWS news within the window
+        subs = self.subscribers[r]
+        while subs:
+            q = self.peers.get(next(iter(subs)))
+            if q is None or q.subs.get(r, math.inf) > since:
+                break
+            del subs[q.id]
+            until = self.now + CROWDED_PAUSE_S
+            q.paused[r] = (q.subs.pop(r), self.now, until)
+            self.clock.later(CROWDED_PAUSE_S, lambda q=q, r=r, until=until: self._resume(q, r, until))
+
+    def _resume(self, p: Peer, r: int, until: float) -> None:
+        if p.gone or p.paused.get(r, (None, None, None))[2] != until:
+            return
+        del p.paused[r]
+        self.subscribe(p)
 
     def close_gaps(self) -> None:
         for i, (since, spare) in list(self.stats.uncovered_since.items()):
@@ -512,7 +555,8 @@ class Swarm:
         """One round of ``ClaimPublisher.serve``: the claim built anew; news (``block_claim.news``
         against the last claim published) gets the next version, on the topic of every range it
         holds its first layer (``claim_ranges``) and in the DHT; a refresh due puts the claim in the
-        DHT and provides under those ranges (no gossip); news provides under the ranges not provided yet."""
+        DHT (no gossip); news provides under the ranges not provided yet, and every
+        ``PROVIDE_REFRESH_S`` it provides under all its ranges again."""
         fresh = self.claim_of(p)
         p.last_look = self.now
         reason = news(p.published, fresh)
@@ -522,9 +566,10 @@ class Swarm:
         size = wire.size_of(fresh)
         ranges = self.claim_ranges(fresh)
         self.count_put(size)
-        if refresh_due:
+        if self.now - p.last_provide >= PROVIDE_REFRESH_S:
             self.count_provide(len(ranges))
             p.provided = frozenset(ranges)
+            p.last_provide = self.now
         elif not p.provided.issuperset(ranges):
             self.count_provide(len(set(ranges) - p.provided))
             p.provided |= frozenset(ranges)
@@ -605,6 +650,9 @@ class Swarm:
         n = sum(len(self.subscribers[r]) - (publisher in self.subscribers[r]) + self.gateway_followers
                 for r in ranges)
         self.count("gossip", GOSSIP_D * n, GOSSIP_D * n * wire.gossip(claim_bytes))
+        if not getattr(self.policy, "follow_crowded", False):
+            for r in ranges:
+                self._crowd_out(r)
 
     def mean_claim_bytes(self) -> float:
         if not self._claim_bytes:
@@ -666,8 +714,9 @@ class Swarm:
         if self.heard_until.get(peer, 0.0) <= self.now:
             return False
         at, ranges = self.news_of.get(peer, (math.inf, ()))
-        subs = p.subs
-        return any(r in subs and subs[r] <= at for r in ranges)
+        subs, paused = p.subs, p.paused
+        return any((r in subs and subs[r] <= at) or (r in paused and paused[r][0] <= at <= paused[r][1])
+                   for r in ranges)
 
     def view_claims(self, p: Peer, most: int | None = VIEW_DECIDE_MOST) -> tuple[list[Claim], int]:
         """The claims of ``p``'s view, not its own: what its lookups got, and the news it heard on
@@ -687,8 +736,9 @@ class Swarm:
         if looked_weight != 1.0:
             view = [_scaled(c, looked_weight) for c in view]
         held = len(looked) * looked_weight
-        # the news heard: candidates are the providers of the ranges it follows
-        subs = p.subs
+        # the news heard: candidates are the providers of the ranges it follows (or left for
+        # being crowded: what it heard before stays until it expires)
+        subs = list(p.subs) + list(p.paused)
         slots = sum(len(self.providers[r]) for r in subs)  # a peer providing under k of them: k slots
         if half is None or slots <= 8 * half:
             candidates = list(dict.fromkeys(q for r in subs for q in self.providers[r]))

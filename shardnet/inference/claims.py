@@ -108,7 +108,7 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
     """The claims for ``model_id`` of the peers the DHT knows as providers of its layer ranges
     (``ranges``: indices into ``block_claim.layer_ranges(num_layers)``; all by default), verified.
     The ranges' providers are looked up together (``LOOKUP_RANGES_AT_ONCE`` at a time; in a
-    network of fewer than k DHT servers one walk finds them all and each is asked for every
+    network of fewer than 2k DHT servers one walk finds them all and each is asked for every
     range, ``dht.servers_if_few``), at most ``per_range`` per range (a random sample where there
     are more: a view's lookups take ``LOOKUP_PROVIDERS_PER_RANGE``, ``shardnet status`` every
     provider the DHT names, ``STATUS_PROVIDERS_PER_RANGE``); each

@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Iterable
 
 import trio
 
-from shardnet.inference.claims import find_claims
+from shardnet.inference.claims import CLAIM_TTL, find_claims
 from shardnet.inference.probes import Probes
 from shardnet.protocols import block_claim as bc
 from shardnet.transport.behaviour import Behaviour
@@ -26,6 +27,14 @@ REFRESH_S = 60.0
 #: the least time between two lookups, however many requests ask for one
 LOOKUP_GAP_S = 2.0
 LOOKUP_TIMEOUT = 15.0
+#: a followed range whose topic brought this many news within ``CROWDED_WINDOW_S`` is crowded:
+#: the view leaves its topic for ``CROWDED_PAUSE_S`` and knows the range from its lookups (a
+#: sample of its providers) and what it heard before, then follows it again (docs/protocols.md,
+#: "Crowded ranges"). A topic's news grow with the peers whose claims it carries; this bounds
+#: what a peer hears at about CROWDED_NEWS / CROWDED_WINDOW_S news a second a topic
+CROWDED_NEWS = 16
+CROWDED_WINDOW_S = 120.0
+CROWDED_PAUSE_S = CLAIM_TTL
 
 
 class ClaimsView:
@@ -42,7 +51,8 @@ class ClaimsView:
     it follows (``follow``: a compute peer follows its span's neighbourhood,
     ``block_claim.neighbourhood``, and follows again when its span changes; a gateway's view
     follows every range, ``follow_all``; a Python client's follows none and relies on its
-    lookups; news only: docs/protocols.md). A
+    lookups; news only: docs/protocols.md), leaving a crowded range's topic for a while
+    (``CROWDED_NEWS``). A
     lookup only adds: a peer's claim is replaced by a newer one (a higher version, or the same one
     expiring later) and dropped when it expires, so a refused or failed lookup keeps the last
     known view. Whether a claim's peer is alive is the prober's business (probes.py); a new
@@ -67,6 +77,14 @@ class ClaimsView:
         self.from_gossip = 0  # claims taken from gossip
         #: the layer ranges whose gossip topics the view follows (``follow``)
         self.following: frozenset[int] = frozenset()
+        #: followed ranges whose topics it left for being crowded: range -> trio time it follows again
+        self.paused: dict[int, float] = {}
+        #: whether it leaves crowded ranges' topics for a while (a compute peer's view does; a
+        #: gateway's, following every range, does not), when a range counts as crowded, and for
+        #: how long the view then leaves it
+        self.leave_crowded = True
+        self.crowded_news, self.crowded_window_s, self.crowded_pause_s = \
+            CROWDED_NEWS, CROWDED_WINDOW_S, CROWDED_PAUSE_S
         self._topics: dict[int, trio.CancelScope] = {}  # the ranges subscribed to while running
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
@@ -90,18 +108,20 @@ class ClaimsView:
             self._running = True
             self._owner.spawn(self._run)
 
-    def follow(self, ranges: Iterable[int]) -> None:
+    def follow(self, ranges: Iterable[int], *, leave_crowded: bool = True) -> None:
         """From now on take the news gossiped on these layer ranges' topics (indices into
         ``block_claim.layer_ranges(num_layers)``), and on no others; subscribed to while the view
-        runs."""
+        runs. ``leave_crowded``: leave a crowded range's topic for a while (``CROWDED_NEWS``)."""
         self.following = frozenset(ranges)
+        self.leave_crowded = leave_crowded
         self._subscribe()
 
     def follow_all(self) -> None:
-        """Follow every layer range's topic: a gateway routes through all of them, and hearing
-        every news keeps each peer's load in its view fresh (at 8 gateways, what they hear adds
-        little per compute peer: each news reaches each gateway once per mesh link, docs/scale.md)."""
-        self.follow(range(len(bc.layer_ranges(self.num_layers))))
+        """Follow every layer range's topic, crowded or not: a gateway routes through all of them,
+        and hearing every news keeps each peer's load in its view fresh (at 8 gateways, what they
+        hear adds little per compute peer: each news reaches each gateway once per mesh link,
+        docs/scale.md)."""
+        self.follow(range(len(bc.layer_ranges(self.num_layers))), leave_crowded=False)
 
     def _subscribe(self) -> None:
         if self._nursery is None:
@@ -190,21 +210,45 @@ class ClaimsView:
                 return False
             return c.model == self.model_id and index in bc.claim_ranges(c, self.num_layers)
 
-        with scope:
-            while True:
+        try:
+            with scope:
+                while True:
+                    try:
+                        crowded = await self._follow(index, valid)
+                    except Exception as e:  # the view still has its lookups; the node carries on
+                        log.info("following claims of range %d on gossip failed (again in %g s): %s: %s", index,
+                                 REFRESH_S, type(e).__name__, e)
+                        crowded = False
+                    if not crowded:
+                        await trio.sleep(REFRESH_S)
+                        continue
+                    log.info("claims of range %d: %d news within %g s, the topic is crowded: leaving it for "
+                             "%g s (the view's lookups cover the range)", index, self.crowded_news,
+                             self.crowded_window_s, self.crowded_pause_s)
+                    self.paused[index] = trio.current_time() + self.crowded_pause_s
+                    await trio.sleep(self.crowded_pause_s)
+                    del self.paused[index]
+        finally:
+            self.paused.pop(index, None)
+
+    async def _follow(self, index: int, valid) -> bool:
+        """Take one range's news until its topic is crowded (True) or the subscription ends."""
+        arrivals: deque[float] = deque()
+        async with self.node.pubsub.subscribe(bc.range_topic(self.model_id, index), validate=valid) as sub:
+            async for msg in sub:
                 try:
-                    async with self.node.pubsub.subscribe(bc.range_topic(self.model_id, index), validate=valid) as sub:
-                        async for msg in sub:
-                            try:
-                                claim = bc.decode(msg.data)
-                            except bc.ClaimError:
-                                continue
-                            if self.note(claim):
-                                self.from_gossip += 1
-                except Exception as e:  # the view still has its lookups; the node carries on
-                    log.info("following claims of range %d on gossip failed (again in %g s): %s: %s", index,
-                             REFRESH_S, type(e).__name__, e)
-                await trio.sleep(REFRESH_S)
+                    claim = bc.decode(msg.data)
+                except bc.ClaimError:
+                    continue
+                if self.note(claim):
+                    self.from_gossip += 1
+                now = trio.current_time()
+                arrivals.append(now)
+                while arrivals[0] < now - self.crowded_window_s:
+                    arrivals.popleft()
+                if self.leave_crowded and len(arrivals) >= self.crowded_news:
+                    return True
+        return False
 
 
 class ClaimsViews(Behaviour):

@@ -1,13 +1,16 @@
 """A compute peer's claim publisher between real nodes: news (a new version) goes out on the gossip
 topic of the layer range holding its first layer and to the DHT, what is not news changes only
 the claim a direct request gets, a refresh puts the same version back in the DHT, expiring later,
-and the claim is provided under that range (docs/protocols.md, "Claim dissemination")."""
+and the claim is provided under that range, again hourly (docs/protocols.md, "Claim dissemination"); a view
+leaves a crowded range's topic for a while and follows it again after."""
 
 import time
 
 import trio
 
 from shardnet.inference.claims import claim_record_name, fetch_claims, find_claims, range_provider_name
+from shardnet.inference.claims_view import ClaimsView
+from shardnet.inference.probes import Probes
 from shardnet.inference.server.claim_publisher import ClaimPublisher
 from shardnet.protocols import block_claim as bc
 from shardnet.testing import factories
@@ -67,7 +70,7 @@ async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_
             assert heard[1].seq > first.seq and (heard[1].start, heard[1].end) == (4, 8)
             assert topics == [bc.range_topic(MODEL, 0), bc.range_topic(MODEL, 1)]
             assert publisher.counts == {"news": 2, "refresh": 0}
-            assert publisher.provided == {0, 1}  # the new range's key too (the old one stays until a refresh)
+            assert publisher.provided == {0, 1}  # the new range's key too (the old one stays until the hourly refresh)
             for i in (0, 1):  # (provided after the gossip and the DHT record)
                 with trio.fail_after(10):
                     while not await listener.dht.find_providers(range_provider_name(MODEL, i)):
@@ -85,7 +88,54 @@ async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_
                     await trio.sleep(0.05)
             refreshed = bc.decode(await listener.dht.get(peer.peer_id, claim_record_name(MODEL)))
             assert refreshed.seq == heard[1].seq and refreshed.expires > stored.expires - 597
-            assert len(heard) == 2 and publisher.provided == {1}
+            assert len(heard) == 2 and publisher.provided == {0, 1}  # provider records: hourly
+            publisher.provide_refresh_s = 0.0  # their hour has passed: the current range's key only
+            publisher.refresh()
+            with trio.fail_after(10):
+                while publisher.provided != {1}:
+                    await trio.sleep(0.05)
             found = await find_claims(listener, MODEL, num_layers=LAYERS, timeout=10)
             assert [c.seq for c in found] == [heard[1].seq] and found[0].expires > time.time()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_view_leaves_a_crowded_range_for_a_while_then_follows_it_again(loopback_config):
+    async with open_node(loopback_config()) as boot, \
+            open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as peer, \
+            open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as listener:
+        await peer.wait_bootstrapped()
+        await listener.wait_bootstrapped()
+        await listener.connect(f"{peer.listen_addrs[0]}/p2p/{peer.peer_id}")
+        view = ClaimsView.of(listener, MODEL, Probes(listener), num_layers=LAYERS)
+        view.crowded_news, view.crowded_window_s, view.crowded_pause_s = 3, 60.0, 3.0
+        view.follow([0, 1])
+        view.start()
+        await trio.sleep(1.5)  # the subscriptions reach the peer, a heartbeat passes
+        seq = 0
+
+        async def news(start: int) -> None:
+            nonlocal seq
+            seq += 1
+            claim = factories.claim(model=MODEL, peer=str(peer.peer_id), addrs=("/ip4/127.0.0.1/tcp/1",), seq=seq,
+                                    start=start, end=start + 4, kv_tokens=1000, tput=10.0, expires=time.time() + 600)
+            await peer.pubsub.publish(bc.range_topic(MODEL, start // 4), bc.encode(peer.key_pair, claim))
+
+        for _ in range(3):  # three news within the window on range 0: crowded
+            await news(0)
+            await trio.sleep(0.3)
+        with trio.fail_after(5):
+            while 0 not in view.paused:
+                await trio.sleep(0.05)
+        assert view.following == {0, 1} and 1 not in view.paused
+        heard = view.from_gossip
+        await news(0)  # not heard while the view is away
+        await trio.sleep(1.0)
+        assert view.from_gossip == heard and view.get(str(peer.peer_id)).seq == 3
+        with trio.fail_after(10):  # back after the pause
+            while 0 in view.paused:
+                await trio.sleep(0.05)
+        await trio.sleep(1.5)
+        await news(0)
+        with trio.fail_after(5):
+            while view.get(str(peer.peer_id)).seq != seq:
+                await trio.sleep(0.05)

@@ -1,5 +1,6 @@
 """The swarm simulation (bench/swarm_sim) publishes claims by the claim publisher's rules and
-counts what they cost: news on gossip and in the DHT, refreshes in the DHT only, lookups as a
+counts what they cost: news on gossip and in the DHT, refreshes in the DHT only (provider
+records hourly), lookups as a
 find_providers walk per layer range and a direct request per provider; a news reaches only the
 views subscribed to the topic of its claim's layer range (``block_claim.neighbourhood`` of their
 span; gateways follow every range); a run reports its messages per peer per second by kind; constants
@@ -17,8 +18,9 @@ from bench.swarm_sim.policies import Shardnet, make
 from bench.swarm_sim.run import KINDS, summarize, traffic_line
 from bench.swarm_sim.sim import Sim
 from bench.swarm_sim.stats import Stats
-from bench.swarm_sim.swarm import GOSSIP_D, REPUBLISH_S, Swarm
+from bench.swarm_sim.swarm import DHT_K, GOSSIP_D, REPUBLISH_S, Swarm
 from shardnet.inference.claims import CLAIM_TTL, LOOKUP_PROVIDERS_PER_RANGE
+from shardnet.inference.server.claim_publisher import PROVIDE_REFRESH_S
 from shardnet.protocols import block_claim as bc
 
 
@@ -56,7 +58,7 @@ def a_peer(swarm: Swarm, span: tuple[int, int], *, listening: bool = False):
     return p
 
 
-def test_only_news_is_gossiped_and_a_refresh_is_a_dht_put_and_provide():
+def test_only_news_is_gossiped_and_a_refresh_is_a_dht_put_providing_hourly():
     swarm, stats = a_swarm()
     a_peer(swarm, (0, 4), listening=True)  # hears the news of range 0
     stats.msgs.clear()
@@ -73,9 +75,15 @@ def test_only_news_is_gossiped_and_a_refresh_is_a_dht_put_and_provide():
     assert stats.msgs["gossip"] == gossip and stats.msgs["dht"] == dht and stats.publications["news"] == 1
 
     swarm.clock.now = REPUBLISH_S
-    swarm.look(p)  # a refresh: the same version, in the DHT only
-    assert stats.publications["refresh"] == 1 and stats.msgs["gossip"] == gossip and stats.msgs["dht"] > dht
+    swarm.look(p)  # a refresh: the same version, in the DHT only, a put (its provider record is younger than an hour)
+    walk = swarm.walk_rpcs()
+    assert stats.publications["refresh"] == 1 and stats.msgs["gossip"] == gossip
+    assert stats.msgs["dht"] == dht + walk + DHT_K
     assert swarm.claims[p.id].seq == 1
+    dht = stats.msgs["dht"]
+    swarm.clock.now = PROVIDE_REFRESH_S
+    swarm.look(p)  # a refresh an hour after it provided: a put and a provide
+    assert stats.msgs["dht"] == dht + 2 * (walk + DHT_K)
 
     swarm.clock.now = REPUBLISH_S + 30
     p.kv_used = p.kv_bytes // 2  # the load moves four eighths: news, a new version, on gossip
@@ -199,3 +207,36 @@ def test_the_edge_follow_what_if_follows_the_first_layers_and_the_layer_after_th
     swarm.policy = Shardnet(follow_edges=True)
     assert swarm.followed_ranges((5, 40)) == {1, 8}
     assert swarm.followed_ranges((40, 80)) == {8}  # nothing after the last layer
+
+
+def test_a_view_leaves_a_crowded_range_keeps_what_it_heard_and_follows_it_again_after_a_pause():
+    from bench.swarm_sim.swarm import CROWDED_NEWS, CROWDED_PAUSE_S, CROWDED_WINDOW_S
+
+    swarm, stats = a_swarm()  # llama-70b: 80 layers, 16 ranges of 5
+    me = a_listening_peer(swarm, (0, 5))  # follows ranges 0 and 1
+    swarm.clock.now = 1.0
+    first = a_listening_peer(swarm, (5, 10))  # a news on range 1
+    for i in range(CROWDED_NEWS - 2):  # more news on range 1 within the window: not yet crowded
+        swarm.clock.now = 2.0 + i * CROWDED_WINDOW_S / (2 * CROWDED_NEWS)
+        a_peer(swarm, (5, 10))
+    assert set(me.subs) == {0, 1} and not me.paused
+    stats.msgs.clear()
+    a_peer(swarm, (5, 10))  # the CROWDED_NEWS-th: heard, then me and first leave range 1
+    assert stats.msgs["gossip"] == GOSSIP_D * 2
+    assert set(me.subs) == {0} and set(me.paused) == {1} and 1 not in first.subs
+    assert swarm.heard(me, first.id)  # what it heard stays in its view
+    stats.msgs.clear()
+    swarm.clock.now += 1.0
+    later = a_peer(swarm, (5, 10))
+    assert stats.msgs["gossip"] == 0 and not swarm.heard(me, later.id)
+    swarm.clock.run_until(swarm.now + CROWDED_PAUSE_S + 1)  # the pause ends: it follows range 1 again
+    assert set(me.subs) == {0, 1} and not me.paused
+
+
+def test_the_follow_crowded_what_if_never_leaves_a_topic():
+    swarm, _ = a_swarm()
+    swarm.policy = Shardnet(follow_crowded=True)
+    me = a_listening_peer(swarm, (0, 5))
+    for _ in range(3 * 16):
+        a_peer(swarm, (5, 10))
+    assert set(me.subs) == {0, 1} and not me.paused

@@ -20,11 +20,17 @@ from shardnet.transport.stream import Stream
 
 log = logging.getLogger(__name__)
 
+#: seconds between two provider records of the same ranges: Kademlia's hourly republication (a
+#: record lives 48 h, py-libp2p's PROVIDER_RECORD_TTL; a range's key that a peer left names it
+#: until then, and a lookup finds its current claim elsewhere). Providing with every refresh of
+#: the claim (every 200 s) was a walk and 20 stores per range, half a small swarm's DHT work
+PROVIDE_REFRESH_S = 3600.0
+
 
 class ClaimPublisher(Behaviour):
     """A node behaviour: keeps one peer's claim fresh in the DHT and on the gossip topic of its
-    layer range (``block_claim.claim_ranges``), and answers requests. Ready once the first claim is out (``node.add_behaviour``
-    returns then).
+    layer range (``block_claim.claim_ranges``), and answers requests. Ready once the first claim
+    is out (``node.add_behaviour`` returns then).
 
     The rules (docs/protocols.md, "Claim dissemination"): each time it looks (at ``refresh()``,
     when the relay addresses change, and every third of the TTL) it builds the claim anew; when
@@ -33,8 +39,8 @@ class ClaimPublisher(Behaviour):
     the topic of the layer range holding the claim's first layer (and that of the span it is loading)
     (``block_claim.range_topic``) and in the DHT, and provides those ranges' keys
     (``range_provider_name``) that it did not provide last; otherwise it only puts the same
-    version, expiring later, in the DHT once a third of the TTL has passed since the last put,
-    and provides its ranges' keys again then. A direct request always gets the claim as built
+    version, expiring later, in the DHT once a third of the TTL has passed since the last put.
+    Its ranges' keys are provided again every ``PROVIDE_REFRESH_S``. A direct request always gets the claim as built
     last, signed. ``num_layers``: the model's, which its ranges are cut from."""
 
     def __init__(self, node: Node, claim_fn, *, num_layers: int, ttl: float = CLAIM_TTL) -> None:
@@ -47,9 +53,11 @@ class ClaimPublisher(Behaviour):
         self.published: bc.Claim | None = None
         #: publications so far: news (gossip and DHT) and refreshes (DHT only)
         self.counts = {"news": 0, "refresh": 0}
-        #: the layer ranges provided since the last refresh (their provider keys)
+        #: the layer ranges provided since the provider records were last refreshed (their keys)
         self.provided: frozenset[int] = frozenset()
+        self.provide_refresh_s = PROVIDE_REFRESH_S
         self._last_put = -math.inf  # trio time
+        self._last_provide = -math.inf
         self._wake = trio.Event()
         node.set_stream_handler(bc.PROTOCOL_ID, self._answer)
 
@@ -95,12 +103,15 @@ class ClaimPublisher(Behaviour):
                 self.counts["refresh"] += 1
             if reason is not None or refresh_due:
                 steps.append(("DHT record", lambda: self.node.dht.put(claim_record_name(claim.model), blob)))
-            # every range's key at a refresh; with news, those of ranges new to the claim
-            to_provide = ranges if refresh_due else [i for i in ranges if i not in self.provided]
+            # every range's key hourly; else those of ranges new to the claim (a move, loading)
+            provide_due = trio.current_time() - self._last_provide >= self.provide_refresh_s
+            to_provide = ranges if provide_due else [i for i in ranges if i not in self.provided]
             for i in to_provide:
                 steps.append((f"provider record of range {i}",
                               partial(self.node.dht.provide, range_provider_name(claim.model, i))))
-            self.provided = frozenset(ranges) if refresh_due else self.provided | set(to_provide)
+            self.provided = frozenset(ranges) if provide_due else self.provided | set(to_provide)
+            if provide_due:
+                self._last_provide = trio.current_time()
             if steps:
                 self._last_put = trio.current_time()
             for what, publish in steps:
