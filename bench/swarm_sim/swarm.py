@@ -53,10 +53,11 @@ import itertools
 import math
 import random
 import zlib
-import collections
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from libp2p.kad_dht.common import ALPHA, BUCKET_SIZE
 
 from bench.swarm_sim import wire, world
 from bench.swarm_sim.events import EventLoop
@@ -100,7 +101,7 @@ CONNECTED = NodeConfig().high_watermark
 #: compute_peer.RECHECK_DELAY
 RECHECK_DELAY = (0.5, 2.5)
 #: Kademlia: py-libp2p's concurrency (kad_dht/common.py ALPHA) and replication (BUCKET_SIZE)
-DHT_ALPHA, DHT_K = 10, 20
+DHT_ALPHA, DHT_K = ALPHA, BUCKET_SIZE
 #: gossipsub mesh degree (transport/pubsub.py)
 GOSSIP_D = 6
 HUBS = ("Ashburn", "San Francisco", "Frankfurt", "London", "Singapore", "Tokyo", "Sao Paulo", "Mumbai", "Sydney")
@@ -244,7 +245,7 @@ class Swarm:
         #: per range, the compute peers subscribed to its topic, in the order they subscribed
         self.subscribers: list[dict[str, None]] = [{} for _ in self.ranges]
         #: per range, when its topic's last news went out (within ``CROWDED_WINDOW_S``)
-        self.topic_news: list[collections.deque] = [collections.deque() for _ in self.ranges]
+        self.topic_news: list[deque] = [deque() for _ in self.ranges]
         #: how many gateways follow every range's topic (a gateway routes through every range:
         #: its view hears every news, as ``Gateway`` makes it do; set by the traffic)
         self.gateway_followers = 0

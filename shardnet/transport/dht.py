@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import trio
+from libp2p.kad_dht.common import BUCKET_SIZE
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 PROVIDER_DOMAIN = b"shardnet-provider/1:"
 
 
-#: Kademlia's k: how many closest peers a walk finds and a record is stored at
-K = 20
+#: Kademlia's k: how many closest peers a walk finds and a record is stored at (py-libp2p's)
+K = BUCKET_SIZE
 
 #: a sha2-256 multihash's prefix (code 0x12, 32 bytes)
 SHA256_MULTIHASH = b"\x12\x20"
@@ -153,7 +154,7 @@ class DHT:
     def routing_table_peers(self) -> list[ID]:
         return list(self.kad.routing_table.get_peer_ids())
 
-    async def closest_peers(self, target: bytes, count: int = 20) -> list[ID]:
+    async def closest_peers(self, target: bytes, count: int = K) -> list[ID]:
         async with self._bounded("closest-peers lookup"):
             return list(await self.kad.peer_routing.find_closest_peers_network(target, count))
 
@@ -243,7 +244,7 @@ class DHT:
         found = await self.closest_peers(self.host.get_id().to_bytes(), 2 * K)
         return found if len(found) < 2 * K else None
 
-    async def find_providers(self, name: str, count: int = 20, *, closest: list[ID] | None = None) -> list[PeerInfo]:
+    async def find_providers(self, name: str, count: int = K, *, closest: list[ID] | None = None) -> list[PeerInfo]:
         """Providers of ``name``, each peer once with the union of its addresses: all found when
         they are at most ``count``, else ``count`` of them at random. The closest peers to the
         key each answer a random sample of at most 20 of the providers they hold, so where many

@@ -27,12 +27,13 @@ from shardnet.transport.stream import Stream, StreamClosedError
 
 log = logging.getLogger(__name__)
 
-#: seconds between republishing cards and provider records (DHT provider records live 48 h,
-#: values 24 h, as long as their holders stay: Kademlia republishes hourly; every 10 minutes keeps
-#: them found through a home swarm's churn). Each republication walks the DHT once per record
-#: (5-7 walks of up to 20 peers), so every 40 s, as before, was a fifth of an idle peer's CPU at
-#: 8-24 peers (docs/performance.md); ``add`` publishes at once when the models change.
-REPUBLISH_S = 600.0
+#: seconds between republishing cards and provider records: Kademlia's hourly republication
+#: (DHT provider records live 48 h, values 24 h, as long as 20 holders stay; a home swarm's churn
+#: would have to take all 20 of a record's within the hour). Each republication walks the DHT
+#: once per record (5-7 walks of up to 20 peers): every 40 s, as at first, was a fifth of an idle
+#: peer's CPU at 8-24 peers, every 10 minutes (until 2026-12-06) as many DHT requests as the
+#: claim's refreshes (docs/performance.md); ``add`` publishes at once when the models change.
+REPUBLISH_S = 3600.0
 READ_TIMEOUT = 60.0
 #: seconds (uniformly at random) before the first cards go out
 FIRST_PUBLISH_DELAY = (0.5, 2.0)

@@ -29,6 +29,7 @@ import random
 from typing import Any
 
 import trio
+from libp2p.kad_dht.common import BUCKET_SIZE
 
 
 # 11. DHT clients in routing tables -------------------------------------------------------------
@@ -77,7 +78,7 @@ def return_only_servers() -> None:
 
     lookup = PeerRouting.find_closest_peers_network
 
-    async def lookup_servers(self, target_key: bytes, count: int = 20) -> list:
+    async def lookup_servers(self, target_key: bytes, count: int = BUCKET_SIZE) -> list:
         store = self.host.get_peerstore()
         return [p for p in await lookup(self, target_key, count) if serves_dht(store, p) is not False]
 
@@ -111,7 +112,7 @@ def meter_dht_requests() -> None:
 #: provider records a node holds per key (upstream: 20, the first to arrive)
 PROVIDERS_HELD_PER_KEY = 4096
 #: the most providers a GET_PROVIDERS reply names (Kademlia's k): a random sample of those held
-PROVIDERS_PER_REPLY = 20
+PROVIDERS_PER_REPLY = BUCKET_SIZE
 
 
 def hold_more_providers_per_key() -> None:
