@@ -6,8 +6,8 @@ range, then each provider asked directly; docs/protocols.md, "Claim disseminatio
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import cbor2
 import trio
@@ -15,9 +15,6 @@ import trio
 from shardnet.errors import ShardnetError
 from shardnet.protocols import block_claim as bc
 from shardnet.transport.node import Node
-
-if TYPE_CHECKING:
-    from libp2p.peer.peerinfo import PeerInfo
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +104,15 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
                       per_range: int = LOOKUP_PROVIDERS_PER_RANGE, timeout: float = 15.0) -> list[bc.Claim]:
     """The claims for ``model_id`` of the peers the DHT knows as providers of its layer ranges
     (``ranges``: indices into ``block_claim.layer_ranges(num_layers)``; all by default), verified.
-    The ranges' providers are looked up together (``LOOKUP_RANGES_AT_ONCE`` at a time; in a
-    network of fewer than 2k DHT servers one walk finds them all and each is asked for every
-    range, ``dht.servers_if_few``), at most ``per_range`` per range (a random sample where there
-    are more: a view's lookups take ``LOOKUP_PROVIDERS_PER_RANGE``, ``shardnet status`` every
-    provider the DHT names, ``STATUS_PROVIDERS_PER_RANGE``); each
-    peer found is asked directly once, as soon as a range names it (whatever other ranges name
-    it too), its DHT record read when it does not answer. Raises the lookup's error only when
-    every range's provider lookup failed."""
+    The ranges' providers are looked up together (``LOOKUP_RANGES_AT_ONCE`` at a time), at most
+    ``per_range`` per range (a random sample where there are more: a view's lookups take
+    ``LOOKUP_PROVIDERS_PER_RANGE``, ``shardnet status`` every provider the DHT names,
+    ``STATUS_PROVIDERS_PER_RANGE``); each peer found is asked directly once, as soon as a range
+    names it (whatever other ranges name it too), its DHT record read when it does not answer.
+    In a network of fewer than 2k DHT servers one walk finds every server
+    (``dht.servers_if_few``), and each is asked directly instead, without provider records
+    (a compute peer is a DHT server; one that does not answer, or serves no claims, is skipped).
+    Raises the lookup's error only when every range's provider lookup failed."""
     ranges = range(len(bc.layer_ranges(num_layers))) if ranges is None else sorted(set(ranges))
     claims: dict[str, bc.Claim] = {}
     asked: set[str] = set()
@@ -133,20 +131,20 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
         for info in found:
             if str(info.peer_id) not in asked:
                 asked.add(str(info.peer_id))
-                nursery.start_soon(claims_of, info)
+                nursery.start_soon(claims_of, info.peer_id, info.addrs)
 
-    async def claims_of(info: PeerInfo) -> None:
-        # the peer itself first (one stream, its freshest claim); the DHT record (a walk of
-        # the DHT) only when the peer does not answer
-        pid = str(info.peer_id)
-        if info.addrs:
-            node.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 600)
+    async def claims_of(peer_id, addrs: list, provider: bool = True) -> None:
+        # the peer itself first (one stream, its freshest claim); a provider's DHT record (a
+        # walk of the DHT) only when it does not answer
+        pid = str(peer_id)
+        if addrs:
+            node.host.get_peerstore().add_addrs(peer_id, addrs, 600)
         try:
             got = await fetch_claims(node, pid, timeout=timeout / 2)
         except (ShardnetError, trio.TooSlowError) as e:
             log.debug("direct claim request to %s: %s", pid[:16], e)
             got = []
-        if not got:
+        if not got and provider:
             try:
                 blob = await node.dht.get(pid, claim_record_name(model_id))
                 got = [bc.decode(blob)] if blob else []
@@ -157,17 +155,29 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
                 claims[c.peer] = c
 
     with trio.move_on_after(timeout):
-        # in a network of fewer than k DHT servers every range's closest peers are all of them:
-        # one walk, not one per range (a walk asked each server about 3 times)
+        # in a network of fewer than 2k DHT servers, ask them all: one walk and a stream each,
+        # where a walk per range and GET_PROVIDERS to each server per range cost 2-3 times that
         servers = None
-        if len(ranges) > 1:
-            try:
-                servers = await node.dht.servers_if_few()
-            except ShardnetError as e:  # then a walk per range
-                log.debug("closest-peers walk: %s", e)
+        try:
+            servers = await node.dht.servers_if_few()
+        except ShardnetError as e:  # then a walk per range
+            log.debug("closest-peers walk: %s", e)
         async with trio.open_nursery() as nursery:
-            for index in ranges:
-                nursery.start_soon(providers_of, index, nursery, servers)
+            if servers is not None:
+                me = str(node.peer_id)
+                for peer in servers:
+                    if str(peer) != me:
+                        nursery.start_soon(claims_of, peer, [], False)
+            else:
+                for index in ranges:
+                    nursery.start_soon(providers_of, index, nursery, None)
     if ranges and len(errors) == len(ranges):
         raise errors[0]
-    return list(claims.values())
+    if servers is None:
+        return list(claims.values())
+    # every server asked: per range asked for, the claims there (``per_range`` of them at most)
+    out: dict[str, bc.Claim] = {}
+    for index in ranges:
+        there = [c for c in claims.values() if index in bc.claim_ranges(c, num_layers)]
+        out.update((c.peer, c) for c in (random.sample(there, per_range) if len(there) > per_range else there))
+    return list(out.values())

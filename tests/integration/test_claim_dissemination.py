@@ -1,7 +1,9 @@
 """Claim dissemination 2 between real compute peers in this process (the shipped model: 8 layers,
 two layer ranges, 0:4 and 4:8): a peer's claims view hears on gossip the news of the peers serving
 layers next to its own and not of those far from it, follows its new neighbourhood after it
-moves, and a lookup over every range finds every peer (docs/protocols.md, "Claim dissemination")."""
+moves, and a lookup over every range finds every peer, whether it asks every DHT server (fewer
+than 2k of them, as here) or the ranges' provider records (docs/protocols.md, "Claim
+dissemination")."""
 
 import time
 from contextlib import AsyncExitStack
@@ -96,6 +98,18 @@ async def test_news_reaches_neighbours_only_and_a_lookup_finds_every_peer(loopba
         # a view's lookup takes a sample of each range's providers (status takes them all)
         one = await find_claims(client, a.model_id, num_layers=LAYERS, ranges=[1], per_range=1)
         assert len(one) == 1 and one[0].peer in {ids["a"], ids["c"], ids["d"]}
+
+        # the same through the ranges' provider records (what a network of 2k DHT servers or
+        # more takes; this one has fewer, so its lookups asked every server directly)
+        async def many_servers():
+            return None
+
+        client.dht.servers_if_few = many_servers
+        assert {x.peer for x in await find_claims(client, a.model_id, num_layers=LAYERS)} == set(ids.values())
+        found = await find_claims(client, a.model_id, num_layers=LAYERS, ranges=[1])
+        assert {x.peer for x in found} == {ids["a"], ids["c"], ids["d"]}
+        one = await find_claims(client, a.model_id, num_layers=LAYERS, ranges=[1], per_range=1)
+        assert len(one) == 1
 
 
 async def test_a_successors_round_trip_is_measured_once_then_again_when_it_is_old(loopback_config, monkeypatch):
