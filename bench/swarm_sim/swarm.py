@@ -65,7 +65,7 @@ from bench.swarm_sim.models import ModelSpec
 from bench.swarm_sim.stats import Stats
 from shardnet.inference.claims import CLAIM_TTL, LOOKUP_PROVIDERS_PER_RANGE, RTT_SAMPLES
 from shardnet.inference.claims_view import CROWDED_NEWS, CROWDED_PAUSE_S, CROWDED_WINDOW_S
-from shardnet.inference.server.claim_publisher import PROVIDE_REFRESH_S
+from shardnet.inference.server.claim_publisher import NEWS_PUT_GAP_S, PROVIDE_REFRESH_S
 from shardnet.inference.server.placement import (
     DEFAULT_REBALANCE_INTERVAL,
     MEMORY_USE,
@@ -143,6 +143,9 @@ class Peer:
     published: Claim | None = None
     last_put: float = -math.inf
     last_provide: float = -math.inf
+    #: a news not in the DHT yet (``NEWS_PUT_GAP_S``), and whether its put is scheduled
+    put_pending: bool = False
+    put_scheduled: bool = False
     last_look: float = -math.inf
     publishing: bool = False
     view_started: bool = False
@@ -555,18 +558,27 @@ class Swarm:
     def look(self, p: Peer, *, refresh_due: bool = False) -> None:
         """One round of ``ClaimPublisher.serve``: the claim built anew; news (``block_claim.news``
         against the last claim published) gets the next version, on the topic of every range it
-        holds its first layer (``claim_ranges``) and in the DHT; a refresh due puts the claim in the
-        DHT (no gossip); news provides under the ranges not provided yet, and every
-        ``PROVIDE_REFRESH_S`` it provides under all its ranges again."""
+        holds its first layer (``claim_ranges``), and in the DHT ``NEWS_PUT_GAP_S`` after the last
+        put at the soonest; a refresh due puts the claim in the DHT (no gossip); news provides
+        under the ranges not provided yet, and every ``PROVIDE_REFRESH_S`` it provides under all
+        its ranges again."""
         fresh = self.claim_of(p)
         p.last_look = self.now
         reason = news(p.published, fresh)
         refresh_due = refresh_due or self.now - p.last_put >= REPUBLISH_S
-        if reason is None and not refresh_due:
+        p.put_pending = p.put_pending or reason is not None
+        put_due = refresh_due or (p.put_pending and self.now - p.last_put >= NEWS_PUT_GAP_S)
+        if reason is None and not put_due:
             return
         size = wire.size_of(fresh)
         ranges = self.claim_ranges(fresh)
-        self.count_put(size)
+        if put_due:
+            self.count_put(size)
+            p.put_pending = False
+            p.last_put = self.now
+        elif not p.put_scheduled:  # the publisher wakes when the gap has passed
+            p.put_scheduled = True
+            self.clock.at(p.last_put + NEWS_PUT_GAP_S, lambda: self._put_news(p))
         if self.now - p.last_provide >= PROVIDE_REFRESH_S:
             self.count_provide(len(ranges))
             p.provided = frozenset(ranges)
@@ -583,9 +595,13 @@ class Swarm:
             if self.now >= self.warmup_s:
                 self.stats.publications["news"] += 1
                 self.stats.news_why[reason] += 1
-        elif self.now >= self.warmup_s:
+        elif refresh_due and self.now >= self.warmup_s:
             self.stats.publications["refresh"] += 1
-        p.last_put = self.now
+
+    def _put_news(self, p: Peer) -> None:
+        p.put_scheduled = False
+        if not p.gone and p.put_pending and p.span is not None:
+            self.look(p)
 
     def load_changed(self, q: Peer) -> None:
         """``q``'s KV use changed: its publisher looks if ``load_step`` says so."""

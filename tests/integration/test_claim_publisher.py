@@ -1,6 +1,7 @@
 """A compute peer's claim publisher between real nodes: news (a new version) goes out on the gossip
 topic of the layer range holding its first layer and to the DHT, what is not news changes only
-the claim a direct request gets, a refresh puts the same version back in the DHT, expiring later,
+the claim a direct request gets, a news reaches the DHT at most NEWS_PUT_GAP_S after the last put,
+a refresh puts the same version back in the DHT, expiring later,
 and the claim is provided under that range, again hourly (docs/protocols.md, "Claim dissemination"); a view
 leaves a crowded range's topic for a while and follows it again after."""
 
@@ -11,6 +12,7 @@ import trio
 from shardnet.inference.claims import claim_record_name, fetch_claims, find_claims, range_provider_name
 from shardnet.inference.claims_view import ClaimsView
 from shardnet.inference.probes import Probes
+from shardnet.inference.server import claim_publisher
 from shardnet.inference.server.claim_publisher import ClaimPublisher
 from shardnet.protocols import block_claim as bc
 from shardnet.testing import factories
@@ -20,7 +22,8 @@ MODEL = "ab" * 32
 LAYERS = 8  # two layer ranges: 0:4 and 4:8
 
 
-async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_config):
+async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_config, monkeypatch):
+    monkeypatch.setattr(claim_publisher, "NEWS_PUT_GAP_S", 6.0)
     async with open_node(loopback_config()) as boot, \
             open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as peer, \
             open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as listener:
@@ -71,14 +74,18 @@ async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_
             assert topics == [bc.range_topic(MODEL, 0), bc.range_topic(MODEL, 1)]
             assert publisher.counts == {"news": 2, "refresh": 0}
             assert publisher.provided == {0, 1}  # the new range's key too (the old one stays until the hourly refresh)
-            for i in (0, 1):  # (provided after the gossip and the DHT record)
+            # the DHT record: the first version until NEWS_PUT_GAP_S has passed since it was put
+            assert bc.decode(await listener.dht.get(peer.peer_id, claim_record_name(MODEL))).seq == first.seq
+            for i in (0, 1):  # (provided after the gossip)
                 with trio.fail_after(10):
                     while not await listener.dht.find_providers(range_provider_name(MODEL, i)):
                         await trio.sleep(0.1)
                 assert [p.peer_id for p in await listener.dht.find_providers(range_provider_name(MODEL, i))] \
                     == [peer.peer_id]
-            stored = bc.decode(await listener.dht.get(peer.peer_id, claim_record_name(MODEL)))
-            assert stored.seq == heard[1].seq
+            with trio.fail_after(20):
+                while (stored := bc.decode(await listener.dht.get(peer.peer_id, claim_record_name(MODEL)))).seq \
+                        != heard[1].seq:
+                    await trio.sleep(0.2)
 
             # a refresh when a third of the TTL has passed: the same version, a later expiry, DHT only
             publisher.ttl = 3.0

@@ -20,7 +20,7 @@ from bench.swarm_sim.sim import Sim
 from bench.swarm_sim.stats import Stats
 from bench.swarm_sim.swarm import DHT_K, GOSSIP_D, REPUBLISH_S, Swarm
 from shardnet.inference.claims import CLAIM_TTL, LOOKUP_PROVIDERS_PER_RANGE
-from shardnet.inference.server.claim_publisher import PROVIDE_REFRESH_S
+from shardnet.inference.server.claim_publisher import NEWS_PUT_GAP_S, PROVIDE_REFRESH_S
 from shardnet.protocols import block_claim as bc
 
 
@@ -81,15 +81,26 @@ def test_only_news_is_gossiped_and_a_refresh_is_a_dht_put_providing_hourly():
     assert stats.msgs["dht"] == dht + walk + DHT_K
     assert swarm.claims[p.id].seq == 1
     dht = stats.msgs["dht"]
-    swarm.clock.now = PROVIDE_REFRESH_S
-    swarm.look(p)  # a refresh an hour after it provided: a put and a provide
-    assert stats.msgs["dht"] == dht + 2 * (walk + DHT_K)
 
     swarm.clock.now = REPUBLISH_S + 30
-    p.kv_used = p.kv_bytes // 2  # the load moves four eighths: news, a new version, on gossip
+    p.kv_used = p.kv_bytes // 2  # the load moves four eighths: news, a new version, on gossip and in the DHT
     swarm.look(p)
     assert stats.news_why["load"] == 1 and swarm.claims[p.id].seq == 2 and stats.msgs["gossip"] > gossip
     assert bc.news(swarm.claims[p.id], swarm.claim_of(p)) is None
+    assert stats.msgs["dht"] == dht + walk + DHT_K
+    dht, gossip = stats.msgs["dht"], stats.msgs["gossip"]
+
+    swarm.clock.now = REPUBLISH_S + 40
+    p.kv_used = p.kv_bytes  # news again, 10 s after the last put: on gossip now, in the DHT 30 s after that put
+    swarm.look(p)
+    assert swarm.claims[p.id].seq == 3 and stats.msgs["gossip"] > gossip and stats.msgs["dht"] == dht
+    swarm.clock.run_until(REPUBLISH_S + 30 + NEWS_PUT_GAP_S)
+    assert stats.msgs["dht"] == dht + walk + DHT_K and stats.publications == {"news": 3, "refresh": 1}
+    dht = stats.msgs["dht"]
+
+    swarm.clock.now = PROVIDE_REFRESH_S
+    swarm.look(p)  # a refresh an hour after it provided: a put and a provide
+    assert stats.msgs["dht"] == dht + 2 * (walk + DHT_K)
 
 
 def test_a_lookup_is_a_walk_per_range_and_a_direct_request_per_provider():

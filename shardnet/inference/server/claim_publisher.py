@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 #: until then, and a lookup finds its current claim elsewhere). Providing with every refresh of
 #: the claim (every 200 s) was a walk and 20 stores per range, half a small swarm's DHT work
 PROVIDE_REFRESH_S = 3600.0
+#: the least seconds between two DHT puts of the claim: news goes on gossip at once, and into the
+#: DHT once this long has passed since the last put (a peer settling has news every few seconds,
+#: and a put is a walk and 20 stores; the DHT record is read only when a peer does not answer)
+NEWS_PUT_GAP_S = 30.0
 
 
 class ClaimPublisher(Behaviour):
@@ -40,7 +44,8 @@ class ClaimPublisher(Behaviour):
     (``block_claim.range_topic``) and in the DHT, and provides those ranges' keys
     (``range_provider_name``) that it did not provide last; otherwise it only puts the same
     version, expiring later, in the DHT once a third of the TTL has passed since the last put.
-    Its ranges' keys are provided again every ``PROVIDE_REFRESH_S``. A direct request always gets the claim as built
+    A news is put in the DHT at most ``NEWS_PUT_GAP_S`` after the last put (later when that is
+    sooner). Its ranges' keys are provided again every ``PROVIDE_REFRESH_S``. A direct request always gets the claim as built
     last, signed. ``num_layers``: the model's, which its ranges are cut from."""
 
     def __init__(self, node: Node, claim_fn, *, num_layers: int, ttl: float = CLAIM_TTL) -> None:
@@ -57,6 +62,7 @@ class ClaimPublisher(Behaviour):
         self.provided: frozenset[int] = frozenset()
         self.provide_refresh_s = PROVIDE_REFRESH_S
         self._last_put = -math.inf  # trio time
+        self._put_pending = False  # news not in the DHT yet (NEWS_PUT_GAP_S)
         self._last_provide = -math.inf
         self._wake = trio.Event()
         node.set_stream_handler(bc.PROTOCOL_ID, self._answer)
@@ -89,7 +95,8 @@ class ClaimPublisher(Behaviour):
         while True:
             claim, reason = self.next_claim(time.time())
             self.current = blob = bc.encode(self.node.key_pair, claim)
-            refresh_due = trio.current_time() - self._last_put >= self.ttl / 3
+            since_put = trio.current_time() - self._last_put
+            refresh_due = since_put >= self.ttl / 3
             ranges = bc.claim_ranges(claim, self.num_layers)
             steps = []  # news on gossip first (the peers following those ranges), then the DHT
             if reason is not None:
@@ -101,8 +108,11 @@ class ClaimPublisher(Behaviour):
                 log.debug("claim version %d published on ranges %s (%s)", claim.seq, ranges, reason)
             elif refresh_due:
                 self.counts["refresh"] += 1
-            if reason is not None or refresh_due:
+            self._put_pending = self._put_pending or reason is not None
+            if refresh_due or (self._put_pending and since_put >= NEWS_PUT_GAP_S):
                 steps.append(("DHT record", lambda: self.node.dht.put(claim_record_name(claim.model), blob)))
+                self._put_pending = False
+                self._last_put = trio.current_time()
             # every range's key hourly; else those of ranges new to the claim (a move, loading)
             provide_due = trio.current_time() - self._last_provide >= self.provide_refresh_s
             to_provide = ranges if provide_due else [i for i in ranges if i not in self.provided]
@@ -112,8 +122,6 @@ class ClaimPublisher(Behaviour):
             self.provided = frozenset(ranges) if provide_due else self.provided | set(to_provide)
             if provide_due:
                 self._last_provide = trio.current_time()
-            if steps:
-                self._last_put = trio.current_time()
             for what, publish in steps:
                 try:
                     await publish()
@@ -126,7 +134,8 @@ class ClaimPublisher(Behaviour):
             # again when the next refresh is due, or at once when our relay addresses or span change
             relay_client = self.node.relay_client
             events = [self._wake] if relay_client is None else [relay_client.changed, self._wake]
-            with trio.move_on_after(max(0.0, self._last_put + self.ttl / 3 - trio.current_time())):
+            due = self._last_put + (NEWS_PUT_GAP_S if self._put_pending else self.ttl / 3)
+            with trio.move_on_after(max(0.0, due - trio.current_time())):
                 async with trio.open_nursery() as nursery:
                     for event in events:
                         nursery.start_soon(_wait_then_cancel, event, nursery.cancel_scope)
