@@ -53,7 +53,7 @@ import itertools
 import math
 import random
 import zlib
-from collections import Counter, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -247,8 +247,9 @@ class Swarm:
         self._provider_ranges: dict[str, tuple[int, ...]] = {}
         #: per range, the compute peers subscribed to its topic, in the order they subscribed
         self.subscribers: list[dict[str, None]] = [{} for _ in self.ranges]
-        #: per range, when its topic's last news went out (within ``CROWDED_WINDOW_S``)
-        self.topic_news: list[deque] = [deque() for _ in self.ranges]
+        #: per range, the peers whose news went out on its topic within ``CROWDED_WINDOW_S``:
+        #: peer -> its last news there, oldest first
+        self.topic_news: list[OrderedDict] = [OrderedDict() for _ in self.ranges]
         #: how many gateways follow every range's topic (a gateway routes through every range:
         #: its view hears every news, as ``Gateway`` makes it do; set by the traffic)
         self.gateway_followers = 0
@@ -484,18 +485,20 @@ class Swarm:
             p.subs[r] = self.now
             self.subscribers[r][p.id] = None
 
-    def _crowd_out(self, r: int) -> None:
-        """A news went out on range ``r``'s topic: every subscriber that heard ``CROWDED_NEWS`` of
-        them within ``CROWDED_WINDOW_S`` leaves it for ``CROWDED_PAUSE_S`` (``ClaimsView``; its
-        lookups still cover the range). Subscribers are in the order they subscribed, so those
-        that heard enough are the first ones."""
-        news = self.topic_news[r]
-        news.append(self.now)
-        while news and news[0] < self.now - CROWDED_WINDOW_S:
-            news.popleft()
-        if len(news) < CROWDED_NEWS:
+    def _crowd_out(self, r: int, publisher: str) -> None:
+        """``publisher``'s news went out on range ``r``'s topic: every subscriber that heard news
+        from ``CROWDED_NEWS`` different peers within ``CROWDED_WINDOW_S`` leaves it for
+        ``CROWDED_PAUSE_S`` (``ClaimsView``; its lookups still cover the range). Subscribers are
+        in the order they subscribed, so those that heard enough are the first ones."""
+        recent = self.topic_news[r]
+        recent.pop(publisher, None)
+        recent[publisher] = self.now
+        while recent and next(iter(recent.values())) < self.now - CROWDED_WINDOW_S:
+            recent.popitem(last=False)
+        if len(recent) < CROWDED_NEWS:
             return
-        since = news[-CROWDED_NEWS]  # subscribed by then: it heard CROWDED_NEWS news within the window
+        # subscribed by the CROWDED_NEWS-th latest publisher's news: it heard that many
+        since = next(itertools.islice(reversed(recent.values()), CROWDED_NEWS - 1, None))
         subs = self.subscribers[r]
         while subs:
             q = self.peers.get(next(iter(subs)))
@@ -667,9 +670,9 @@ class Swarm:
         n = sum(len(self.subscribers[r]) - (publisher in self.subscribers[r]) + self.gateway_followers
                 for r in ranges)
         self.count("gossip", GOSSIP_D * n, GOSSIP_D * n * wire.gossip(claim_bytes))
-        if not getattr(self.policy, "follow_crowded", False):
+        if publisher is not None and not getattr(self.policy, "follow_crowded", False):
             for r in ranges:
-                self._crowd_out(r)
+                self._crowd_out(r, publisher)
 
     def mean_claim_bytes(self) -> float:
         if not self._claim_bytes:

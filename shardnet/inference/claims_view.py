@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import trio
@@ -27,11 +27,14 @@ REFRESH_S = 60.0
 #: the least time between two lookups, however many requests ask for one
 LOOKUP_GAP_S = 2.0
 LOOKUP_TIMEOUT = 15.0
-#: a followed range whose topic brought this many news within ``CROWDED_WINDOW_S`` is crowded:
-#: the view leaves its topic for ``CROWDED_PAUSE_S`` and knows the range from its lookups (a
-#: sample of its providers) and what it heard before, then follows it again (docs/protocols.md,
-#: "Crowded ranges"). A topic's news grow with the peers whose claims it carries; this bounds
-#: what a peer hears at about CROWDED_NEWS / CROWDED_WINDOW_S news a second a topic
+#: a followed range whose topic brought news from this many different peers within
+#: ``CROWDED_WINDOW_S`` is crowded: the view leaves its topic for ``CROWDED_PAUSE_S`` and knows
+#: the range from its lookups (a sample of its providers) and what it heard before, then follows
+#: it again (docs/protocols.md, "Crowded ranges"). A topic's news grow with the peers whose
+#: claims it carries; this bounds what a peer hears on one at about CROWDED_NEWS news per
+#: CROWDED_WINDOW_S + CROWDED_PAUSE_S in a large swarm. Different peers, so that a small swarm's
+#: burst (a dozen peers settling, each with news every few seconds) leaves no topic: placement
+#: and routing then want every news
 CROWDED_NEWS = 16
 CROWDED_WINDOW_S = 120.0
 CROWDED_PAUSE_S = CLAIM_TTL
@@ -52,7 +55,7 @@ class ClaimsView:
     ``block_claim.neighbourhood``, and follows again when its span changes; a gateway's view
     follows every range, ``follow_all``; a Python client's follows none and relies on its
     lookups; news only: docs/protocols.md), leaving a crowded range's topic for a while
-    (``CROWDED_NEWS``). A
+    (news from ``CROWDED_NEWS`` peers within ``CROWDED_WINDOW_S``). A
     lookup only adds: a peer's claim is replaced by a newer one (a higher version, or the same one
     expiring later) and dropped when it expires, so a refused or failed lookup keeps the last
     known view. Whether a claim's peer is alive is the prober's business (probes.py); a new
@@ -222,7 +225,7 @@ class ClaimsView:
                     if not crowded:
                         await trio.sleep(REFRESH_S)
                         continue
-                    log.info("claims of range %d: %d news within %g s, the topic is crowded: leaving it for "
+                    log.info("claims of range %d: news from %d peers within %g s, the topic is crowded: leaving it for "
                              "%g s (the view's lookups cover the range)", index, self.crowded_news,
                              self.crowded_window_s, self.crowded_pause_s)
                     self.paused[index] = trio.current_time() + self.crowded_pause_s
@@ -233,7 +236,7 @@ class ClaimsView:
 
     async def _follow(self, index: int, valid) -> bool:
         """Take one range's news until its topic is crowded (True) or the subscription ends."""
-        arrivals: deque[float] = deque()
+        recent: OrderedDict[str, float] = OrderedDict()  # publisher -> its last news, oldest first
         async with self.node.pubsub.subscribe(bc.range_topic(self.model_id, index), validate=valid) as sub:
             async for msg in sub:
                 try:
@@ -243,10 +246,11 @@ class ClaimsView:
                 if self.note(claim):
                     self.from_gossip += 1
                 now = trio.current_time()
-                arrivals.append(now)
-                while arrivals[0] < now - self.crowded_window_s:
-                    arrivals.popleft()
-                if self.leave_crowded and len(arrivals) >= self.crowded_news:
+                recent.pop(claim.peer, None)
+                recent[claim.peer] = now
+                while next(iter(recent.values())) < now - self.crowded_window_s:
+                    recent.popitem(last=False)
+                if self.leave_crowded and len(recent) >= self.crowded_news:
                     return True
         return False
 

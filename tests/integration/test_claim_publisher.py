@@ -8,6 +8,7 @@ leaves a crowded range's topic for a while and follows it again after."""
 import time
 
 import trio
+from libp2p.peer.id import ID
 
 from shardnet.inference.claims import claim_record_name, fetch_claims, find_claims, range_provider_name
 from shardnet.inference.claims_view import ClaimsView
@@ -16,7 +17,7 @@ from shardnet.inference.server import claim_publisher
 from shardnet.inference.server.claim_publisher import ClaimPublisher
 from shardnet.protocols import block_claim as bc
 from shardnet.testing import factories
-from shardnet.transport import open_node
+from shardnet.transport import identity, open_node
 
 MODEL = "ab" * 32
 LAYERS = 8  # two layer ranges: 0:4 and 4:8
@@ -118,31 +119,39 @@ async def test_a_view_leaves_a_crowded_range_for_a_while_then_follows_it_again(l
         view.follow([0, 1])
         view.start()
         await trio.sleep(1.5)  # the subscriptions reach the peer, a heartbeat passes
+        keys = [identity.generate() for _ in range(3)]  # three publishers' claims, gossiped by peer
         seq = 0
 
-        async def news(start: int) -> None:
+        async def news(key, start: int = 0) -> str:
             nonlocal seq
             seq += 1
-            claim = factories.claim(model=MODEL, peer=str(peer.peer_id), addrs=("/ip4/127.0.0.1/tcp/1",), seq=seq,
+            who = str(ID.from_pubkey(key.public_key))
+            claim = factories.claim(model=MODEL, peer=who, addrs=("/ip4/127.0.0.1/tcp/1",), seq=seq,
                                     start=start, end=start + 4, kv_tokens=1000, tput=10.0, expires=time.time() + 600)
-            await peer.pubsub.publish(bc.range_topic(MODEL, start // 4), bc.encode(peer.key_pair, claim))
+            await peer.pubsub.publish(bc.range_topic(MODEL, start // 4), bc.encode(key, claim))
+            return who
 
-        for _ in range(3):  # three news within the window on range 0: crowded
-            await news(0)
+        for _ in range(3):  # one peer's burst of news: not crowded
+            await news(keys[0])
+            await trio.sleep(0.3)
+        await trio.sleep(1.0)
+        assert view.from_gossip == 3 and not view.paused
+        for key in keys[1:]:  # news from three different peers within the window: crowded
+            await news(key)
             await trio.sleep(0.3)
         with trio.fail_after(5):
             while 0 not in view.paused:
                 await trio.sleep(0.05)
         assert view.following == {0, 1} and 1 not in view.paused
         heard = view.from_gossip
-        await news(0)  # not heard while the view is away
+        first = await news(keys[0])  # not heard while the view is away
         await trio.sleep(1.0)
-        assert view.from_gossip == heard and view.get(str(peer.peer_id)).seq == 3
+        assert view.from_gossip == heard and view.get(first).seq == 3  # what it heard before stays
         with trio.fail_after(10):  # back after the pause
             while 0 in view.paused:
                 await trio.sleep(0.05)
         await trio.sleep(1.5)
-        await news(0)
+        await news(keys[0])
         with trio.fail_after(5):
-            while view.get(str(peer.peer_id)).seq != seq:
+            while view.get(first).seq != seq:
                 await trio.sleep(0.05)

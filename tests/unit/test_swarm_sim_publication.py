@@ -220,7 +220,7 @@ def test_the_edge_follow_what_if_follows_the_first_layers_and_the_layer_after_th
     assert swarm.followed_ranges((40, 80)) == {8}  # nothing after the last layer
 
 
-def test_a_view_leaves_a_crowded_range_keeps_what_it_heard_and_follows_it_again_after_a_pause():
+def test_a_view_leaves_a_range_crowded_with_news_of_many_peers_and_follows_it_again_after_a_pause():
     from bench.swarm_sim.swarm import CROWDED_NEWS, CROWDED_PAUSE_S, CROWDED_WINDOW_S
 
     swarm, stats = a_swarm()  # llama-70b: 80 layers, 16 ranges of 5
@@ -251,3 +251,14 @@ def test_the_follow_crowded_what_if_never_leaves_a_topic():
     for _ in range(3 * 16):
         a_peer(swarm, (5, 10))
     assert set(me.subs) == {0, 1} and not me.paused
+
+
+def test_one_peers_burst_of_news_crowds_no_topic():
+    swarm, _ = a_swarm()
+    me = a_listening_peer(swarm, (0, 5))
+    busy = a_peer(swarm, (5, 10))
+    for i in range(3 * 16):  # news after news from one peer (its load moving), within the window
+        swarm.clock.now = 1.0 + i
+        busy.kv_used = busy.kv_bytes * (i % 2)
+        swarm.look(busy)
+    assert swarm.claims[busy.id].seq > 16 and set(me.subs) == {0, 1} and not me.paused
