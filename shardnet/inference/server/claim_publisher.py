@@ -44,9 +44,9 @@ class ClaimPublisher(Behaviour):
     (``block_claim.range_topic``) and in the DHT, and provides those ranges' keys
     (``range_provider_name``) that it did not provide last; otherwise it only puts the same
     version, expiring later, in the DHT once a third of the TTL has passed since the last put.
-    A news is put in the DHT at most ``NEWS_PUT_GAP_S`` after the last put (later when that is
-    sooner). Its ranges' keys are provided again every ``PROVIDE_REFRESH_S``. A direct request always gets the claim as built
-    last, signed. ``num_layers``: the model's, which its ranges are cut from."""
+    A news goes into the DHT no sooner than ``NEWS_PUT_GAP_S`` after the last put (at once when
+    that has passed). Its ranges' keys are provided again every ``PROVIDE_REFRESH_S``. A direct
+    request always gets the claim as built last, signed. ``num_layers``: the model's, which its ranges are cut from."""
 
     def __init__(self, node: Node, claim_fn, *, num_layers: int, ttl: float = CLAIM_TTL) -> None:
         self.node = node
