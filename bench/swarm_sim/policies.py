@@ -96,6 +96,8 @@ class Shardnet(Policy):
         if not peer.moving:
             move = plan_move(claims, me, swarm.model.num_layers, margin=REBALANCE_MARGIN, rng=swarm.rng)
             if move is not None:
+                if self.claims_view:
+                    swarm.look_up_into(peer.looked_up)  # compute_peer looks the claims up before its turn
                 same = sorted({c.peer for c in claims if (c.start, c.end) == peer.span} | {peer.id})
                 delay = move_turn_delay(same.index(peer.id), step, swarm.rng)
                 swarm.clock.later(delay, lambda: self._confirm(swarm, peer))
@@ -104,8 +106,6 @@ class Shardnet(Policy):
     def _confirm(self, swarm, peer):
         if peer.gone or peer.moving or peer.span is None:
             return
-        if self.claims_view:
-            swarm.look_up_into(peer.looked_up)  # compute_peer looks the claims up before moving
         claims = self.view(swarm, peer)
         move = plan_move(claims, swarm.claim_of(peer), swarm.model.num_layers, margin=REBALANCE_MARGIN,
                          rng=swarm.rng)

@@ -570,7 +570,7 @@ class Swarm:
         reason = news(p.published, fresh)
         refresh_due = refresh_due or self.now - p.last_put >= REPUBLISH_S
         p.put_pending = p.put_pending or reason is not None
-        put_due = refresh_due or (p.put_pending and self.now - p.last_put >= NEWS_PUT_GAP_S)
+        put_due = refresh_due or (p.put_pending and self.now >= p.last_put + NEWS_PUT_GAP_S)
         if reason is None and not put_due:
             return
         size = wire.size_of(fresh)

@@ -109,7 +109,7 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
     ``LOOKUP_PROVIDERS_PER_RANGE``, ``shardnet status`` every provider the DHT names,
     ``STATUS_PROVIDERS_PER_RANGE``); each peer found is asked directly once, as soon as a range
     names it (whatever other ranges name it too), its DHT record read when it does not answer.
-    In a network of fewer than 2k DHT servers one walk finds every server
+    In a network of fewer than k DHT servers one walk finds every server
     (``dht.servers_if_few``), and each is asked directly instead, without provider records
     (a compute peer is a DHT server; one that does not answer, or serves no claims, is skipped).
     Raises the lookup's error only when every range's provider lookup failed."""
@@ -155,8 +155,8 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
                 claims[c.peer] = c
 
     with trio.move_on_after(timeout):
-        # in a network of fewer than 2k DHT servers, ask them all: one walk and a stream each,
-        # where a walk per range and GET_PROVIDERS to each server per range cost 2-3 times that
+        # in a network of fewer than k DHT servers, ask them all: one walk and a stream each,
+        # where GET_PROVIDERS to each server per range cost 2-3 times that
         servers = None
         try:
             servers = await node.dht.servers_if_few()

@@ -31,8 +31,9 @@ LOOKUP_TIMEOUT = 15.0
 #: ``CROWDED_WINDOW_S`` is crowded: the view leaves its topic for ``CROWDED_PAUSE_S`` and knows
 #: the range from its lookups (a sample of its providers) and what it heard before, then follows
 #: it again (docs/protocols.md, "Crowded ranges"). A topic's news grow with the peers whose
-#: claims it carries; this bounds what a peer hears on one at about CROWDED_NEWS news per
-#: CROWDED_WINDOW_S + CROWDED_PAUSE_S in a large swarm. Different peers, so that a small swarm's
+#: claims it carries; this bounds what a peer hears on one in a large swarm at about the news
+#: of CROWDED_NEWS peers per CROWDED_WINDOW_S + CROWDED_PAUSE_S (a topic with fewer peers than
+#: that is never left, however busy they are). Different peers, so that a small swarm's
 #: burst (a dozen peers settling, each with news every few seconds) leaves no topic: placement
 #: and routing then want every news
 CROWDED_NEWS = 16
@@ -117,6 +118,9 @@ class ClaimsView:
         runs. ``leave_crowded``: leave a crowded range's topic for a while (``CROWDED_NEWS``)."""
         self.following = frozenset(ranges)
         self.leave_crowded = leave_crowded
+        if not leave_crowded:  # the ranges it left for being crowded: followed again now
+            for index in [i for i in self.paused if i in self._topics]:
+                self._topics.pop(index).cancel()
         self._subscribe()
 
     def follow_all(self) -> None:

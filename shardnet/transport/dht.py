@@ -236,13 +236,12 @@ class DHT:
         return f"{what}: none of the {len(closest)} closest DHT peers stored it"
 
     async def servers_if_few(self) -> list[ID] | None:
-        """Every DHT server a walk reaches, when that is fewer than 2k (40): a caller looking up
-        many keys can then ask them all (``find_providers``' ``closest``: they include every
-        key's k closest, which hold its records) for about what a walk per key costs (a walk
-        queries about as many peers, then asks the key's k closest); None in a larger network.
-        One walk (towards our own ID)."""
-        found = await self.closest_peers(self.host.get_id().to_bytes(), 2 * K)
-        return found if len(found) < 2 * K else None
+        """Every DHT server, when a walk finds fewer than k (20): then no answer was cut short (a
+        server names at most k peers), so it found them all, and a caller looking up many keys
+        can ask each of them instead of walking once per key; None in a larger network (where a
+        walk towards one ID can miss the servers farthest from it). One walk (towards our own ID)."""
+        found = await self.closest_peers(self.host.get_id().to_bytes(), K)
+        return found if len(found) < K else None
 
     async def find_providers(self, name: str, count: int = K, *, closest: list[ID] | None = None) -> list[PeerInfo]:
         """Providers of ``name``, each peer once with the union of its addresses: all found when

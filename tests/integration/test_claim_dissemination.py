@@ -2,7 +2,7 @@
 two layer ranges, 0:4 and 4:8): a peer's claims view hears on gossip the news of the peers serving
 layers next to its own and not of those far from it, follows its new neighbourhood after it
 moves, and a lookup over every range finds every peer, whether it asks every DHT server (fewer
-than 2k of them, as here) or the ranges' provider records (docs/protocols.md, "Claim
+than k of them, as here) or the ranges' provider records (docs/protocols.md, "Claim
 dissemination")."""
 
 import time
@@ -99,7 +99,7 @@ async def test_news_reaches_neighbours_only_and_a_lookup_finds_every_peer(loopba
         one = await find_claims(client, a.model_id, num_layers=LAYERS, ranges=[1], per_range=1)
         assert len(one) == 1 and one[0].peer in {ids["a"], ids["c"], ids["d"]}
 
-        # the same through the ranges' provider records (what a network of 2k DHT servers or
+        # the same through the ranges' provider records (what a network of k DHT servers or
         # more takes; this one has fewer, so its lookups asked every server directly)
         async def many_servers():
             return None

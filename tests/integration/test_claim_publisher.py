@@ -10,6 +10,7 @@ import time
 import trio
 from libp2p.peer.id import ID
 
+from shardnet.errors import ShardnetError
 from shardnet.inference.claims import claim_record_name, fetch_claims, find_claims, range_provider_name
 from shardnet.inference.claims_view import ClaimsView
 from shardnet.inference.probes import Probes
@@ -24,7 +25,7 @@ LAYERS = 8  # two layer ranges: 0:4 and 4:8
 
 
 async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_config, monkeypatch):
-    monkeypatch.setattr(claim_publisher, "NEWS_PUT_GAP_S", 6.0)
+    monkeypatch.setattr(claim_publisher, "NEWS_PUT_GAP_S", 15.0)
     async with open_node(loopback_config()) as boot, \
             open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as peer, \
             open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as listener:
@@ -83,7 +84,7 @@ async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_
                         await trio.sleep(0.1)
                 assert [p.peer_id for p in await listener.dht.find_providers(range_provider_name(MODEL, i))] \
                     == [peer.peer_id]
-            with trio.fail_after(20):
+            with trio.fail_after(30):
                 while (stored := bc.decode(await listener.dht.get(peer.peer_id, claim_record_name(MODEL)))).seq \
                         != heard[1].seq:
                     await trio.sleep(0.2)
@@ -115,7 +116,7 @@ async def test_a_view_leaves_a_crowded_range_for_a_while_then_follows_it_again(l
         await listener.wait_bootstrapped()
         await listener.connect(f"{peer.listen_addrs[0]}/p2p/{peer.peer_id}")
         view = ClaimsView.of(listener, MODEL, Probes(listener), num_layers=LAYERS)
-        view.crowded_news, view.crowded_window_s, view.crowded_pause_s = 3, 60.0, 3.0
+        view.crowded_news, view.crowded_window_s, view.crowded_pause_s = 3, 60.0, 8.0
         view.follow([0, 1])
         view.start()
         await trio.sleep(1.5)  # the subscriptions reach the peer, a heartbeat passes
@@ -147,7 +148,7 @@ async def test_a_view_leaves_a_crowded_range_for_a_while_then_follows_it_again(l
         first = await news(keys[0])  # not heard while the view is away
         await trio.sleep(1.0)
         assert view.from_gossip == heard and view.get(first).seq == 3  # what it heard before stays
-        with trio.fail_after(10):  # back after the pause
+        with trio.fail_after(15):  # back after the pause
             while 0 in view.paused:
                 await trio.sleep(0.05)
         await trio.sleep(1.5)
@@ -155,3 +156,40 @@ async def test_a_view_leaves_a_crowded_range_for_a_while_then_follows_it_again(l
         with trio.fail_after(5):
             while view.get(first).seq != seq:
                 await trio.sleep(0.05)
+
+
+async def test_a_failed_provide_or_put_is_retried_at_the_next_look_not_an_hour_later(loopback_config, monkeypatch):
+    monkeypatch.setattr(claim_publisher, "NEWS_PUT_GAP_S", 1.0)
+    async with open_node(loopback_config()) as boot, \
+            open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as peer:
+        await peer.wait_bootstrapped()
+        real_provide, real_put, failed = peer.dht.provide, peer.dht.put, []
+
+        async def provide_once_failing(name):
+            if name not in failed:
+                failed.append(name)
+                raise ShardnetError("no peer took it")
+            return await real_provide(name)
+
+        async def put_once_failing(name, value):
+            if name not in failed:
+                failed.append(name)
+                raise ShardnetError("no peer took it")
+            return await real_put(name, value)
+
+        peer.dht.provide, peer.dht.put = provide_once_failing, put_once_failing
+        publisher = ClaimPublisher(peer, lambda expires: factories.claim(
+            model=MODEL, peer=str(peer.peer_id), addrs=("/ip4/127.0.0.1/tcp/1",), start=0, end=4, expires=expires),
+            num_layers=LAYERS, ttl=600.0)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(publisher.run)  # its first put and provide fail
+            assert failed == [claim_record_name(MODEL), range_provider_name(MODEL, 0)]
+            assert publisher.provided == set()
+            # both again once NEWS_PUT_GAP_S has passed (the refresh would be 200 s away, the
+            # provider records' an hour)
+            with trio.fail_after(10):
+                while publisher.provided != {0} \
+                        or await peer.dht.get(peer.peer_id, claim_record_name(MODEL)) is None:
+                    await trio.sleep(0.2)
+            assert publisher.counts == {"news": 1, "refresh": 0}
+            nursery.cancel_scope.cancel()

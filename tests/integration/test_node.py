@@ -130,7 +130,7 @@ async def test_dht_signed_values_and_providers(loopback_config):
         provs = await c.dht.find_providers("model/abc")
         ids = [p.peer_id for p in provs]
         assert sorted(map(str, ids)) == sorted([str(a.peer_id), str(b.peer_id)])
-        # fewer than 2k servers: one walk finds them all, and asking them finds the same providers
+        # fewer than k servers: one walk finds them all, and asking them finds the same providers
         servers = await c.dht.servers_if_few()
         assert servers is not None and {a.peer_id, b.peer_id} <= set(servers)
         asked = await c.dht.find_providers("model/abc", closest=servers)

@@ -102,7 +102,7 @@ class ClaimPublisher(Behaviour):
             if reason is not None:
                 for i in ranges:
                     steps.append((f"gossip on range {i}", partial(self.node.pubsub.publish,
-                                                                  bc.range_topic(claim.model, i), blob)))
+                                                                  bc.range_topic(claim.model, i), blob), None))
                 self.published = claim
                 self.counts["news"] += 1
                 log.debug("claim version %d published on ranges %s (%s)", claim.seq, ranges, reason)
@@ -110,7 +110,7 @@ class ClaimPublisher(Behaviour):
                 self.counts["refresh"] += 1
             self._put_pending = self._put_pending or reason is not None
             if refresh_due or (self._put_pending and since_put >= NEWS_PUT_GAP_S):
-                steps.append(("DHT record", lambda: self.node.dht.put(claim_record_name(claim.model), blob)))
+                steps.append(("DHT record", lambda: self.node.dht.put(claim_record_name(claim.model), blob), None))
                 self._put_pending = False
                 self._last_put = trio.current_time()
             # every range's key hourly; else those of ranges new to the claim (a move, loading)
@@ -118,15 +118,19 @@ class ClaimPublisher(Behaviour):
             to_provide = ranges if provide_due else [i for i in ranges if i not in self.provided]
             for i in to_provide:
                 steps.append((f"provider record of range {i}",
-                              partial(self.node.dht.provide, range_provider_name(claim.model, i))))
+                              partial(self.node.dht.provide, range_provider_name(claim.model, i)), i))
             self.provided = frozenset(ranges) if provide_due else self.provided | set(to_provide)
             if provide_due:
                 self._last_provide = trio.current_time()
-            for what, publish in steps:
+            for what, publish, provided_range in steps:
                 try:
                     await publish()
-                except Exception as e:  # best effort; the next round retries
+                except Exception as e:  # best effort: retried when the publisher looks again
                     log.info("publishing claim (%s) failed: %s", what, e)
+                    if what == "DHT record":
+                        self._put_pending = True  # again once NEWS_PUT_GAP_S has passed
+                    elif provided_range is not None:
+                        self.provided -= {provided_range}  # again at the next look, not in an hour
             if first:
                 log.info("claimed layers %d:%d of model %s…", claim.start, claim.end, claim.model[:16])
                 task_status.started()

@@ -88,6 +88,8 @@ UPKEEP_LOOKUP_S = CLAIM_TTL / 3
 UPKEEP_PINGS = 16
 #: a successor's round trip is measured again once it is this old (seconds; the next upkeep after)
 SUCCESSOR_RTT_MAX_AGE_S = 60.0
+#: the most seconds the lookup before a planned move takes (then the view as it is decides)
+MOVE_LOOKUP_TIMEOUT = 10.0
 
 
 def measure_throughput(block: Block, tokens: int = 8, rounds: int = 3) -> float:
@@ -387,6 +389,11 @@ class ComputePeer:
         if u.rebalance:
             move = self._plan(claims, u.rng)
             if move is not None:
+                # Look the claims up first: the view hears news only of its neighbourhood's
+                # ranges, so a peer that joined elsewhere since the last lookup is missing from
+                # it, and a layer it serves may look unserved (three peers moved where one
+                # should have, tests/system/test_placement.py).
+                await self.view.lookup(timeout=MOVE_LOOKUP_TIMEOUT)
                 # Peers on the same span would all make this move at once: they take turns
                 # by peer ID, each looking again after the ones before it had a round to
                 # act (a peer that never moves, pinned by --layers, just delays the next).
@@ -394,11 +401,6 @@ class ComputePeer:
                               | {str(self.node.peer_id)})
                 rank = same.index(str(self.node.peer_id))
                 await trio.sleep(move_turn_delay(rank, u.step, u.rng))
-                # and look the claims up before deciding: the view hears news only of its
-                # neighbourhood's ranges, so a peer that joined elsewhere since the last lookup
-                # is missing from it, and a layer it serves may look unserved (peers moved there
-                # all at once, tests/system/test_placement.py)
-                await self.view.lookup()
                 move = self._plan(await self.live_claims(look_up=False), u.rng)
             if move is not None:
                 old = self.span
