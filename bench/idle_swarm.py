@@ -39,6 +39,7 @@ import re
 import shutil
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -292,8 +293,14 @@ class Size:
     spans: list[tuple[int, int]] = field(default_factory=list)
 
 
+def progress(message: str) -> None:
+    """A line on stderr: a whole run takes tens of minutes."""
+    print(f"[idle_swarm {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def measure(n: int, args, ckpt: Checkpoint, workdir: Path) -> Size:
     spans = spans_for(n, ckpt.num_layers)
+    progress(f"{n} peers: starting a bootstrap and {n} `shardnet join` processes")
     prof_path = workdir / f"peer0-of-{n}.prof" if args.profile else None  # (rewritten at its exit)
     with LocalSwarm(workdir / f"swarm-{n}") as swarm:
         boot = swarm.start_bootstrap()
@@ -309,7 +316,9 @@ def measure(n: int, args, ckpt: Checkpoint, workdir: Path) -> Size:
             peers.append(p)
         for p in peers:
             swarm.wait_ready(p, timeout=args.ready_timeout)
+        progress(f"{n} peers: all ready; looking for them from a fresh node")
         visible, visible_s, looks = wait_visible(boot, ckpt, n, args.visible_timeout)
+        progress(f"{n} peers: {visible} visible after {visible_s:.1f} s; settling {args.settle:g} s")
         time.sleep(args.settle)
         assert swarm.bootstrap is not None
         pids = [swarm.bootstrap.pid, *(p.pid for p in peers)]
@@ -317,6 +326,7 @@ def measure(n: int, args, ckpt: Checkpoint, workdir: Path) -> Size:
         if prof_path:
             os.kill(peers[0].pid, signal.SIGUSR1)  # start afresh: the window only
         before, busy0, t0 = [cpu_seconds(pid) for pid in pids], machine_busy(), time.monotonic()
+        progress(f"{n} peers: measuring CPU over {args.window:g} s")
         time.sleep(args.window)
         after, busy1, wall = [cpu_seconds(pid) for pid in pids], machine_busy(), time.monotonic() - t0
         profile = None
