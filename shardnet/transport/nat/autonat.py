@@ -70,6 +70,8 @@ REUSING_AGENTS = ("js-libp2p",)
 #: kinds of AutoNAT server, as far as we know them
 FRESH, REUSES, UNKNOWN_KIND = "fresh", "reuses", "unknown"
 
+#: the longest wait between two looks for someone to ask and something to ask about
+IDLE_LOOK_MAX_S = 10.0
 NO_ANSWER_BACKOFF = 30 * 60.0  # seconds a server that did not answer is left alone (doubling)
 REFUSED_BACKOFF = 5 * 60.0  # ... one that refused to dial (busy, same machine, bad request)
 MAX_BACKOFF = 24 * 3600.0  # the longest; also for a server whose connection went as it answered
@@ -555,11 +557,17 @@ class AutoNAT(Behaviour):
         """Check now and then: soon while unknown (backing off), every ``interval`` s once known."""
         self.policy.retry, self.policy.interval = retry, interval
         await trio.sleep(first_delay)
+        idle = 1.0
         while True:
             if not self.candidate_addrs() or not self.policy.choose(
                     {s: self._kind_by_protocols(s) for s in self.servers()}, trio.current_time()):
-                await trio.sleep(1.0)  # nobody to ask yet (or loopback only: nothing to ask about)
+                # nobody to ask yet (or loopback only: nothing to ask about): look again in 1 s,
+                # then 2, 4, 8, then every 10 s (every second was 8 % of an idle loopback peer's
+                # profile: each look lists and formats the host's addresses)
+                await trio.sleep(idle)
+                idle = min(IDLE_LOOK_MAX_S, idle * 2)
                 continue
+            idle = 1.0
             try:
                 await self.check()
             except Exception as e:  # a check is best effort; the next one retries
