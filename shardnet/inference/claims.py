@@ -165,8 +165,8 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
         async with trio.open_nursery() as nursery:
             if servers is not None:
                 me = str(node.peer_id)
-                for peer in servers:  # (not those whose identify lists no claims protocol: no stream refused)
-                    if str(peer) != me and node.supports(peer, bc.PROTOCOL_ID) is not False:
+                for peer in servers:  # (identify may predate a peer's claims: every server is asked)
+                    if str(peer) != me:
                         nursery.start_soon(claims_of, peer, [], False)
             else:
                 for index in ranges:

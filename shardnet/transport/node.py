@@ -256,15 +256,6 @@ class Node:
             out.append({"relayed": is_relayed(conn), "addrs": addrs, "streams": streams})
         return out
 
-    def supports(self, peer: ID | str, protocol_id: str) -> bool | None:
-        """Whether ``peer``'s identify listed ``protocol_id``; None before identify has run (or
-        for a peer not in the peerstore)."""
-        try:
-            protocols = self.host.get_peerstore().get_protocols(_as_peer_id(peer))
-        except Exception:  # ShardnetError (a bad ID) or PeerStoreError (not known)
-            return None
-        return str(protocol_id) in protocols if protocols else None
-
     def link(self, peer: ID | str) -> str | None:
         """How we reach ``peer`` now: "direct", "relayed" (only through relays) or None."""
         try:

@@ -6,6 +6,7 @@ and the claim is provided under that range, again hourly (docs/protocols.md, "Cl
 leaves a crowded range's topic for a while and follows it again after."""
 
 import time
+from contextlib import asynccontextmanager
 
 import trio
 from libp2p.peer.id import ID
@@ -24,14 +25,21 @@ MODEL = "ab" * 32
 LAYERS = 8  # two layer ranges: 0:4 and 4:8
 
 
-async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_config, monkeypatch):
-    monkeypatch.setattr(claim_publisher, "NEWS_PUT_GAP_S", 15.0)
+@asynccontextmanager
+async def publisher_and_listener_nodes(loopback_config):
+    """A bootstrap and two nodes, ``peer`` (whose claims go out) and ``listener``, connected."""
     async with open_node(loopback_config()) as boot, \
             open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as peer, \
             open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as listener:
         await peer.wait_bootstrapped()
         await listener.wait_bootstrapped()
         await listener.connect(f"{peer.listen_addrs[0]}/p2p/{peer.peer_id}")
+        yield peer, listener
+
+
+async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_config, monkeypatch):
+    monkeypatch.setattr(claim_publisher, "NEWS_PUT_GAP_S", 15.0)
+    async with publisher_and_listener_nodes(loopback_config) as (peer, listener):
         state = {"start": 0, "end": 4, "load": 0.30}
 
         def claim_fn(expires: float) -> bc.Claim:
@@ -109,12 +117,7 @@ async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_
 
 
 async def test_a_view_leaves_a_crowded_range_for_a_while_then_follows_it_again(loopback_config):
-    async with open_node(loopback_config()) as boot, \
-            open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as peer, \
-            open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as listener:
-        await peer.wait_bootstrapped()
-        await listener.wait_bootstrapped()
-        await listener.connect(f"{peer.listen_addrs[0]}/p2p/{peer.peer_id}")
+    async with publisher_and_listener_nodes(loopback_config) as (peer, listener):
         view = ClaimsView.of(listener, MODEL, Probes(listener), num_layers=LAYERS)
         view.crowded_news, view.crowded_window_s, view.crowded_pause_s = 3, 60.0, 8.0
         view.follow([0, 1])

@@ -37,13 +37,6 @@ async def test_unknown_protocol_is_a_clear_error_and_the_node_stays_up(loopback_
         # both sides keep working afterwards
         async with await a.new_stream(b.peer_id, echo.PROTOCOL_ID) as s:
             assert await echo.echo_once(s, b"still here") == b"still here"
-        # and identify told a which protocols b speaks (a caller can skip a stream b would refuse)
-        with trio.fail_after(5):
-            while a.supports(b.peer_id, echo.PROTOCOL_ID) is None:
-                await trio.sleep(0.05)
-        assert a.supports(b.peer_id, echo.PROTOCOL_ID) is True
-        assert a.supports(b.peer_id, "/no/such/1.0.0") is False
-        assert a.supports("12D3KooWNEYGPZwRiXP7f7jQy8YphbAuKgzJgQoWCf6NDjD5iAt7", echo.PROTOCOL_ID) is None
 
 
 async def test_dead_peer_fails_fast_and_the_node_stays_up(loopback_config):

@@ -36,6 +36,11 @@ class _Forward(logging.Handler):
         except Exception:  # a record whose arguments do not fit its message: say what it was
             text = str(record.msg)
         first = text.splitlines()[0] if text else ""
+        if first.startswith("Failed to open stream") and "not supported" in text:
+            # a peer that does not speak a protocol (asked anyway: a lookup asks every server
+            # of a small network for claims): the caller gets ProtocolNotSupported; routine
+            relog.debug("py-libp2p %s: %s", record.name.removeprefix("libp2p."), " ".join(text.split()))
+            return
         self._relog.log((record.name, record.msg), f"py-libp2p {record.name.removeprefix('libp2p.')}: {first}")
 
 

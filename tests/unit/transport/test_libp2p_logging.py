@@ -1,5 +1,6 @@
 """An app that embeds a node and configures no logging sees none of py-libp2p's routine warnings
-on stderr, and its errors once each under shardnet's name; one that sets a level for the
+on stderr, and its errors once each under shardnet's name (but for a stream a peer refused for
+not speaking its protocol, routine); one that sets a level for the
 "libp2p" logger (after the patches are applied, as opening a node does) gets what it asked for."""
 
 import subprocess
@@ -14,6 +15,8 @@ if sys.argv[1] == "chosen":
 logging.getLogger("libp2p.network.swarm").warning("a routine dial failure")
 for i in range(3):
     logging.getLogger("libp2p.kad_dht.kad_dht").error("lookup %d failed", i)
+logging.getLogger("libp2p.host.basic_host").error(
+    "Failed to open stream to peer 12D3KooW:\\n  Error: protocols not supported\\n  Protocols: ['/x/1.0.0']")
 logging.getLogger("shardnet.app").warning("the app's own warning")
 """
 
@@ -29,8 +32,11 @@ def test_py_libp2p_is_quiet_in_an_app_that_set_no_level():
 
 
 def test_its_errors_are_relogged_under_shardnets_name_once_per_kind():
-    lines = [ln for ln in _stderr("default").splitlines() if "lookup" in ln]
+    err = _stderr("default")
+    lines = [ln for ln in err.splitlines() if "lookup" in ln]
     assert lines == ["py-libp2p kad_dht.kad_dht: lookup 0 failed"], lines  # (lastResort: message only)
+    # a stream to a peer that does not speak the protocol is routine (its caller gets the error)
+    assert "Failed to open stream" not in err
 
 
 def test_a_level_chosen_for_it_is_kept():
