@@ -101,7 +101,8 @@ async def fetch_claims(node: Node, peer: str, *, timeout: float = 10.0) -> list[
 
 
 async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Iterable[int] | None = None,
-                      per_range: int = LOOKUP_PROVIDERS_PER_RANGE, timeout: float = 15.0) -> list[bc.Claim]:
+                      per_range: int = LOOKUP_PROVIDERS_PER_RANGE, timeout: float = 15.0,
+                      every_provider: bool = False) -> list[bc.Claim]:
     """The claims for ``model_id`` of the peers the DHT knows as providers of its layer ranges
     (``ranges``: indices into ``block_claim.layer_ranges(num_layers)``; all by default), verified.
     The ranges' providers are looked up together (``LOOKUP_RANGES_AT_ONCE`` at a time), at most
@@ -111,8 +112,9 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
     names it (whatever other ranges name it too), its DHT record read when it does not answer.
     In a network of fewer than k DHT servers one walk finds every server
     (``dht.servers_if_few``), and each is asked directly instead, without provider records
-    (a compute peer is a DHT server; one that does not answer, or serves no claims, is skipped).
-    Raises the lookup's error only when every range's provider lookup failed."""
+    (a compute peer is a DHT server; one that does not answer, or serves no claims, is skipped),
+    unless ``every_provider`` (``shardnet status``: the claims of peers gone too, read from the
+    DHT, until they expire). Raises the lookup's error only when every range's provider lookup failed."""
     ranges = range(len(bc.layer_ranges(num_layers))) if ranges is None else sorted(set(ranges))
     claims: dict[str, bc.Claim] = {}
     asked: set[str] = set()
@@ -159,7 +161,7 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
         # where GET_PROVIDERS to each server per range cost 2-3 times that
         servers = None
         try:
-            servers = await node.dht.servers_if_few()
+            servers = None if every_provider else await node.dht.servers_if_few()
         except ShardnetError as e:  # then a walk per range
             log.debug("closest-peers walk: %s", e)
         async with trio.open_nursery() as nursery:

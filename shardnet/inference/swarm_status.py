@@ -14,7 +14,7 @@ from shardnet.transport.node import Node
 
 async def swarm_report(node: Node, model_id: str, num_layers: int, *, wait: float = 10.0) -> dict:
     claims = await find_claims(node, model_id, num_layers=num_layers, per_range=STATUS_PROVIDERS_PER_RANGE,
-                               timeout=wait)
+                               timeout=wait, every_provider=True)
     pings = await node.ping_many([c.peer for c in claims], timeout=3.0)
     rtts = {peer: p.rtt for peer, p in pings.items() if p.rtt is not None}
     live = [c for c in claims if c.peer in rtts]
