@@ -29,6 +29,8 @@ PROVIDE_REFRESH_S = 3600.0
 #: DHT once this long has passed since the last put (a peer settling has news every few seconds,
 #: and a put is a walk and 20 stores; the DHT record is read only when a peer does not answer)
 NEWS_PUT_GAP_S = 30.0
+#: the label of the DHT put among a look's publication steps (a failed one is put again)
+PUT_STEP = "DHT record"
 
 
 class ClaimPublisher(Behaviour):
@@ -110,7 +112,7 @@ class ClaimPublisher(Behaviour):
                 self.counts["refresh"] += 1
             self._put_pending = self._put_pending or reason is not None
             if refresh_due or (self._put_pending and since_put >= NEWS_PUT_GAP_S):
-                steps.append(("DHT record", lambda: self.node.dht.put(claim_record_name(claim.model), blob), None))
+                steps.append((PUT_STEP, lambda: self.node.dht.put(claim_record_name(claim.model), blob), None))
                 self._put_pending = False
                 self._last_put = trio.current_time()
             # every range's key hourly; else those of ranges new to the claim (a move, loading)
@@ -127,7 +129,7 @@ class ClaimPublisher(Behaviour):
                     await publish()
                 except Exception as e:  # best effort: retried when the publisher looks again
                     log.info("publishing claim (%s) failed: %s", what, e)
-                    if what == "DHT record":
+                    if what is PUT_STEP:
                         self._put_pending = True  # again once NEWS_PUT_GAP_S has passed
                     elif provided_range is not None:
                         self.provided -= {provided_range}  # again at the next look, not in an hour
