@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -55,3 +57,9 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def progress(message: str, *, bench: str | None = None) -> None:
+    """A line on stderr (never in a bench's report on stdout): long runs show where they are."""
+    prefix = f"[{bench} {time.strftime('%H:%M:%S')}] " if bench else ""
+    print(f"{prefix}{message}", file=sys.stderr, flush=True)

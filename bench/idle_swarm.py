@@ -33,13 +33,13 @@ window's profile (``peer0-of-N.prof``, pstats' format). Figures: docs/performanc
 
 from __future__ import annotations
 
+import functools
 import os
 import pstats
 import re
 import shutil
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -48,6 +48,7 @@ from pathlib import Path
 import trio
 
 from bench._common import bench_parser, cpu_seconds, print_table, ratio
+from bench._common import progress as _progress
 from shardnet.cli.profiling import ENV as PROFILE_ENV
 from shardnet.inference.model.checkpoint import Checkpoint
 from shardnet.inference.swarm_status import swarm_report
@@ -293,9 +294,7 @@ class Size:
     spans: list[tuple[int, int]] = field(default_factory=list)
 
 
-def progress(message: str) -> None:
-    """A line on stderr: a whole run takes tens of minutes."""
-    print(f"[idle_swarm {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+progress = functools.partial(_progress, bench="idle_swarm")  # a whole run takes tens of minutes
 
 
 def measure(n: int, args, ckpt: Checkpoint, workdir: Path) -> Size:

@@ -31,7 +31,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from contextlib import AsyncExitStack
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import trio
 
-from bench._common import bench_parser, print_table
+from bench._common import bench_parser, print_table, progress
 from shardnet.inference.model.checkpoint import MANIFEST_CACHE, Checkpoint
 from shardnet.inference.model.random_model import init_random
 from shardnet.inference.weights.fetcher import find_sources
@@ -60,10 +59,6 @@ UNCAPPED_MB_PER_S = 1e9
 #: the ~1.0e9-parameter checkpoint of part 2 (TinyLlama's shape with 20 layers: 1.012e9 parameters)
 JOIN_MODEL = {"layers": 20, "hidden": 2048, "heads": 32, "kv_heads": 4, "intermediate": 5632, "vocab": 32000}
 QUICK_JOIN_MODEL = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "intermediate": 1024, "vocab": 1024}
-
-
-def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- 1. sources side by side (one process) --------------------------------------------------------
