@@ -35,6 +35,12 @@ PROVIDER_DOMAIN = b"shardnet-provider/1:"
 #: Kademlia's k: how many closest peers a walk finds and a record is stored at (py-libp2p's)
 K = BUCKET_SIZE
 
+#: seconds a walk's result (the servers closest to a key) is used again for another put, provide
+#: or server listing towards the same key, as long as the routing table holds the same peers: a
+#: claim refreshed every 200 s walked each time to the same servers (in a small swarm, a query to
+#: every peer per refresh). Any peer joining or leaving the table makes the next one walk.
+WALK_REUSE_S = 600.0
+
 #: a sha2-256 multihash's prefix (code 0x12, 32 bytes)
 SHA256_MULTIHASH = b"\x12\x20"
 
@@ -129,6 +135,10 @@ class DHT:
         self.kad = kad
         self.host = host
         self.timeout = config.dht_timeout
+        #: per key walked for a put, a provide or servers_if_few: (routing table, when, closest)
+        self._walks: dict[bytes, tuple[frozenset, float, list[ID]]] = {}
+        #: walks a put, provide or servers_if_few made, and how many it did not need (WALK_REUSE_S)
+        self.walks = self.walks_saved = 0
 
     @classmethod
     @asynccontextmanager
@@ -158,6 +168,21 @@ class DHT:
         async with self._bounded("closest-peers lookup"):
             return list(await self.kad.peer_routing.find_closest_peers_network(target, count))
 
+    async def _closest_again(self, key: bytes, count: int = K) -> list[ID]:
+        """The servers closest to ``key``: a walk, or the last one's result towards the same key
+        when it is under ``WALK_REUSE_S`` old and the routing table has the same peers."""
+        table = frozenset(self.kad.routing_table.get_peer_ids())
+        now = trio.current_time()
+        last = self._walks.get(key)
+        if last is not None and last[0] == table and now - last[1] < WALK_REUSE_S:
+            self.walks_saved += 1
+            return list(last[2])
+        self.walks += 1
+        closest = list(await self.kad.peer_routing.find_closest_peers_network(key, count))
+        self._walks = {k: w for k, w in self._walks.items() if now - w[1] < WALK_REUSE_S}
+        self._walks[key] = (table, now, closest)
+        return closest
+
     async def find_peer(self, peer_id: ID) -> PeerInfo | None:
         async with self._bounded(f"find_peer {peer_id}"):
             return await self.kad.find_peer(peer_id)
@@ -176,7 +201,7 @@ class DHT:
             raise RecordError(f"DHT record {name!r}: a newer value is stored already")
         self.kad.value_store.put(key_bytes, blob)
         async with self._bounded(f"put {key}"):
-            closest = await self.kad.peer_routing.find_closest_peers_network(key_bytes)
+            closest = await self._closest_again(key_bytes)
             peers = await self._to_each(closest, lambda p: compat_kad.store_value_at(self.kad, p, key_bytes, blob))
         if not peers:
             raise NotStoredError(self._none_took(f"DHT record {name!r}", closest))
@@ -204,7 +229,7 @@ class DHT:
         store.providing_keys.add(key)
         store.add_provider(key, PeerInfo(self.host.get_id(), list(self.host.get_addrs())))
         async with self._bounded(f"provide {name}"):
-            closest = await self.kad.peer_routing.find_closest_peers_network(key)
+            closest = await self._closest_again(key)
             peers = await self._to_each(closest, lambda p: compat_kad.send_add_provider(store, p, key))
         if not peers:
             raise NotStoredError(self._none_took(f"provider record {name!r}", closest))
@@ -239,8 +264,10 @@ class DHT:
         """Every DHT server, when a walk finds fewer than k (20): then no answer was cut short (a
         server names at most k peers), so it found them all, and a caller looking up many keys
         can ask each of them instead of walking once per key; None in a larger network (where a
-        walk towards one ID can miss the servers farthest from it). One walk (towards our own ID)."""
-        found = await self.closest_peers(self.host.get_id().to_bytes(), K)
+        walk towards one ID can miss the servers farthest from it). One walk (towards our own ID),
+        or none where the last one's result still holds (``WALK_REUSE_S``)."""
+        async with self._bounded("closest-peers lookup"):
+            found = await self._closest_again(self.host.get_id().to_bytes(), K)
         return found if len(found) < K else None
 
     async def find_providers(self, name: str, count: int = K, *, closest: list[ID] | None = None) -> list[PeerInfo]:

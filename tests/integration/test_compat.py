@@ -577,3 +577,38 @@ def test_tcp_reads_never_ask_the_socket_for_more_than_a_bound():
 
     trio.run(TrioTCPStream(Socket()).read, 1 << 40)
     assert asked == [compat.MAX_TCP_READ]
+
+
+async def test_only_quiet_connections_are_pinged(loopback_config):
+    """Keepalive pings go only over a connection that brought nothing for a whole interval: on an
+    idle one the two sides take turns (one ping per interval, not one each), a busy one is not
+    pinged at all, and a path that dies is still found (test_autonat_holepunch.py)."""
+    interval = 0.5
+    cfg = dict(keepalive_interval=interval, keepalive_timeout=2.0)
+    async with open_node(loopback_config(**cfg)) as a, open_node(loopback_config(**cfg)) as b:
+        async def echo(stream):
+            while data := await stream.read_some(64, timeout=10):
+                await stream.write(data, timeout=10)
+
+        b.set_stream_handler("/echo/1.0.0", echo)
+        await a.connect(b.listen_addrs[0])
+        ours, theirs = (n.host.get_network().get_connections(p)[0].muxed_conn
+                        for n, p in ((a, b.peer_id), (b, a.peer_id)))
+
+        def pings() -> int:
+            return compat.pings_sent(ours) + compat.pings_sent(theirs)
+
+        await trio.sleep(1.0)
+        before = pings()
+        await trio.sleep(10 * interval)
+        idle = pings() - before  # upstream: 2 per interval (20)
+        assert 5 <= idle <= 14, idle
+
+        s = await a.new_stream(b.peer_id, "/echo/1.0.0")
+        before = pings()
+        for _ in range(30):  # 3 s of traffic, a message every 0.1 s
+            await s.write(b"x", timeout=10)
+            assert await s.read_some(64, timeout=10) == b"x"
+            await trio.sleep(0.1)
+        assert pings() - before <= 2  # at most one already due when the traffic began, per side
+        await s.close()

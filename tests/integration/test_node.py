@@ -7,7 +7,7 @@ import trio
 
 from shardnet.protocols import echo
 from shardnet.testing.factories import echo_handler
-from shardnet.transport import open_node
+from shardnet.transport import open_node, records
 from shardnet.transport.errors import (
     AddressError,
     DialError,
@@ -135,6 +135,29 @@ async def test_dht_signed_values_and_providers(loopback_config):
         assert servers is not None and {a.peer_id, b.peer_id} <= set(servers)
         asked = await c.dht.find_providers("model/abc", closest=servers)
         assert sorted(str(p.peer_id) for p in asked) == sorted([str(a.peer_id), str(b.peer_id)])
+
+
+async def test_a_put_walks_again_only_when_the_routing_table_changed(loopback_config):
+    """A refresh of the same record goes to the servers the last walk found (dht.WALK_REUSE_S)
+    while the routing table holds the same peers; a peer joining makes the next one walk, and
+    the new peer stores it."""
+    async with bootstrapped_nodes(loopback_config, 3) as (a, b, c):
+        await a.dht.put("claim", b"v1")
+        await a.dht.put("claim", b"v1")  # the first walk may fill the table: settle it
+        walks, saved = a.dht.walks, a.dht.walks_saved
+        assert (await a.dht.put("claim", b"v2")).peers >= 1
+        assert (a.dht.walks, a.dht.walks_saved) == (walks, saved + 1)
+        assert await c.dht.get(a.peer_id, "claim") == b"v2"
+        async with open_node(loopback_config(bootstrap=[str(b.listen_addrs[0])])) as d:
+            await d.wait_bootstrapped()
+            await a.connect(d.listen_addrs[0])
+            with trio.fail_after(10):
+                while d.peer_id not in a.dht.routing_table_peers():
+                    await a.dht.add_peer(d.peer_id)
+                    await trio.sleep(0.1)
+            await a.dht.put("claim", b"v3")
+            assert a.dht.walks == walks + 1
+            assert d.dht.kad.value_store.get(records.record_key(a.peer_id, "claim").encode()) is not None
 
 
 async def test_provider_replies_are_bounded_random_samples(loopback_config):

@@ -58,6 +58,7 @@ from .yamux import (  # noqa: F401
     _ChunkBuffer,
     _max_frame_for,
     register_peerstore,
+    pings_sent,
     set_keepalive_interval,
     streams_held,
     unanswered_ping_age,
@@ -244,6 +245,12 @@ PATCHES: tuple[Patch, ...] = (
           "a scheduler round trip for a state lock on every read and write",
           _T + "test_data_path_is_byte_exact_under_any_chunking", 6, swarm.lock_free_net_stream_state,
           data_path=True),
+    Patch("libp2p.security.secure_session:SecureSession.read", "wrap",
+          "when a connection last brought anything was not known (the keepalive below needs it)",
+          _T + "test_only_quiet_connections_are_pinged", 10, yamux.note_when_each_connection_last_heard),
+    Patch(_YAMUX + "Yamux._measure_rtt_loop", "replace",
+          "both sides pinged every connection every interval, busy or not",
+          _T + "test_only_quiet_connections_are_pinged", 10, yamux.ping_only_quiet_connections),
 )
 
 #: Upstream module constants shardnet sets from a node's config through a named function, not

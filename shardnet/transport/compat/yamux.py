@@ -24,6 +24,12 @@
    the node's ``keepalive_interval`` (``set_keepalive_interval``), and the node closes a
    connection whose last ping went unanswered for ``keepalive_timeout`` (node.py, through
    ``unanswered_ping_age``), which is what starts reconnection.
+   Only a quiet connection is pinged: one that brought nothing for a whole interval. Whatever
+   arrives (a frame of any stream, the other side's ping or its answer) shows the path alive,
+   so a connection carrying traffic sends no pings, and on an idle one the two sides take
+   turns instead of both pinging every interval (upstream: two pings and two answers per
+   interval per connection, which at 24 idle peers was a fifth of each peer's socket reads).
+   A path that dies is still found within an interval and the ping's timeout.
 15. Cancelled writes broke connections. Yamux frames were encrypted and written by whichever task
    wrote to a stream; a cancellation (a step timeout, a heal, a client hanging up) landing inside
    the socket write left a Noise message half sent after its nonce was consumed, so the peer's
@@ -49,6 +55,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 import trio
@@ -64,6 +71,69 @@ def set_keepalive_interval(seconds: float) -> None:
     from libp2p.stream_muxer.yamux import yamux
 
     yamux.RTT_MEASURE_INTERVAL = seconds
+
+
+def note_when_each_connection_last_heard() -> None:
+    from libp2p.security.secure_session import SecureSession
+
+    read = SecureSession.read
+
+    async def read_noting_the_time(self: Any, n: int | None = None) -> bytes:
+        data = await read(self, n)
+        self.__dict__["_sn_heard"] = trio.current_time()
+        return data
+
+    SecureSession.read = read_noting_the_time
+
+
+def heard_at(muxed: Any) -> float | None:
+    """When the connection last brought anything (trio time), or None where not noted."""
+    return getattr(getattr(muxed, "secured_conn", None), "__dict__", {}).get("_sn_heard")
+
+
+def ping_only_quiet_connections() -> None:
+    from libp2p.stream_muxer.yamux import yamux as ymod
+
+    async def _measure_rtt_loop(self: Any) -> None:
+        await trio.sleep(0.5)  # upstream's: let the connection establish; the first ping measures its RTT
+        must_ping = True
+        rng = random.Random()
+        while not self.event_shutting_down.is_set():
+            interval = ymod.RTT_MEASURE_INTERVAL
+            heard = heard_at(self)
+            if heard is None:  # not noted (another secure channel): from our last ping, as upstream
+                heard = self._ping_sent_time
+            # Each side waits a random 75-100 % of the interval after what it last heard, so the one
+            # whose wait ends first pings and the other hears that before its own wait ends (equal
+            # waits would have both ping at once, each before the other's ping arrived).
+            quiet_until = heard + interval * rng.uniform(0.75, 1.0)
+            if not must_ping and trio.current_time() < quiet_until:
+                with trio.move_on_after(quiet_until - trio.current_time()):
+                    await self.event_shutting_down.wait()
+                if (heard_at(self) or heard) != heard:
+                    continue  # heard something meanwhile: wait again from then
+            must_ping = False
+            try:
+                self._ping_id += 1
+                self._ping_event = trio.Event()
+                header = ymod.struct.pack(ymod.YAMUX_HEADER_FORMAT, 0, ymod.TYPE_PING, ymod.FLAG_SYN, 0,
+                                          self._ping_id)
+                await self._write_frame(header)
+                self._ping_sent_time = trio.current_time()
+                with trio.move_on_after(10.0):  # upstream's wait for the answer
+                    await self._ping_event.wait()
+            except Exception:
+                break  # the connection is closing
+            if not self._ping_event.is_set():  # unanswered: the next ping an interval on, as upstream
+                with trio.move_on_after(interval):
+                    await self.event_shutting_down.wait()
+
+    ymod.Yamux._measure_rtt_loop = _measure_rtt_loop
+
+
+def pings_sent(muxed: Any) -> int:
+    """Keepalive pings this side of a Yamux connection has sent."""
+    return getattr(muxed, "_ping_id", 0)
 
 
 def unanswered_ping_age(muxed: Any) -> float | None:
