@@ -13,6 +13,12 @@ loopback, each serving a contiguous block), then measures, alternating so load d
 Prints decode tokens/s for each (prefill excluded), the ratio, and the per-hop overhead:
 (chain time per token - local time per token) / (peers + 1), the number of network hops a token
 crosses (client -> first peer -> ... -> last peer -> client).
+
+And what a token costs in CPU over the plain chain runs: each peer process's CPU time
+(/proc/PID/stat) and this process's (``time.process_time``, every thread) per token, against
+the computation alone, measured here after the runs (each peer's block forward for one position
+at the run's context; the client's embedding and head): the rest is each hop's overhead
+(framing, encryption, scheduling, (de)serialization, receipts).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as shardnet.inference set
 import torch  # noqa: E402
 import trio
 
-from bench._common import bench_parser, print_table, ratio  # noqa: E402
+from bench._common import bench_parser, cpu_seconds, print_table, ratio  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
@@ -91,6 +97,9 @@ def main() -> None:
 
         drafter = ModelDrafter(args.draft, vocab_size=ckpt.config.vocab_size)
 
+        peer_pids = [p.pid for p in swarm.procs[1:]]
+        cpu = {"peers": [0.0] * len(peer_pids), "client": 0.0, "tokens": 0}
+
         async def run() -> tuple[list[float], list[float], list[float], bool, object]:
             local, chain, spec, same, sp = [], [], [], True, None
             async with open_node(NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[boot],
@@ -100,7 +109,11 @@ def main() -> None:
                 await chain_decode(client, ids, 4)  # warm-up: route, connections
                 for _ in range(args.repeats):
                     t_local, want = local_decode(ref, ids, args.tokens)
+                    before, c0 = [cpu_seconds(pid) for pid in peer_pids], time.process_time()
                     t_chain, got = await chain_decode(client, ids, args.tokens)
+                    cpu["client"] += time.process_time() - c0
+                    cpu["peers"] = [t + cpu_seconds(pid) - b for t, pid, b in zip(cpu["peers"], peer_pids, before)]
+                    cpu["tokens"] += args.tokens
                     t_spec, got_spec = await chain_decode(client, ids, args.tokens, drafter=drafter, k=args.k)
                     sp = client.last_stats.speculation
                     local.append(t_local)
@@ -124,6 +137,50 @@ def main() -> None:
           f"{ratio(t_chain, t_spec)} plain chain decode; {sp.tokens_per_traversal:.2f} tokens per traversal, "
           f"{sp.acceptance:.0%} of drafts accepted")
     print(f"greedy tokens identical to transformers (plain and speculative): {same}")
+    report_cpu(cpu, compute_per_token(ckpt, ranges, model, len(ids) + args.tokens // 2))
+
+
+def compute_per_token(ckpt: Checkpoint, ranges, model: LocalModel, context: int, reps: int = 50):
+    """Seconds of computation for one decoded token: per block (one position at ``context``
+    positions of history), and the client's embedding and head; medians."""
+    from shardnet.inference.model.block import Block, resolve_dtype
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    hidden = ckpt.config.hidden_size
+    blocks = []
+    with torch.inference_mode():
+        for a, b in ranges:
+            block = Block(ckpt, a, b, dtype=resolve_dtype("auto", ckpt))
+            cache = block.new_cache()
+            block.forward(torch.randn(1, context, hidden), cache, 0)
+            x = torch.randn(1, 1, hidden)
+
+            def step(block=block, cache=cache, x=x) -> None:
+                block.forward(x, cache, context)
+                cache.crop(-1)
+
+            blocks.append(timed(step))
+        ids = torch.tensor([[1]])
+        client = timed(lambda: model.head.logits(model.head.embed(ids)))
+    return blocks, client
+
+
+def report_cpu(cpu: dict, compute) -> None:
+    blocks, head = compute
+    n = max(1, cpu["tokens"])
+    rows = [[f"peer {i + 1}", f"{t / n * 1e3:.2f}", f"{c * 1e3:.2f}", f"{(t / n - c) * 1e3:.2f}"]
+            for i, (t, c) in enumerate(zip(cpu["peers"], blocks))]
+    client = cpu["client"] / n
+    rows.append(["client", f"{client * 1e3:.2f}", f"{head * 1e3:.2f}", f"{(client - head) * 1e3:.2f}"])
+    print_table(f"CPU per token over the plain chain runs ({n} tokens), ms", ["process", "CPU", "compute", "overhead"],
+                rows)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Decode over an emulated WAN, the headline benchmark: plain vs speculative vs pipelined, one run.
 
-    python -m bench.wan_decode [--peers 4] [--delay-ms 20] [--jitter-ms 1] [--mbit 100] [--tokens 96]
-                               [-k 6] [--depth 4] [--ngram-k 8] [--repeats 3] [--quick]
+    python -m bench.wan_decode [--peers 4] [--delay-ms 20] [--jitter-ms 1] [--mbit 100] [--tokens 64]
+                               [-k 6] [--depth 4] [--ngram-k 8] [--repeats 1] [--quick]
 
 A bootstrap, ``--peers`` compute peers (``shardnet join``, separate processes, the shipped
 tiny-llama split evenly) and the client each sit behind a WAN emulator (bench/wan_emulator.py):
@@ -9,9 +9,11 @@ every node announces its proxy's address, so every connection crosses one emulat
 given one-way delay, jitter and bandwidth cap in each direction. A ring traversal (client ->
 peer 1 -> ... -> peer n -> client) crosses n + 1 edges: about 100 ms with 4 peers at 20 ms.
 
-Alternating runs (greedy, same prompt) measure: plain decode; speculative decode with the
-shipped draft model and with the n-gram drafter (one verify chunk at a time); and both with
-``--depth`` verify chunks in flight. Per mode: tok/s, the ratio to plain, tokens gained per
+Alternating runs (greedy, the same ``PROMPTS``: eight of three kinds, code, prose and chat)
+measure: plain decode; speculative decode with the shipped draft model, the n-gram drafter and
+the suffix drafter (one verify chunk at a time); and each with ``--depth`` verify chunks in
+flight. The figures of a mode are over all prompts: tok/s is the median over runs of one prompt
+each. Per mode: tok/s, the ratio to plain, tokens gained per
 traversal, the share of drafts accepted, the share of chunks sent that went stale, and the
 analytical ceiling (shardnet/inference/client/throughput.py, docs/performance.md) with the share of it
 reached. The ceiling is what the mode's own acceptance outcomes would give if a chunk's trip cost
@@ -35,19 +37,31 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import trio  # noqa: E402
 
-from bench._common import bench_parser, print_table, ratio  # noqa: E402
+from bench._common import bench_parser, print_table, progress, ratio  # noqa: E402
 from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.inference.model.layout import split_layers  # noqa: E402
 from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter, SpeculationStats  # noqa: E402
+from shardnet.inference.client.suffix_drafter import SuffixDrafter  # noqa: E402
 from shardnet.inference.client.throughput import ceiling  # noqa: E402
 from shardnet.testing.localswarm import ShardnetProcess, free_port, stop_processes  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
 
-PROMPT = "def __init__(self, name):\n        self.name = name\n        self."
+#: (kind, prompt): what users bring. The shipped tiny-llama learned code; prose and chat show
+#: what the drafters make of text it continues less predictably.
+PROMPTS = [
+    ("code", "def __init__(self, name):\n        self.name = name\n        self."),
+    ("code", "import os\nimport sys\n\ndef main():\n    "),
+    ("code", "class Parser:\n    def parse(self, text):\n        "),
+    ("code", "    for i in range(len(items)):\n        if "),
+    ("prose", "The history of the city begins in the twelfth century, when the first"),
+    ("prose", "In this paper we study how a network of small computers can share"),
+    ("chat", "User: How do I read a file line by line in Python?\nAssistant:"),
+    ("chat", "User: What is the difference between a list and a tuple?\nAssistant:"),
+]
 #: the SpeculationStats fields that add up over runs
 SUMMED = ("chunks", "verified", "stale", "carried", "drafted", "accepted", "tokens", "draft_s", "wait_s",
           "round_trip_s")
@@ -61,7 +75,8 @@ class Mode:
     depth: int
     rates: list[float] = field(default_factory=list)
     stats: list[SpeculationStats] = field(default_factory=list)
-    ids: list[list[int]] = field(default_factory=list)
+    #: (prompt index, the tokens generated) per run
+    ids: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def total(self, attr: str) -> float:
         return sum(getattr(s, attr) for s in self.stats)
@@ -113,9 +128,17 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
             modes = [Mode("plain decode", None, 0, 1),
                      Mode(f"speculative, draft model, k={args.k}", draft, args.k, 1),
                      Mode(f"speculative, n-gram, k={args.ngram_k}", ngram, args.ngram_k, 1),
+                     Mode(f"speculative, suffix, k={args.ngram_k}", SuffixDrafter, args.ngram_k, 1),
                      Mode(f"pipelined, draft model, k={args.k}, depth {args.depth}", draft, args.k, args.depth),
                      Mode(f"pipelined, n-gram, k={args.ngram_k}, depth {args.depth}", ngram, args.ngram_k,
+                          args.depth),
+                     Mode(f"pipelined, suffix, k={args.ngram_k}, depth {args.depth}", SuffixDrafter, args.ngram_k,
                           args.depth)]
+            prompts = PROMPTS[:args.prompts]
+
+            def drafter_for(m: Mode):
+                return m.drafter() if m.drafter is SuffixDrafter else m.drafter  # a suffix drafter per generation
+
             cfg = NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{real}"], announce=[f"/ip4/127.0.0.1/tcp/{pub}"],
                              bootstrap=[boot_addr], dht_mode="client", low_watermark=0)
             async with open_node(cfg) as node:
@@ -124,16 +147,19 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                 route = await client.planner.find_route()
                 ping = await node.ping(route[0].peer)  # shows the emulated edge: ~2 x delay
                 for m in modes:  # warm-up: connections along the ring, lazy initialisation
-                    [t async for t in client.generate(PROMPT, max_new_tokens=8, stop_at_eos=False,
-                                                      drafter=m.drafter, k=m.k, depth=m.depth)]
-                for _ in range(args.repeats):
-                    for m in modes:
-                        m.ids.append([t.id async for t in client.generate(
-                            PROMPT, max_new_tokens=args.tokens, stop_at_eos=False, drafter=m.drafter, k=m.k,
-                            depth=m.depth)])
-                        st = client.last_stats
-                        m.rates.append(st.tokens_per_s)
-                        m.stats.append(st.speculation)
+                    [t async for t in client.generate(prompts[0][1], max_new_tokens=8, stop_at_eos=False,
+                                                      drafter=drafter_for(m), k=m.k, depth=m.depth)]
+                for r in range(args.repeats):
+                    for i, (kind, prompt) in enumerate(prompts):
+                        progress(f"run {r + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)} ({kind})",
+                                 bench="wan_decode")
+                        for m in modes:
+                            m.ids.append((i, [t.id async for t in client.generate(
+                                prompt, max_new_tokens=args.tokens, stop_at_eos=False, drafter=drafter_for(m), k=m.k,
+                                depth=m.depth)]))
+                            st = client.last_stats
+                            m.rates.append(st.tokens_per_s)
+                            m.stats.append(st.speculation)
         finally:
             stop_processes(procs)
             nursery.cancel_scope.cancel()
@@ -201,15 +227,19 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
         acc = f"{total.acceptance:.0%}" if total.drafted else "-"
         rows.append([m.name, f"{rate:.2f}", ratio(rate, plain), f"{total.tokens_per_traversal:.2f}", acc,
                      f"{total.stale / max(1, total.chunks):.0%}", f"{top:.2f}", f"{rate / top:.0%}"])
-    print_table(f"{args.tokens} greedy tokens x {args.repeats} runs per mode, alternating; medians",
+    kinds = sorted({kind for kind, _ in PROMPTS[:args.prompts]})
+    print_table(f"{args.tokens} greedy tokens x {args.prompts} prompts ({', '.join(kinds)}) x {args.repeats} runs "
+                "per mode, alternating; tok/s: median over runs",
                 ["mode", "tok/s", "x plain", "tok/trav", "accepted", "stale", "ceiling", "reached"], rows)
-    same = all(ids == modes[0].ids[0] for m in modes for ids in m.ids)
+    plain_ids = dict(modes[0].ids)
+    same = all(ids == plain_ids[i] for m in modes for i, ids in m.ids)
     print(f"greedy output identical in every mode and run: {same}")
     print("ceiling: shardnet/inference/client/throughput.py over each mode's own acceptance outcomes, with the WAN")
     print("delays above plus compute measured in this process per chunk: " + ", ".join(
         f"{n} position{'s' if n > 1 else ''} {c[0] * 1e3:.1f} ms chain + {c[1] * 1e3:.1f} ms client"
-        for n, c in sorted(compute.items())) + f"; drafting {modes[1].name.split(', ')[1]}: "
-        f"{modes[1].total('draft_s') / modes[1].total('chunks') * 1e3:.1f} ms per chunk")
+        for n, c in sorted(compute.items())) + "; drafting per chunk: " + ", ".join(
+        f"{m.name.split(', ')[1]} {m.total('draft_s') / m.total('chunks') * 1e3:.2f} ms"
+        for m in modes if m.name.startswith("speculative")))
 
 
 def main() -> None:
@@ -220,14 +250,15 @@ def main() -> None:
     p.add_argument("--delay-ms", type=float, default=20.0)
     p.add_argument("--jitter-ms", type=float, default=1.0)
     p.add_argument("--mbit", type=float, default=100.0)
-    p.add_argument("--tokens", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
     p.add_argument("-k", type=int, default=6, help="drafts per chunk for the draft model")
     p.add_argument("--ngram-k", type=int, default=8, help="drafts per chunk for the n-gram drafter")
     p.add_argument("--depth", type=int, default=4, help="verify chunks in flight for the pipelined rows")
     args = p.parse_args()
     if args.quick:
-        args.peers, args.delay_ms, args.tokens, args.repeats = 2, 5.0, 8, 1
+        args.peers, args.delay_ms, args.tokens, args.repeats, args.prompts = 2, 5.0, 8, 1, 2
         args.k, args.ngram_k, args.depth = 2, 2, 2
     logging.disable(logging.CRITICAL)
     import tempfile

@@ -41,8 +41,10 @@ from .common import (
 @click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True,
               help="Compute dtype; auto: the one the checkpoint stores.")
 @click.option("--route-timeout", default=30.0, show_default=True, help="Seconds to wait for peers covering the model.")
-@click.option("--speculate", type=click.Choice(["none", "draft", "ngram"]), default="none", show_default=True,
-              help="Speculative decoding with a local draft model or prompt lookup (lossless, any sampling).")
+@click.option("--speculate", type=click.Choice(["none", "draft", "suffix", "ngram"]), default="none",
+              show_default=True,
+              help="Speculative decoding (lossless, any sampling) with a local draft model, or model-free: "
+                   "suffix matching over the text (suffix) or the latest n-gram (ngram).")
 @click.option("--draft", "draft_path", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Draft checkpoint for --speculate draft (default: the shipped tiny-llama-draft).")
 @click.option("-k", "draft_k", default=4, show_default=True, help="Drafted tokens verified per traversal.")
@@ -66,6 +68,7 @@ def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_pa
     """Generate text from PROMPT through the swarm; print tokens as they arrive."""
     from shardnet.inference.client.client import Client
     from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter
+    from shardnet.inference.client.suffix_drafter import SuffixDrafter
     from shardnet.transport import open_node
 
     path = local_model(model_path, download=not bootstrap and not mdns)
@@ -88,6 +91,8 @@ def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_pa
                                            cache_dir=cache_dir)
             if speculate == "ngram":
                 drafter = NGramDrafter()
+            elif speculate == "suffix":
+                drafter = SuffixDrafter()
             elif speculate == "draft":
                 from shardnet.models import default_draft_path
 

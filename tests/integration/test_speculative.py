@@ -11,6 +11,7 @@ from shardnet.inference.client.speculative import (
     NGramDrafter,
     accept_greedy,
 )
+from shardnet.inference.client.suffix_drafter import SuffixDrafter
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.model.local_session import LocalSession
 from shardnet.inference.server.compute_peer import serve_block
@@ -45,13 +46,21 @@ def test_model_drafter_follows_the_accepted_text():
     assert longer[:2] == first[2:4]  # greedy: the continuation of an accepted prefix is unchanged
 
 
-@pytest.mark.parametrize("drafter_kind,k", [("ngram", 1), ("ngram", 4), ("model", 1), ("model", 3), ("model", 6)])
+def drafter_of_kind(kind: str, model: LocalModel):
+    if kind == "ngram":
+        return NGramDrafter()
+    if kind == "suffix":
+        return SuffixDrafter()
+    return ModelDrafter(default_draft_path(), vocab_size=model.ckpt.config.vocab_size)
+
+
+@pytest.mark.parametrize("drafter_kind,k", [("ngram", 1), ("ngram", 4), ("suffix", 4), ("model", 1), ("model", 3),
+                                            ("model", 6)])
 async def test_speculative_greedy_equals_plain_greedy(loopback_config, reference, drafter_kind, k):
     path = default_model_path()
     async with local_chain(loopback_config, path, [(0, 4), (4, 8)]) as node:
         model = LocalModel(path)
-        drafter = NGramDrafter() if drafter_kind == "ngram" else ModelDrafter(default_draft_path(),
-                                                                               vocab_size=model.ckpt.config.vocab_size)
+        drafter = drafter_of_kind(drafter_kind, model)
         client = Client(node, model)
         got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
                                                     drafter=drafter, k=k)]
@@ -227,13 +236,12 @@ def _as_message(dtype, shape, payload):
 
 
 @pytest.mark.parametrize("drafter_kind,k,depth", [("ngram", 2, 2), ("model", 1, 3), ("model", 3, 2),
-                                                  ("model", 4, 4), ("ngram", 4, 3)])
+                                                  ("model", 4, 4), ("ngram", 4, 3), ("suffix", 4, 3)])
 async def test_pipelined_verify_chunks_keep_greedy_output(loopback_config, reference, drafter_kind, k, depth):
     path = default_model_path()
     async with local_chain(loopback_config, path, [(0, 3), (3, 5), (5, 8)]) as node:
         model = LocalModel(path)
-        drafter = NGramDrafter() if drafter_kind == "ngram" else ModelDrafter(default_draft_path(),
-                                                                               vocab_size=model.ckpt.config.vocab_size)
+        drafter = drafter_of_kind(drafter_kind, model)
         client = Client(node, model)
         got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
                                                     drafter=drafter, k=k, depth=depth)]

@@ -63,14 +63,17 @@ MULTI_PROCESS = {
         r"^mode +tok/s +x plain +tok/trav +accepted +stale +ceiling +reached$",
         *(rf"^{re.escape(mode)} +{NUM} +{NUM}x +{NUM} +(-|\d+%) +\d+% +{NUM} +\d+%$"
           for mode in ("plain decode", "speculative, draft model, k=2", "speculative, n-gram, k=2",
-                       "pipelined, draft model, k=2, depth 2", "pipelined, n-gram, k=2, depth 2")),
+                       "speculative, suffix, k=2", "pipelined, draft model, k=2, depth 2",
+                       "pipelined, n-gram, k=2, depth 2", "pipelined, suffix, k=2, depth 2")),
         r"^greedy output identical in every mode and run: True$",
         r"^delays above plus compute measured in this process per chunk: 1 position "]),
     "pipeline_decode.py": (["--quick"], [
         r"^model tiny-llama: 8 layers over 2 peers", rf"^decode \(tok/s\) +{NUM} +{NUM} +{NUM}",
         rf"^time per token \(ms\) +{NUM} +{NUM}$", rf"^per-hop overhead: {NUM} ms over 3 network hops",
         rf"^speculative through the chain \(draft tiny-llama-draft, k=4\): {NUM} tok/s",
-        r"^greedy tokens identical to transformers \(plain and speculative\): True$"]),
+        r"^greedy tokens identical to transformers \(plain and speculative\): True$",
+        r"^CPU per token over the plain chain runs \(8 tokens\), ms$", r"^process +CPU +compute +overhead$",
+        *(rf"^{who} +{NUM} +{NUM} +{NUM}$" for who in ("peer 1", "peer 2", "client"))]),
     "honest_compute.py": (["--quick"], [
         r"^8 tokens per request, 1 rounds, medians:$",
         *(rf"^  {re.escape(mode)} +{NUM} tok/s +\({NUM}x of off\)" for mode in ("off", "receipts")),

@@ -16,6 +16,7 @@ than what they hold).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +66,7 @@ class NGramDrafter:
     def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
                vocab_size: int) -> tuple[list[int], torch.Tensor]:
         # A lookup is deterministic: its distribution is a point mass on each proposed token.
-        tokens = [t for t in self.propose(ids, k) if t < vocab_size]
+        tokens = list(itertools.takewhile(lambda t: t < vocab_size, self.propose(ids, k)))  # a chain: cut, not skipped
         q = torch.zeros(len(tokens), vocab_size)
         if tokens:
             q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0

@@ -1,0 +1,230 @@
+"""Suffix drafting: a model-free drafter that continues the text the way it continued before.
+
+After SuffixDecoding (Oliaro et al., arXiv 2411.04975). Every substring of at most ``depth``
+tokens of the session's text (prompt and output so far), and optionally of earlier outputs of
+the same model (a ``SuffixCache`` shared by a gateway's sessions), is counted in a suffix trie.
+To draft, the drafter finds the longest suffix of the text that occurred before with something
+after it, and follows the most frequent continuation, token by token, while the share of
+earlier occurrences that continued that way stays at least ``min_share`` of the path's.
+
+Against the n-gram lookup it replaces as the default model-free drafter (``NGramDrafter``: the
+latest earlier occurrence of the last 1-3 tokens): the match is as long as the text allows (up
+to ``depth``), so a repeated phrase is told from a token that merely occurred before, and where
+the text went several ways the drafter takes the way it went most often, not the latest.
+
+The trie grows online: each new token extends the suffixes ending before it (``depth`` dict
+steps per token), so a 4,000-token prompt costs ~``depth`` x 4,000 steps once, and each
+draft a match (at most ``depth`` walks of at most ``depth`` steps) and ``k`` steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+import torch
+
+from shardnet.inference.client.sampling import Randomness, SamplingParams
+
+#: the longest substring counted (and so the longest match): SuffixDecoding's trees go to 64;
+#: a match of 24 tokens already names a repeat, and each token costs ``depth`` dict steps
+DEFAULT_DEPTH = 24
+#: stop drafting where the continuation taken was seen in fewer than this share of the path's
+#: earlier occurrences (SuffixDecoding scores a draft by such empirical probabilities)
+DEFAULT_MIN_SHARE = 0.2
+
+
+class _Node:
+    __slots__ = ("count", "last", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last = -1  # where the substring's latest occurrence ended (tokens fed before it)
+        self.children: dict[int, _Node] = {}
+
+
+class SuffixTrie:
+    """Counts of every substring of at most ``depth`` tokens of the sequences fed to it. With
+    ``undo``, the last sequence's tokens can be taken back (``truncate``): a drafter asked about
+    a text whose unverified drafts were rejected forgets them."""
+
+    def __init__(self, depth: int = DEFAULT_DEPTH, *, undo: bool = False) -> None:
+        if depth < 2:
+            raise ValueError(f"suffix trie depth {depth}: at least 2 (a token and what follows it)")
+        self.depth = depth
+        self.root = _Node()
+        self.tokens = 0  # tokens fed, all sequences together
+        self._open: list[_Node] = []  # nodes of the suffixes ending at the last token fed
+        #: per token of the current sequence (with undo): the (parent, token, node, node's last
+        #: before) it counted in
+        self._steps: list[list[tuple[_Node, int, _Node, int]]] | None = [] if undo else None
+
+    def start(self) -> None:
+        """A new sequence begins: nothing fed before continues into it."""
+        self._open = []
+        if self._steps is not None:
+            self._steps = []
+
+    def feed(self, tokens) -> None:
+        depth, root, steps = self.depth, self.root, self._steps
+        opened = self._open
+        for t in tokens:
+            nxt = []
+            counted = []
+            for node in (root, *opened[:depth - 1]):
+                child = node.children.get(t)
+                if child is None:
+                    child = node.children[t] = _Node()
+                child.count += 1
+                counted.append((node, t, child, child.last))
+                child.last = self.tokens
+                nxt.append(child)
+            opened = nxt
+            self.tokens += 1
+            if steps is not None:
+                steps.append(counted)
+        self._open = opened
+
+    def __len__(self) -> int:
+        """Tokens of the current sequence (with undo)."""
+        return len(self._steps) if self._steps is not None else 0
+
+    def truncate(self, n: int) -> None:
+        """Take back the current sequence's tokens after its first ``n`` (with undo)."""
+        steps = self._steps
+        if steps is None:
+            raise ValueError("this suffix trie keeps no undo steps")
+        while len(steps) > n:
+            for parent, t, child, last in reversed(steps.pop()):
+                child.count -= 1
+                child.last = last
+                if child.count == 0:
+                    del parent.children[t]
+            self.tokens -= 1
+        self._open = [child for _, _, child, _ in steps[-1]] if steps else []
+
+    def match(self, ids: list[int]) -> tuple[int, _Node | None]:
+        """The longest suffix of ``ids`` (at most ``depth`` - 1 tokens) that occurred with a
+        continuation: its length and its node; (0, None) where even the last token never went
+        on. Occurring with a continuation is suffix-closed (a shorter suffix went on wherever a
+        longer one did), so the longest is found by bisection."""
+        lo, hi, best = 1, min(len(ids), self.depth - 1), None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            node = self._walk(ids[len(ids) - mid:])
+            if node is not None and node.children:
+                best, lo = (mid, node), mid + 1
+            else:
+                hi = mid - 1
+        return best if best is not None else (0, None)
+
+    def _walk(self, seq) -> _Node | None:
+        node = self.root
+        for t in seq:
+            node = node.children.get(t)
+            if node is None:
+                return None
+        return node
+
+
+class SuffixCache:
+    """Earlier outputs of one model, shared by the sessions that opt in (a gateway's, say): the
+    last ``max_tokens`` tokens of them, counted in a suffix trie rebuilt from what is kept when
+    it holds twice that."""
+
+    def __init__(self, max_tokens: int = 200_000, depth: int = DEFAULT_DEPTH) -> None:
+        self.max_tokens, self.depth = max_tokens, depth
+        self._outputs: deque[list[int]] = deque()
+        self._kept = 0
+        self.trie = SuffixTrie(depth)
+
+    def add(self, tokens: list[int]) -> None:
+        """One finished output (its prompt left out: prompts are the session's own)."""
+        if not tokens:
+            return
+        self._outputs.append(list(tokens))
+        self._kept += len(tokens)
+        while self._kept > self.max_tokens and len(self._outputs) > 1:
+            self._kept -= len(self._outputs.popleft())
+        if self.trie.tokens + len(tokens) > 2 * self.max_tokens:
+            self.trie = SuffixTrie(self.depth)
+            for out in self._outputs:
+                self.trie.start()
+                self.trie.feed(out)
+        else:
+            self.trie.start()
+            self.trie.feed(tokens)
+
+
+class SuffixDrafter:
+    """Drafts by suffix match over the session's text (and a shared ``SuffixCache``, if given).
+    One drafter per generation: it follows the text it is asked about (the accepted text and the
+    drafts still in flight), feeding what is new since its last call and taking back what is no
+    longer there (drafts rejected since)."""
+
+    name = "suffix"
+
+    def __init__(self, *, depth: int = DEFAULT_DEPTH, min_share: float = DEFAULT_MIN_SHARE,
+                 cache: SuffixCache | None = None) -> None:
+        self.depth, self.min_share, self.cache = depth, min_share, cache
+        self.trie = SuffixTrie(depth, undo=True)
+        self._seen: list[int] = []  # the text the trie holds, in order
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        if k <= 0 or not ids:
+            return []
+        self._follow(ids)
+        best: list[int] = []
+        for trie in (self.trie, self.cache.trie if self.cache is not None else None):
+            if trie is None:
+                continue
+            length, node = trie.match(ids)
+            if node is None:
+                continue
+            drafts = self._continue(node, k)
+            if len(drafts) > len(best):
+                best = drafts
+        return best
+
+    def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
+               vocab_size: int) -> tuple[list[int], torch.Tensor]:
+        # Deterministic given the text: a point mass on each proposed token (lossless: a draft
+        # the target would not draw is rejected with the target's residual drawn instead).
+        tokens = list(itertools.takewhile(lambda t: t < vocab_size, self.propose(ids, k)))  # a chain: cut, not skipped
+        q = torch.zeros(len(tokens), vocab_size)
+        if tokens:
+            q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+        return tokens, q
+
+    def _continue(self, node: _Node, k: int) -> list[int]:
+        out: list[int] = []
+        share = 1.0
+        while len(out) < k and node.children:
+            # the most frequent continuation; of equally frequent ones the latest (text repeats
+            # what it said last more often than what it said first: measured, docs/benchmarks.md)
+            token, child = max(node.children.items(), key=lambda kv: (kv[1].count, kv[1].last))
+            share *= child.count / max(1, sum(c.count for c in node.children.values()))
+            if share < self.min_share and out:
+                break
+            out.append(token)
+            node = child
+        return out
+
+    def _follow(self, ids: list[int]) -> None:
+        """Make the trie hold ``ids``: keep the prefix it shares with what it holds, take back
+        the rest (rejected drafts), feed what is new."""
+        seen = self._seen
+        n = len(seen)
+        if len(ids) < n or ids[:n] != seen:
+            lo, hi = 0, min(n, len(ids))  # the longest common prefix, by bisection on C-speed compares
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if ids[:mid] == seen[:mid]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            self.trie.truncate(lo)
+            del seen[lo:]
+            n = lo
+        self.trie.feed(ids[n:])
+        seen.extend(ids[n:])

@@ -1,0 +1,100 @@
+"""The suffix drafter: longest match, most frequent continuation, drafts taken back when rejected."""
+
+import random
+
+import pytest
+import torch
+
+from shardnet.inference.client.sampling import Randomness, SamplingParams
+from shardnet.inference.client.speculative import NGramDrafter
+from shardnet.inference.client.suffix_drafter import SuffixCache, SuffixDrafter, SuffixTrie
+
+
+def counts(trie: SuffixTrie) -> dict[tuple[int, ...], int]:
+    out: dict[tuple[int, ...], int] = {}
+    stack = [((), trie.root)]
+    while stack:
+        path, node = stack.pop()
+        for t, child in node.children.items():
+            out[path + (t,)] = child.count
+            stack.append((path + (t,), child))
+    return out
+
+
+def test_the_longest_match_wins_over_the_latest_short_one():
+    text = [1, 2, 3, 4, 5, 6, 7, 0, 3, 4, 5, 9, 8, 2, 3, 4, 5]
+    assert SuffixDrafter().propose(text, 2) == [6, 7]  # "2 3 4 5" went on with 6 7
+    assert NGramDrafter().propose(text, 2) == [9, 8]  # the latest "3 4 5" went on with 9
+
+
+def test_the_most_frequent_continuation_wins_over_the_latest():
+    text = [7, 8, 1, 7, 8, 1, 7, 8, 2, 7, 8]  # "2 7 8" is new; "7 8" went on with 1 twice, then 2
+    assert SuffixDrafter().propose(text, 1) == [1]
+    assert NGramDrafter().propose(text, 1) == [2]
+
+
+def test_drafting_stops_where_the_text_went_many_ways():
+    text = [5, 6, 1, 5, 6, 2, 5, 6, 3, 5, 6, 4, 5, 6]  # after "5 6": four ways, a quarter each
+    assert SuffixDrafter(min_share=0.5).propose(text, 3) == [4]  # the first draft is always made (the latest)
+    assert SuffixDrafter(min_share=0.2).propose(text, 3) == [4, 5, 6]
+
+
+def test_nothing_to_continue_proposes_nothing():
+    d = SuffixDrafter()
+    assert d.propose([1, 2, 3], 4) == []
+    assert d.propose([], 4) == []
+    assert d.propose([1, 2, 1], 0) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rejected_drafts_are_taken_back_exactly(seed):
+    """Asked about texts that share ever-changing prefixes (accepted text plus drafts in flight,
+    then drafts rejected), the trie holds what a fresh one built from the last text holds."""
+    rng = random.Random(seed)
+    d = SuffixDrafter(depth=6)
+    text = [rng.randrange(5) for _ in range(40)]
+    for _ in range(30):
+        keep = rng.randrange(len(text) // 2, len(text) + 1)
+        text = text[:keep] + [rng.randrange(5) for _ in range(rng.randrange(0, 8))]
+        d.propose(text, 3)
+        fresh = SuffixTrie(6)
+        fresh.feed(text)
+        assert counts(d.trie) == counts(fresh)
+        assert len(d.trie) == len(text)
+
+
+def test_a_shared_cache_drafts_what_earlier_outputs_said():
+    cache = SuffixCache(max_tokens=100)
+    cache.add([40, 41, 42, 43, 44])
+    d = SuffixDrafter(cache=cache)
+    assert d.propose([9, 9, 41, 42], 2) == [43, 44]
+    assert SuffixDrafter().propose([9, 9, 41, 42], 2) == []
+
+
+def test_the_shared_cache_keeps_its_last_outputs_within_its_size():
+    cache = SuffixCache(max_tokens=10, depth=4)
+    for i in range(50):
+        cache.add([100 + i, 1, 2, 3])
+    assert cache.trie.tokens <= 2 * 10 + 4
+    assert SuffixDrafter(cache=cache).propose([7, 149, 1], 2) == [2, 3]
+    assert SuffixDrafter(cache=cache).propose([7, 100, 1], 2) == [2, 3]  # (1 2 3 is everywhere)
+    assert counts(cache.trie).get((100,)) is None  # the first outputs are gone
+
+
+def test_sampling_drafts_are_point_masses_within_the_vocabulary():
+    d = SuffixDrafter()
+    tokens, q = d.sample([3, 4, 99, 3, 4], 2, SamplingParams(temperature=0.8), Randomness(0), vocab_size=50)
+    assert tokens == [] and q.shape == (0, 50)  # 99 is past the vocabulary: nothing after it drafted
+    tokens, q = d.sample([3, 4, 5, 3, 4], 2, SamplingParams(temperature=0.8), Randomness(0), vocab_size=50)
+    assert tokens == [5, 3]
+    assert torch.equal(q.sum(-1), torch.ones(2)) and q[0, 5] == 1 and q[1, 3] == 1
+
+
+def test_depth_below_two_is_refused():
+    with pytest.raises(ValueError, match="at least 2"):
+        SuffixTrie(1)
+
+
+def test_of_equally_frequent_continuations_the_latest_wins():
+    text = [7, 8, 1, 0, 7, 8, 2, 0, 7, 8]
+    assert SuffixDrafter().propose(text, 1) == [2]
