@@ -67,6 +67,14 @@ GATHER_QUIET = 2
 GATHER_ROUNDS = 32
 #: a session counts as decoding here while it had a short step in one of the last this many passes
 ACTIVE_PASSES = 4
+#: a pass of at most this many tokens on a CPU block runs on the event loop's thread instead of
+#: a worker thread. The hand-off to a worker and back (a job queued, a thread woken, the loop
+#: woken through its socket, the GIL passed each way) costs ~120 us of CPU per call on this
+#: machine; side by side, decoding through 2 peers took 0.2-0.45 ms less CPU per token at each
+#: peer with it (of ~2.2 ms of overhead; docs/performance.md, "CPU per hop"), the loop having
+#: little else to do while a CPU peer computes one pass at a time. Longer passes (prompts), and
+#: every pass on a GPU (its kernels overlap the loop's work), keep the worker thread.
+INLINE_PASS_TOKENS = 16
 
 
 @dataclass(eq=False)
@@ -221,7 +229,8 @@ class BlockScheduler:
             # shielded: once the caches are being extended, every step of the pass gets its output
             with trio.CancelScope(shield=True):
                 try:
-                    outs = await trio.to_thread.run_sync(self._pass_fn(batch))
+                    run = self._pass_fn(batch)
+                    outs = run() if self._inline(batch) else await trio.to_thread.run_sync(run)
                 except Exception as e:  # every step of the pass fails with it
                     outs = None
                     for s, _ in batch:
@@ -276,6 +285,11 @@ class BlockScheduler:
         waiting = {id(s.cache) for s in self._short.steps() if s.pipelined}
         active = len(waiting | self._decoding.keys())
         return max(1, -(-active // 2)) if active >= 2 else 1 << 30
+
+    def _inline(self, batch: list[tuple[_Step, int]]) -> bool:
+        """Whether the pass runs on the event loop's thread (``INLINE_PASS_TOKENS``)."""
+        device = str(getattr(self.block, "device", "cpu"))
+        return device == "cpu" and sum(n for _, n in batch) <= INLINE_PASS_TOKENS
 
     def _pass_fn(self, batch: list[tuple[_Step, int]]) -> Callable[[], list[torch.Tensor]]:
         step, n = batch[0]

@@ -25,6 +25,10 @@ class FakeBlock:
     test to let it end (``allow``, ``open``: a test acts while a pass runs); a pass holding a cache
     named in ``fail`` raises."""
 
+    #: not "cpu": every pass runs in a worker thread (scheduler.INLINE_PASS_TOKENS), where the test
+    #: can hold it while it acts
+    device = "fake"
+
     def __init__(self, fail: tuple[str, ...] = ()):
         self.passes: list[tuple[str, list[tuple[str, int]]]] = []
         self.running, self.fail = threading.Event(), fail
@@ -314,3 +318,26 @@ async def test_decoding_sessions_of_multi_stage_chains_go_half_a_pass_each():
     off.split = False  # (SHARDNET_SPLIT_PASSES=0)
     await hand_in_burst(off, [("up", FakeCache(f"s{i}", 10), 1) for i in range(8)], pipelined=True)
     assert off.block.names() == [[f"s{i}" for i in range(8)]]
+
+
+async def test_short_passes_on_a_cpu_block_run_on_the_event_loops_thread():
+    """A decode step (a few tokens) on a CPU block is computed on the loop's thread: a worker
+    thread's hand-off costs more than it saves there; a prompt's pass, or any on another device,
+    goes to a worker thread."""
+    from shardnet.inference.server.scheduler import INLINE_PASS_TOKENS
+
+    class ThreadRecordingBlock:
+        def __init__(self, device):
+            self.device, self.threads = device, []
+
+        def forward(self, hidden, cache, pos):
+            self.threads.append(threading.current_thread() is threading.main_thread())
+            cache.length = pos + hidden.shape[1]
+            return hidden.clone()
+
+    for device, inline in (("cpu", True), ("cuda:0", False)):
+        block = ThreadRecordingBlock(device)
+        sched = BlockScheduler(block)
+        await sched.forward("p", torch.zeros(1, INLINE_PASS_TOKENS + 1, 4), FakeCache("a"), 0)
+        await sched.forward("p", torch.zeros(1, 1, 4), FakeCache("a", INLINE_PASS_TOKENS + 1), INLINE_PASS_TOKENS + 1)
+        assert block.threads == [False, inline], device
