@@ -15,7 +15,8 @@ Prints decode tokens/s for each (prefill excluded), the ratio, and the per-hop o
 crosses (client -> first peer -> ... -> last peer -> client).
 
 And what a token costs in CPU over the plain chain runs: each peer process's CPU time
-(/proc/PID/stat) and this process's (``time.process_time``, every thread) per token, against
+(/proc/PID/stat) and this process's (``time.process_time``, every thread) per decoded token
+(less what a 1-token run costs: the session's opening, the prefill, the first token), against
 the computation alone, measured here after the runs (each peer's block forward for one position
 at the run's context; the client's embedding and head): the rest is each hop's overhead
 (framing, encryption, scheduling, (de)serialization, receipts).
@@ -107,13 +108,20 @@ def main() -> None:
                 await node.wait_bootstrapped(30)
                 client = Client(node, model, audit_rate=0)  # decode alone (see honest_compute.py)
                 await chain_decode(client, ids, 4)  # warm-up: route, connections
+                # what a run costs besides its decoded tokens (the session's opening, the prefill,
+                # the first token), taken out of the per-token CPU figures below
+                before, c0 = [cpu_seconds(pid) for pid in peer_pids], time.process_time()
+                await chain_decode(client, ids, 1)
+                cpu["fixed_client"] = time.process_time() - c0
+                cpu["fixed_peers"] = [cpu_seconds(pid) - b for pid, b in zip(peer_pids, before)]
                 for _ in range(args.repeats):
                     t_local, want = local_decode(ref, ids, args.tokens)
                     before, c0 = [cpu_seconds(pid) for pid in peer_pids], time.process_time()
                     t_chain, got = await chain_decode(client, ids, args.tokens)
-                    cpu["client"] += time.process_time() - c0
-                    cpu["peers"] = [t + cpu_seconds(pid) - b for t, pid, b in zip(cpu["peers"], peer_pids, before)]
-                    cpu["tokens"] += args.tokens
+                    cpu["client"] += time.process_time() - c0 - cpu["fixed_client"]
+                    cpu["peers"] = [t + cpu_seconds(pid) - b - f for t, pid, b, f
+                                    in zip(cpu["peers"], peer_pids, before, cpu["fixed_peers"])]
+                    cpu["tokens"] += args.tokens - 1
                     t_spec, got_spec = await chain_decode(client, ids, args.tokens, drafter=drafter, k=args.k)
                     sp = client.last_stats.speculation
                     local.append(t_local)
@@ -179,7 +187,8 @@ def report_cpu(cpu: dict, compute) -> None:
             for i, (t, c) in enumerate(zip(cpu["peers"], blocks))]
     client = cpu["client"] / n
     rows.append(["client", f"{client * 1e3:.2f}", f"{head * 1e3:.2f}", f"{(client - head) * 1e3:.2f}"])
-    print_table(f"CPU per token over the plain chain runs ({n} tokens), ms", ["process", "CPU", "compute", "overhead"],
+    print_table(f"CPU per token over the plain chain runs ({n} tokens after each run's first), ms",
+                ["process", "CPU", "compute", "overhead"],
                 rows)
 
 

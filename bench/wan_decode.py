@@ -252,7 +252,8 @@ def main() -> None:
     p.add_argument("--mbit", type=float, default=100.0)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
+    p.add_argument("--prompts", type=int, choices=range(1, len(PROMPTS) + 1), default=len(PROMPTS), metavar="N",
+                   help=f"how many of the {len(PROMPTS)} prompts (1-{len(PROMPTS)})")
     p.add_argument("-k", type=int, default=6, help="drafts per chunk for the draft model")
     p.add_argument("--ngram-k", type=int, default=8, help="drafts per chunk for the n-gram drafter")
     p.add_argument("--depth", type=int, default=4, help="verify chunks in flight for the pipelined rows")

@@ -1,6 +1,6 @@
 """Train shardnet's embedded default models, reproducibly, on an offline corpus.
 
-    python tools/train_default_model.py [--steps 600] [--out shardnet/models]
+    python -m tools.train_default_model [--steps 600] [--out shardnet/models]
 
 Corpus: the top-level modules of the Python standard library of the running interpreter (always
 present, no download). Tokenizer: byte-level BPE (2,048 tokens) trained with ``tokenizers``.
@@ -15,31 +15,28 @@ Models, Llama architecture, sharing the tokenizer:
 
 Both are trained with the same seeded data order and saved in Hugging Face format (config.json,
 model.safetensors in float16, tokenizer.json), small enough to ship in the repository.
-``--draft-only`` distills a new draft from the shipped target without touching it.
+``--draft-only`` distills a new draft from the shipped target without touching it. The
+distillation itself is ``shardnet/inference/model/distill.py``'s (``shardnet model distill-draft``
+runs it on any target).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
-import sysconfig
-import time
 from pathlib import Path
 
 import torch
 
-SEED = 1234
+from shardnet.inference.model.distill import SEED, batches, distill, fit
+from shardnet.inference.model.distill import stdlib_corpus as corpus_text
+
 VOCAB = 2048
-SEQ = 128
-BATCH = 32
 
 
-def corpus_text() -> str:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.glob("*.py") if not p.name.startswith("_"))
-    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
+def say(line: str) -> None:
+    print(line, flush=True)
 
 
 def train_tokenizer(text: str):
@@ -66,35 +63,6 @@ def make_model(layers: int):
     return LlamaForCausalLM(cfg)
 
 
-def batches(ids: torch.Tensor, steps: int, rng: random.Random):
-    n = len(ids) - SEQ - 1
-    for _ in range(steps):
-        starts = [rng.randrange(n) for _ in range(BATCH)]
-        yield torch.stack([ids[s:s + SEQ + 1] for s in starts])
-
-
-def fit(model, steps: int, batch_loss, name: str, metric: str, lr: float = 3e-3) -> float:
-    """AdamW with linear warm-up and cosine decay to 10 %, gradient clipping, a smoothed loss
-    printed every 20 steps; ``batch_loss(step)`` returns the loss of that step's batch."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    model.train()
-    t0, loss_avg = time.time(), None
-    for step in range(1, steps + 1):
-        warm = min(1.0, step / 30)
-        for g in opt.param_groups:
-            g["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
-        loss = batch_loss(step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
-        if step % 20 == 0 or step == steps:
-            print(f"[{name}] step {step}/{steps} {metric} {loss_avg:.3f} ({time.time() - t0:.0f} s)", flush=True)
-    model.eval()
-    return loss_avg
-
-
 def train(model, ids: torch.Tensor, steps: int, name: str) -> float:
     """Next-token cross-entropy on corpus windows."""
     corpus = batches(ids, steps, random.Random(SEED))
@@ -103,50 +71,7 @@ def train(model, ids: torch.Tensor, steps: int, name: str) -> float:
         batch = next(corpus)
         return model(input_ids=batch[:, :-1], labels=batch[:, :-1].clone()).loss
 
-    return fit(model, steps, batch_loss, name, "loss")
-
-
-@torch.no_grad()
-def teacher_continuations(teacher, ids: torch.Tensor, n: int, rng: random.Random) -> torch.Tensor:
-    """``n`` sequences of SEQ + 1 tokens: a 16-token corpus snippet continued by the teacher, half
-    greedily, half sampled at temperature 0.8 (seeded)."""
-    prompt_len, out = 16, []
-    gen = torch.Generator().manual_seed(SEED)
-    for first in range(0, n, 64):
-        starts = [rng.randrange(len(ids) - prompt_len) for _ in range(min(64, n - first))]
-        seq = torch.stack([ids[s:s + prompt_len] for s in starts])
-        sampled = torch.arange(len(starts)) % 2 == 1
-        res = teacher(input_ids=seq, use_cache=True)
-        cache, logits = res.past_key_values, res.logits[:, -1]
-        while seq.shape[1] < SEQ + 1:
-            greedy = logits.argmax(-1)
-            drawn = torch.multinomial(torch.softmax(logits / 0.8, -1), 1, generator=gen)[:, 0]
-            nxt = torch.where(sampled, drawn, greedy)[:, None]
-            seq = torch.cat([seq, nxt], 1)
-            res = teacher(input_ids=nxt, past_key_values=cache, use_cache=True)
-            cache, logits = res.past_key_values, res.logits[:, -1]
-        out.append(seq)
-        print(f"[distill] teacher continuations {first + len(starts)}/{n}", flush=True)
-    return torch.cat(out)
-
-
-def distill(student, teacher, ids: torch.Tensor, steps: int) -> float:
-    """Train ``student`` on KL(teacher || student) over the next-token distributions; batches
-    alternate between corpus windows and teacher continuations."""
-    rng = random.Random(SEED)
-    continuations = teacher_continuations(teacher, ids, 2048, rng)
-    corpus = batches(ids, steps, rng)
-
-    def batch_loss(step: int) -> torch.Tensor:
-        batch = next(corpus) if step % 2 else continuations[[rng.randrange(len(continuations))
-                                                             for _ in range(BATCH)]]
-        with torch.no_grad():
-            target = torch.log_softmax(teacher(input_ids=batch[:, :-1]).logits.float(), -1)
-        pred = torch.log_softmax(student(input_ids=batch[:, :-1]).logits.float(), -1)
-        return torch.nn.functional.kl_div(pred.flatten(0, 1), target.flatten(0, 1), log_target=True,
-                                          reduction="batchmean")
-
-    return fit(student, steps, batch_loss, "distill", "KL")
+    return fit(model, steps, batch_loss, name, "loss", log=say)
 
 
 CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
@@ -201,7 +126,7 @@ def main() -> None:
     draft = make_model(1)
     print(f"[tiny-llama-draft] 1 layer, {sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M parameters, "
           f"distilled from tiny-llama", flush=True)
-    distill(draft, target, ids, args.draft_steps)
+    distill(draft, target, ids, args.draft_steps, log=say)
     save(draft, tok, args.out / "tiny-llama-draft")
     print(f"[tiny-llama-draft] saved to {args.out / 'tiny-llama-draft'}", flush=True)
 

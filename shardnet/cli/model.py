@@ -78,6 +78,34 @@ def model_init_random(out, family, layers, hidden, heads, kv_heads, intermediate
     say(f"wrote {family} ({layers} layers, hidden {hidden}{'' if fmt == 'none' else ', ' + fmt}) to {path}")
 
 
+@model.command("distill-draft")
+@click.argument("target", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--layers", default=1, show_default=True, type=click.IntRange(min=1),
+              help="The draft's layers (it starts as the target's first ones, with its embeddings and head).")
+@click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1), help="Training steps.")
+@click.option("--corpus", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A text file to distill on (default: the Python standard library's sources, offline).")
+@click.option("--continuations", default=256, show_default=True, type=click.IntRange(min=0),
+              help="The target's own continuations of corpus snippets to distill on too (0: none).")
+@click.option("--seq", default=128, show_default=True, type=click.IntRange(min=8), help="Tokens per window.")
+@click.option("--batch", default=16, show_default=True, type=click.IntRange(min=1), help="Windows per step.")
+@wrap_errors
+def model_distill_draft(target, out, layers, steps, corpus, continuations, seq, batch) -> None:
+    """Distill a draft for speculative decoding (generate --speculate draft --draft OUT) from the
+    checkpoint TARGET: trained to match TARGET's next-token distributions, on CPU. Progress on
+    stderr."""
+    from shardnet.inference.model.distill import distill_draft
+
+    text = corpus.read_text(encoding="utf-8", errors="replace") if corpus is not None else None
+    try:
+        kl = distill_draft(target, out, layers=layers, steps=steps, corpus=text, continuations=continuations,
+                           seq=seq, batch=batch)
+    except (ValueError, OSError) as e:
+        fail(str(e).splitlines()[0])
+    say(f"wrote a {layers}-layer draft of {target} to {out} (KL to the target {kl:.3f})")
+
+
 @model.command("manifest")
 @click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True)

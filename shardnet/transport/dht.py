@@ -40,6 +40,9 @@ K = BUCKET_SIZE
 #: claim refreshed every 200 s walked each time to the same servers (in a small swarm, a query to
 #: every peer per refresh). Any peer joining or leaving the table makes the next one walk.
 WALK_REUSE_S = 600.0
+#: no reuse below this many peers in the routing table (py-libp2p's walks then also start from
+#: every connected peer)
+MIN_TABLE_FOR_REUSE = 5
 
 #: a sha2-256 multihash's prefix (code 0x12, 32 bytes)
 SHA256_MULTIHASH = b"\x12\x20"
@@ -180,8 +183,16 @@ class DHT:
         self.walks += 1
         closest = list(await self.kad.peer_routing.find_closest_peers_network(key, count))
         self._walks = {k: w for k, w in self._walks.items() if now - w[1] < WALK_REUSE_S}
-        self._walks[key] = (table, now, closest)
+        # With fewer than MIN_TABLE_FOR_REUSE peers in the table a walk also starts from the
+        # connected peers (upstream), which the table does not show changing; an empty result
+        # is no result: both walk again next time.
+        if len(table) >= MIN_TABLE_FOR_REUSE and [p for p in closest if p != self.host.get_id()]:
+            self._walks[key] = (table, now, closest)
         return closest
+
+    def _forget_walk(self, key: bytes) -> None:
+        """The servers the last walk found took nothing: walk again next time."""
+        self._walks.pop(key, None)
 
     async def find_peer(self, peer_id: ID) -> PeerInfo | None:
         async with self._bounded(f"find_peer {peer_id}"):
@@ -204,6 +215,7 @@ class DHT:
             closest = await self._closest_again(key_bytes)
             peers = await self._to_each(closest, lambda p: compat_kad.store_value_at(self.kad, p, key_bytes, blob))
         if not peers:
+            self._forget_walk(key_bytes)
             raise NotStoredError(self._none_took(f"DHT record {name!r}", closest))
         return Published(key, peers)
 
@@ -232,6 +244,7 @@ class DHT:
             closest = await self._closest_again(key)
             peers = await self._to_each(closest, lambda p: compat_kad.send_add_provider(store, p, key))
         if not peers:
+            self._forget_walk(key)
             raise NotStoredError(self._none_took(f"provider record {name!r}", closest))
         return peers
 

@@ -140,8 +140,15 @@ async def test_dht_signed_values_and_providers(loopback_config):
 async def test_a_put_walks_again_only_when_the_routing_table_changed(loopback_config):
     """A refresh of the same record goes to the servers the last walk found (dht.WALK_REUSE_S)
     while the routing table holds the same peers; a peer joining makes the next one walk, and
-    the new peer stores it."""
-    async with bootstrapped_nodes(loopback_config, 3) as (a, b, c):
+    the new peer stores it. (Below dht.MIN_TABLE_FOR_REUSE peers in the table every put walks.)"""
+    async with bootstrapped_nodes(loopback_config, 6) as (a, b, c, *others):
+        for n in (b, c, *others):
+            await a.connect(n.listen_addrs[0])
+        with trio.fail_after(10):
+            while len(a.dht.routing_table_peers()) < 5:
+                for n in (b, c, *others):
+                    await a.dht.add_peer(n.peer_id)
+                await trio.sleep(0.1)
         await a.dht.put("claim", b"v1")
         await a.dht.put("claim", b"v1")  # the first walk may fill the table: settle it
         walks, saved = a.dht.walks, a.dht.walks_saved

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,8 +74,12 @@ ACTIVE_PASSES = 4
 #: machine; side by side, decoding through 2 peers took 0.2-0.45 ms less CPU per token at each
 #: peer with it (of ~2.2 ms of overhead; docs/performance.md, "CPU per hop"), the loop having
 #: little else to do while a CPU peer computes one pass at a time. Longer passes (prompts), and
-#: every pass on a GPU (its kernels overlap the loop's work), keep the worker thread.
+#: every pass on a GPU (its kernels overlap the loop's work), keep the worker thread; so do short
+#: passes once they take longer than INLINE_PASS_MAX_S (a block of many or wide layers: the loop
+#: must not stop answering pings and reading steps for long).
 INLINE_PASS_TOKENS = 16
+#: the longest a short pass may take (smoothed over the recent ones) to run on the loop's thread
+INLINE_PASS_MAX_S = 0.005
 
 
 @dataclass(eq=False)
@@ -168,6 +173,8 @@ class BlockScheduler:
         self._decoding: dict[int, int] = {}
         self.split = os.environ.get("SHARDNET_SPLIT_PASSES", "1") != "0"
         self.stats = SchedulerStats()
+        #: smoothed seconds of the recent passes of at most INLINE_PASS_TOKENS on a CPU block
+        self._short_pass_s = 0.0
 
     @property
     def batching(self) -> bool:
@@ -230,7 +237,12 @@ class BlockScheduler:
             with trio.CancelScope(shield=True):
                 try:
                     run = self._pass_fn(batch)
-                    outs = run() if self._inline(batch) else await trio.to_thread.run_sync(run)
+                    short = self._short_pass(batch)
+                    t0 = time.perf_counter()
+                    outs = (run() if short and self._short_pass_s <= INLINE_PASS_MAX_S
+                            else await trio.to_thread.run_sync(run))
+                    if short:
+                        self._short_pass_s += 0.2 * (time.perf_counter() - t0 - self._short_pass_s)
                 except Exception as e:  # every step of the pass fails with it
                     outs = None
                     for s, _ in batch:
@@ -286,8 +298,8 @@ class BlockScheduler:
         active = len(waiting | self._decoding.keys())
         return max(1, -(-active // 2)) if active >= 2 else 1 << 30
 
-    def _inline(self, batch: list[tuple[_Step, int]]) -> bool:
-        """Whether the pass runs on the event loop's thread (``INLINE_PASS_TOKENS``)."""
+    def _short_pass(self, batch: list[tuple[_Step, int]]) -> bool:
+        """Whether the pass may run on the event loop's thread (``INLINE_PASS_TOKENS``)."""
         device = str(getattr(self.block, "device", "cpu"))
         return device == "cpu" and sum(n for _, n in batch) <= INLINE_PASS_TOKENS
 

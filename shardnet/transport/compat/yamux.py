@@ -110,11 +110,16 @@ def ping_only_quiet_connections() -> None:
             if not must_ping and trio.current_time() < quiet_until:
                 with trio.move_on_after(quiet_until - trio.current_time()):
                     await self.event_shutting_down.wait()
+                if self.event_shutting_down.is_set():
+                    break
                 if (heard_at(self) or heard) != heard:
                     continue  # heard something meanwhile: wait again from then
             must_ping = False
             try:
                 self._ping_id += 1
+                # the ping's age counts from now, while its write may wait for the writer's queue
+                # (keepalive reads it: an older ping's time would make a live connection look dead)
+                self._ping_sent_time = trio.current_time()
                 self._ping_event = trio.Event()
                 header = ymod.struct.pack(ymod.YAMUX_HEADER_FORMAT, 0, ymod.TYPE_PING, ymod.FLAG_SYN, 0,
                                           self._ping_id)

@@ -339,5 +339,29 @@ async def test_short_passes_on_a_cpu_block_run_on_the_event_loops_thread():
         block = ThreadRecordingBlock(device)
         sched = BlockScheduler(block)
         await sched.forward("p", torch.zeros(1, INLINE_PASS_TOKENS + 1, 4), FakeCache("a"), 0)
-        await sched.forward("p", torch.zeros(1, 1, 4), FakeCache("a", INLINE_PASS_TOKENS + 1), INLINE_PASS_TOKENS + 1)
+        after = INLINE_PASS_TOKENS + 1
+        await sched.forward("p", torch.zeros(1, 1, 4), FakeCache("a", after), after)
         assert block.threads == [False, inline], device
+
+
+async def test_short_passes_that_take_long_go_back_to_a_worker_thread():
+    """A CPU block whose decode passes take longer than INLINE_PASS_MAX_S (many or wide layers)
+    computes them in a worker thread again: the loop keeps answering while it computes."""
+    import time
+
+    from shardnet.inference.server.scheduler import INLINE_PASS_MAX_S
+
+    class SlowBlock:
+        device, threads = "cpu", []
+
+        def forward(self, hidden, cache, pos):
+            self.threads.append(threading.current_thread() is threading.main_thread())
+            time.sleep(4 * INLINE_PASS_MAX_S)
+            cache.length = pos + hidden.shape[1]
+            return hidden.clone()
+
+    block = SlowBlock()
+    sched = BlockScheduler(block)
+    for pos in range(12):
+        await sched.forward("p", torch.zeros(1, 1, 4), FakeCache("a", pos), pos)
+    assert block.threads[0] and not any(block.threads[-3:])

@@ -98,3 +98,9 @@ def test_depth_below_two_is_refused():
 def test_of_equally_frequent_continuations_the_latest_wins():
     text = [7, 8, 1, 0, 7, 8, 2, 0, 7, 8]
     assert SuffixDrafter().propose(text, 1) == [2]
+
+
+def test_a_long_repeat_drafts_all_k_tokens_past_the_tries_depth():
+    text = list(range(50)) * 3  # every match is as long as the trie allows
+    assert SuffixDrafter(depth=8).propose(text, 8) == list(range(8))
+    assert SuffixDrafter().propose(list(range(10)) * 5, 12) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]
