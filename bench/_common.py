@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -63,3 +64,13 @@ def progress(message: str, *, bench: str | None = None) -> None:
     """A line on stderr (never in a bench's report on stdout): long runs show where they are."""
     prefix = f"[{bench} {time.strftime('%H:%M:%S')}] " if bench else ""
     print(f"{prefix}{message}", file=sys.stderr, flush=True)
+
+
+def median_seconds(fn, reps: int) -> float:
+    """The median wall time of ``reps`` calls of ``fn``."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)

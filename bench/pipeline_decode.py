@@ -35,7 +35,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as shardnet.inference set
 import torch  # noqa: E402
 import trio
 
-from bench._common import bench_parser, cpu_seconds, print_table, ratio  # noqa: E402
+from bench._common import bench_parser, cpu_seconds, median_seconds, print_table, ratio  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.client.client import Client
 from shardnet.inference.model.local_model import LocalModel  # noqa: E402
@@ -154,12 +154,7 @@ def compute_per_token(ckpt: Checkpoint, ranges, model: LocalModel, context: int,
     from shardnet.inference.model.block import Block, resolve_dtype
 
     def timed(fn) -> float:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(fn, reps)
 
     hidden = ckpt.config.hidden_size
     blocks = []

@@ -28,7 +28,6 @@ import argparse
 import logging
 import os
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +36,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import trio  # noqa: E402
 
-from bench._common import bench_parser, print_table, progress, ratio  # noqa: E402
+from bench._common import bench_parser, median_seconds, print_table, progress, ratio  # noqa: E402
 from bench.wan_emulator import Link, WanProxy  # noqa: E402
 from shardnet.inference.model.checkpoint import Checkpoint  # noqa: E402
 from shardnet.inference.client.client import Client
@@ -176,12 +175,7 @@ def measure_compute(ckpt: Checkpoint, ranges, model: LocalModel, positions: int,
     from shardnet.inference.model.block import Block, resolve_dtype
 
     def timed(fn) -> float:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(fn, reps)
 
     hidden = ckpt.config.hidden_size
     x = torch.randn(1, positions, hidden)

@@ -65,12 +65,18 @@ class NGramDrafter:
 
     def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
                vocab_size: int) -> tuple[list[int], torch.Tensor]:
-        # A lookup is deterministic: its distribution is a point mass on each proposed token.
-        tokens = list(itertools.takewhile(lambda t: t < vocab_size, self.propose(ids, k)))  # a chain: cut, not skipped
-        q = torch.zeros(len(tokens), vocab_size)
-        if tokens:
-            q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-        return tokens, q
+        return point_masses(self.propose(ids, k), vocab_size)
+
+
+def point_masses(proposed: list[int], vocab_size: int) -> tuple[list[int], torch.Tensor]:
+    """A deterministic drafter's proposal as ``Drafter.sample`` returns it: the tokens up to the
+    first one outside the vocabulary (a chain: cut, not skipped), each drawn from a point mass
+    (lossless: a draft the target would not draw is rejected and the target's residual drawn)."""
+    tokens = list(itertools.takewhile(lambda t: t < vocab_size, proposed))
+    q = torch.zeros(len(tokens), vocab_size)
+    if tokens:
+        q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return tokens, q
 
 
 class ModelDrafter:

@@ -20,12 +20,12 @@ and ``k`` steps.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 
 import torch
 
 from shardnet.inference.client.sampling import Randomness, SamplingParams
+from shardnet.inference.client.speculative import point_masses
 
 #: the longest substring counted (and so the longest match): SuffixDecoding's trees go to 64;
 #: a match of 24 tokens already names a repeat, and each token costs ``depth`` dict steps
@@ -201,13 +201,7 @@ class SuffixDrafter:
 
     def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
                vocab_size: int) -> tuple[list[int], torch.Tensor]:
-        # Deterministic given the text: a point mass on each proposed token (lossless: a draft
-        # the target would not draw is rejected with the target's residual drawn instead).
-        tokens = list(itertools.takewhile(lambda t: t < vocab_size, self.propose(ids, k)))  # a chain: cut, not skipped
-        q = torch.zeros(len(tokens), vocab_size)
-        if tokens:
-            q[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-        return tokens, q
+        return point_masses(self.propose(ids, k), vocab_size)  # deterministic given the text
 
     def _continue(self, node: _Node, k: int, share: float, *, first: bool) -> tuple[list[int], float]:
         out: list[int] = []
