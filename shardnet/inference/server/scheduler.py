@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,18 +67,6 @@ GATHER_QUIET = 2
 GATHER_ROUNDS = 32
 #: a session counts as decoding here while it had a short step in one of the last this many passes
 ACTIVE_PASSES = 4
-#: a pass of at most this many tokens on a CPU block runs on the event loop's thread instead of
-#: a worker thread. The hand-off to a worker and back (a job queued, a thread woken, the loop
-#: woken through its socket, the GIL passed each way) costs ~120 us of CPU per call on this
-#: machine; side by side, decoding through 2 peers took 0.2-0.45 ms less CPU per token at each
-#: peer with it (of ~2.2 ms of overhead; docs/performance.md, "CPU per hop"), the loop having
-#: little else to do while a CPU peer computes one pass at a time. Longer passes (prompts), and
-#: every pass on a GPU (its kernels overlap the loop's work), keep the worker thread; so do short
-#: passes once they take longer than INLINE_PASS_MAX_S (a block of many or wide layers: the loop
-#: must not stop answering pings and reading steps for long).
-INLINE_PASS_TOKENS = 16
-#: the longest a short pass may take (smoothed over the recent ones) to run on the loop's thread
-INLINE_PASS_MAX_S = 0.005
 
 
 @dataclass(eq=False)
@@ -173,8 +160,6 @@ class BlockScheduler:
         self._decoding: dict[int, int] = {}
         self.split = os.environ.get("SHARDNET_SPLIT_PASSES", "1") != "0"
         self.stats = SchedulerStats()
-        #: smoothed seconds of the recent passes of at most INLINE_PASS_TOKENS on a CPU block
-        self._short_pass_s = 0.0
 
     @property
     def batching(self) -> bool:
@@ -236,13 +221,7 @@ class BlockScheduler:
             # shielded: once the caches are being extended, every step of the pass gets its output
             with trio.CancelScope(shield=True):
                 try:
-                    run = self._pass_fn(batch)
-                    short = self._short_pass(batch)
-                    t0 = time.perf_counter()
-                    outs = (run() if short and self._short_pass_s <= INLINE_PASS_MAX_S
-                            else await trio.to_thread.run_sync(run))
-                    if short:
-                        self._short_pass_s += 0.2 * (time.perf_counter() - t0 - self._short_pass_s)
+                    outs = await trio.to_thread.run_sync(self._pass_fn(batch))
                 except Exception as e:  # every step of the pass fails with it
                     outs = None
                     for s, _ in batch:
@@ -297,11 +276,6 @@ class BlockScheduler:
         waiting = {id(s.cache) for s in self._short.steps() if s.pipelined}
         active = len(waiting | self._decoding.keys())
         return max(1, -(-active // 2)) if active >= 2 else 1 << 30
-
-    def _short_pass(self, batch: list[tuple[_Step, int]]) -> bool:
-        """Whether the pass may run on the event loop's thread (``INLINE_PASS_TOKENS``)."""
-        device = str(getattr(self.block, "device", "cpu"))
-        return device == "cpu" and sum(n for _, n in batch) <= INLINE_PASS_TOKENS
 
     def _pass_fn(self, batch: list[tuple[_Step, int]]) -> Callable[[], list[torch.Tensor]]:
         step, n = batch[0]

@@ -25,10 +25,6 @@ class FakeBlock:
     test to let it end (``allow``, ``open``: a test acts while a pass runs); a pass holding a cache
     named in ``fail`` raises."""
 
-    #: not "cpu": every pass runs in a worker thread (scheduler.INLINE_PASS_TOKENS), where the test
-    #: can hold it while it acts
-    device = "fake"
-
     def __init__(self, fail: tuple[str, ...] = ()):
         self.passes: list[tuple[str, list[tuple[str, int]]]] = []
         self.running, self.fail = threading.Event(), fail
@@ -318,50 +314,3 @@ async def test_decoding_sessions_of_multi_stage_chains_go_half_a_pass_each():
     off.split = False  # (SHARDNET_SPLIT_PASSES=0)
     await hand_in_burst(off, [("up", FakeCache(f"s{i}", 10), 1) for i in range(8)], pipelined=True)
     assert off.block.names() == [[f"s{i}" for i in range(8)]]
-
-
-async def test_short_passes_on_a_cpu_block_run_on_the_event_loops_thread():
-    """A decode step (a few tokens) on a CPU block is computed on the loop's thread: a worker
-    thread's hand-off costs more than it saves there; a prompt's pass, or any on another device,
-    goes to a worker thread."""
-    from shardnet.inference.server.scheduler import INLINE_PASS_TOKENS
-
-    class ThreadRecordingBlock:
-        def __init__(self, device):
-            self.device, self.threads = device, []
-
-        def forward(self, hidden, cache, pos):
-            self.threads.append(threading.current_thread() is threading.main_thread())
-            cache.length = pos + hidden.shape[1]
-            return hidden.clone()
-
-    for device, inline in (("cpu", True), ("cuda:0", False)):
-        block = ThreadRecordingBlock(device)
-        sched = BlockScheduler(block)
-        await sched.forward("p", torch.zeros(1, INLINE_PASS_TOKENS + 1, 4), FakeCache("a"), 0)
-        after = INLINE_PASS_TOKENS + 1
-        await sched.forward("p", torch.zeros(1, 1, 4), FakeCache("a", after), after)
-        assert block.threads == [False, inline], device
-
-
-async def test_short_passes_that_take_long_go_back_to_a_worker_thread():
-    """A CPU block whose decode passes take longer than INLINE_PASS_MAX_S (many or wide layers)
-    computes them in a worker thread again: the loop keeps answering while it computes."""
-    import time
-
-    from shardnet.inference.server.scheduler import INLINE_PASS_MAX_S
-
-    class SlowBlock:
-        device, threads = "cpu", []
-
-        def forward(self, hidden, cache, pos):
-            self.threads.append(threading.current_thread() is threading.main_thread())
-            time.sleep(4 * INLINE_PASS_MAX_S)
-            cache.length = pos + hidden.shape[1]
-            return hidden.clone()
-
-    block = SlowBlock()
-    sched = BlockScheduler(block)
-    for pos in range(12):
-        await sched.forward("p", torch.zeros(1, 1, 4), FakeCache("a", pos), pos)
-    assert block.threads[0] and not any(block.threads[-3:])
