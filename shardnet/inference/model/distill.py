@@ -118,14 +118,19 @@ def distill(student, teacher, ids: torch.Tensor, steps: int, *, continuations: i
     return fit(student, steps, batch_loss, "distill", "KL", log=log)
 
 
+def check_draft_depth(layers: int, target_layers: int) -> None:
+    """ValueError unless a draft of ``layers`` is shallower than its target and not empty."""
+    if not 1 <= layers < target_layers:
+        raise ValueError(f"a draft of {layers} layer(s) from a target of {target_layers}: "
+                         f"between 1 and {target_layers - 1}")
+
+
 def draft_of(target, layers: int):
     """A model of the target's architecture with its first ``layers`` layers, its embeddings,
     final norm and LM head copied in."""
     from transformers import AutoModelForCausalLM
 
-    n = target.config.num_hidden_layers
-    if not 1 <= layers < n:
-        raise ValueError(f"a draft of {layers} layer(s) from a target of {n}: between 1 and {n - 1}")
+    check_draft_depth(layers, target.config.num_hidden_layers)
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = layers
     if isinstance(getattr(config, "layer_types", None), list):
@@ -142,9 +147,7 @@ def distill_draft(target_dir: Path, out: Path, *, layers: int = 1, steps: int = 
     the target's tokenizer, in the target's stored dtype) in ``out``; the smoothed KL at the end."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    n = AutoConfig.from_pretrained(str(target_dir)).num_hidden_layers
-    if not 1 <= layers < n:  # (before loading anything)
-        raise ValueError(f"a draft of {layers} layer(s) from a target of {n}: between 1 and {n - 1}")
+    check_draft_depth(layers, AutoConfig.from_pretrained(str(target_dir)).num_hidden_layers)  # before loading
     torch.manual_seed(SEED)
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     for p in target.parameters():
