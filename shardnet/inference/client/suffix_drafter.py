@@ -190,7 +190,7 @@ class SuffixDrafter:
         out: list[int] = []
         share = 1.0
         while len(out) < k:
-            _, node = trie.match(ids + out if out else ids)
+            _, node = trie.match(ids[-trie.depth:] + out if out else ids)  # (a match reads < depth tokens)
             if node is None:
                 break
             got, share = self._continue(node, k - len(out), share, first=not out)
