@@ -61,7 +61,7 @@ async def live_claims(node: Node, claims: list[bc.Claim], *, timeout: float = 3.
                       connected_are_live: bool = False, ping_most: int | None = None) -> list[bc.Claim]:
     """The claims whose peers answer a ping now (a claim outlives its peer until it expires).
     ``connected_are_live``: a peer we hold a connection to counts as live without a ping (its
-    keepalive closes the connection within ``keepalive_interval + keepalive_timeout`` of the
+    keepalive closes the connection within ``keepalive_max_interval + keepalive_timeout`` of the
     peer going silent, and a process that exits closes it at once); of the others, only the
     first ``ping_most`` (in the order given; None: all) are pinged, the rest trusted until
     their claims expire."""

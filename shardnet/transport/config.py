@@ -70,8 +70,11 @@ class NodeConfig:
     #: Seconds between AutoNAT checks once the answer is known (sooner while unknown).
     autonat_interval: float = 300.0
     #: Seconds between keepalive pings on each connection, and how long an unanswered one may
-    #: stay unanswered before the connection counts as dead and is closed.
+    #: stay unanswered before the connection counts as dead and is closed. On a connection whose
+    #: streams write nothing the interval grows (half the time since one last wrote) up to
+    #: ``keepalive_max_interval``; traffic of any kind stands in for pings (compat fix 10).
     keepalive_interval: float = 10.0
+    keepalive_max_interval: float = 60.0
     keepalive_timeout: float = 15.0  # below interval + 10 s (py-libp2p waits 10 s for a pong, then pings anew)
     #: Raise glibc's mmap threshold for this process (see allocator.py): ~2.5x faster large
     #: transfers from the start. Off leaves the process allocator untouched.

@@ -628,7 +628,7 @@ class _Setup:
 @asynccontextmanager
 async def _listening_host(config: NodeConfig, setup: _Setup) -> AsyncIterator:
     """The libp2p host, listening (or ShardnetError if it could not listen anywhere)."""
-    compat.set_keepalive_interval(config.keepalive_interval)
+    compat.set_keepalive_interval(config.keepalive_interval, config.keepalive_max_interval)
     host = build_host(config, setup.key_pair, setup.announce)
     async with host.run(setup.listen):
         try:

@@ -584,7 +584,7 @@ async def test_only_quiet_connections_are_pinged(loopback_config):
     idle one the two sides take turns (one ping per interval, not one each), a busy one is not
     pinged at all, and a path that dies is still found (test_autonat_holepunch.py)."""
     interval = 0.5
-    cfg = dict(keepalive_interval=interval, keepalive_timeout=2.0)
+    cfg = dict(keepalive_interval=interval, keepalive_max_interval=interval, keepalive_timeout=2.0)
     async with open_node(loopback_config(**cfg)) as a, open_node(loopback_config(**cfg)) as b:
         async def echo(stream):
             while data := await stream.read_some(64, timeout=10):
@@ -612,3 +612,33 @@ async def test_only_quiet_connections_are_pinged(loopback_config):
             await trio.sleep(0.1)
         assert pings() - before <= 2  # at most one already due when the traffic began, per side
         await s.close()
+
+
+async def test_idle_connections_are_pinged_less_often(loopback_config):
+    """On a connection whose streams write nothing the keepalive interval grows (half the time
+    since one last wrote, up to ``keepalive_max_interval``); a stream writing brings it back to
+    ``keepalive_interval`` (a dead path is found as before: test_autonat_holepunch.py's
+    silently-dead-connection test)."""
+    base, longest = 0.2, 1.6
+    cfg = dict(keepalive_interval=base, keepalive_max_interval=longest, keepalive_timeout=2.0,
+               discovery_interval=600.0, autonat_client=False)  # no DHT walk or AutoNAT ask opens a stream
+    async with open_node(loopback_config(**cfg)) as a, open_node(loopback_config(**cfg)) as b:
+        b.set_stream_handler("/noop/1.0.0", lambda stream: stream.close())
+        await a.connect(b.listen_addrs[0])
+        ours, theirs = (n.host.get_network().get_connections(p)[0].muxed_conn
+                        for n, p in ((a, b.peer_id), (b, a.peer_id)))
+
+        def pings() -> int:
+            return compat.pings_sent(ours) + compat.pings_sent(theirs)
+
+        await trio.sleep(4 * longest)
+        assert compat.ping_interval(ours, trio.current_time()) == longest
+        before = pings()
+        await trio.sleep(4 * longest)
+        quiet = pings() - before  # one per 0.75-1.0 x 1.6 s: 4 to 6 (at the base interval: ~20)
+        assert 2 <= quiet <= 7, quiet
+
+        s = await a.new_stream(b.peer_id, "/noop/1.0.0")
+        await s.close()
+        assert compat.ping_interval(ours, trio.current_time()) == base
+        assert compat.ping_interval(theirs, trio.current_time()) == base  # its side saw the stream too

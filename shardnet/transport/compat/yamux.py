@@ -29,7 +29,12 @@
    so a connection carrying traffic sends no pings, and on an idle one the two sides take
    turns instead of both pinging every interval (upstream: two pings and two answers per
    interval per connection, which at 24 idle peers was a fifth of each peer's socket reads).
-   A path that dies is still found within an interval and the ping's timeout.
+   A path that dies is still found within an interval and the ping's timeout. And the interval
+   grows while no stream writes on a connection (half the time since one last wrote, from
+   ``keepalive_interval`` up to ``keepalive_max_interval``, 60 s): an idle swarm's peers hold a
+   connection to each of their neighbours, and pinging each every 10 s was the largest share of
+   an idle peer's messages (docs/performance.md). A silently dead idle connection is found
+   within the longer interval and the timeout; one whose streams write keeps the short one.
 15. Cancelled writes broke connections. Yamux frames were encrypted and written by whichever task
    wrote to a stream; a cancellation (a step timeout, a heal, a client hanging up) landing inside
    the socket write left a Noise message half sent after its nonce was consumed, so the peer's
@@ -66,11 +71,19 @@ log = logging.getLogger(__name__)
 
 
 # 10. keepalive --------------------------------------------------------------------------------
-def set_keepalive_interval(seconds: float) -> None:
-    """Seconds between Yamux pings on every connection of this process."""
+#: Seconds between pings on a connection that opened no stream for a long while (set with the
+#: interval; ``keepalive_max_interval`` in a node's config).
+QUIET_MAX_INTERVAL = 60.0
+
+
+def set_keepalive_interval(seconds: float, longest: float | None = None) -> None:
+    """Seconds between Yamux pings on every connection of this process: ``seconds`` on one that
+    wrote on a stream lately, growing to ``longest`` (at least ``seconds``) on one that stays quiet."""
+    global QUIET_MAX_INTERVAL
     from libp2p.stream_muxer.yamux import yamux
 
     yamux.RTT_MEASURE_INTERVAL = seconds
+    QUIET_MAX_INTERVAL = max(seconds, QUIET_MAX_INTERVAL if longest is None else longest)
 
 
 def note_when_each_connection_last_heard() -> None:
@@ -91,15 +104,44 @@ def heard_at(muxed: Any) -> float | None:
     return getattr(getattr(muxed, "secured_conn", None), "__dict__", {}).get("_sn_heard")
 
 
+def used_at(muxed: Any) -> float | None:
+    """When a stream last wrote on the Yamux connection, this side (trio time), or None."""
+    return getattr(muxed, "__dict__", {}).get("_sn_used_at")
+
+
+def ping_interval(muxed: Any, now: float) -> float:
+    """Seconds between pings on ``muxed`` now: the keepalive interval while its streams write,
+    then half the time since a stream last wrote, up to ``QUIET_MAX_INTERVAL``."""
+    from libp2p.stream_muxer.yamux import yamux as ymod
+
+    base = ymod.RTT_MEASURE_INTERVAL
+    used = used_at(muxed)
+    quiet = 0.0 if used is None else now - used
+    return min(max(base, QUIET_MAX_INTERVAL), max(base, quiet / 2))
+
+
+def note_when_each_connection_last_used() -> None:
+    from libp2p.stream_muxer.yamux import yamux as ymod
+
+    stream_write = ymod.YamuxStream.write
+
+    async def write(self: Any, data: bytes) -> None:
+        self.conn.__dict__["_sn_used_at"] = trio.current_time()
+        await stream_write(self, data)
+
+    ymod.YamuxStream.write = write
+
+
 def ping_only_quiet_connections() -> None:
     from libp2p.stream_muxer.yamux import yamux as ymod
 
     async def _measure_rtt_loop(self: Any) -> None:
         await trio.sleep(0.5)  # upstream's: let the connection establish; the first ping measures its RTT
+        self.__dict__.setdefault("_sn_used_at", trio.current_time())
         must_ping = True
         rng = random.Random()
         while not self.event_shutting_down.is_set():
-            interval = ymod.RTT_MEASURE_INTERVAL
+            interval = ping_interval(self, trio.current_time())
             heard = heard_at(self)
             if heard is None:  # not noted (another secure channel): from our last ping, as upstream
                 heard = self._ping_sent_time
@@ -130,7 +172,7 @@ def ping_only_quiet_connections() -> None:
             except Exception:
                 break  # the connection is closing
             if not self._ping_event.is_set():  # unanswered: the next ping an interval on, as upstream
-                with trio.move_on_after(interval):
+                with trio.move_on_after(ymod.RTT_MEASURE_INTERVAL):
                     await self.event_shutting_down.wait()
 
     ymod.Yamux._measure_rtt_loop = _measure_rtt_loop
