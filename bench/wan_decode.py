@@ -11,9 +11,11 @@ peer 1 -> ... -> peer n -> client) crosses n + 1 edges: about 100 ms with 4 peer
 
 Alternating runs (greedy, the same ``PROMPTS``: eight of three kinds, code, prose and chat)
 measure: plain decode; speculative decode with the shipped draft model, the n-gram drafter and
-the suffix drafter (one verify chunk at a time); and each with ``--depth`` verify chunks in
-flight. The figures of a mode are over all prompts: tok/s is the median over runs of one prompt
-each. Per mode: tok/s, the ratio to plain, tokens gained per
+the suffix drafter (one verify chunk at a time); ``--speculate auto``'s choice between the draft
+model, the suffix drafter and plain decoding, and between the last two alone (auto
+model-free) (auto_drafter.py: their ceilings are computed as if every chunk had k + 1
+positions); and each drafter with ``--depth`` verify chunks in flight. The figures of a mode
+are over all prompts: tok/s is the median over runs of one prompt each. Per mode: tok/s, the ratio to plain, tokens gained per
 traversal, the share of drafts accepted, the share of chunks sent that went stale, and the
 analytical ceiling (shardnet/inference/client/throughput.py, docs/performance.md) with the share of it
 reached. The ceiling is what the mode's own acceptance outcomes would give if a chunk's trip cost
@@ -44,6 +46,7 @@ from shardnet.inference.model.local_model import LocalModel  # noqa: E402
 from shardnet.inference.model.layout import split_layers  # noqa: E402
 from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter, SpeculationStats  # noqa: E402
 from shardnet.inference.client.suffix_drafter import SuffixDrafter  # noqa: E402
+from shardnet.inference.client.auto_drafter import PLAIN, AutoDrafter  # noqa: E402
 from shardnet.inference.client.throughput import ceiling  # noqa: E402
 from shardnet.testing.localswarm import ShardnetProcess, free_port, stop_processes  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
@@ -128,6 +131,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                      Mode(f"speculative, draft model, k={args.k}", draft, args.k, 1),
                      Mode(f"speculative, n-gram, k={args.ngram_k}", ngram, args.ngram_k, 1),
                      Mode(f"speculative, suffix, k={args.ngram_k}", SuffixDrafter, args.ngram_k, 1),
+                     Mode(f"speculative, auto, k={args.k}", lambda: AutoDrafter(
+                         {"draft": draft, "suffix": SuffixDrafter(), PLAIN: None}), args.k, 1),
+                     Mode(f"speculative, auto model-free, k={args.ngram_k}", lambda: AutoDrafter(
+                         {"suffix": SuffixDrafter(), PLAIN: None}), args.ngram_k, 1),
                      Mode(f"pipelined, draft model, k={args.k}, depth {args.depth}", draft, args.k, args.depth),
                      Mode(f"pipelined, n-gram, k={args.ngram_k}, depth {args.depth}", ngram, args.ngram_k,
                           args.depth),
@@ -136,7 +143,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
             prompts = PROMPTS[:args.prompts]
 
             def drafter_for(m: Mode):
-                return m.drafter() if m.drafter is SuffixDrafter else m.drafter  # a suffix drafter per generation
+                # a suffix drafter (and auto's choices) per generation; the draft model's cache follows the text
+                factory = isinstance(m.drafter, type) or (callable(m.drafter) and not hasattr(m.drafter, "propose"))
+                return m.drafter() if factory else m.drafter
 
             cfg = NodeConfig(listen=[f"/ip4/127.0.0.1/tcp/{real}"], announce=[f"/ip4/127.0.0.1/tcp/{pub}"],
                              bootstrap=[boot_addr], dht_mode="client", low_watermark=0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from shardnet.transport.config import DEFAULT_SERVER_LISTEN
@@ -61,11 +63,16 @@ from .common import (
 @click.option("--region", default=None, metavar="TEXT",
               help="Where this peer is, as you declare it (e.g. eu-west): stated in every stage receipt it "
                    "signs, next to the address its neighbours see. Not proven.")
+@click.option("--draft", "draft_path", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="A draft model for speculative decoding with this one: served whole beside it and named in "
+                   "its model card, so clients' --speculate auto fetch it (default: the shipped "
+                   "tiny-llama-draft when serving the shipped model).")
+@click.option("--no-draft", is_flag=True, help="Name and serve no draft model.")
 @click.option("--events", is_flag=True, help="JSON events on stdout, JSON commands on stdin.")
 @wrap_errors
 def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, layers, max_layers,
          rebalance_interval, dtype, quantize, device, kv_budget_mb, hold_head, threads, throughput, batch_tokens,
-         region, events) -> None:
+         region, draft_path, no_draft, events) -> None:
     """Serve a block of a model's layers to the swarm (chosen for you unless --layers).
 
     With --model naming a model the swarm serves (no files here), only the layers this peer
@@ -88,6 +95,12 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
         if problem := region_problem(region):
             fail(f"--region {region!r}: {problem}", 2)
     path = local_model(model_path, download=not bootstrap and not mdns)
+    if no_draft:
+        draft_path = None
+    elif draft_path is None:
+        from shardnet.models import shipped_draft_for
+
+        draft_path = shipped_draft_for(path)
     _check_device(device)
     span = None
     require_swarm_for(model_path, path, bootstrap, mdns)
@@ -129,7 +142,8 @@ def join(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, 
                                   rebalance_interval=rebalance_interval, on_move=moved, dtype=dtype, device=device,
                                   kv_budget_bytes=kv_budget_mb << 20, hold_head=hold_head,
                                   throughput=throughput, quantize=quantize, batch_tokens=batch_tokens,
-                                  region=region, fetch_progress=FetchProgressBar("layers", events=events)) as peer:
+                                  region=region, fetch_progress=FetchProgressBar("layers", events=events),
+                                  draft_path=draft_path) as peer:
                 start, end = peer.span
                 if events:
                     emit({"event": "serving", "model": peer.model_id, "layers": [start, end], "tput": peer.tput})

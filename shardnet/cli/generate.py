@@ -11,10 +11,13 @@ from pathlib import Path
 import click
 import trio
 
+from shardnet.inference.client.auto_drafter import SPECULATE_CHOICES
+
 from .common import (
     cache_dir_option,
     client_identity_option,
     client_model,
+    draft_model_for,
     generation_config,
     local_model,
     log,
@@ -41,12 +44,14 @@ from .common import (
 @click.option("--dtype", default="auto", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), show_default=True,
               help="Compute dtype; auto: the one the checkpoint stores.")
 @click.option("--route-timeout", default=30.0, show_default=True, help="Seconds to wait for peers covering the model.")
-@click.option("--speculate", type=click.Choice(["none", "draft", "suffix", "ngram"]), default="none",
-              show_default=True,
-              help="Speculative decoding (lossless, any sampling) with a local draft model, or model-free: "
-                   "suffix matching over the text (suffix) or the latest n-gram (ngram).")
+@click.option("--speculate", type=click.Choice(SPECULATE_CHOICES), default="auto", show_default=True,
+              help="Speculative decoding (lossless, any sampling): auto chooses as it goes between a draft "
+                   "model (when there is one), suffix matching and plain decoding by what each yields; draft: "
+                   "a draft model; model-free: suffix matching over the text (suffix) or the latest n-gram "
+                   "(ngram); none: plain decoding.")
 @click.option("--draft", "draft_path", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Draft checkpoint for --speculate draft (default: the shipped tiny-llama-draft).")
+              help="Draft checkpoint for --speculate draft or auto (default: the one the model's card names, "
+                   "fetched from the swarm; the shipped tiny-llama-draft for the shipped model).")
 @click.option("-k", "draft_k", default=4, show_default=True, help="Drafted tokens verified per traversal.")
 @click.option("--depth", default=1, show_default=True, help="Verify chunks kept in flight by speculation.")
 @click.option("--wire", type=click.Choice(["float32", "float16", "bfloat16", "int8q"]), default=None,
@@ -66,9 +71,8 @@ def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_pa
              top_p, top_k, seed, logits_on_last, dtype, route_timeout, speculate, draft_path, draft_k, depth, wire,
              receipt, receipt_without_prompt, check_speculation, audit_rate, quantized) -> None:
     """Generate text from PROMPT through the swarm; print tokens as they arrive."""
+    from shardnet.inference.client.auto_drafter import drafter_for
     from shardnet.inference.client.client import Client
-    from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter
-    from shardnet.inference.client.suffix_drafter import SuffixDrafter
     from shardnet.transport import open_node
 
     path = local_model(model_path, download=not bootstrap and not mdns)
@@ -89,15 +93,16 @@ def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_pa
             if model is None:  # no files here: what a client needs, from the swarm
                 model = await client_model(n, model_path, None, dtype=dtype, logits_on_last=logits_on_last,
                                            cache_dir=cache_dir)
-            if speculate == "ngram":
-                drafter = NGramDrafter()
-            elif speculate == "suffix":
-                drafter = SuffixDrafter()
-            elif speculate == "draft":
-                from shardnet.models import default_draft_path
-
-                drafter = await trio.to_thread.run_sync(lambda: ModelDrafter(
-                    draft_path or default_draft_path(), vocab_size=model.ckpt.config.vocab_size))
+            draft = draft_path
+            if speculate == "auto" and receipt is not None and temperature > 0:
+                # a sampled run's receipt can be recomputed only where its drafts depend on the
+                # text alone (recompute.py): auto chooses between suffix matching and plain decoding
+                log.info("a receipt of a sampled run: speculating without a draft model, so it can be recomputed")
+                draft = None
+            elif draft is None and speculate in ("auto", "draft"):
+                draft = await draft_model_for(n, model, path, cache_dir=cache_dir, required=speculate == "draft")
+            drafter = await trio.to_thread.run_sync(lambda: drafter_for(
+                speculate, vocab_size=model.ckpt.config.vocab_size, draft_path=draft))
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout, wire=wire,
                             quantized=quantized, **({} if audit_rate is None else {"audit_rate": audit_rate}))
             await _stream_generation(client, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -179,8 +184,10 @@ async def _stream_generation(client, prompt: str, **kw) -> None:
     st = client.last_stats
     click.echo(f"-- {st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s decode, prefill {st.prefill_s * 1000:.0f} ms")
     sp = st.speculation
-    if sp.drafted:
-        click.echo(f"-- speculation: {sp.verified} traversals, {sp.tokens_per_traversal:.2f} tokens each, "
+    drafter = kw.get("drafter")
+    if drafter is not None:
+        name = drafter.describe() if hasattr(drafter, "describe") else getattr(drafter, "name", type(drafter).__name__)
+        click.echo(f"-- speculation: {name}: {sp.verified} traversals, {sp.tokens_per_traversal:.2f} tokens each, "
                    f"{sp.acceptance:.0%} of drafts accepted, {sp.stale} stale chunks discarded")
     click.echo("-- chain: " + " -> ".join(f"{c.peer[:12]}… [{c.start}:{c.end}]" for c in st.chain))
     for h in st.heals:

@@ -50,9 +50,12 @@ from .common import (
               help="Let every peer reuse the keys and values it computed for a prompt's start already sent "
                    "(a chat's earlier turns): private to this gateway (its users share it), shared with "
                    "every client, or off (docs/security.md).")
+@click.option("--speculate", default="auto", type=click.Choice(["auto", "suffix", "ngram", "none"]), show_default=True,
+              help="Each request's speculative decoding (lossless): auto chooses as it goes between suffix "
+                   "matching over the request's text and plain decoding by what each yields.")
 @wrap_errors
 def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, host, port, name, logits_on_last,
-          dtype, route_timeout, audit_rate, quantized, api_key, chat_template, prefix_reuse) -> None:
+          dtype, route_timeout, audit_rate, quantized, api_key, chat_template, prefix_reuse, speculate) -> None:
     """Serve an OpenAI-compatible HTTP API (completions, chat, streaming) backed by the swarm."""
     from shardnet.errors import ShardnetError
     from shardnet.gateway.server import read_chat_template, serve_gateway
@@ -88,9 +91,10 @@ def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path,
                 # a port in use: PortInUseError, one line like the libp2p port's
                 urls = await nursery.start(functools.partial(
                     serve_gateway, client, shown, host=host, port=port, route_timeout=route_timeout,
-                    api_key=api_key, chat_template=template))
+                    api_key=api_key, chat_template=template, speculate=speculate))
                 say(f"serving the OpenAI API for model {shown!r} on {', '.join(urls)} "
-                     f"(model {model.model_id[:16]}…)" + (" with an API key" if api_key else ""))
+                     f"(model {model.model_id[:16]}…)" + (" with an API key" if api_key else "")
+                     + f"; speculation: {speculate}")
                 say(f"swarm dashboard on {urls[0]}/dashboard, metrics on {urls[0]}/metrics")
 
     run(_main)

@@ -41,6 +41,7 @@ from pathlib import Path
 import trio
 
 from shardnet.errors import NoRouteError, ShardnetError
+from shardnet.inference.client.auto_drafter import drafter_for
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.routing import format_layers, uncovered_layers
 from shardnet.inference.swarm_status import swarm_report
@@ -49,6 +50,10 @@ from shardnet.protocols.activation import ErrorCode
 from . import dashboard
 from . import openai_api as oa
 from .http import answer_lifespan, respond, serve_asgi
+
+#: what a gateway's ``speculate`` takes: model-free drafters only (a draft model holds a cache per
+#: sequence; one per concurrent request is not built)
+GATEWAY_SPECULATE = ("auto", "suffix", "ngram", "none")
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +79,12 @@ class Gateway:
     """The ASGI application. ``name``: the model name clients ask for (its ID works too)."""
 
     def __init__(self, client: Client, name: str, *, route_timeout: float = 10.0, api_key: str | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, speculate: str = "auto") -> None:
+        if speculate not in GATEWAY_SPECULATE:
+            raise ValueError(f"speculate={speculate!r}: one of {', '.join(GATEWAY_SPECULATE)}")
         self.client, self.name, self.route_timeout = client, name, route_timeout
+        #: each request's drafter (auto: suffix matching or plain decoding, chosen as it goes)
+        self.speculate = speculate
         self.api_key = api_key or None
         self.model = client.model
         # a gateway routes through every layer range: its claims view hears every range's news
@@ -210,10 +219,11 @@ class Gateway:
                               code="no_route") from None
 
     def _tokens(self, req: oa.GenerationRequest, ids: list[int], max_new: int, route):
+        drafter = drafter_for(self.speculate, vocab_size=self.model.ckpt.config.vocab_size)
         return self.client.generate(ids, max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
                                     seed=req.seed, frequency_penalty=req.frequency_penalty,
                                     presence_penalty=req.presence_penalty, logit_bias=req.logit_bias,
-                                    logprobs=req.logprobs, route=route)
+                                    logprobs=req.logprobs, route=route, drafter=drafter)
 
     def _logprob_entry(self, tok, offset: int) -> oa.LogprobEntry:
         return oa.LogprobEntry(tok.text, tok.logprob, [(self.model.decode([t]), lp) for t, lp in tok.top_logprobs],
@@ -373,7 +383,8 @@ def read_chat_template(path: Path) -> str:
 
 async def serve_gateway(client: Client, name: str, *, host: str = "127.0.0.1", port: int = 8000,
                         route_timeout: float = 10.0, api_key: str | None = None, chat_template: str | None = None,
-                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+                        speculate: str = "auto", task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled; ``task_status.started`` gets the bound URLs."""
-    gateway = Gateway(client, name, route_timeout=route_timeout, api_key=api_key, chat_template=chat_template)
+    gateway = Gateway(client, name, route_timeout=route_timeout, api_key=api_key, chat_template=chat_template,
+                      speculate=speculate)
     await serve_asgi(gateway, host=host, port=port, task_status=task_status)

@@ -13,3 +13,10 @@ def default_model_path() -> Path:
 
 def default_draft_path() -> Path:
     return HERE / DEFAULT_DRAFT
+
+
+def shipped_draft_for(path: Path | None) -> Path | None:
+    """The shipped draft when ``path`` is the shipped model's directory, else None."""
+    if path is not None and Path(path).resolve() == default_model_path().resolve() and default_draft_path().is_dir():
+        return default_draft_path()
+    return None

@@ -3,6 +3,7 @@ fetched from several peers, chunks checked on arrival (a peer sending bad bytes 
 fetch completes from others), resuming from verified chunks, the limits of serving, and a name
 kept bound against fake peers claiming it."""
 
+import dataclasses
 import json
 import struct
 from contextlib import AsyncExitStack
@@ -11,6 +12,7 @@ import pytest
 import trio
 from safetensors import safe_open
 
+from shardnet.errors import ShardnetError
 from shardnet.inference.model.checkpoint import Checkpoint
 from shardnet.inference.model.random_model import init_random
 from shardnet.inference.weights import fetcher as fetcher_mod
@@ -308,3 +310,42 @@ async def test_a_stored_format_travels_as_stored_and_loads_as_stored(loopback_co
     assert any(isinstance(p, StoredWeight) for p in block.layers.parameters())
     assert abs(module_stored_nbytes(block.layers) - layer_bytes(Checkpoint(path), 1, "bfloat16")) < 0.02 * \
         layer_bytes(Checkpoint(path), 1, "bfloat16")
+
+
+async def test_a_card_names_a_draft_that_clients_fetch_whole(loopback_config, model, tmp_path):
+    """A peer serving a model and its draft (``join --draft``) names the draft in the model's card;
+    ``fetch_draft`` finds it from the model's ID and fetches all of it, verified; a model whose card
+    names none has no draft."""
+    from shardnet.inference.weights.cards import ModelCard, card_of, draft_named_for
+    from shardnet.inference.weights.swarm_model import fetch_draft
+
+    draft_dir = init_random(tmp_path / "src" / "wdraft", "llama", layers=1, hidden=64, heads=2, kv_heads=1,
+                            intermediate=128, vocab=1024, seed=6)
+    target, draft = Checkpoint(model), Checkpoint(draft_dir)
+    card = card_of(target, draft=draft.model_id)
+    assert ModelCard.decode(card.encode()) == card and ModelCard.decode(card_of(target).encode()).draft is None
+    with pytest.raises(ShardnetError, match="malformed"):
+        ModelCard.decode(dataclasses.replace(card, draft="not an id").encode())
+    async with AsyncExitStack() as stack:
+        fetching, [(_, server)] = await _swarm(stack, loopback_config, model, [WeightServer])
+        assert await draft_named_for(fetching, target.model_id, timeout=5) is None
+        server.add(draft, listed=False)
+        server.add(target, draft=draft.model_id)  # a new card goes out at once
+        with trio.fail_after(30):
+            while await draft_named_for(fetching, target.model_id, timeout=5) != draft.model_id:
+                await trio.sleep(0.2)
+        server.add(target)  # (added again, as a peer that moved does: the draft stays named)
+        assert server.models[target.model_id][2] == draft.model_id
+        kw = dict(vocab_size=1024, model_bytes=target.total_bytes, cache_root=tmp_path / "cache")
+        # a draft over half the model's size, or of another vocabulary, is refused before its tensors
+        with pytest.raises(fetcher_mod.FetchError, match="over 50% of the model's size"):
+            await fetch_draft(fetching, target.model_id, **dict(kw, model_bytes=draft.total_bytes))
+        with pytest.raises(fetcher_mod.FetchError, match="vocabulary of 1024 tokens, the model 512"):
+            await fetch_draft(fetching, target.model_id, **dict(kw, vocab_size=512))
+        assert not Checkpoint(tmp_path / "cache" / draft.model_id).holds(list(draft.catalog))
+        path = await fetch_draft(fetching, target.model_id, **kw)
+        fetched = Checkpoint(path)
+        assert fetched.model_id == draft.model_id and fetched.holds(list(fetched.catalog))
+        _same_tensors(path, draft_dir, list(fetched.catalog))
+        # a draft is served, not listed: `shardnet models` shows the model alone
+        assert [m.card.model_id for m in await list_models(fetching)] == [target.model_id]

@@ -63,7 +63,8 @@ MULTI_PROCESS = {
         r"^mode +tok/s +x plain +tok/trav +accepted +stale +ceiling +reached$",
         *(rf"^{re.escape(mode)} +{NUM} +{NUM}x +{NUM} +(-|\d+%) +\d+% +{NUM} +\d+%$"
           for mode in ("plain decode", "speculative, draft model, k=2", "speculative, n-gram, k=2",
-                       "speculative, suffix, k=2", "pipelined, draft model, k=2, depth 2",
+                       "speculative, suffix, k=2", "speculative, auto, k=2", "speculative, auto model-free, k=2",
+                       "pipelined, draft model, k=2, depth 2",
                        "pipelined, n-gram, k=2, depth 2", "pipelined, suffix, k=2, depth 2")),
         r"^greedy output identical in every mode and run: True$",
         r"^delays above plus compute measured in this process per chunk: 1 position "]),

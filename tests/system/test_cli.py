@@ -240,9 +240,14 @@ def test_join_then_generate_through_two_peers(swarm, tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_generate_with_speculation_and_chunks_in_flight(swarm):
+def test_generate_with_speculation_and_chunks_in_flight(swarm, tmp_path):
     """The shipped model and draft, served by one `join`: speculative greedy output equals plain
-    greedy output, and seeded sampling with 3 chunks in flight repeats itself exactly."""
+    greedy output (each drafter, and auto, the default, which says what it chose), seeded
+    sampling with 3 chunks in flight repeats itself exactly, and a client with no files here
+    fetches the draft the model's card names."""
+    from shardnet.inference.model.checkpoint import Checkpoint
+    from shardnet.models import default_model_path
+
     p = swarm.spawn_node("all", "--threads", "1", command="join")
     swarm.wait_ready(p, 120)
 
@@ -250,17 +255,25 @@ def test_generate_with_speculation_and_chunks_in_flight(swarm):
         r = shardnet("generate", "--bootstrap", swarm.bootstrap_addr, "-n", "24", *extra, "def main(", timeout=120)
         assert r.returncode == 0, r.stderr
         text, _, report = r.stdout.partition("\n-- ")
-        return text, report
+        return text, report, r.stderr
 
-    plain, _ = gen()
-    for extra in (["--speculate", "draft", "-k", "5", "--depth", "3"], ["--speculate", "ngram", "--depth", "2"]):
-        text, report = gen(*extra)
+    plain, report, _ = gen("--speculate", "none")
+    assert "speculation" not in report, report
+    for extra in (["--speculate", "draft", "-k", "5", "--depth", "3"], ["--speculate", "ngram", "--depth", "2"], []):
+        text, report, _ = gen(*extra)
         assert text == plain, extra
-    assert re.search(r"-- speculation: \d+ traversals, [0-9.]+ tokens each, \d+% of drafts accepted", report), report
+    assert re.search(r"-- speculation: auto \(draft \d+ chunks, [0-9.]+ tok/s; suffix .*; plain .*\); drafting with "
+                     r"\w+ last: \d+ traversals, [0-9.]+ tokens each, \d+% of drafts accepted", report), report
     sampled = ["--temperature", "0.8", "--top-k", "40", "--seed", "7", "--speculate", "draft", "--depth", "3"]
-    first, _ = gen(*sampled)
-    again, _ = gen(*sampled)
+    first, _, _ = gen(*sampled)
+    again, _, _ = gen(*sampled)
     assert first == again and first != plain
+    # no files here: the model by its ID from the swarm, and the draft its card names (join serves
+    # the shipped draft beside the shipped model)
+    model_id = Checkpoint(default_model_path()).model_id
+    text, report, log = gen("--model", model_id, "--cache-dir", str(tmp_path / "cache"), "--speculate", "draft")
+    assert text == plain and "fetching the draft model" in log, log
+    assert re.search(r"-- speculation: draft: \d+ traversals", report), report
 
 
 def test_generate_without_peers_fails_in_one_line(swarm, tiny_model):

@@ -30,9 +30,13 @@ def test_generate_is_transformers_generate(swarm):
     with shardnet.DistributedModelForCausalLM.from_pretrained(bootstrap=[swarm.bootstrap_addr],
                                                               audit_rate=0) as model:
         for row in (ids[:1], ids):
-            got = model.generate(row, max_new_tokens=12)
+            got = model.generate(row, max_new_tokens=12)  # speculating (auto) by default
             want = transformers_generate(default_model_path(), row, max_new_tokens=12)  # its dtype, as the peers
             assert torch.equal(got, want), (got, want)
+            assert torch.equal(model.generate(row, max_new_tokens=12, speculate="none"), want)
+        # by default the shipped model's draft, suffix matching and plain decoding, chosen as it goes
+        model.generate(ids, max_new_tokens=4)
+        assert [list(d.candidates) for d in model.last_drafters] == [["draft", "suffix", "plain"]] * 2
         # without the end-of-sequence stop: always max_new_tokens new ones
         got = model.generate(ids[:1], max_new_tokens=10, eos_token_id=None)
         assert got.shape == (1, 14) and torch.equal(got[:, :4], ids[:1])
@@ -52,6 +56,8 @@ def test_generate_is_transformers_generate(swarm):
             model.generate(ids, num_beams=4)
         with pytest.raises(ValueError, match="streamer takes batch size 1"):
             model.generate(ids, streamer=object())
+        with pytest.raises(ValueError, match="speculate='beam': one of auto"):
+            model.generate(ids, speculate="beam")
     with pytest.raises(shardnet.ShardnetError, match="closed"):
         model.generate(ids)
 

@@ -144,6 +144,17 @@ def test_generate_writes_a_receipt_that_shardnet_verify_checks(tmp_path):
         missing = subprocess.run(shardnet_argv("receipts", "--bootstrap", swarm.bootstrap_addr, "--get", "00" * 32),
                                  capture_output=True, text=True, timeout=120)
         assert missing.returncode != 0 and "not found" in missing.stderr
+        # sampled, with the default speculation (auto, without the draft model: recomputable)
+        sampled = tmp_path / "sampled.json"
+        r = subprocess.run(shardnet_argv("generate", "--bootstrap", swarm.bootstrap_addr, "-n", "12", "--temperature",
+                                         "0.9", "--seed", "5", "--receipt", str(sampled), PROMPT),
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+        spec = json.loads(sampled.read_text())["body"]["speculative"]
+        assert spec["drafter"] == "auto" and spec["candidates"] == ["suffix", "plain"], spec
+    v = subprocess.run(shardnet_argv("verify", str(sampled), "--recompute", str(default_model_path())),
+                       capture_output=True, text=True, timeout=180)
+    assert v.returncode == 0 and "regenerated with its seed" in v.stdout, v.stdout + v.stderr[-2000:]
     manifest = tmp_path / "manifest.json"
     subprocess.run(shardnet_argv("model", "manifest", "--json", str(default_model_path())), check=True,
                    stdout=manifest.open("w"), timeout=120)

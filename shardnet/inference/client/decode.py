@@ -88,6 +88,7 @@ class _Chunk:
     drafts: list[int]
     q: torch.Tensor | None  # the distributions sampled drafts were drawn from
     sent: float  # perf_counter() when sent
+    by: str | None = None  # which drafter drafted it (a drafter that chooses: auto_drafter.py)
 
 
 def _logprobs(row: torch.Tensor, tok: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
@@ -99,15 +100,16 @@ def _logprobs(row: torch.Tensor, tok: int, top: int) -> tuple[float, tuple[tuple
 
 
 def _first_wrong(out: list[int], logits: torch.Tensor, params: SamplingParams, rng: Randomness, start: int,
-                 speculative: bool) -> tuple[int, int]:
+                 drafted_at: set[int] = frozenset()) -> tuple[int, int]:
     """Given trusted logits rows [len(out) + 1, vocab] (row i: the distribution of token i of
     ``out``, whose position is ``start + i``): the index of the first token of ``out`` they do
     not support, and the token that belongs there. Greedy and plain sampling are deterministic
-    (keyed randomness), so a token is wrong when it differs; speculative sampling made its choices
-    with the draft's distributions, so there a token is wrong only when it was impossible."""
+    (keyed randomness), so a token is wrong when it differs; a sampled token accepted from a
+    chunk with drafts (its index in ``drafted_at``) may have been chosen with the draft's
+    distributions, so it is wrong only when it was impossible."""
     for i, tok in enumerate(out):
         row = logits[i].float()
-        if speculative and not params.greedy:
+        if i in drafted_at and not params.greedy:
             if probabilities(row, params)[tok] > 0:
                 continue
         elif next_token(row, params, rng, start + i) == tok:
@@ -160,7 +162,7 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
                 await auditor.settle()  # a verdict on this request's steps still corrects it
             convicted = [p for p in auditor.take_convicted() if p in sess.served_by()]
             if convicted:
-                fixed, row = await _correct_without(convicted, sess, steps, pipe, text, params, rng, drafter is not None)
+                fixed, row = await _correct_without(convicted, sess, steps, pipe, text, params, rng)
                 todo, rows = [fixed], [row]
                 continue
         if finished:
@@ -264,6 +266,8 @@ class _Pipeline:
         self.spec = list(prompt)
         self.inflight: deque[_Chunk] = deque()  # of the current epoch, oldest first
         self.epoch, self.stale_below = 0, 0
+        #: indices in the output of tokens accepted from chunks that had drafts
+        self.drafted_at: set[int] = set()
 
     def continue_from(self, out: list[int]) -> None:
         """The accepted text changed: drafting continues from it and the drafts still in flight."""
@@ -289,8 +293,9 @@ class _Pipeline:
             if not drafts and inflight:
                 break  # nothing to speculate on: wait for a result first
             feed = [spec[-1]] + drafts
+            by = getattr(self.drafter, "chosen", None)
             n = await self.steps.send(feed, pos=len(spec) - 1, logits_for=len(feed), epoch=self.epoch)
-            inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, time.perf_counter()))
+            inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, time.perf_counter(), by))
             spec += drafts
             self.stats.chunks += 1
             if not drafts:
@@ -327,6 +332,12 @@ class _Pipeline:
         stats.verified += 1
         stats.drafted += len(chunk.drafts)
         stats.accepted += len(kept) - 1
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:  # a drafter that chooses as it goes (auto_drafter.py)
+            observe(len(kept), by=chunk.by, drafted=len(chunk.drafts))
+        if chunk.drafts:  # (sampled: the tokens it kept were not all drawn by the target's own rule)
+            first = chunk.start - len(self.prompt)
+            self.drafted_at.update(range(first, first + len(kept)))
         if len(kept) == len(chunk.drafts) + 1 and self.inflight:
             # all accepted: the next chunk in flight verifies what follows, bonus included
             todo = kept[:-1]
@@ -351,8 +362,7 @@ class _Pipeline:
 
 
 async def _correct_without(convicted: list[str], sess: InferenceSession, steps: _Steps, pipe: _Pipeline,
-                           text: _Text, params: SamplingParams, rng: Randomness,
-                           speculative: bool) -> tuple[int, torch.Tensor]:
+                           text: _Text, params: SamplingParams, rng: Randomness) -> tuple[int, torch.Tensor]:
     """The convicted peers' work is not trusted: move to a chain without them and send the whole
     text through it once, to learn which of our tokens stand. Retracts the first token the trusted
     logits do not support and what follows it; returns the token that belongs in its place, and
@@ -363,8 +373,9 @@ async def _correct_without(convicted: list[str], sess: InferenceSession, steps: 
     n = await steps.send(prompt + out, pos=0, logits_for=len(out) + 1, epoch=pipe.epoch)
     pipe.stale_below = n
     rows = adjusted(await steps.logits(await steps.receive_step(n), rows=len(out) + 1), params, [], out)
-    m, fixed = _first_wrong(out, rows, params, rng, len(prompt), speculative)
+    m, fixed = _first_wrong(out, rows, params, rng, len(prompt), pipe.drafted_at)
     if m < len(out):
         text.retract_from(m)
+    pipe.drafted_at = {i for i in pipe.drafted_at if i < m}
     pipe.spec = prompt + out
     return fixed, rows[m]

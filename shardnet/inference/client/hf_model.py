@@ -24,6 +24,7 @@ import logging
 import threading
 from contextlib import AsyncExitStack, aclosing
 from pathlib import Path
+from types import EllipsisType
 
 import torch
 import trio
@@ -100,6 +101,9 @@ class DistributedModelForCausalLM:
         self.name_or_path = str(self.local_model.ckpt.path)  # AutoTokenizer.from_pretrained takes it
         self.config = self.local_model.ckpt.config
         self.generation_defaults = _generation_defaults(Path(self.name_or_path), self.config)
+        self.cache_dir: Path | None = None  # where a draft the model's card names is fetched to
+        self._draft: Path | None | EllipsisType = ...  # not looked for yet
+        self._draft_models: list = []  # one per row of the largest batch so far (ModelDrafter)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path | None = None, *, bootstrap: list[str] = (),
@@ -126,19 +130,28 @@ class DistributedModelForCausalLM:
             return node, Client(node, model, logits_on_last=logits_on_last, audit_rate=audit_rate,
                                 route_timeout=route_timeout)
 
-        return cls(_TrioThread(setup))
+        model = cls(_TrioThread(setup))
+        model.cache_dir = Path(cache_dir) if cache_dir else None
+        return model
 
     # -- transformers' generate -------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int | None = None, max_length: int | None = None, do_sample: bool | None = None,
                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                  eos_token_id: int | list[int] | None = ..., pad_token_id: int | None = None, streamer=None,
-                 seed: int | None = None, **kwargs) -> torch.LongTensor:
+                 seed: int | None = None, speculate: str = "auto", **kwargs) -> torch.LongTensor:
         """``input_ids`` [batch, tokens] (or [tokens]) -> [batch, tokens + new] as transformers
         returns it. ``attention_mask`` marks left padding, which each row's session leaves out.
         ``seed`` fixes sampled output (default: drawn from torch's generator, so
         ``torch.manual_seed`` does). ``streamer``: a transformers streamer (``put``/``end``),
-        batch size 1 as in transformers."""
+        batch size 1 as in transformers. ``speculate``: as ``shardnet generate --speculate``
+        (auto: a draft model the model's card names, suffix matching or plain decoding, chosen
+        as it goes by what each yields; lossless either way); ``last_drafters`` says what each
+        row used."""
+        from shardnet.inference.client.auto_drafter import SPECULATE_CHOICES
+
+        if speculate not in SPECULATE_CHOICES:
+            raise ValueError(f"generate: speculate={speculate!r}: one of {', '.join(SPECULATE_CHOICES)}")
         for name, value in kwargs.items():
             if name not in ACCEPTED_DEFAULTS or value != ACCEPTED_DEFAULTS[name]:
                 raise ValueError(f"generate: {name}={value!r} is not supported by a distributed model")
@@ -178,7 +191,7 @@ class DistributedModelForCausalLM:
             raise ValueError("generate: a row of input_ids has no token its attention_mask keeps")
         if streamer is not None:
             streamer.put(ids[0].cpu())
-        new = self._loop.call(self._generate_rows, rows, max_new_tokens, params, seed, eos_ids, streamer)
+        new = self._loop.call(self._generate_rows, rows, max_new_tokens, params, seed, eos_ids, streamer, speculate)
         if streamer is not None:
             streamer.end()
         width = max(map(len, new), default=0)
@@ -187,14 +200,17 @@ class DistributedModelForCausalLM:
             tail[i, :len(toks)] = torch.tensor(toks, dtype=ids.dtype)
         return torch.cat([ids, tail], dim=1)
 
-    async def _generate_rows(self, rows, max_new: int, params: dict, seed, eos_ids: set[int], streamer):
+    async def _generate_rows(self, rows, max_new: int, params: dict, seed, eos_ids: set[int], streamer,
+                             speculate: str = "none"):
         out: list[list[int]] = [[] for _ in rows]
+        drafters = [await self._drafter(speculate, i) for i in range(len(rows))]
+        self.last_drafters = drafters
 
         async def one(i: int) -> None:
             if max_new == 0:
                 return
             gen = self.client.generate(rows[i], max_new_tokens=max_new, stop_at_eos=False,
-                                       seed=None if seed is None else seed + i, **params)
+                                       seed=None if seed is None else seed + i, drafter=drafters[i], **params)
             async with aclosing(gen) as tokens:
                 async for tok in tokens:
                     tok.apply(out[i])
@@ -208,6 +224,28 @@ class DistributedModelForCausalLM:
                 nursery.start_soon(one, i)
         return out
 
+    async def _drafter(self, speculate: str, row: int):
+        """Row ``row``'s drafter; a draft model is loaded once per row and kept (its cache
+        follows each new text), not once per call."""
+        from shardnet.inference.client.auto_drafter import drafter_for
+        from shardnet.inference.client.speculative import ModelDrafter
+
+        vocab = self.config.vocab_size
+        model = None
+        if speculate in ("auto", "draft"):
+            if self._draft is ...:  # looked for once: the shipped draft, else the one the card names
+                self._draft = await _draft_for(self.node, self.local_model, self.cache_dir)
+            while self._draft is not None and len(self._draft_models) <= row:
+                try:
+                    self._draft_models.append(await trio.to_thread.run_sync(
+                        lambda: ModelDrafter(self._draft, vocab_size=vocab)))
+                except Exception as e:  # (auto goes on without it; draft says why)
+                    log.warning("the draft model at %s cannot be used: %s: %s", self._draft, type(e).__name__, e)
+                    self._draft = None
+            if self._draft is not None:
+                model = self._draft_models[row]
+        return drafter_for(speculate, vocab_size=vocab, draft_model=model)
+
     # -- lifetime ----------------------------------------------------------------------------------
     def close(self) -> None:
         """Leave the swarm and stop the background thread."""
@@ -218,6 +256,21 @@ class DistributedModelForCausalLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+async def _draft_for(node, model, cache_dir: Path | None) -> Path | None:
+    from shardnet.inference.weights.swarm_model import fetch_draft
+    from shardnet.models import shipped_draft_for
+
+    shipped = shipped_draft_for(model.ckpt.path)
+    if shipped is not None:
+        return shipped
+    try:
+        return await fetch_draft(node, model.model_id, vocab_size=model.ckpt.config.vocab_size,
+                                 model_bytes=model.ckpt.total_bytes, cache_root=cache_dir)
+    except Exception as e:  # speculation without it is still speculation
+        log.warning("could not fetch the draft model the model's card names: %s", e)
+        return None
 
 
 def _generation_defaults(path: Path, config) -> dict:

@@ -109,19 +109,36 @@ def _through_wire(hidden: torch.Tensor, wire: str | None) -> torch.Tensor:
     return wire_codec.decode(dtype, shape, payload) if dtype == QUANTIZED else hidden.to(DTYPES[dtype])
 
 
+def _model_free_drafter(spec: dict):
+    """The drafter a sampled run's receipt names, made afresh, where its drafts depend on the text
+    alone (n-gram lookup, suffix matching, auto choosing between those and plain decoding: with
+    sampling its choices go by counts, not timing); None for a draft model."""
+    from shardnet.inference.client.auto_drafter import PLAIN, AutoDrafter
+    from shardnet.inference.client.speculative import NGramDrafter
+    from shardnet.inference.client.suffix_drafter import SuffixDrafter
+
+    made = {"ngram": NGramDrafter, "suffix": SuffixDrafter}
+    if spec.get("drafter") in made:
+        return made[spec["drafter"]]()
+    candidates = spec.get("candidates") if spec.get("drafter") == "auto" else None
+    if not isinstance(candidates, list) or not candidates or not set(candidates) <= {*made, PLAIN}:
+        return None
+    return AutoDrafter({n: None if n == PLAIN else made[n]() for n in candidates})
+
+
 def _replay(body: dict, model: LocalModel, ids: list[int], params: SamplingParams, exact: bool) -> rc.Check:
     """Regenerate the text as the client did and compare token for token."""
     from shardnet.inference.client.decode import GenerationStats, generate_on
     from shardnet.inference.client.sampling import Randomness
-    from shardnet.inference.client.speculative import NGramDrafter
     from shardnet.inference.model.local_session import LocalSession
 
     spec = body.get("speculative")
     drafter, k, depth = None, 0, 1
     if not params.greedy and spec:  # sampled text depends on the drafting: replay it where it is deterministic
-        if spec["drafter"] != "ngram":
+        drafter = _model_free_drafter(spec)
+        if drafter is None:
             return rc.Check("recompute", False, "a sampled run with a draft model cannot be recomputed here")
-        drafter, k, depth = NGramDrafter(), spec["k"], spec["depth"]
+        k, depth = spec["k"], spec["depth"]
     want = body["output_ids"]
     block = Block(model.ckpt, 0, model.ckpt.num_layers, dtype=model.dtype)  # as the peers computed (auto)
 

@@ -78,11 +78,20 @@ async def seal_run_receipt(request: RequestContext, run: dict | None, *, wait: f
         "peer_rtts_ms": {c.peer: {p: round(t * 1000, 3) for p, t in c.rtts} for c in route},
         "tok_per_s": round(stats.tokens_per_s, 3), "prefill_s": round(stats.prefill_s, 4),
         "speculative": None if drafter is None else {
-            "drafter": "ngram" if type(drafter).__name__ == "NGramDrafter" else "model",
-            "k": run["k"], "depth": run["depth"], "greedy_checked_equal_to_plain": run.get("checked")},
+            **drafter_record(drafter), "k": run["k"], "depth": run["depth"],
+            "greedy_checked_equal_to_plain": run.get("checked")},
         # honest-compute checks of this run: how many steps were re-run on other peers, with what verdicts
         "checks": None if stats.audit is None else dict(stats.audit.to_json(), rate=run["audit_rate"],
                                                         retracted_tokens=stats.retracted),
         "version": __version__,
     }
     return rc.seal_run(node.key_pair, body)
+
+
+def drafter_record(drafter) -> dict:
+    """What a receipt says of a run's drafter: ``drafter`` ngram, suffix, auto (with the
+    ``candidates`` it chose between) or model (a draft model)."""
+    name = getattr(drafter, "name", None)
+    if name == "auto":
+        return {"drafter": "auto", "candidates": ["model" if n == "draft" else n for n in drafter.candidates]}
+    return {"drafter": name if name in ("ngram", "suffix") else "model"}

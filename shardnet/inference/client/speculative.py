@@ -48,6 +48,8 @@ class NGramDrafter:
     """Model-free prompt lookup: continue with what followed the latest earlier occurrence of
     the text's last n tokens (longest n first)."""
 
+    name = "ngram"
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
@@ -84,6 +86,8 @@ class ModelDrafter:
     cache (see static_decoder), captured in a CUDA graph on a GPU. Its cache follows the
     accepted text: each call keeps the longest prefix it shares with the new text and feeds the
     rest, so rejected drafts cost a rollback, not a recomputation."""
+
+    name = "draft"
 
     def __init__(self, path: str | Path, *, vocab_size: int | None = None, device: str = "cpu",
                  max_len: int = 4096, cuda_graph: bool | None = None) -> None:

@@ -425,9 +425,13 @@ class ComputePeer:
 @asynccontextmanager
 async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, int] | None = None,
                      max_layers: int | None = None, rebalance_interval: float = DEFAULT_REBALANCE_INTERVAL,
-                     claim_ttl: float = CLAIM_TTL, on_move=None, **peer_kw) -> AsyncIterator[ComputePeer]:
-    """Serve ``layers`` (or a span chosen for the swarm's sake, revised over time) until exit."""
+                     claim_ttl: float = CLAIM_TTL, on_move=None, draft_path: str | Path | None = None,
+                     **peer_kw) -> AsyncIterator[ComputePeer]:
+    """Serve ``layers`` (or a span chosen for the swarm's sake, revised over time) until exit.
+    ``draft_path``: a draft model for speculative decoding with this one, served whole beside it
+    and named in its model card (clients' ``--speculate auto`` fetch it)."""
     peer = ComputePeer(node, model_path, **peer_kw)
+    draft = None if draft_path is None else draft_checkpoint(draft_path, peer.ckpt)  # before loading anything
     chosen = layers is None  # a span we picked we may also leave; one we were given, never
     if layers is None:
         await trio.sleep(random.uniform(0, 1.0))  # peers started together: look one after another
@@ -450,7 +454,9 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
     finally:
         peer.loading = None
     weights = node.behaviour(WeightServer) or await node.add_behaviour(WeightServer(node))
-    weights.add(peer.ckpt, peer.names)
+    if draft is not None:
+        weights.add(draft, listed=False)
+    weights.add(peer.ckpt, peer.names, draft=None if draft is None else draft.model_id)
     if publisher is None:
         publisher = await node.add_behaviour(ClaimPublisher(node, peer.claim, num_layers=peer.ckpt.num_layers,
                                                             ttl=claim_ttl))  # first claim out
@@ -468,6 +474,8 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
                 nursery.cancel_scope.cancel()
     finally:
         node.remove_behaviour(publisher)  # no more claims once we stop serving
+        if draft is not None:
+            weights.remove(draft.model_id)
         weights.remove(peer.model_id)
 
 
@@ -483,3 +491,17 @@ async def serve_block(node: Node, model_path: str, start: int, end: int, *, dtyp
                           dtype=dtype, device=device, kv_budget_bytes=kv_budget_bytes, idle_timeout=idle_timeout,
                           hold_head=hold_head, quantize=quantize, batch_tokens=batch_tokens, region=region) as peer:
         yield peer.served
+
+
+def draft_checkpoint(path: str | Path, target: Checkpoint) -> Checkpoint:
+    """A draft model's checkpoint for ``target``: whole here (it is served whole: clients run all
+    of it), of the target's vocabulary (its tokens are the target's), not the target itself."""
+    draft = Checkpoint(Path(path))
+    if not draft.holds(list(draft.catalog)):
+        raise ShardnetError(f"draft {path}: some of its tensors are not here; a draft is served whole")
+    if draft.model_id == target.model_id:
+        raise ShardnetError("the draft is the model itself")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ShardnetError(f"draft {draft.path.name}: vocabulary of {draft.config.vocab_size} tokens, the model's "
+                            f"is {target.config.vocab_size}: its drafts would be meaningless")
+    return draft

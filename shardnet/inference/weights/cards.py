@@ -64,21 +64,30 @@ class ModelCard:
     num_layers: int
     total_bytes: int
     dtype: str
+    #: the model ID of a draft for speculative decoding with this model (a small model of the same
+    #: vocabulary the publisher also serves), or None. Optional in version 1: older decoders
+    #: ignore it, and a card without it names no draft.
+    draft: str | None = None
 
     def encode(self) -> bytes:
-        return cbor2.dumps({"v": 1, "model_id": self.model_id, "names": list(self.names[:MAX_NAMES]),
-                            "family": self.family, "num_layers": self.num_layers, "bytes": self.total_bytes,
-                            "dtype": self.dtype}, canonical=True)
+        doc = {"v": 1, "model_id": self.model_id, "names": list(self.names[:MAX_NAMES]), "family": self.family,
+               "num_layers": self.num_layers, "bytes": self.total_bytes, "dtype": self.dtype}
+        if self.draft is not None:
+            doc["draft"] = self.draft
+        return cbor2.dumps(doc, canonical=True)
 
     @classmethod
     def decode(cls, blob: bytes) -> ModelCard:
         try:
             m = cbor2.loads(blob)
             names = m["names"]
-            card = cls(m["model_id"], tuple(names), m["family"], m["num_layers"], m["bytes"], m["dtype"])
+            card = cls(m["model_id"], tuple(names), m["family"], m["num_layers"], m["bytes"], m["dtype"],
+                       m.get("draft"))
         except Exception:
             raise ShardnetError("malformed model card") from None
         if not (isinstance(card.model_id, str) and MODEL_ID_RE.match(card.model_id) and isinstance(names, list)
+                and (card.draft is None or (isinstance(card.draft, str) and MODEL_ID_RE.match(card.draft)
+                                            and card.draft != card.model_id))
                 and len(names) <= MAX_NAMES
                 and all(isinstance(n, str) and 0 < len(n) <= MAX_NAME_CHARS for n in names)
                 and isinstance(card.family, str) and isinstance(card.num_layers, int)
@@ -87,21 +96,23 @@ class ModelCard:
         return card
 
 
-def card_of(ckpt, extra_names: list[str] = ()) -> ModelCard:
+def card_of(ckpt, extra_names: list[str] = (), *, draft: str | None = None) -> ModelCard:
     names = [n for n in dict.fromkeys([*extra_names, *ckpt.names]) if 0 < len(n) <= MAX_NAME_CHARS]
     return ModelCard(ckpt.model_id, tuple(names[:MAX_NAMES]), ckpt.model_type, ckpt.num_layers, ckpt.total_bytes,
-                     ckpt.stored_dtype)
+                     ckpt.stored_dtype, draft)
 
 
-async def publish_card(node: Node, card: ModelCard, *, serves_weights: bool) -> None:
-    """Put the card and its provider records in the DHT (best effort: the next round retries)."""
+async def publish_card(node: Node, card: ModelCard, *, serves_weights: bool, listed: bool = True) -> None:
+    """Put the card and its provider records in the DHT (best effort: the next round retries);
+    ``listed``: this peer is a provider of ``models`` for it too."""
     # the models record last: a peer listed as publishing a model is also findable by its name
     # and, when it serves them, for its bytes
     jobs = [("card", lambda: node.dht.put(card_record_name(card.model_id), card.encode()))]
     if serves_weights:
         jobs.append(("weights", lambda: node.dht.provide(weights_key(card.model_id))))
     jobs += [(f"name {n}", lambda n=n: node.dht.provide(name_key(n))) for n in card.names]
-    jobs.append(("models", lambda: node.dht.provide(MODELS_KEY)))
+    if listed:
+        jobs.append(("models", lambda: node.dht.provide(MODELS_KEY)))
     for what, job in jobs:
         try:
             await job()
@@ -279,6 +290,16 @@ async def _resolve_id(node: Node, model_id: str, *, timeout: float) -> ModelCard
         if trio.current_time() + 1.0 >= deadline:
             raise await _not_found(node, model_id, timeout=timeout)
         await trio.sleep(1.0)
+
+
+async def draft_named_for(node: Node, model_id: str, *, timeout: float = 10.0) -> str | None:
+    """The model ID of the draft the cards of ``model_id`` name (the one most of them name), or
+    None when none does (or no card is found within ``timeout``)."""
+    with trio.move_on_after(timeout):
+        cards = await _cards_from(node, weights_key(model_id), model_id, timeout=timeout)
+        drafts = [card.draft for _, card in cards if card.draft is not None]
+        return max(sorted(set(drafts)), key=drafts.count) if drafts else None
+    return None
 
 
 async def _not_found(node: Node, spec: str, *, timeout: float) -> ModelNotFound:

@@ -60,7 +60,8 @@ class WeightServer(Behaviour):
 
     def __init__(self, node: Node, *, serves_weights: bool = True) -> None:
         self.node = node
-        self.models: dict[str, tuple[Checkpoint, list[str]]] = {}  # model ID -> (checkpoint, extra names)
+        #: model ID -> (checkpoint, extra names, the model ID of the draft its card names, listed)
+        self.models: dict[str, tuple[Checkpoint, list[str], str | None, bool]] = {}
         self.serves_weights = serves_weights
         self.open = PeerCounts()
         self.refusals = Refusals(log)
@@ -72,9 +73,14 @@ class WeightServer(Behaviour):
         self._wake = trio.Event()
         node.set_stream_handler(wp.PROTOCOL_ID, self._serve_stream)
 
-    def add(self, ckpt: Checkpoint, names: list[str] = ()) -> None:
-        """Serve ``ckpt`` (again, after it holds more) under its ID; publish its card soon."""
-        self.models[ckpt.model_id] = (ckpt, list(names))
+    def add(self, ckpt: Checkpoint, names: list[str] = (), *, draft: str | None = ..., listed: bool = True) -> None:
+        """Serve ``ckpt`` (again, after it holds more) under its ID; publish its card soon. ``draft``:
+        the model ID of a draft for it, which its card names (serve that one too; default: as
+        before). ``listed``: among the models this peer lists as served (``shardnet models``); a
+        draft is served and findable by its ID and names, not listed."""
+        if draft is ...:
+            draft = self.models.get(ckpt.model_id, (None, None, None, True))[2]
+        self.models[ckpt.model_id] = (ckpt, list(names), draft, listed)
         self._wake.set()
 
     def remove(self, model_id: str) -> None:
@@ -87,14 +93,14 @@ class WeightServer(Behaviour):
         # cards follow a little later, and peers started together do not publish all at once
         await trio.sleep(random.uniform(*FIRST_PUBLISH_DELAY))
         while True:
-            await publish_model_list(self.node, list(self.models))
-            for ckpt, names in list(self.models.values()):
+            await publish_model_list(self.node, [i for i, (*_, listed) in self.models.items() if listed])
+            for ckpt, names, draft, listed in list(self.models.values()):
                 try:
-                    card = card_of(ckpt, names)
+                    card = card_of(ckpt, names, draft=draft)
                 except ShardnetError as e:  # a config that names no dtype we know, say
                     log.warning("no model card for %s: %s", ckpt.path.name, e)
                     continue
-                await publish_card(self.node, card, serves_weights=self.serves_weights)
+                await publish_card(self.node, card, serves_weights=self.serves_weights, listed=listed)
             with trio.move_on_after(REPUBLISH_S):
                 await self._wake.wait()
             self._wake = trio.Event()

@@ -7,8 +7,10 @@ import logging
 import time
 from pathlib import Path
 
+import trio
+
 from shardnet.inference.model.checkpoint import Checkpoint
-from shardnet.inference.weights.cards import MODEL_ID_RE, ModelCard, resolve_model
+from shardnet.inference.weights.cards import MODEL_ID_RE, ModelCard, draft_named_for, resolve_model
 from shardnet.inference.weights.fetcher import (
     FetchError,
     FetchProgress,
@@ -78,6 +80,40 @@ async def fetch_tensors(node: Node, ckpt: Checkpoint, names: list[str], *,
              time.monotonic() - report.started, report.rate / 1e6, len(report.per_source),
              f"; dropped {len(report.bad)} for bad bytes" if report.bad else "")
     return report
+
+
+#: the most a draft a card names may weigh, as a share of its model's bytes (a draft is small by purpose)
+DRAFT_MAX_SHARE = 0.5
+#: seconds to find the draft a card names and fetch its manifest and files (its tensors then come
+#: with a progress bar of their own)
+DRAFT_LOOKUP_S = 20.0
+
+
+async def fetch_draft(node: Node, model_id: str, *, vocab_size: int, model_bytes: int, cache_root: Path | None = None,
+                      progress: ProgressFn | None = None, timeout: float = DRAFT_LOOKUP_S) -> Path | None:
+    """The draft model the cards of ``model_id`` name, fetched whole into the cache (a draft runs
+    on the client: all of it), or None when no card names one. Refused (FetchError) before any
+    tensor is fetched when it is over ``DRAFT_MAX_SHARE`` of the model's ``model_bytes`` or its
+    vocabulary is not ``vocab_size``: a card's publisher chooses what it names."""
+    opened = None
+    with trio.move_on_after(timeout):
+        draft_id = await draft_named_for(node, model_id, timeout=timeout / 2)
+        if draft_id is None:
+            return None
+        log.info("fetching the draft model %s… the card of %s… names", draft_id[:16], model_id[:16])
+        opened = await open_from_swarm(node, draft_id, cache_root=cache_root, progress=progress)
+    if opened is None:
+        raise FetchError(f"the draft of {model_id[:16]}… was not found and opened within {timeout:.0f} s")
+    path, card = opened
+    if card.total_bytes > DRAFT_MAX_SHARE * model_bytes:
+        raise FetchError(f"the draft a card names ({card.total_bytes / 1e6:.1f} MB) is over "
+                         f"{DRAFT_MAX_SHARE:.0%} of the model's size ({model_bytes / 1e6:.1f} MB)")
+    ckpt = Checkpoint(path)
+    if ckpt.config.vocab_size != vocab_size:
+        raise FetchError(f"the draft a card names has a vocabulary of {ckpt.config.vocab_size} tokens, the model "
+                         f"{vocab_size}")
+    await fetch_tensors(node, ckpt, list(ckpt.catalog), progress=progress)
+    return path
 
 
 def head_tensor_names(ckpt: Checkpoint, *, embed: bool = True, lm_head: bool = True) -> list[str]:

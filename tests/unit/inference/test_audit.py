@@ -80,9 +80,9 @@ def rows_for(tokens: list[int], vocab: int = 11) -> torch.Tensor:
 def test_greedy_tokens_stand_until_the_first_the_trusted_logits_disagree_with():
     greedy, rng = SamplingParams(), Randomness(0)
     trusted = [3, 4, 5, 6, 7]  # rows: tokens 0..3 of the output, and the next one
-    assert _first_wrong([3, 4, 5, 6], rows_for(trusted), greedy, rng, 10, False) == (4, 7)
-    assert _first_wrong([3, 4, 9, 9], rows_for(trusted), greedy, rng, 10, False) == (2, 5)
-    assert _first_wrong([], rows_for([2]), greedy, rng, 10, False) == (0, 2)
+    assert _first_wrong([3, 4, 5, 6], rows_for(trusted), greedy, rng, 10) == (4, 7)
+    assert _first_wrong([3, 4, 9, 9], rows_for(trusted), greedy, rng, 10) == (2, 5)
+    assert _first_wrong([], rows_for([2]), greedy, rng, 10) == (0, 2)
 
 
 def test_sampled_tokens_are_rechecked_with_the_same_keyed_randomness():
@@ -91,13 +91,19 @@ def test_sampled_tokens_are_rechecked_with_the_same_keyed_randomness():
     from shardnet.inference.client.sampling import next_token
 
     honest = [next_token(rows[i], params, rng, 20 + i) for i in range(5)]
-    assert _first_wrong(honest, rows, params, rng, 20, False)[0] == 5
+    assert _first_wrong(honest, rows, params, rng, 20)[0] == 5
     impossible = [int(rows[2].argsort()[0])]  # outside the top 2: can never be sampled
     wrong = honest[:2] + impossible + honest[3:]
-    assert _first_wrong(wrong, rows, params, rng, 20, False) == (2, honest[2])
-    # speculative sampling decided with the draft's distribution: only impossible tokens go
-    assert _first_wrong(wrong, rows, params, rng, 20, True)[0] == 2
-    assert _first_wrong(honest, rows, params, rng, 20, True)[0] == 5
+    assert _first_wrong(wrong, rows, params, rng, 20) == (2, honest[2])
+    # tokens accepted from chunks with drafts were decided with the draft's distribution: only
+    # impossible ones go; the others are held to the target's own rule
+    drafted = set(range(5))
+    assert _first_wrong(wrong, rows, params, rng, 20, drafted)[0] == 2
+    assert _first_wrong(honest, rows, params, rng, 20, drafted)[0] == 5
+    other = next(t for t in range(11) if t != honest[1] and rows[1, t] >= rows[1].topk(2).values[-1])
+    unlucky = honest[:1] + [other] + honest[2:]  # possible, but not what the keyed draw gives
+    assert _first_wrong(unlucky, rows, params, rng, 20, {1})[0] == 5
+    assert _first_wrong(unlucky, rows, params, rng, 20, {0, 2, 3})[0] == 1
 
 
 def test_a_retraction_rewrites_the_received_ids():
