@@ -142,9 +142,15 @@ class AutoDrafter:
         spent = now - self._since if self._since is not None else 0.0
         self._since = now
         if drafted == 0 and self.candidates[name] is not None:
-            if name == self.current:
-                self._empty += 1  # a trial waits this long at most for drafts (EMPTY_TRIAL_FACTOR)
-                if self._trial < len(self._order) and self._empty >= EMPTY_TRIAL_FACTOR * self.probe_chunks:
+            if name != self.current:
+                return
+            if self._trial < len(self._order):  # a trial waits this long at most for drafts
+                self._empty += 1
+                if self._empty >= EMPTY_TRIAL_FACTOR * self.probe_chunks:
+                    self._decide()
+            else:  # chosen: its turn is counted in chunks, drafts or not
+                self._left -= 1
+                if self._left <= 0:
                     self._decide()
             return
         st.chunks += 1
@@ -195,8 +201,8 @@ class AutoDrafter:
     def best(self) -> str:
         """The candidate that yielded the most so far (see the module's docstring)."""
         tried = [n for n in self.candidates if self.stats[n].chunks]
-        if not tried:
-            return self.current
+        if not tried:  # (no drafter drafted anything: plain decoding, where it is a candidate)
+            return next((n for n in self.candidates if self.candidates[n] is None), self.current)
         if self.greedy:
             return max(tried, key=lambda n: self.stats[n].tokens_per_s)
         drafting = [n for n in tried if self.candidates[n] is not None]

@@ -244,6 +244,7 @@ class DistributedModelForCausalLM:
                     self._draft = None
             if self._draft is not None:
                 model = self._draft_models[row]
+                model.forget()
         return drafter_for(speculate, vocab_size=vocab, draft_model=model)
 
     # -- lifetime ----------------------------------------------------------------------------------

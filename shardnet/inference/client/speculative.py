@@ -104,6 +104,12 @@ class ModelDrafter:
     def graphed(self) -> bool:
         return self.decoder.graph is not None
 
+    def forget(self) -> None:
+        """Start the next text afresh (its cache is then filled the same way whatever came
+        before: sampled drafts of one seed do not depend on an earlier generation)."""
+        self.fed = []
+        self.decoder.rollback(0)
+
     @torch.inference_mode()
     def propose(self, ids: list[int], k: int) -> list[int]:
         if k <= 0 or len(ids) + k > self.decoder.max_len:

@@ -454,7 +454,9 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
     finally:
         peer.loading = None
     weights = node.behaviour(WeightServer) or await node.add_behaviour(WeightServer(node))
-    if draft is not None:
+    # (a draft this node serves already, for another model or as a model of its own, stays as it is)
+    own_draft = draft is not None and draft.model_id not in weights.models
+    if own_draft:
         weights.add(draft, listed=False)
     weights.add(peer.ckpt, peer.names, draft=None if draft is None else draft.model_id)
     if publisher is None:
@@ -474,7 +476,7 @@ async def join_swarm(node: Node, model_path: str | Path, *, layers: tuple[int, i
                 nursery.cancel_scope.cancel()
     finally:
         node.remove_behaviour(publisher)  # no more claims once we stop serving
-        if draft is not None:
+        if own_draft:
             weights.remove(draft.model_id)
         weights.remove(peer.model_id)
 

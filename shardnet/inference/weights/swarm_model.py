@@ -104,11 +104,11 @@ async def fetch_draft(node: Node, model_id: str, *, vocab_size: int, model_bytes
         opened = await open_from_swarm(node, draft_id, cache_root=cache_root, progress=progress)
     if opened is None:
         raise FetchError(f"the draft of {model_id[:16]}… was not found and opened within {timeout:.0f} s")
-    path, card = opened
-    if card.total_bytes > DRAFT_MAX_SHARE * model_bytes:
-        raise FetchError(f"the draft a card names ({card.total_bytes / 1e6:.1f} MB) is over "
+    path, _card = opened
+    ckpt = Checkpoint(path)  # its size from the manifest, checked against the model ID (not the card's word)
+    if ckpt.total_bytes > DRAFT_MAX_SHARE * model_bytes:
+        raise FetchError(f"the draft a card names ({ckpt.total_bytes / 1e6:.1f} MB) is over "
                          f"{DRAFT_MAX_SHARE:.0%} of the model's size ({model_bytes / 1e6:.1f} MB)")
-    ckpt = Checkpoint(path)
     if ckpt.config.vocab_size != vocab_size:
         raise FetchError(f"the draft a card names has a vocabulary of {ckpt.config.vocab_size} tokens, the model "
                          f"{vocab_size}")

@@ -152,3 +152,25 @@ def test_a_trial_waits_for_drafts_only_so_long():
     auto.observe(1, by="plain", drafted=0)
     auto.observe(1, by="plain", drafted=0)
     assert auto.best() == "plain"  # a drafter that never drafted is not chosen
+
+
+def test_a_chosen_drafter_that_stops_drafting_still_gives_the_others_their_turn(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(ad.time, "perf_counter", lambda: now[0])
+    auto = AutoDrafter({"suffix": Fixed(5), "draft": Fixed(6), "plain": None}, probe_chunks=1, exploit_chunks=4)
+    for name, tokens in (("suffix", 4), ("draft", 2), ("plain", 1)):
+        draft(auto, True)
+        assert auto.chosen == name
+        now[0] += 0.01
+        auto.observe(tokens, by=name, drafted=4 if name != "plain" else 0)
+    assert auto.chosen == "suffix"
+    for _ in range(4):  # the text stops repeating: no more matches
+        draft(auto, True)
+        auto.observe(1, by="suffix", drafted=0)
+    assert auto.chosen == "draft"  # its turn ended all the same: the others are tried again
+    # and a generation where no drafter ever drafts ends up plain
+    idle = AutoDrafter({"suffix": Fixed(5), "plain": None}, probe_chunks=1)
+    draft(idle, False)
+    for _ in range(ad.EMPTY_TRIAL_FACTOR):
+        idle.observe(1, by="suffix", drafted=0)
+    assert idle.chosen == "plain"
