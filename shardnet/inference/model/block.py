@@ -161,8 +161,16 @@ class Block:
         return SessionKv(self.kv_layout(), max_len, self.device)
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, cache, start_pos: int) -> torch.Tensor:
-        """hidden: [batch, tokens, hidden_size] for positions start_pos.. ; updates ``cache``."""
+    def forward(self, hidden: torch.Tensor, cache, start_pos: int, tree: list[int] | None = None) -> torch.Tensor:
+        """hidden: [batch, tokens, hidden_size] for positions start_pos.. ; updates ``cache``.
+
+        ``tree``: the new tokens form a tree of drafts rather than a sequence: ``tree[i]`` is the
+        index of token i's parent among them (-1: its parent is the cached text), parents before
+        children. Token i then sits at position ``start_pos`` + its depth and attends to the
+        cached positions and its ancestors alone, so its output is what the sequence from the
+        root to it would give; the cache holds every token of the tree after the step, in the
+        given order, until ``SessionKv.keep`` keeps the accepted path. Full attention only (a
+        sliding window counts storage positions, not the tree's)."""
         from transformers.masking_utils import (
             create_causal_mask,
             create_sliding_window_causal_mask,
@@ -173,6 +181,19 @@ class Block:
         position_ids = torch.arange(start_pos, start_pos + t, device=self.device).unsqueeze(0)
         kw = dict(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=cache,
                   position_ids=position_ids)
+        if tree is not None:
+            if "sliding_attention" in self.layer_types:
+                raise ValueError("a tree step needs full attention in every layer")
+            depths, ancestors = tree_shape(tree, t)
+            ancestors = ancestors.to(self.device)
+            last = t - 1
+
+            def in_tree(batch_idx, head_idx, q_idx, kv_idx):  # (storage indices: cached, then the tree's)
+                q, kv = (q_idx - start_pos).clamp(0, last), (kv_idx - start_pos).clamp(0, last)
+                return (kv_idx < start_pos) | ancestors[q, kv]
+
+            kw["and_mask_function"] = in_tree  # the masks use storage order; rotary uses the depths
+            position_ids = (start_pos + depths.to(self.device)).unsqueeze(0)
         masks = {}
         if "full_attention" in self.layer_types:
             masks["full_attention"] = create_causal_mask(**kw)
@@ -241,6 +262,23 @@ class Block:
         if len(found) != 1:
             raise CheckpointError(f"{type(layer).__name__} has no one attention module shardnet can find")
         return found[0]
+
+
+def tree_shape(parents: list[int], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree of ``tokens`` drafts given as parent indices (-1: the cached text; parents before
+    children): each token's depth (0 for the root's children), and which tokens are ancestors
+    of which ([tokens, tokens] bool, row i: token i's ancestors and itself)."""
+    if len(parents) != tokens:
+        raise ValueError(f"a tree of {len(parents)} parents for {tokens} tokens")
+    depths = torch.zeros(tokens, dtype=torch.long)
+    ancestors = torch.eye(tokens, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"token {i}'s parent {p} is not an earlier token (or -1)")
+        if p >= 0:
+            depths[i] = depths[p] + 1
+            ancestors[i] |= ancestors[p]
+    return depths, ancestors
 
 
 class Head:

@@ -159,6 +159,26 @@ class SessionKv(Cache):
             if isinstance(layer, SlabLayer):
                 layer.release()
 
+    def keep(self, start: int, indices: list[int]) -> None:
+        """After a tree step written from ``start``: keep the positions ``start + i`` for ``i`` in
+        ``indices`` (the accepted path, in order) as positions ``start``, ``start + 1``, ..., and
+        forget the rest (``Block.forward``'s ``tree``)."""
+        if sorted(set(indices)) != list(indices) or (indices and indices[0] < 0):
+            raise ValueError(f"tree positions to keep must increase: {indices}")
+        for layer in self.layers:
+            if isinstance(layer, SlabLayer):
+                if indices and start + indices[-1] >= layer.length:
+                    raise ValueError(f"position {start + indices[-1]} is past the {layer.length} cached")
+                idx = torch.tensor(indices, dtype=torch.long, device=layer._k.device) + start
+                n = len(indices)
+                layer._k[:, :, start:start + n] = layer._k[:, :, idx]  # (advanced indexing copies first)
+                layer._v[:, :, start:start + n] = layer._v[:, :, idx]
+                layer.length = start + n
+            elif getattr(layer, "keys", None) is not None and layer.keys.numel():
+                idx = torch.tensor(indices, dtype=torch.long, device=layer.keys.device) + start
+                layer.keys = torch.cat([layer.keys[:, :, :start], layer.keys[:, :, idx]], dim=-2)
+                layer.values = torch.cat([layer.values[:, :, :start], layer.values[:, :, idx]], dim=-2)
+
 
 # -- a batched step --------------------------------------------------------------------------------
 @dataclass
