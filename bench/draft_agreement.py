@@ -6,7 +6,9 @@ For six code prompts the target (the shipped tiny-llama) continues greedily; the
 position of those continuations, the draft's argmax is compared with the target's (teacher
 forcing: both see the same text). This per-token agreement is the acceptance rate greedy
 speculative decoding gets from the draft (docs/performance.md). The n-gram drafter's agreement
-is shown too, over the positions where it proposes anything.
+is shown too, over the positions where it proposes anything. Then the suffix drafter's chains
+against its trees (``SuffixDrafter.propose_tree``), teacher-forced over wan_decode's eight prompts
+of three kinds: tokens per traversal greedy speculation would get, and drafts sent per traversal.
 """
 
 from __future__ import annotations
@@ -61,6 +63,50 @@ def main() -> None:
                 proposed += 1
                 right += guess[0] == seq[i]
     print(f"n-gram drafter: proposes at {proposed} positions, right at {right / max(1, proposed):.1%} of them")
+    suffix_trees(model, target, args)
+
+
+def suffix_trees(model, target, args) -> None:
+    """The suffix drafter's chains against its trees, teacher-forced: over wan_decode's prompts of
+    three kinds, the target's greedy continuation is decoded as greedy speculation would decode it
+    (each traversal keeps the longest drafted path the target agrees with, plus its own next
+    token), and tokens per traversal and drafts sent per traversal are counted. A projection of
+    what tree verification would gain, not a run through peers."""
+    from bench.wan_decode import PROMPTS as MIXED
+    from shardnet.inference.client.speculative import accept_greedy_tree
+    from shardnet.inference.client.suffix_drafter import SuffixDrafter
+
+    mixed = MIXED[:2] if args.quick else MIXED
+    texts = []
+    for _, prompt in mixed:
+        ids = model.encode(prompt)
+        out = transformers_generate(target, torch.tensor([ids]), args.tokens)[0].tolist()
+        texts.append((ids, out[len(ids):]))
+    shapes = [("chain", 8), ("tree", 8), ("tree", 16), ("tree", 32)]
+    print(f"suffix drafter over {len(mixed)} prompts ({', '.join(sorted({k for k, _ in mixed}))}) x {args.tokens} "
+          "target tokens, teacher-forced: tokens per traversal (drafts sent per traversal)")
+    for kind, size in shapes:
+        traversals = sent = 0
+        for ids, cont in texts:
+            drafter, p = SuffixDrafter(), 0
+            while p < len(cont):
+                text = ids + cont[:p]
+                if kind == "chain":
+                    tokens = drafter.propose(text, size)
+                    parents = list(range(-1, len(tokens) - 1))
+                else:
+                    tokens, parents = drafter.propose_tree(text, size)
+                depths: list[int] = []
+                for q in parents:
+                    depths.append(0 if q < 0 else depths[q] + 1)
+                # the target's token after each draft, where the path to it is the target's own text
+                after = [cont[p]] + [cont[p + d + 1] if p + d + 1 < len(cont) else -1 for d in depths]
+                path, _ = accept_greedy_tree(tokens, parents, after)
+                p += len(path) + 1
+                traversals += 1
+                sent += len(tokens)
+        total = sum(len(c) for _, c in texts)
+        print(f"  {kind} of {size:>2}: {total / traversals:.2f} tokens per traversal ({sent / traversals:.1f} drafts)")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ ONE_PROCESS = {
         *(rf"^{d} +{NUM}e[-+]\d+ +" for d in ("float32", "float16", "bfloat16"))]),
     "draft_agreement.py": (["--quick"], [
         rf"tiny-llama-draft: greedy agreement with the target {NUM}% over 16 positions$",
-        rf"^n-gram drafter: proposes at \d+ positions, right at {NUM}% of them$"]),
+        rf"^n-gram drafter: proposes at \d+ positions, right at {NUM}% of them$",
+        r"^suffix drafter over 2 prompts \(code\) x 8 target tokens, teacher-forced",
+        *(rf"^  {shape}: {NUM} tokens per traversal \({NUM} drafts\)$"
+          for shape in ("chain of  8", "tree of  8", "tree of 16", "tree of 32"))]),
     "quantization.py": (["--quick"], [
         r"^dtype bfloat16, 2 prompts x 3 tokens, 1 CPU threads",
         r"^\| model \| quantize \| bytes/layer \|",

@@ -186,6 +186,23 @@ class SpeculationStats:
         return self.tokens / self.verified if self.verified else 0.0
 
 
+def accept_greedy_tree(tokens: list[int], parents: list[int], target_tokens: list[int]) -> tuple[list[int], int]:
+    """Greedy acceptance of a tree of drafts (``tokens[i]``'s parent is ``parents[i]``, -1: the
+    text): the indices of the longest path the target agrees with, root first, and the target's
+    token after it. ``target_tokens[0]`` is the target's choice after the text, and
+    ``target_tokens[i + 1]`` after draft i. Of two children with the same token (a drafter
+    should not make them) the first is taken."""
+    path: list[int] = []
+    at = -1
+    while True:
+        want = target_tokens[at + 1]
+        nxt = next((i for i, p in enumerate(parents) if p == at and tokens[i] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        at = nxt
+
+
 def accept_greedy(drafts: list[int], target_tokens: list[int]) -> list[int]:
     """Tokens to keep: the longest prefix of ``drafts`` the target agrees with, plus the target's
     token after it. ``target_tokens[i]`` is the target's choice after the i-th fed position."""

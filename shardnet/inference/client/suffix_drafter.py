@@ -20,6 +20,7 @@ and ``k`` steps.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 import torch
@@ -202,6 +203,43 @@ class SuffixDrafter:
     def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
                vocab_size: int) -> tuple[list[int], torch.Tensor]:
         return point_masses(self.propose(ids, k), vocab_size)  # deterministic given the text
+
+    def propose_tree(self, ids: list[int], nodes: int, floor: float | None = None) -> tuple[list[int], list[int]]:
+        """Up to ``nodes`` drafted tokens as a tree (tokens, parent indices: -1 for the text;
+        parents before children): from the longest match, the continuations with the highest
+        empirical probability (the product of the shares of the earlier occurrences that went
+        each way), best first, as SuffixDecoding grows its speculation trees. Where a path
+        reaches the trie's depth it is not matched again (``propose`` does, for a chain). Paths
+        less likely than ``floor`` (default: a quarter of ``min_share``) are left out; the root's
+        continuations never are."""
+        if nodes <= 0 or not ids:
+            return [], []
+        floor = self.min_share / 4 if floor is None else floor
+        self._follow(ids)
+        _, start = self.trie.match(ids)
+        if start is None:
+            return [], []
+        tokens: list[int] = []
+        parents: list[int] = []
+        heap: list[tuple[float, int, int, int, _Node]] = []  # (-probability, order, parent, token, its node)
+        order = 0
+
+        def offer(node: _Node, parent: int, p: float) -> None:
+            nonlocal order
+            total = sum(c.count for c in node.children.values())
+            for token, child in node.children.items():
+                q = p * child.count / total
+                if q >= floor or parent == -1:
+                    heapq.heappush(heap, (-q, order, parent, token, child))
+                    order += 1
+
+        offer(start, -1, 1.0)
+        while heap and len(tokens) < nodes:
+            neg_p, _, parent, token, child = heapq.heappop(heap)
+            tokens.append(token)
+            parents.append(parent)
+            offer(child, len(tokens) - 1, -neg_p)
+        return tokens, parents
 
     def _continue(self, node: _Node, k: int, share: float, *, first: bool) -> tuple[list[int], float]:
         out: list[int] = []

@@ -104,3 +104,26 @@ def test_a_long_repeat_drafts_all_k_tokens_past_the_tries_depth():
     text = list(range(50)) * 3  # every match is as long as the trie allows
     assert SuffixDrafter(depth=8).propose(text, 8) == list(range(8))
     assert SuffixDrafter().propose(list(range(10)) * 5, 12) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]
+
+
+def test_a_tree_holds_every_way_the_text_went_most_likely_first():
+    # after "1 2" the text went on "3 4" twice and "5 6" once (each time after another token)
+    text = [7, 1, 2, 3, 4, 8, 1, 2, 5, 6, 9, 1, 2, 3, 4, 10, 1, 2]
+    tokens, parents = SuffixDrafter().propose_tree(text, 4)
+    # by probability: 3 and 3-4 2/3, then 5, 3-4-8 and 3-4-10 and 5-6 1/3 each (ties: the earlier found first)
+    assert list(zip(tokens, parents)) == [(3, -1), (4, 0), (5, -1), (8, 1)]
+    assert SuffixDrafter().propose_tree(text, 0) == ([], []) and SuffixDrafter().propose_tree([7, 8], 4) == ([], [])
+
+
+def test_greedy_tree_acceptance_follows_the_targets_path():
+    from shardnet.inference.client.speculative import accept_greedy, accept_greedy_tree
+
+    tokens, parents = [3, 5, 4, 6, 7], [-1, -1, 0, 1, 2]
+    # the target says 5 after the text, then 6, then 8: the second branch, then its bonus
+    target = [5, 0, 6, 0, 8, 0]  # after the text, then after each draft (only those on its path are read)
+    assert accept_greedy_tree(tokens, parents, target) == ([1, 3], 8)
+    assert accept_greedy_tree(tokens, parents, [2] + [0] * 5) == ([], 2)
+    # a chain is the one-branch tree
+    drafts, after = [3, 4, 7], [3, 4, 9, 1]
+    path, bonus = accept_greedy_tree(drafts, [-1, 0, 1], after)
+    assert [drafts[i] for i in path] + [bonus] == accept_greedy(drafts, after)
