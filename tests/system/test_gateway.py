@@ -308,3 +308,17 @@ def test_an_api_key_a_chat_template_and_the_probes(gateway, tmp_path):
     with pytest.raises(openai.BadRequestError) as e:  # (a token outside the vocabulary)
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=2, logit_bias={"99999999": 1})
     assert e.value.body["param"] == "logit_bias"
+
+
+def test_a_gateway_that_speculates_answers_the_same(gateway, expected):
+    """`serve --speculate auto` (per request: suffix matching or plain decoding, chosen as it goes)
+    gives the greedy text plain decoding gives, streamed or not."""
+    url = start_gateway(GATEWAY["swarm"], "--speculate", "auto")
+    wait_healthy(url)
+    client = api(url)
+    text, _, _ = expected
+    r = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=MAX, temperature=0)
+    assert r.choices[0].text == text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny-llama", prompt=PROMPT, max_tokens=MAX, temperature=0, stream=True))
+    assert streamed == text
