@@ -331,25 +331,13 @@ async def client_model(node, spec: str | None, path: Path | None, *, dtype: str,
     return await trio.to_thread.run_sync(lambda: LocalModel(path, dtype=dtype, lm_head=not logits_on_last))
 
 
-async def draft_model_for(node, model, path: Path | None, *, cache_dir: Path | None, required: bool) -> Path | None:
-    """Where the draft for ``model`` (a LocalModel) is: the shipped draft for the shipped model,
-    else the one its model card names, fetched whole from the swarm (verified per chunk like any
-    weights; a few MB). None when there is none, or (unless ``required``) when fetching it fails."""
-    from shardnet.inference.weights.swarm_model import fetch_draft
-    from shardnet.models import shipped_draft_for
+async def draft_model_for(node, model, *, cache_dir: Path | None, required: bool) -> Path | None:
+    """``auto_drafter.find_draft`` with a progress bar; with ``required`` (``--speculate draft``)
+    no draft at all fails in one line."""
+    from shardnet.inference.client.auto_drafter import find_draft
 
-    shipped = shipped_draft_for(path)
-    if shipped is not None or node is None:
-        return shipped
-    try:
-        found = await fetch_draft(node, model.model_id, vocab_size=model.ckpt.config.vocab_size,
-                                  model_bytes=model.ckpt.total_bytes, cache_root=cache_dir,
-                                  progress=FetchProgressBar("the draft model"))
-    except Exception as e:
-        if required:
-            raise
-        log.warning("could not fetch the draft model its card names: %s; speculating without it", e)
-        return None
+    found = await find_draft(node, model, cache_dir=cache_dir, progress=FetchProgressBar("the draft model"),
+                             required=required)
     if found is None and required:
         fail("--speculate draft: the swarm names no draft for this model; give --draft DIR")
     return found

@@ -100,7 +100,7 @@ def generate(identity, listen, announce, bootstrap, quic, mdns, relays, model_pa
                 log.info("a receipt of a sampled run: speculating without a draft model, so it can be recomputed")
                 draft = None
             elif draft is None and speculate in ("auto", "draft"):
-                draft = await draft_model_for(n, model, path, cache_dir=cache_dir, required=speculate == "draft")
+                draft = await draft_model_for(n, model, cache_dir=cache_dir, required=speculate == "draft")
             drafter = await trio.to_thread.run_sync(lambda: drafter_for(
                 speculate, vocab_size=model.ckpt.config.vocab_size, draft_path=draft))
             client = Client(n, model, logits_on_last=logits_on_last, route_timeout=route_timeout, wire=wire,

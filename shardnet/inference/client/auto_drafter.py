@@ -248,3 +248,24 @@ def drafter_for(speculate: str, *, vocab_size: int, draft_path=None, draft_model
         candidates[PLAIN] = None
         return AutoDrafter(candidates)
     raise ValueError(f"--speculate {speculate!r}: one of {', '.join(SPECULATE_CHOICES)}")
+
+
+async def find_draft(node, model, *, cache_dir=None, progress=None, required: bool = False):
+    """Where the draft for ``model`` (a LocalModel) is: the shipped draft for the shipped model,
+    else the one its model card names, fetched whole from the swarm (``fetch_draft``: checked
+    like any weights). None when there is none, or, unless ``required``, when fetching it fails
+    (logged: speculation goes on without it)."""
+    from shardnet.inference.weights.swarm_model import fetch_draft
+    from shardnet.models import shipped_draft_for
+
+    shipped = shipped_draft_for(model.ckpt.path)
+    if shipped is not None or node is None:
+        return shipped
+    try:
+        return await fetch_draft(node, model.model_id, vocab_size=model.ckpt.config.vocab_size,
+                                 model_bytes=model.ckpt.total_bytes, cache_root=cache_dir, progress=progress)
+    except Exception as e:
+        if required:
+            raise
+        log.warning("could not fetch the draft model its card names: %s; speculating without it", e)
+        return None

@@ -227,14 +227,14 @@ class DistributedModelForCausalLM:
     async def _drafter(self, speculate: str, row: int):
         """Row ``row``'s drafter; a draft model is loaded once per row and kept (its cache
         follows each new text), not once per call."""
-        from shardnet.inference.client.auto_drafter import drafter_for
+        from shardnet.inference.client.auto_drafter import drafter_for, find_draft
         from shardnet.inference.client.speculative import ModelDrafter
 
         vocab = self.config.vocab_size
         model = None
         if speculate in ("auto", "draft"):
             if self._draft is ...:  # looked for once: the shipped draft, else the one the card names
-                self._draft = await _draft_for(self.node, self.local_model, self.cache_dir)
+                self._draft = await find_draft(self.node, self.local_model, cache_dir=self.cache_dir)
             while self._draft is not None and len(self._draft_models) <= row:
                 try:
                     self._draft_models.append(await trio.to_thread.run_sync(
@@ -257,21 +257,6 @@ class DistributedModelForCausalLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-async def _draft_for(node, model, cache_dir: Path | None) -> Path | None:
-    from shardnet.inference.weights.swarm_model import fetch_draft
-    from shardnet.models import shipped_draft_for
-
-    shipped = shipped_draft_for(model.ckpt.path)
-    if shipped is not None:
-        return shipped
-    try:
-        return await fetch_draft(node, model.model_id, vocab_size=model.ckpt.config.vocab_size,
-                                 model_bytes=model.ckpt.total_bytes, cache_root=cache_dir)
-    except Exception as e:  # speculation without it is still speculation
-        log.warning("could not fetch the draft model the model's card names: %s", e)
-        return None
 
 
 def _generation_defaults(path: Path, config) -> dict:
