@@ -8,7 +8,9 @@ forcing: both see the same text). This per-token agreement is the acceptance rat
 speculative decoding gets from the draft (docs/performance.md). The n-gram drafter's agreement
 is shown too, over the positions where it proposes anything. Then the suffix drafter's chains
 against its trees (``SuffixDrafter.propose_tree``), teacher-forced over wan_decode's eight prompts
-of three kinds: tokens per traversal greedy speculation would get, and drafts sent per traversal.
+of three kinds, and the draft model's chains against its trees (``ModelDrafter.propose_tree``: its
+chain and its second choices beside it): tokens per traversal greedy speculation would get, drafts
+sent and drafting time per traversal.
 """
 
 from __future__ import annotations
@@ -67,13 +69,15 @@ def main() -> None:
 
 
 def suffix_trees(model, target, args) -> None:
-    """The suffix drafter's chains against its trees, teacher-forced: over wan_decode's prompts of
-    three kinds, the target's greedy continuation is decoded as greedy speculation would decode it
-    (each traversal keeps the longest drafted path the target agrees with, plus its own next
-    token), and tokens per traversal and drafts sent per traversal are counted. A projection of
-    what tree verification would gain, not a run through peers."""
+    """Chains against trees, teacher-forced: over wan_decode's prompts of three kinds, the target's
+    greedy continuation is decoded as greedy speculation would decode it (each traversal keeps the
+    longest drafted path the target agrees with, plus its own next token), and tokens per
+    traversal, drafts sent and drafting time per traversal are counted, for the suffix drafter
+    and the draft model. A projection of what tree verification gains, not a run through peers."""
+    import time
+
     from bench.wan_decode import PROMPTS as MIXED
-    from shardnet.inference.client.speculative import accept_greedy_tree
+    from shardnet.inference.client.speculative import ModelDrafter, accept_greedy_tree
     from shardnet.inference.client.suffix_drafter import SuffixDrafter
 
     mixed = MIXED[:2] if args.quick else MIXED
@@ -82,20 +86,31 @@ def suffix_trees(model, target, args) -> None:
         ids = model.encode(prompt)
         out = transformers_generate(target, torch.tensor([ids]), args.tokens)[0].tolist()
         texts.append((ids, out[len(ids):]))
-    shapes = [("chain", 8), ("tree", 8), ("tree", 16), ("tree", 32)]
-    print(f"suffix drafter over {len(mixed)} prompts ({', '.join(sorted({k for k, _ in mixed}))}) x {args.tokens} "
-          "target tokens, teacher-forced: tokens per traversal (drafts sent per traversal)")
-    for kind, size in shapes:
+    draft = ModelDrafter(default_draft_path(), vocab_size=model.ckpt.config.vocab_size)
+    # (drafter, shape, size: drafts in a chain or tree, or the draft's chain k, branches beside it)
+    shapes = [("suffix", "chain", 8, None), ("suffix", "tree", 8, None), ("suffix", "tree", 16, None),
+              ("suffix", "tree", 32, None), ("draft", "chain", 6, None), ("draft", "chain", 8, None),
+              ("draft", "chain", 12, None), ("draft", "tree", 6, 6), ("draft", "tree", 8, 8)]
+    print(f"over {len(mixed)} prompts ({', '.join(sorted({k for k, _ in mixed}))}) x {args.tokens} target tokens, "
+          "teacher-forced: tokens per traversal (drafts sent, drafting ms per traversal)")
+    for who, kind, size, branches in shapes:
         traversals = sent = 0
+        t_draft = 0.0
         for ids, cont in texts:
-            drafter, p = SuffixDrafter(), 0
+            drafter, p = (SuffixDrafter() if who == "suffix" else draft), 0
+            if who != "suffix":
+                draft.forget()
             while p < len(cont):
                 text = ids + cont[:p]
+                t0 = time.perf_counter()
                 if kind == "chain":
                     tokens = drafter.propose(text, size)
                     parents = list(range(-1, len(tokens) - 1))
-                else:
+                elif who == "suffix":
                     tokens, parents = drafter.propose_tree(text, size)
+                else:
+                    tokens, parents = drafter.propose_tree(text, size, branches)
+                t_draft += time.perf_counter() - t0
                 depths: list[int] = []
                 for q in parents:
                     depths.append(0 if q < 0 else depths[q] + 1)
@@ -106,8 +121,9 @@ def suffix_trees(model, target, args) -> None:
                 traversals += 1
                 sent += len(tokens)
         total = sum(len(c) for _, c in texts)
-        print(f"  {kind} of {size:>2}: {total / traversals:.2f} tokens per traversal ({sent / traversals:.1f} drafts)")
-
+        shape = f"{kind} of {size:>2}" if branches is None else f"tree of {size} + {branches:>2}"
+        print(f"  {who:<6} {shape:<12}: {total / traversals:.2f} tokens per traversal "
+              f"({sent / traversals:.1f} drafts, {1e3 * t_draft / traversals:.1f} ms drafting)")
 
 if __name__ == "__main__":
     main()

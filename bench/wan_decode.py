@@ -11,7 +11,8 @@ peer 1 -> ... -> peer n -> client) crosses n + 1 edges: about 100 ms with 4 peer
 
 Alternating runs (greedy, the same ``PROMPTS``: eight of three kinds, code, prose and chat)
 measure: plain decode; speculative decode with the shipped draft model, the n-gram drafter and
-the suffix drafter (one verify chunk at a time); ``--speculate auto``'s choice between the draft
+the suffix drafter (one verify chunk at a time); the draft model's trees (its chain of k and the
+k likeliest of its second choices beside it, ``ModelDrafter.propose_tree``, one chunk at a time); ``--speculate auto``'s choice between the draft
 model, the suffix drafter and plain decoding, and between the last two alone (auto
 model-free) (auto_drafter.py: their ceilings are computed as if every chunk had k + 1
 positions); and each drafter with ``--depth`` verify chunks in flight. The figures of a mode
@@ -75,6 +76,7 @@ class Mode:
     drafter: object
     k: int
     depth: int
+    tree: bool = False  # trees of drafts: the draft's chain of k and k branches beside it
     rates: list[float] = field(default_factory=list)
     stats: list[SpeculationStats] = field(default_factory=list)
     #: (prompt index, the tokens generated) per run
@@ -87,6 +89,11 @@ class Mode:
         """The runs' counts and times added up (the numeric fields only, named: a field of
         another kind, such as a callback, is not summed)."""
         return SpeculationStats(**{f: self.total(f) for f in SUMMED})
+
+    @property
+    def positions(self) -> int:
+        """Positions a chunk carries at most: the last token and the drafts."""
+        return 2 * self.k + 1 if self.tree else self.k + 1
 
     @property
     def ring(self) -> float:
@@ -129,6 +136,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
             ngram = NGramDrafter()
             modes = [Mode("plain decode", None, 0, 1),
                      Mode(f"speculative, draft model, k={args.k}", draft, args.k, 1),
+                     Mode(f"speculative, draft tree, k={args.k}+{args.k}", draft, args.k, 1, tree=True),
                      Mode(f"speculative, n-gram, k={args.ngram_k}", ngram, args.ngram_k, 1),
                      Mode(f"speculative, suffix, k={args.ngram_k}", SuffixDrafter, args.ngram_k, 1),
                      Mode(f"speculative, auto, k={args.k}", lambda: AutoDrafter(
@@ -156,7 +164,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                 ping = await node.ping(route[0].peer)  # shows the emulated edge: ~2 x delay
                 for m in modes:  # warm-up: connections along the ring, lazy initialisation
                     [t async for t in client.generate(prompts[0][1], max_new_tokens=8, stop_at_eos=False,
-                                                      drafter=drafter_for(m), k=m.k, depth=m.depth)]
+                                                      drafter=drafter_for(m), k=m.k, depth=m.depth, tree=m.tree)]
                 for r in range(args.repeats):
                     for i, (kind, prompt) in enumerate(prompts):
                         progress(f"run {r + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)} ({kind})",
@@ -164,7 +172,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                         for m in modes:
                             m.ids.append((i, [t.id async for t in client.generate(
                                 prompt, max_new_tokens=args.tokens, stop_at_eos=False, drafter=drafter_for(m), k=m.k,
-                                depth=m.depth)]))
+                                depth=m.depth, tree=m.tree)]))
                             st = client.last_stats
                             m.rates.append(st.tokens_per_s)
                             m.stats.append(st.speculation)
@@ -172,7 +180,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
             stop_processes(procs)
             nursery.cancel_scope.cancel()
     reps = 3 if args.quick else 30
-    compute = {n: measure_compute(ckpt, ranges, model, n, reps=reps) for n in {m.k + 1 for m in modes}}
+    compute = {n: measure_compute(ckpt, ranges, model, n, reps=reps) for n in {m.positions for m in modes}}
     report(args, ranges, ping, modes, compute, ckpt.config.hidden_size)
 
 
@@ -223,9 +231,9 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
     for m in modes:
         rate = statistics.median(m.rates)
         total = m.summed()
-        chain, client = compute[m.k + 1]
+        chain, client = compute[m.positions]
         draft = total.draft_s / total.chunks
-        ring = latency(m.k + 1) + chain + client  # from deciding on a chunk to having its result
+        ring = latency(m.positions) + chain + client  # from deciding on a chunk to having its result
         top = ceiling(total, m.depth, ring, draft, service=draft + client)
         acc = f"{total.acceptance:.0%}" if total.drafted else "-"
         rows.append([m.name, f"{rate:.2f}", ratio(rate, plain), f"{total.tokens_per_traversal:.2f}", acc,

@@ -15,14 +15,24 @@ and ``s`` (16-byte session ID), plus per type:
             prefix (optional: a scope of at most 64 characters; each hop may reuse the keys and
             values it cached for the same inputs in that scope instead of computing them again:
             "shared" is one scope for every client, any other value is private to ``ret.peer``)
-    ready   -                        (sent upstream once the rest of the chain is ready)
+    ready   tree (optional, default false: every hop from the sender to the chain's end takes
+            tree steps; a hop says so only when it does and its next hop's ready said so)
     attach  -                        (last hop -> client, first frame of the return stream)
     step    n (step number), pos (first position), dtype, shape   + tensor bytes
             pos may be below the receiver's cache length: the cache is first cut back to pos
             (rollback after rejected speculation); logits_for (optional, default 1): how many
             final positions the last hop returns logits for, when it holds the LM head;
             e (optional, default 0): speculation epoch. Step numbers only increase but may skip:
-            a peer drops a chunk when a step of a newer epoch is already queued behind it
+            a peer drops a chunk when a step of a newer epoch is already queued behind it;
+            tree (optional; only to a chain whose ready said tree): the step's tokens are a tree
+            of drafts: tree[i] is token i's parent among them (-1: the cached text; parents come
+            first); token i sits at position pos + its depth and attends to the cache and its
+            ancestors; the cache holds the whole tree (in the given order) after the step, and
+            the next step starts at most one past the tree's first token unless it keeps a path;
+            keep (optional): before this step, the cached positions keep[0] < keep[1] < ... are
+            moved to keep[0], keep[0] + 1, ... and the cache is cut after them (the accepted path
+            of a tree step; then pos may be up to keep[0] + len(keep)). A step that keeps is
+            never dropped as fenced off
     result  n, pos, dtype, shape, kind ("hidden" | "logits")      + tensor bytes
     close   -
     error   code (an ``ErrorCode`` value), msg, n (optional), peer (optional: the peer that failed,
@@ -199,11 +209,17 @@ class Open(_Message):
 
 @dataclass(frozen=True)
 class Ready(_Message):
-    """Sent upstream once the rest of the chain is ready."""
+    """Sent upstream once the rest of the chain is ready; ``tree``: every hop from here on takes
+    tree steps."""
 
     type: ClassVar[str] = "ready"
     session: bytes
+    tree: bool = False
     raw: bytes = field(default=b"", compare=False, repr=False)
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return {"tree": True} if self.tree else {}
 
 
 @dataclass(frozen=True)
@@ -237,14 +253,26 @@ class Step(_Message):
     payload: bytes = b""
     logits_for: int = 1
     epoch: int = 0
+    #: parents of a tree step's tokens (None: a sequence); see the module docstring
+    tree: tuple[int, ...] | None = None
+    #: cached positions to keep before the step (None: none moved)
+    keep: tuple[int, ...] | None = None
     raw: bytes = field(default=b"", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
+        for name in ("tree", "keep"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def tokens(self) -> int:
         return self.shape[1]
+
+    @property
+    def after_keep(self) -> int | None:
+        """The cache's length once ``keep`` is applied (None: no keep)."""
+        return None if self.keep is None else self.keep[0] + len(self.keep)
 
     @property
     def fields(self) -> dict[str, Any]:
@@ -253,6 +281,10 @@ class Step(_Message):
             f["logits_for"] = self.logits_for
         if self.epoch:
             f["e"] = self.epoch
+        if self.tree is not None:
+            f["tree"] = list(self.tree)
+        if self.keep is not None:
+            f["keep"] = list(self.keep)
         return f
 
 
@@ -453,6 +485,32 @@ def _v_tensor(mtype: str, h: dict, payload: bytes) -> None:
     ep = h.get("e", 0)
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 0:
         raise ActivationProtocolError(ErrorCode.MALFORMED, f"{mtype}.e must be a non-negative integer")
+    if mtype == "step":
+        _v_tree(h.get("tree"), shape)
+        _v_keep(h.get("keep"))
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+def _v_tree(tree: Any, shape: list[int]) -> None:
+    if tree is None:
+        return
+    tokens = shape[1] if len(shape) >= 2 else -1
+    if not _ints(tree) or len(tree) != tokens:
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"step.tree must be {tokens} parent indices, one per token")
+    bad = next((i for i, p in enumerate(tree) if not -1 <= p < i), None)
+    if bad is not None:
+        raise ActivationProtocolError(ErrorCode.MALFORMED, f"step.tree: token {bad}'s parent {tree[bad]} is not "
+                                      "an earlier token (or -1)")
+
+
+def _v_keep(keep: Any) -> None:
+    if keep is None:
+        return
+    if not _ints(keep) or not keep or keep[0] < 0 or any(b <= a for a, b in zip(keep, keep[1:])):
+        raise ActivationProtocolError(ErrorCode.MALFORMED, "step.keep must be increasing non-negative positions")
 
 
 def _v_error(mtype: str, h: dict, payload: bytes) -> None:
@@ -481,7 +539,8 @@ def _b_open(s: bytes, h: dict, payload: bytes, raw: bytes) -> Open:
 
 def _b_step(s: bytes, h: dict, payload: bytes, raw: bytes) -> Step:
     return Step(s, n=h["n"], pos=h["pos"], dtype=h["dtype"], shape=h["shape"], payload=payload,
-                logits_for=h.get("logits_for", 1), epoch=h.get("e", 0), raw=raw)
+                logits_for=h.get("logits_for", 1), epoch=h.get("e", 0), tree=h.get("tree"), keep=h.get("keep"),
+                raw=raw)
 
 
 def _b_result(s: bytes, h: dict, payload: bytes, raw: bytes) -> Result:
@@ -498,7 +557,7 @@ def _b_error(s: bytes, h: dict, payload: bytes, raw: bytes) -> Error:
                  peer=h.get("peer"), raw=raw, **figures)
 
 
-_BUILDERS = {"open": _b_open, "ready": lambda s, h, p, raw: Ready(s, raw=raw),
+_BUILDERS = {"open": _b_open, "ready": lambda s, h, p, raw: Ready(s, tree=h.get("tree") is True, raw=raw),
              "attach": lambda s, h, p, raw: Attach(s, raw=raw), "step": _b_step, "result": _b_result,
              "close": lambda s, h, p, raw: Close(s, raw=raw), "error": _b_error}
 
@@ -517,6 +576,8 @@ class StepCursor:
     next_step: int = 0
     #: positions the session's KV cache holds
     length: int = 0
+    #: the first position of the last step, when it was a tree (the next may start one past it)
+    tree_at: int | None = None
 
     def check(self, msg: Step) -> tuple[str, str] | None:
         """(code, message) when the validated step ``msg`` may not be taken now."""
@@ -527,8 +588,15 @@ class StepCursor:
             return ErrorCode.HIDDEN_SIZE, f"hidden size {shape[2]} does not match the model's {self.hidden_size}"
         if msg.n < self.next_step:
             return ErrorCode.STEP_ORDER, f"step {msg.n} arrived after step {self.next_step - 1}"
-        if msg.pos > self.length:
-            return ErrorCode.POSITION, f"step starts at position {msg.pos}, past the {self.length} the KV cache holds"
+        length = self.length
+        if msg.keep is not None:
+            if msg.keep[-1] >= self.length:
+                return ErrorCode.POSITION, f"step keeps position {msg.keep[-1]}, past the {self.length} cached"
+            length = msg.after_keep
+        elif self.tree_at is not None:
+            length = min(length, self.tree_at + 1)  # past the tree's root, only a kept path is text
+        if msg.pos > length:
+            return ErrorCode.POSITION, f"step starts at position {msg.pos}, past the {length} the KV cache holds"
         if msg.pos + shape[1] > self.max_len:
             return ErrorCode.TOO_LONG, f"{msg.pos + shape[1]} tokens exceed the session's max_len {self.max_len}"
         return None
@@ -538,10 +606,12 @@ class StepCursor:
         self.next_step = msg.n + 1
 
     def advance(self, msg: Step) -> int:
-        """Take a checked step; returns how many cached positions to drop before computing it."""
-        drop = self.length - msg.pos
+        """Take a checked step; returns how many cached positions to drop before computing it
+        (after its ``keep``, if any, is applied)."""
+        drop = (self.length if msg.keep is None else msg.after_keep) - msg.pos
         self.next_step = msg.n + 1
         self.length = msg.pos + msg.shape[1]
+        self.tree_at = msg.pos if msg.tree is not None else None
         return drop
 
 

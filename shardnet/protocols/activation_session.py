@@ -173,11 +173,12 @@ class BlockSession:
         return nxt, Open(self.session, model=op.model, layers=nxt.layers, max_len=op.max_len, chain=op.chain[1:],
                          ret=op.ret, logits=op.logits, wire=op.wire, prefix=op.prefix)
 
-    def ready(self) -> Ready:
-        """The rest of the chain is ready: steps may come."""
+    def ready(self, tree: bool = False) -> Ready:
+        """The rest of the chain is ready: steps may come. ``tree``: this hop takes tree steps
+        and so does the rest of the chain (the last hop: this hop does)."""
         self._expect("opening")
         self.state = "stepping"
-        return Ready(self.session)
+        return Ready(self.session, tree=tree)
 
     # -- from upstream --------------------------------------------------------------------------
     def receive(self, msg: Message, queued: Iterable[Message] = ()) -> BlockAction:
@@ -190,7 +191,8 @@ class BlockSession:
         if not isinstance(msg, Step):
             return self._end(ReplyError(self.session, ErrorCode.UNEXPECTED, f"expected step or close, got {msg.type}"))
         problem = self.cursor.check(msg)
-        fenced = any(isinstance(m, Step) and m.epoch > msg.epoch for m in queued)
+        # (a step that keeps a tree's path is never skipped: later steps' positions count on it)
+        fenced = msg.keep is None and any(isinstance(m, Step) and m.epoch > msg.epoch for m in queued)
         if problem and not (fenced and problem[0] in _NOT_FOR_SKIPPED):
             return self._end(ReplyError(self.session, problem[0], problem[1], n=msg.n))
         if fenced:
@@ -218,7 +220,11 @@ class BlockSession:
         if self.last:
             return Result(self.session, n=step.n, pos=step.pos, dtype=dtype, shape=shape, payload=payload, kind=kind)
         return Step(self.session, n=step.n, pos=step.pos, dtype=dtype, shape=shape, payload=payload,
-                    logits_for=step.logits_for, epoch=step.epoch)
+                    logits_for=step.logits_for, epoch=step.epoch, tree=step.tree, keep=step.keep)
+
+    def refuse(self, step: Step, detail: str) -> ReplyError:
+        """A step this hop cannot compute (a tree step where its block takes none) ends the session."""
+        return self._end(ReplyError(self.session, ErrorCode.UNEXPECTED, detail, n=step.n))
 
     def send_failed(self, step: Step, detail: str, peer: str) -> ReplyError:
         """Passing ``step`` on failed: name the peer that failed, or the hop before us would
@@ -268,6 +274,8 @@ class ClientSession:
         #: steps sent and not yet answered: a result must answer one of them, in order, so a
         #: replayed, reordered or reflected frame is refused
         self.pending = PendingSteps()
+        #: every hop of the chain takes tree steps (its ready said so)
+        self.trees = False
         #: what ended the session, once something did
         self.failure: Failure | None = None
         self.state = "opening"
@@ -280,18 +288,28 @@ class ClientSession:
         if failure is not None:
             return self._fail(failure)
         self.state = "ready"
+        self.trees = reply.tree
         return None
 
     def step(self, *, dtype: str, shape: list[int], payload: bytes, pos: int | None = None, logits_for: int = 1,
-             epoch: int = 0) -> Step:
+             epoch: int = 0, tree: list[int] | None = None, keep: list[int] | None = None) -> Step:
         """The next step (not yet counted as sent: call ``sent`` once it is). ``pos`` defaults to
-        right after the last step; lower rolls every hop's cache back first."""
+        right after the last step; lower rolls every hop's cache back first. ``tree`` and
+        ``keep``: a tree step and a kept path (the module docstring of activation.py); only to
+        a chain whose ready said it takes trees."""
         self._expect("ready")
-        pos = self.length if pos is None else pos
-        if not 0 <= pos <= self.length:
-            raise ValueError(f"position {pos} is outside 0..{self.length}")
+        if (tree is not None or keep is not None) and not self.trees:
+            raise ValueError("this chain does not take tree steps (a hop's ready did not say tree)")
+        length = self.length
+        if keep:
+            if keep[-1] >= self.length:
+                raise ValueError(f"position {keep[-1]} to keep is past the {self.length} sent")
+            length = keep[0] + len(keep)
+        pos = length if pos is None else pos
+        if not 0 <= pos <= length:
+            raise ValueError(f"position {pos} is outside 0..{length}")
         return Step(self.session, n=self.step_no, pos=pos, dtype=dtype, shape=shape, payload=payload,
-                    logits_for=logits_for, epoch=epoch)
+                    logits_for=logits_for, epoch=epoch, tree=tree, keep=keep or None)
 
     def sent(self, step: Step) -> None:
         self.step_no = step.n + 1

@@ -71,6 +71,24 @@ async def test_speculative_greedy_equals_plain_greedy(loopback_config, reference
         assert spec.acceptance > 0.2, spec  # the shipped draft agrees with its target fairly often
 
 
+@pytest.mark.parametrize("k", [2, 6])
+async def test_tree_speculation_greedy_equals_plain_greedy(loopback_config, reference, k):
+    """Trees of drafts (the draft's chain and its second choices) through two peers: the output
+    is plain greedy decoding's, and every traversal verified a tree (a chain and its branches)."""
+    path = default_model_path()
+    async with local_chain(loopback_config, path, [(0, 4), (4, 8)]) as node:
+        model = LocalModel(path)
+        client = Client(node, model)
+        got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
+                                                    drafter=drafter_of_kind("model", model), k=k, tree=True)]
+    assert got == reference
+    spec = client.last_stats.speculation
+    assert spec.verified < NEW
+    assert spec.drafted > k * spec.verified  # branches went along with the chains
+    if k == 6:
+        assert spec.branched > 0  # and some traversal kept a branch's token (the peers kept that path)
+
+
 # -- lossless sampling -----------------------------------------------------------------------------
 def chi2_homogeneity(a: dict, b: dict) -> tuple[float, int]:
     """Two-sample chi-square statistic over the union of outcomes (rare ones pooled), and its

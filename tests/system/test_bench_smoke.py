@@ -33,9 +33,11 @@ ONE_PROCESS = {
     "draft_agreement.py": (["--quick"], [
         rf"tiny-llama-draft: greedy agreement with the target {NUM}% over 16 positions$",
         rf"^n-gram drafter: proposes at \d+ positions, right at {NUM}% of them$",
-        r"^suffix drafter over 2 prompts \(code\) x 8 target tokens, teacher-forced",
-        *(rf"^  {shape}: {NUM} tokens per traversal \({NUM} drafts\)$"
-          for shape in ("chain of  8", "tree of  8", "tree of 16", "tree of 32"))]),
+        r"^over 2 prompts \(code\) x 8 target tokens, teacher-forced",
+        *(rf"^  {shape} *: {NUM} tokens per traversal \({NUM} drafts, {NUM} ms drafting\)$"
+          for shape in ("suffix chain of  8", "suffix tree of  8", "suffix tree of 16", "suffix tree of 32",
+                        "draft  chain of  6", "draft  chain of 12", r"draft  tree of 6 \+  6",
+                        r"draft  tree of 8 \+  8"))]),
     "quantization.py": (["--quick"], [
         r"^dtype bfloat16, 2 prompts x 3 tokens, 1 CPU threads",
         r"^\| model \| quantize \| bytes/layer \|",

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 PROMPT = "def main(args):\n    "
 NEW = 24
 # spans and how many peers serve each; tests kill peers one by one (in file order)
-SPANS = {(0, 4): 2, (4, 8): 4}
+SPANS = {(0, 4): 2, (4, 8): 5}
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +48,16 @@ def kill(table, peer):
     return span
 
 
-async def run(bootstrap, table, *, kill_when, drafter=None, depth=1, k=4):
+async def run(bootstrap, table, *, kill_when, drafter=None, depth=1, k=4, tree=False):
     """Generate; ``kill_when(event, info, tokens_so_far, route)`` returns a peer to SIGKILL."""
     async with open_node(loopback_config(bootstrap=[bootstrap], dht_mode="client")) as node:
         await node.wait_bootstrapped()
         client = Client(node, LocalModel(default_model_path()), route_timeout=20)
-        return await generate(client, PROMPT, table, kill_when=kill_when, drafter=drafter, depth=depth, k=k)
+        return await generate(client, PROMPT, table, kill_when=kill_when, drafter=drafter, depth=depth, k=k,
+                              tree=tree)
 
 
-async def generate(client, prompt, table, *, kill_when, drafter=None, depth=1, k=4):
+async def generate(client, prompt, table, *, kill_when, drafter=None, depth=1, k=4, tree=False):
     """``run``'s generation through ``client``: (tokens, stats, [(killed, span)], route)."""
     route, killed, got = [], [], []
 
@@ -68,7 +69,7 @@ async def generate(client, prompt, table, *, kill_when, drafter=None, depth=1, k
             killed.append((victim, kill(table, victim)))
 
     async for tok in client.generate(prompt, max_new_tokens=NEW, stop_at_eos=False, drafter=drafter,
-                                     depth=depth, k=k, progress=progress):
+                                     depth=depth, k=k, tree=tree, progress=progress):
         got.append(tok.id)
         progress("token", {})
     return got, client.last_stats, killed, route
@@ -120,6 +121,23 @@ async def test_a_peer_killed_with_speculative_chunks_in_flight(peers, reference)
     assert killed and got == reference
     assert stats.heals and stats.heals[-1].failed == [killed[0][0]]
     assert stats.speculation.chunks > 0
+
+
+async def test_a_peer_killed_while_a_tree_of_drafts_is_being_kept(peers, reference):
+    """Tree speculation (issue 38): the last hop is killed once a tree's result is in, so the
+    next step (which keeps the accepted path) finds it gone: the heal replays the history, kept
+    path included, into a new peer, and the output is still plain greedy decoding's."""
+    bootstrap, table = peers
+    drafter = ModelDrafter(default_draft_path())
+
+    def when(event, info, n, route):
+        return route[-1] if event == "token" and n >= 6 else None
+
+    got, stats, killed, _ = await run(bootstrap, table, kill_when=when, drafter=drafter, k=4, tree=True)
+    _report("tree", stats)
+    assert killed and got == reference
+    assert stats.heals and stats.heals[-1].failed == [killed[0][0]]
+    assert stats.speculation.drafted > 4 * stats.speculation.verified  # trees went, before and after
 
 
 async def test_a_peer_killed_mid_decode_of_a_turn_that_reuses_the_last_ones_pages(peers):

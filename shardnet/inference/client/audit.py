@@ -111,6 +111,7 @@ class AuditJob:
     route: list[Claim]
     session: str  # hex ID of the real session
     max_len: int
+    tree: list[int] | None = None  # a tree step's parents (its witness's chain must take trees)
 
 
 @dataclass
@@ -260,7 +261,9 @@ class RunAuditor:
             async with open_session(self.request, job.max_len, route) as s:
                 if job.prefix is not None:
                     await s.forward(job.prefix, pos=0)
-                out = await s.forward(job.hidden, pos=job.pos, logits_for=job.logits_for)
+                if job.tree is not None and not s.trees:
+                    raise InferenceError(ErrorCode.UNEXPECTED, "the witness's chain does not take tree steps")
+                out = await s.forward(job.hidden, pos=job.pos, logits_for=job.logits_for, tree=job.tree)
                 return out, s.session.hex()
         except NoRouteError as e:
             raise InferenceError(ErrorCode.NO_ROUTE, str(e)) from None

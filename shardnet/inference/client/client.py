@@ -119,7 +119,7 @@ class Client:
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                        logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
                        stop_at_eos: bool = True,
-                       drafter: Drafter | None = None, k: int = 4, depth: int = 1,
+                       drafter: Drafter | None = None, k: int = 4, depth: int = 1, tree: bool = False,
                        progress=None, route: list[Claim] | None = None,
                        prefix: str | None | EllipsisType = ...) -> AsyncIterator[Token]:
         """Yield generated tokens one at a time (text in, text out).
@@ -130,6 +130,8 @@ class Client:
         in flight, drafting ahead on the assumption that earlier chunks are fully accepted; a
         rejection starts a new epoch and the stale chunks are discarded (and dropped by the peers
         that see the newer epoch first). A seed fixes the output whatever the depth and timing.
+        ``tree``: greedy decoding one chunk at a time verifies trees of drafts where the drafter
+        makes them and the chain takes them (``decode.generate_on``).
 
         When a peer fails mid-request the chain heals (see ``healing``) and generation goes on
         with the same output; ``last_stats.heals`` records each recovery. ``progress``, if given,
@@ -149,7 +151,9 @@ class Client:
             k, depth = 0, 1
         # drafts may run past the end
         request = self.request if prefix is ... else dataclasses.replace(self.request, prefix=_checked_prefix(prefix))
-        sess = HealingSession(request, len(ids) + max_new_tokens + (k + 1) * depth, max_heals=self.max_heals,
+        # (a tree holds the drafts' chain and as many branches)
+        sess = HealingSession(request, len(ids) + max_new_tokens + (k + 1) * depth * (2 if tree else 1),
+                              max_heals=self.max_heals,
                               progress=progress, heals=stats.heals)
         activity = self.services.activity
         stats.speculation.on_round_trip = _RoundTrips(activity, self.planner, stats, sess, depth)
@@ -162,7 +166,7 @@ class Client:
             async for tok in generate_on(sess, self.model, ids, params=params, rng=Randomness(seed), drafter=drafter,
                                          k=k, depth=depth, max_new=max_new_tokens, stop_at_eos=stop_at_eos,
                                          stats=stats, logits_on_last=self.request.logits_on_last,
-                                         auditor=sess.auditor, logprobs=logprobs):
+                                         auditor=sess.auditor, logprobs=logprobs, tree=tree):
                 stats.chain = sess.route
                 tok.apply(out_ids)
                 activity.token(made=tok.id is not None, retracted=tok.retracted)

@@ -26,6 +26,7 @@ from shardnet.inference.client.speculative import (
     Drafter,
     SpeculationStats,
     accept_greedy,
+    accept_greedy_tree,
     accept_sampled,
 )
 from shardnet.protocols.activation import ErrorCode
@@ -89,6 +90,7 @@ class _Chunk:
     q: torch.Tensor | None  # the distributions sampled drafts were drawn from
     sent: float  # perf_counter() when sent
     by: str | None = None  # which drafter drafted it (a drafter that chooses: auto_drafter.py)
+    parents: list[int] | None = None  # a tree of drafts: each draft's parent (-1: the text)
 
 
 def _logprobs(row: torch.Tensor, tok: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
@@ -121,7 +123,8 @@ def _first_wrong(out: list[int], logits: torch.Tensor, params: SamplingParams, r
 async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[int], *, params: SamplingParams,
                       rng: Randomness, drafter: Drafter | None, k: int, depth: int, max_new: int,
                       stop_at_eos: bool, stats: GenerationStats, logits_on_last: bool = False,
-                      auditor: RunAuditor | None = None, logprobs: int | None = None) -> AsyncIterator[Token]:
+                      auditor: RunAuditor | None = None, logprobs: int | None = None,
+                      tree: bool = False) -> AsyncIterator[Token]:
     """Prefill ``prompt`` through an open session, then decode with up to ``depth`` verify chunks
     of up to ``k`` drafts in flight. Plain decoding is the case k = 0, depth = 1: each chunk is the
     last token alone. ``sess`` needs only ``send`` and ``receive`` (and, with an ``auditor``, the
@@ -133,7 +136,12 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
     support is replaced (the tokens after it are retracted; see ``Token``).
 
     With ``logprobs`` (a number of alternatives, 0 for none) each token carries its log-probability
-    and the ``logprobs`` most likely tokens' (``Token.logprob``, ``Token.top_logprobs``)."""
+    and the ``logprobs`` most likely tokens' (``Token.logprob``, ``Token.top_logprobs``).
+
+    ``tree``: verify trees of drafts (the drafter's ``propose_tree``: its chain of ``k`` and its
+    second choices beside it) instead of chains, while decoding is greedy, one chunk is in
+    flight (``depth`` 1) and the session's chain takes tree steps (its ``trees``); each traversal then keeps the longest path the target agrees with, and the next
+    step tells the peers to keep it (``keep``) in place of the tree."""
     steps = _Steps(sess, model, logits_on_last)
     t0 = time.perf_counter()
     result = await steps.prefill(prompt)
@@ -141,7 +149,7 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
     first_row = adjusted(await steps.logits(result, rows=1), params, [], [])[-1]
     first = next_token(first_row, params, rng, len(prompt))
     text = _Text(model, prompt, max_new, stop_at_eos, stats)
-    pipe = _Pipeline(steps, prompt, params, rng, drafter, k, depth, max_new, stats.speculation)
+    pipe = _Pipeline(steps, prompt, params, rng, drafter, k, depth, max_new, stats.speculation, tree=tree)
     todo = [first]  # accepted tokens not yet emitted
     rows = [first_row]  # the logits each was chosen from (row i: todo[i])
     while True:
@@ -185,11 +193,19 @@ class _Steps:
         self.sess, self.model, self.logits_on_last = sess, model, logits_on_last
         self.head = None if logits_on_last else head_batcher(model.head)
 
-    async def send(self, tokens: list[int], *, pos: int, logits_for: int | None = None, epoch: int = 0) -> int:
+    async def send(self, tokens: list[int], *, pos: int, logits_for: int | None = None, epoch: int = 0,
+                   tree: list[int] | None = None, keep: list[int] | None = None) -> int:
         hidden = self.model.head.embed(torch.tensor([tokens]))
         if logits_for is None:
             return await self.sess.send(hidden, pos=pos)
-        return await self.sess.send(hidden, pos=pos, logits_for=logits_for, epoch=epoch)
+        if tree is None and keep is None:
+            return await self.sess.send(hidden, pos=pos, logits_for=logits_for, epoch=epoch)
+        return await self.sess.send(hidden, pos=pos, logits_for=logits_for, epoch=epoch, tree=tree, keep=keep)
+
+    @property
+    def trees(self) -> bool:
+        """Whether the session's chain takes tree steps now."""
+        return bool(getattr(self.sess, "trees", False))
 
     async def receive(self) -> tuple[int, torch.Tensor]:
         return await self.sess.receive()
@@ -259,9 +275,14 @@ class _Pipeline:
     and results of steps below ``stale_below`` (chunks of an ended epoch) are skipped."""
 
     def __init__(self, steps: _Steps, prompt: list[int], params: SamplingParams, rng: Randomness,
-                 drafter: Drafter | None, k: int, depth: int, max_new: int, stats: SpeculationStats) -> None:
+                 drafter: Drafter | None, k: int, depth: int, max_new: int, stats: SpeculationStats, *,
+                 tree: bool = False) -> None:
         self.steps, self.prompt, self.params, self.rng = steps, prompt, params, rng
         self.drafter, self.k, self.depth, self.max_new, self.stats = drafter, k, depth, max_new, stats
+        #: trees of drafts where they can be verified (see generate_on)
+        self.tree = tree and params.greedy and depth == 1 and hasattr(drafter, "propose_tree")
+        #: the cached positions of the last tree's accepted path, for the next step to keep
+        self.keep: list[int] | None = None
         self.vocab = steps.model.ckpt.config.vocab_size
         self.spec = list(prompt)
         self.inflight: deque[_Chunk] = deque()  # of the current epoch, oldest first
@@ -288,18 +309,35 @@ class _Pipeline:
     async def draft_and_send(self) -> None:
         """Keep ``depth`` chunks in flight: each is the last text token and up to ``k`` drafts."""
         spec, inflight = self.spec, self.inflight
+        if self.tree and self.steps.trees and len(spec) - len(self.prompt) < self.max_new:
+            return await self._send_tree()
         while len(inflight) < self.depth and len(spec) - len(self.prompt) < self.max_new:
             drafts, q = self._draft(min(self.k, self.max_new - (len(spec) - len(self.prompt))))
             if not drafts and inflight:
                 break  # nothing to speculate on: wait for a result first
             feed = [spec[-1]] + drafts
             by = getattr(self.drafter, "chosen", None)
-            n = await self.steps.send(feed, pos=len(spec) - 1, logits_for=len(feed), epoch=self.epoch)
+            keep, self.keep = self.keep, None
+            n = await self.steps.send(feed, pos=len(spec) - 1, logits_for=len(feed), epoch=self.epoch, keep=keep)
             inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, time.perf_counter(), by))
             spec += drafts
             self.stats.chunks += 1
             if not drafts:
                 break
+
+    async def _send_tree(self) -> None:
+        """One chunk: the last text token as the root of a tree of drafts."""
+        spec = self.spec
+        t_draft = time.perf_counter()
+        drafts, parents = self.drafter.propose_tree(spec, min(self.k, self.max_new - (len(spec) - len(self.prompt))))
+        self.stats.draft_s += time.perf_counter() - t_draft
+        feed = [spec[-1]] + drafts
+        keep, self.keep = self.keep, None
+        n = await self.steps.send(feed, pos=len(spec) - 1, logits_for=len(feed), epoch=self.epoch,
+                                  tree=[-1] + [p + 1 for p in parents] if drafts else None, keep=keep)
+        self.inflight.append(_Chunk(n, self.epoch, len(spec), drafts, None, time.perf_counter(),
+                                    getattr(self.drafter, "chosen", None), parents if drafts else None))
+        self.stats.chunks += 1
 
     async def receive(self) -> tuple[_Chunk, torch.Tensor]:
         """The oldest chunk in flight and its logits, skipping stale results the peers computed anyway."""
@@ -323,7 +361,13 @@ class _Pipeline:
         """The tokens a chunk's logits accept (its kept drafts and one more), less what the next
         chunk in flight verifies anyway."""
         params = self.params
-        if params.greedy:
+        if chunk.parents is not None:  # a tree: its accepted path, kept by the next step
+            path, bonus = accept_greedy_tree(chunk.drafts, chunk.parents, logits.argmax(-1).tolist())
+            kept = [chunk.drafts[i] for i in path] + [bonus]
+            self.stats.branched += path != list(range(len(path)))
+            root = chunk.start - 1  # (no path: the next step starts right after the root, no keep needed)
+            self.keep = [root] + [root + 1 + i for i in path] if path else None
+        elif params.greedy:
             kept = accept_greedy(chunk.drafts, logits.argmax(-1).tolist())
         else:
             p = torch.stack([probabilities(row, params) for row in logits])

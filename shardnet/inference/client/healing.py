@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import trio
@@ -75,6 +75,8 @@ class _Sent:
     hidden: torch.Tensor
     logits_for: int
     epoch: int
+    tree: list[int] | None = None
+    keep: list[int] | None = None
 
 
 @dataclass
@@ -102,6 +104,9 @@ class HealingSession:
         self._outer_of: dict[int, int | None] = {}  # inner step -> our step (None: a replay)
         self._next = 0
         self._answered_any = False
+        #: the last tree step while the caches still hold its whole tree (no step kept its path
+        #: or rolled back past it yet): a replay sends it again, since what follows counts on it
+        self._open_tree: _Sent | None = None
         self.entered: list[tuple[object, list[Claim]]] = []  # every session opened, with its chain
         self._only_slow: set[str] = set()  # blamed for not answering a probe in time, not for being gone
 
@@ -135,23 +140,40 @@ class HealingSession:
                 log.debug("closing the broken session: %s", e)
 
     # -- the InferenceSession interface ----------------------------------------------------------
+    @property
+    def trees(self) -> bool:
+        """Whether the current chain takes tree steps (it may change as the session heals)."""
+        return self.inner is not None and self.inner.trees
+
     async def send(self, hidden: torch.Tensor, *, pos: int | None = None, logits_for: int = 1,
-                   epoch: int = 0) -> int:
-        pos = self.length if pos is None else pos
-        if not 0 <= pos <= self.length:
-            raise ValueError(f"position {pos} is outside 0..{self.length}")
+                   epoch: int = 0, tree: list[int] | None = None, keep: list[int] | None = None) -> int:
+        length = self.length
+        if keep:
+            if keep[-1] >= self.length:
+                raise ValueError(f"position {keep[-1]} to keep is past the {self.length} sent")
+            length = keep[0] + len(keep)
+        pos = length if pos is None else pos
+        if not 0 <= pos <= length:
+            raise ValueError(f"position {pos} is outside 0..{length}")
         if pos + hidden.shape[1] > self.max_len:
             raise ValueError(f"{pos + hidden.shape[1]} positions exceed the session's max_len {self.max_len}")
         if self._history is None:
             self._history = hidden.new_zeros(1, self.max_len, hidden.shape[2])
+        if keep:  # what the first hop's cache now holds at keep[0]..: the path, in order
+            self._history[:, keep[0]:keep[0] + len(keep)] = self._history[:, list(keep)]
         self._history[:, pos:pos + hidden.shape[1]] = hidden
         self.length = pos + hidden.shape[1]
-        sent = _Sent(self._next, pos, hidden, logits_for, epoch)
+        sent = _Sent(self._next, pos, hidden, logits_for, epoch, tree, keep or None)
+        if self._open_tree is not None and (keep or pos <= self._open_tree.pos + 1):
+            self._open_tree = None
+        if tree is not None:
+            self._open_tree = sent
         self._next += 1
         self._unanswered.append(sent)
         self._notify("sent", {"step": sent.n, "pos": pos, "tokens": hidden.shape[1]})
         try:
-            self._outer_of[await self.inner.send(hidden, pos=pos, logits_for=logits_for, epoch=epoch)] = sent.n
+            self._outer_of[await self.inner.send(hidden, pos=pos, logits_for=logits_for, epoch=epoch, tree=tree,
+                                                 keep=keep or None)] = sent.n
         except InferenceError as e:
             if e.code not in HEALABLE:
                 raise
@@ -184,7 +206,7 @@ class HealingSession:
         history below ``sent.pos`` is still what the chain computed: later steps start above it)."""
         return lambda: AuditJob(sent.pos, sent.hidden, sent.logits_for,
                                 self._history[:, :sent.pos].clone() if sent.pos else None, out, list(self.route),
-                                self.inner.session.hex(), self.max_len)
+                                self.inner.session.hex(), self.max_len, sent.tree)
 
     def served_by(self) -> set[str]:
         """Every peer that computed for this session, in any of its chains."""
@@ -290,11 +312,22 @@ class HealingSession:
         epoch = max((s.epoch for s in self._unanswered), default=0)
         self._unanswered = deque(s for s in self._unanswered if s.epoch == epoch)
         upto = min((s.pos for s in self._unanswered), default=self.length)
+        again = list(self._unanswered)
+        tree = self._open_tree
+        if tree is not None and all(s is not tree for s in again) and tree.pos < upto:
+            # the caches hold a tree the next step will keep a path of: it goes again (its result
+            # is dropped), not as the sequence the history holds there
+            upto = tree.pos
+            again.insert(0, replace(tree, n=None))
+        if any(s.tree is not None or s.keep is not None for s in again) and not self.trees:
+            raise InferenceError(ErrorCode.UNEXPECTED, "the healed chain does not take tree steps")
         if upto > 0:
             self._outer_of[await self.inner.send(self._history[:, :upto], pos=0, epoch=epoch)] = None
-        for s in self._unanswered:
+        for s in again:
+            # a path kept from a tree below ``upto`` is in the history already; one above it is not
+            keep = s.keep if s.keep is not None and s.keep[0] >= upto else None
             self._outer_of[await self.inner.send(s.hidden, pos=s.pos, logits_for=s.logits_for,
-                                                 epoch=s.epoch)] = s.n
+                                                 epoch=s.epoch, tree=s.tree, keep=keep)] = s.n
         return upto
 
     def _notify(self, event: str, info: dict) -> None:

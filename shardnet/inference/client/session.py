@@ -96,25 +96,33 @@ class InferenceSession:
             self._receiving.cancel()
         await self.ret.close()
 
-    async def forward(self, hidden: torch.Tensor, *, pos: int | None = None, logits_for: int = 1) -> torch.Tensor:
+    async def forward(self, hidden: torch.Tensor, *, pos: int | None = None, logits_for: int = 1,
+                      tree: list[int] | None = None) -> torch.Tensor:
         """Send [1, tokens, hidden] for positions ``pos``.. (default: right after the last step;
         lower rolls every peer's KV cache back to ``pos`` first). Returns the last block's output:
         [1, tokens, hidden], or [1, logits_for, vocab] logits when the last peer holds the head."""
-        n = await self.send(hidden, pos=pos, logits_for=logits_for)
+        n = await self.send(hidden, pos=pos, logits_for=logits_for, tree=tree)
         got, out = await self.receive()
         if got != n:
             raise InferenceError(ErrorCode.UNEXPECTED, f"expected result {n}, got {got}")
         return out
 
+    @property
+    def trees(self) -> bool:
+        """Whether every hop of the chain takes tree steps (``send``'s ``tree`` and ``keep``)."""
+        return self.machine.trees
+
     async def send(self, hidden: torch.Tensor, *, pos: int | None = None, logits_for: int = 1,
-                   epoch: int = 0) -> int:
+                   epoch: int = 0, tree: list[int] | None = None, keep: list[int] | None = None) -> int:
         """Send one step without waiting for its result (several may be in flight); returns its
-        step number. Results come back in order through ``receive``."""
+        step number. Results come back in order through ``receive``. ``tree``: the step's
+        tokens are a tree of drafts (parent indices, -1: the text); ``keep``: cached positions
+        kept before the step (a tree step's accepted path); see protocols/activation.py."""
         if self.error:
             raise self.error
         dtype, shape, payload = wire.to_payload(hidden, self.request.wire)
         step = self.machine.step(dtype=dtype, shape=shape, payload=payload, pos=pos, logits_for=logits_for,
-                                 epoch=epoch)
+                                 epoch=epoch, tree=tree, keep=keep)
         try:
             await self.up.send(step)
         except ap.ActivationProtocolError:

@@ -155,6 +155,11 @@ class Block:
         per position of its length)."""
         return sum(s.bytes_per_token for s in self.kv_layout() if s is not None)
 
+    @property
+    def takes_trees(self) -> bool:
+        """Whether ``forward`` runs tree steps here: a family proven with trees, full attention."""
+        return self.family.trees and "sliding_attention" not in self.layer_types
+
     def new_cache(self, max_len: int | None = None) -> SessionKv:
         """A session's KV cache: ``max_len`` positions allocated now, written in place by its
         steps (without a length it grows by doubling: local use, not a peer's served path)."""

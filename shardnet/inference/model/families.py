@@ -48,6 +48,8 @@ class Family:
     rotary_per_layer_type: bool | None = None
     #: a mixture-of-experts family (for docs, the benchmark and init-random's shapes)
     moe: bool = False
+    #: its blocks run tree steps exactly (``Block.forward(tree=)``; tests/integration/test_tree_block.py)
+    trees: bool = False
 
     @property
     def generic(self) -> bool:
@@ -100,7 +102,7 @@ def _takes_layer_type(rotary_class) -> bool:
 _PROVEN = "greedy token-identical and logits within tolerance vs transformers, 1-3 peers (CI)"
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("llama", _PROVEN),
+    Family("llama", _PROVEN, trees=True),
     Family("mistral", _PROVEN),
     Family("qwen2", _PROVEN),
     Family("qwen3", _PROVEN),

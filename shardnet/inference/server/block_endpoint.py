@@ -196,12 +196,12 @@ class BlockEndpoint:
         down: MessageStream | None = None
         try:
             try:
-                down = await self._open_next(session, rec)
+                down, rest_takes_trees = await self._open_next(session, rec)
                 rec.observed["downstream"] = down.observed()
             except InferenceError as e:
                 await reply_error(up, s, e.code, e.message, peer=e.peer, **e.figures)
                 return
-            await up.send(session.ready())
+            await up.send(session.ready(tree=sb.block.takes_trees and rest_takes_trees))
             async with trio.open_nursery() as nursery:
                 if not session.last:
                     nursery.start_soon(_relay_errors, session, down, up, nursery.cancel_scope)
@@ -237,8 +237,9 @@ class BlockEndpoint:
                                  f"per second (session_rate_per_peer); try again shortly",
                                  retry_after_s=self._session_rate.retry_after(peer))
 
-    async def _open_next(self, session: BlockSession, rec: StageRecorder | None = None) -> MessageStream:
-        """Open the next hop with the rest of the chain, or the return stream to the client."""
+    async def _open_next(self, session: BlockSession, rec: StageRecorder | None = None) -> tuple[MessageStream, bool]:
+        """Open the next hop with the rest of the chain, or the return stream to the client; and
+        whether the rest of the chain takes tree steps (its ready says so; true past the last hop)."""
         target, first = session.downstream()
         ms, reply = await open_hop(self.node, target.peer, target.addrs, first,
                                    reply_timeout=None if session.last else OPEN_TIMEOUT,
@@ -251,7 +252,8 @@ class BlockEndpoint:
                     await ms.close()
                 raise InferenceError(failure.code, failure.message, failure.peer, need_bytes=failure.need_bytes,
                                      limit_bytes=failure.limit_bytes, retry_after_s=failure.retry_after_s)
-        return ms
+            return ms, reply.tree
+        return ms, True
 
     async def _step_loop(self, sb: ServedBlock, session: BlockSession, up: MessageStream, down: MessageStream,
                          rec: StageRecorder | None = None) -> None:
@@ -286,6 +288,14 @@ class BlockEndpoint:
                 return
             step = action.step
             t_step = time.perf_counter()
+            if step.tree is not None and not sb.block.takes_trees:
+                await send_reply(up, session.refuse(step, "this block does not take tree steps"))
+                return
+            if step.keep is not None:  # a tree step's accepted path, kept in place of the tree
+                cache.keep(step.keep[0], [k - step.keep[0] for k in step.keep])
+            if tracker is not None and (step.tree is not None or step.keep is not None):
+                tracker.rollback(step.keep[0] if step.keep else step.pos, sb.kv.prefixes)
+                tracker = None  # stored prefixes are sequences: none past a tree
             if action.drop > 0:
                 # Rollback: the client rejected speculated tokens; forget everything from pos on.
                 cache.crop(-action.drop)
@@ -297,7 +307,7 @@ class BlockEndpoint:
             done = len(reused) * PAGE
             out = await sb.scheduler.forward(up.remote_peer, hidden[:, done:], cache, step.pos + done,
                                              on_shared=rec.step_was_batched if rec is not None else None,
-                                             pipelined=pipelined)
+                                             pipelined=pipelined, tree=step.tree)
             if reused:
                 out = torch.cat([torch.cat([p.outputs for p in reused])[None].to(out.dtype), out], dim=1)
             if tracker is not None:
