@@ -200,7 +200,13 @@ class Block:
             kw["and_mask_function"] = in_tree  # the masks use storage order; rotary uses the depths
             position_ids = (start_pos + depths.to(self.device)).unsqueeze(0)
         masks = {}
-        if "full_attention" in self.layer_types:
+        if tree is not None and self.config._attn_implementation == "sdpa":
+            # the mask sdpa takes, built at once ([1, 1, t, cached + t] bool, True: attends); through
+            # create_causal_mask, the tree's mask function costs ~2 ms a pass (vmap) on this CPU
+            allowed = torch.ones(t, start_pos + t, dtype=torch.bool, device=self.device)
+            allowed[:, start_pos:] = ancestors
+            masks["full_attention"] = allowed[None, None]
+        elif "full_attention" in self.layer_types:
             masks["full_attention"] = create_causal_mask(**kw)
         if "sliding_attention" in self.layer_types:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kw)
