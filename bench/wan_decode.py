@@ -140,7 +140,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                      Mode(f"speculative, n-gram, k={args.ngram_k}", ngram, args.ngram_k, 1),
                      Mode(f"speculative, suffix, k={args.ngram_k}", SuffixDrafter, args.ngram_k, 1),
                      Mode(f"speculative, auto, k={args.k}", lambda: AutoDrafter(
-                         {"draft": draft, "suffix": SuffixDrafter(), PLAIN: None}), args.k, 1),
+                         {"draft": draft, "suffix": SuffixDrafter(), PLAIN: None}), args.k, 1, tree=True),
                      Mode(f"speculative, auto model-free, k={args.ngram_k}", lambda: AutoDrafter(
                          {"suffix": SuffixDrafter(), PLAIN: None}), args.ngram_k, 1),
                      Mode(f"pipelined, draft model, k={args.k}, depth {args.depth}", draft, args.k, args.depth),
@@ -164,7 +164,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                 ping = await node.ping(route[0].peer)  # shows the emulated edge: ~2 x delay
                 for m in modes:  # warm-up: connections along the ring, lazy initialisation
                     [t async for t in client.generate(prompts[0][1], max_new_tokens=8, stop_at_eos=False,
-                                                      drafter=drafter_for(m), k=m.k, depth=m.depth, tree=m.tree)]
+                                                      drafter=drafter_for(m), k=m.k, depth=m.depth,
+                                                      tree=m.tree)]
                 for r in range(args.repeats):
                     for i, (kind, prompt) in enumerate(prompts):
                         progress(f"run {r + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)} ({kind})",

@@ -187,8 +187,9 @@ async def _stream_generation(client, prompt: str, **kw) -> None:
     drafter = kw.get("drafter")
     if drafter is not None:
         name = drafter.describe() if hasattr(drafter, "describe") else getattr(drafter, "name", type(drafter).__name__)
-        click.echo(f"-- speculation: {name}: {sp.verified} traversals, {sp.tokens_per_traversal:.2f} tokens each, "
-                   f"{sp.acceptance:.0%} of drafts accepted, {sp.stale} stale chunks discarded")
+        trees = f" ({sp.trees} of them trees of drafts)" if sp.trees else ""
+        click.echo(f"-- speculation: {name}: {sp.verified} traversals{trees}, {sp.tokens_per_traversal:.2f} tokens "
+                   f"each, {sp.acceptance:.0%} of drafts accepted, {sp.stale} stale chunks discarded")
     click.echo("-- chain: " + " -> ".join(f"{c.peer[:12]}… [{c.start}:{c.end}]" for c in st.chain))
     for h in st.heals:
         lost = ", ".join(f"{a}:{b}" for a, b in h.layers) or "?"

@@ -263,7 +263,8 @@ def test_generate_with_speculation_and_chunks_in_flight(swarm, tmp_path):
         text, report, _ = gen(*extra)
         assert text == plain, extra
     assert re.search(r"-- speculation: auto \(draft \d+ chunks, [0-9.]+ tok/s; suffix .*; plain .*\); drafting with "
-                     r"\w+ last: \d+ traversals, [0-9.]+ tokens each, \d+% of drafts accepted", report), report
+                     r"\w+ last: \d+ traversals( \(\d+ of them trees of drafts\))?, [0-9.]+ tokens each, "
+                     r"\d+% of drafts accepted", report), report
     sampled = ["--temperature", "0.8", "--top-k", "40", "--seed", "7", "--speculate", "draft", "--depth", "3"]
     first, _, _ = gen(*sampled)
     again, _, _ = gen(*sampled)

@@ -122,6 +122,15 @@ class AutoDrafter:
         d = self.drafter
         return [] if d is None else d.propose(ids, k)
 
+    @property
+    def drafts_trees(self) -> bool:
+        """Whether the candidate drafting now drafts trees (``propose_tree``: a draft model)."""
+        return getattr(self.drafter, "drafts_trees", False)
+
+    def propose_tree(self, ids: list[int], k: int) -> tuple[list[int], list[int]]:
+        self._begin(greedy=True)
+        return self.drafter.propose_tree(ids, k)
+
     def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
                vocab_size: int) -> tuple[list[int], torch.Tensor]:
         self._begin(greedy=False)

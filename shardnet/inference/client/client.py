@@ -119,7 +119,7 @@ class Client:
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                        logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
                        stop_at_eos: bool = True,
-                       drafter: Drafter | None = None, k: int = 4, depth: int = 1, tree: bool = False,
+                       drafter: Drafter | None = None, k: int = 4, depth: int = 1, tree: bool = True,
                        progress=None, route: list[Claim] | None = None,
                        prefix: str | None | EllipsisType = ...) -> AsyncIterator[Token]:
         """Yield generated tokens one at a time (text in, text out).
@@ -130,8 +130,9 @@ class Client:
         in flight, drafting ahead on the assumption that earlier chunks are fully accepted; a
         rejection starts a new epoch and the stale chunks are discarded (and dropped by the peers
         that see the newer epoch first). A seed fixes the output whatever the depth and timing.
-        ``tree``: greedy decoding one chunk at a time verifies trees of drafts where the drafter
-        makes them and the chain takes them (``decode.generate_on``).
+        ``tree`` (default): greedy decoding one chunk at a time verifies trees of drafts where the
+        drafter makes them (a draft model: its chain and its second choices) and every peer of
+        the chain takes them (``decode.generate_on``); False: chains only.
 
         When a peer fails mid-request the chain heals (see ``healing``) and generation goes on
         with the same output; ``last_stats.heals`` records each recovery. ``progress``, if given,

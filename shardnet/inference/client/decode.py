@@ -138,10 +138,11 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
     With ``logprobs`` (a number of alternatives, 0 for none) each token carries its log-probability
     and the ``logprobs`` most likely tokens' (``Token.logprob``, ``Token.top_logprobs``).
 
-    ``tree``: verify trees of drafts (the drafter's ``propose_tree``: its chain of ``k`` and its
-    second choices beside it) instead of chains, while decoding is greedy, one chunk is in
-    flight (``depth`` 1) and the session's chain takes tree steps (its ``trees``); each traversal then keeps the longest path the target agrees with, and the next
-    step tells the peers to keep it (``keep``) in place of the tree."""
+    ``tree``: verify trees of drafts (the drafter's ``propose_tree``: a draft model's chain of
+    ``k`` and its second choices beside it; drafters with ``drafts_trees``) instead of chains,
+    while decoding is greedy, one chunk is in flight (``depth`` 1) and the session's chain takes
+    tree steps (its ``trees``); each traversal then keeps the longest path the target agrees
+    with, and the next step tells the peers to keep it (``keep``) in place of the tree."""
     steps = _Steps(sess, model, logits_on_last)
     t0 = time.perf_counter()
     result = await steps.prefill(prompt)
@@ -280,7 +281,7 @@ class _Pipeline:
         self.steps, self.prompt, self.params, self.rng = steps, prompt, params, rng
         self.drafter, self.k, self.depth, self.max_new, self.stats = drafter, k, depth, max_new, stats
         #: trees of drafts where they can be verified (see generate_on)
-        self.tree = tree and params.greedy and depth == 1 and hasattr(drafter, "propose_tree")
+        self.tree = tree and params.greedy and depth == 1
         #: the cached positions of the last tree's accepted path, for the next step to keep
         self.keep: list[int] | None = None
         self.vocab = steps.model.ckpt.config.vocab_size
@@ -289,6 +290,11 @@ class _Pipeline:
         self.epoch, self.stale_below = 0, 0
         #: indices in the output of tokens accepted from chunks that had drafts
         self.drafted_at: set[int] = set()
+
+    def _drafts_tree(self) -> bool:
+        """Whether the next chunk is a tree: trees wanted, the chain takes them, and the drafter
+        drafts them now (``drafts_trees``: a draft model; an AutoDrafter while it is chosen)."""
+        return self.tree and self.steps.trees and getattr(self.drafter, "drafts_trees", False)
 
     def continue_from(self, out: list[int]) -> None:
         """The accepted text changed: drafting continues from it and the drafts still in flight."""
@@ -309,7 +315,7 @@ class _Pipeline:
     async def draft_and_send(self) -> None:
         """Keep ``depth`` chunks in flight: each is the last text token and up to ``k`` drafts."""
         spec, inflight = self.spec, self.inflight
-        if self.tree and self.steps.trees and len(spec) - len(self.prompt) < self.max_new:
+        if self._drafts_tree() and len(spec) - len(self.prompt) < self.max_new:
             return await self._send_tree()
         while len(inflight) < self.depth and len(spec) - len(self.prompt) < self.max_new:
             drafts, q = self._draft(min(self.k, self.max_new - (len(spec) - len(self.prompt))))
@@ -338,6 +344,7 @@ class _Pipeline:
         self.inflight.append(_Chunk(n, self.epoch, len(spec), drafts, None, time.perf_counter(),
                                     getattr(self.drafter, "chosen", None), parents if drafts else None))
         self.stats.chunks += 1
+        self.stats.trees += bool(drafts)
 
     async def receive(self) -> tuple[_Chunk, torch.Tensor]:
         """The oldest chunk in flight and its logits, skipping stale results the peers computed anyway."""

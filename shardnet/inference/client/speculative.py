@@ -89,6 +89,8 @@ class ModelDrafter:
     rest, so rejected drafts cost a rollback, not a recomputation."""
 
     name = "draft"
+    #: greedy decoding verifies its trees where the chain takes them (``propose_tree``)
+    drafts_trees = True
 
     def __init__(self, path: str | Path, *, vocab_size: int | None = None, device: str = "cpu",
                  max_len: int = 4096, cuda_graph: bool | None = None) -> None:
@@ -198,6 +200,7 @@ class SpeculationStats:
     drafted: int = 0  # drafts in verified chunks
     accepted: int = 0
     tokens: int = 0  # tokens the verified chunks yielded
+    trees: int = 0  # chunks sent as trees of drafts
     branched: int = 0  # trees whose accepted path left the draft's chain for one of its branches
     draft_s: float = 0.0  # time spent drafting
     wait_s: float = 0.0  # time spent waiting for results

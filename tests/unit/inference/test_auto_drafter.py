@@ -174,3 +174,21 @@ def test_a_chosen_drafter_that_stops_drafting_still_gives_the_others_their_turn(
     for _ in range(ad.EMPTY_TRIAL_FACTOR):
         idle.observe(1, by="suffix", drafted=0)
     assert idle.chosen == "plain"
+
+
+class Trees(Fixed):
+    """A drafter of trees (as ModelDrafter): its chain and one branch beside its first token."""
+
+    drafts_trees = True
+
+    def propose_tree(self, ids, k):
+        return [self.token] * k + [self.token + 1], list(range(-1, k - 1)) + [-1]
+
+
+def test_trees_are_drafted_only_while_a_drafter_of_trees_is_chosen():
+    auto = AutoDrafter({"draft": Trees(5), "suffix": Fixed(7), ad.PLAIN: None})
+    assert auto.chosen == "draft" and auto.drafts_trees
+    assert auto.propose_tree([1, 2], 3) == ([5, 5, 5, 6], [-1, 0, 1, -1])
+    assert auto.greedy is True  # a tree is a greedy proposal
+    auto.current = "suffix"
+    assert not auto.drafts_trees
