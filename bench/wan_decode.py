@@ -125,13 +125,13 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                 real, pub = await behind_wan(i + 1)
                 procs.append(ShardnetProcess(f"p{i}", [
                     "join", "--events", "--identity", str(workdir / f"p{i}.key"), "--model", str(default_model_path()),
-                    "--layers", f"{a}:{b}", "--threads", str(threads), "--listen", f"/ip4/127.0.0.1/tcp/{real}",
+                    "--layers", f"{a}:{b}", "--threads", str(threads), "--dtype", args.dtype, "--listen", f"/ip4/127.0.0.1/tcp/{real}",
                     "--announce",
                     f"/ip4/127.0.0.1/tcp/{pub}", "--bootstrap", boot_addr], workdir=workdir))
             for p in procs[1:]:
                 await trio.to_thread.run_sync(p.wait_event, lambda e: e.get("event") == "ready", 120)
             real, pub = await behind_wan(99)
-            model = LocalModel(default_model_path())
+            model = LocalModel(default_model_path(), dtype=args.dtype)
             draft = ModelDrafter(default_draft_path(), vocab_size=ckpt.config.vocab_size)
             ngram = NGramDrafter()
             modes = [Mode("plain decode", None, 0, 1),
@@ -181,12 +181,13 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
             stop_processes(procs)
             nursery.cancel_scope.cancel()
     reps = 3 if args.quick else 30
-    compute = {n: measure_compute(ckpt, ranges, model, n, reps=reps) for n in {m.positions for m in modes}}
+    compute = {n: measure_compute(ckpt, ranges, model, n, reps=reps, dtype=args.dtype)
+               for n in {m.positions for m in modes}}
     report(args, ranges, ping, modes, compute, ckpt.config.hidden_size)
 
 
 def measure_compute(ckpt: Checkpoint, ranges, model: LocalModel, positions: int, context: int = 64,
-                    reps: int = 30) -> tuple[float, float]:
+                    reps: int = 30, dtype: str = "auto") -> tuple[float, float]:
     """Seconds of computation per chunk of ``positions`` tokens at ``context`` tokens of history,
     measured here one block at a time: (summed over the chain's blocks, at the client: embedding
     and head)."""
@@ -200,7 +201,7 @@ def measure_compute(ckpt: Checkpoint, ranges, model: LocalModel, positions: int,
     chain = 0.0
     with torch.inference_mode():
         for a, b in ranges:
-            block = Block(ckpt, a, b, dtype=resolve_dtype("auto", ckpt))  # as the peers compute
+            block = Block(ckpt, a, b, dtype=resolve_dtype(dtype, ckpt))  # as the peers compute
             cache = block.new_cache()
             block.forward(torch.randn(1, context, hidden), cache, 0)
 
@@ -226,7 +227,7 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
 
     print(f"WAN edge: {args.delay_ms:g} ms one way (+ up to {args.jitter_ms:g} ms jitter), {args.mbit:g} Mbit/s cap; "
           f"client -> first peer ping {ping * 1e3:.1f} ms")
-    print(f"tiny-llama over {len(ranges)} peers {ranges}; a traversal crosses {edges} edges: "
+    print(f"tiny-llama ({args.dtype}) over {len(ranges)} peers {ranges}; a traversal crosses {edges} edges: "
           f"{latency(1) * 1e3:.1f} ms of WAN, {modes[0].ring * 1e3:.1f} ms measured for plain decode")
     rows = []
     for m in modes:
@@ -267,6 +268,10 @@ def main() -> None:
     p.add_argument("--prompts", type=int, choices=range(1, len(PROMPTS) + 1), default=len(PROMPTS), metavar="N",
                    help=f"how many of the {len(PROMPTS)} prompts (1-{len(PROMPTS)})")
     p.add_argument("-k", type=int, default=6, help="drafts per chunk for the draft model")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="the peers' and the client's compute dtype (auto: the checkpoint's, float16 for the "
+                        "shipped model; greedy output is compared exactly in float32 only: in float16 two "
+                        "exact computations in different orders may pick different tokens at a near-tie)")
     p.add_argument("--ngram-k", type=int, default=8, help="drafts per chunk for the n-gram drafter")
     p.add_argument("--depth", type=int, default=4, help="verify chunks in flight for the pipelined rows")
     args = p.parse_args()

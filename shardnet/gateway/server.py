@@ -79,12 +79,15 @@ class Gateway:
     """The ASGI application. ``name``: the model name clients ask for (its ID works too)."""
 
     def __init__(self, client: Client, name: str, *, route_timeout: float = 10.0, api_key: str | None = None,
-                 chat_template: str | None = None, speculate: str = "none") -> None:
+                 chat_template: str | None = None, speculate: str = "auto") -> None:
         if speculate not in GATEWAY_SPECULATE:
             raise ValueError(f"speculate={speculate!r}: one of {', '.join(GATEWAY_SPECULATE)}")
         self.client, self.name, self.route_timeout = client, name, route_timeout
-        #: each request's drafter (auto: suffix matching or plain decoding, chosen as it goes)
+        #: each request's drafter (auto: suffix matching or plain decoding, chosen as it goes), for
+        #: a request that starts while no other is generating: with several at once the peers are
+        #: busy computing, and verify chunks cost them more than the round trips they save
         self.speculate = speculate
+        self.generating = 0  # requests generating now
         self.api_key = api_key or None
         self.model = client.model
         # a gateway routes through every layer range: its claims view hears every range's news
@@ -219,7 +222,8 @@ class Gateway:
                               code="no_route") from None
 
     def _tokens(self, req: oa.GenerationRequest, ids: list[int], max_new: int, route):
-        drafter = drafter_for(self.speculate, vocab_size=self.model.ckpt.config.vocab_size)
+        alone = self.generating <= 1
+        drafter = drafter_for(self.speculate if alone else "none", vocab_size=self.model.ckpt.config.vocab_size)
         return self.client.generate(ids, max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
                                     seed=req.seed, frequency_penalty=req.frequency_penalty,
                                     presence_penalty=req.presence_penalty, logit_bias=req.logit_bias,
@@ -248,6 +252,13 @@ class Gateway:
                  "cancelled: the client went away" if gone.is_set() else "done", time.perf_counter() - t0)
 
     async def _generate(self, req, ids, max_new, rid, send) -> None:
+        self.generating += 1
+        try:
+            await self._generate_counted(req, ids, max_new, rid, send)
+        finally:
+            self.generating -= 1
+
+    async def _generate_counted(self, req, ids, max_new, rid, send) -> None:
         route = await self._route()
         created = oa.now()
         log.info("%s: generating up to %d tokens after %d prompt tokens", rid, max_new, len(ids))
@@ -383,7 +394,7 @@ def read_chat_template(path: Path) -> str:
 
 async def serve_gateway(client: Client, name: str, *, host: str = "127.0.0.1", port: int = 8000,
                         route_timeout: float = 10.0, api_key: str | None = None, chat_template: str | None = None,
-                        speculate: str = "none", task_status=trio.TASK_STATUS_IGNORED) -> None:
+                        speculate: str = "auto", task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled; ``task_status.started`` gets the bound URLs."""
     gateway = Gateway(client, name, route_timeout=route_timeout, api_key=api_key, chat_template=chat_template,
                       speculate=speculate)

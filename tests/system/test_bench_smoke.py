@@ -64,10 +64,11 @@ MULTI_PROCESS = {
         rf"^connect, py-libp2p default ConnectionConfig \(ms\) +{NUM}",
         rf"^overlay stream over a 10 ms RTT path \(ping {NUM} ms\): {NUM} MB/s"]),
     "wan_decode.py": (["--quick"], [
-        r"^WAN edge: 5 ms one way", r"^tiny-llama over 2 peers \[\(0, 4\), \(4, 8\)\]",
+        r"^WAN edge: 5 ms one way", r"^tiny-llama \(float32\) over 2 peers \[\(0, 4\), \(4, 8\)\]",
         r"^mode +tok/s +x plain +tok/trav +accepted +stale +ceiling +reached$",
         *(rf"^{re.escape(mode)} +{NUM} +{NUM}x +{NUM} +(-|\d+%) +\d+% +{NUM} +\d+%$"
-          for mode in ("plain decode", "speculative, draft model, k=2", "speculative, n-gram, k=2",
+          for mode in ("plain decode", "speculative, draft model, k=2", "speculative, draft tree, k=2+2",
+                       "speculative, n-gram, k=2",
                        "speculative, suffix, k=2", "speculative, auto, k=2", "speculative, auto model-free, k=2",
                        "pipelined, draft model, k=2, depth 2",
                        "pipelined, n-gram, k=2, depth 2", "pipelined, suffix, k=2, depth 2")),

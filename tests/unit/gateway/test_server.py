@@ -170,3 +170,23 @@ async def test_metrics_are_served_in_prometheus_format_without_the_api_key(model
         assert families["shardnet_client_sessions"].samples[0].value == 0  # this gateway's client, from the start
         status, got, _ = await call(app, "POST", "/metrics")
         assert status == 405
+
+
+async def test_only_a_request_that_starts_alone_speculates(model):
+    """`serve`'s default `--speculate auto` drafts for a request that starts while no other is
+    generating; with others generating the peers are busy, and it decodes plainly."""
+    from types import SimpleNamespace
+
+    from shardnet.inference.client.auto_drafter import AutoDrafter
+
+    async with open_node(NodeConfig(dht_mode="client")) as node:
+        app = gateway(node, model)
+        drafters = []
+        app.client.generate = lambda ids, **kw: drafters.append(kw["drafter"])
+        req = SimpleNamespace(temperature=0.0, top_p=1.0, seed=None, frequency_penalty=0.0, presence_penalty=0.0,
+                              logit_bias=None, logprobs=None)
+        for generating in (1, 3):  # (the request itself counts)
+            app.generating = generating
+            app._tokens(req, [1, 2], 4, route=None)
+        assert isinstance(drafters[0], AutoDrafter) and drafters[1] is None
+        assert gateway(node, model, speculate="none").speculate == "none"
