@@ -50,11 +50,13 @@ from .common import (
               help="Let every peer reuse the keys and values it computed for a prompt's start already sent "
                    "(a chat's earlier turns): private to this gateway (its users share it), shared with "
                    "every client, or off (docs/security.md).")
-@click.option("--speculate", default="auto", type=click.Choice(["auto", "suffix", "ngram", "none"]), show_default=True,
+@click.option("--speculate", default="none", type=click.Choice(["auto", "suffix", "ngram", "none"]), show_default=True,
               help="Speculative decoding (lossless) of a request that starts while no other is generating "
                    "(with several at once the peers are busy computing, and verify chunks cost them more than "
                    "the round trips they save): auto chooses as it goes between suffix matching over the "
-                   "request's text and plain decoding by what each yields; none: plain decoding always.")
+                   "request's text and plain decoding by what each yields. Off by default: in float16 or "
+                   "bfloat16 a verify chunk and a plain step may pick different tokens at a near-tie, and a "
+                   "gateway's greedy answers should not depend on how busy it is.")
 @wrap_errors
 def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, host, port, name, logits_on_last,
           dtype, route_timeout, audit_rate, quantized, api_key, chat_template, prefix_reuse, speculate) -> None:

@@ -79,7 +79,7 @@ class Gateway:
     """The ASGI application. ``name``: the model name clients ask for (its ID works too)."""
 
     def __init__(self, client: Client, name: str, *, route_timeout: float = 10.0, api_key: str | None = None,
-                 chat_template: str | None = None, speculate: str = "auto") -> None:
+                 chat_template: str | None = None, speculate: str = "none") -> None:
         if speculate not in GATEWAY_SPECULATE:
             raise ValueError(f"speculate={speculate!r}: one of {', '.join(GATEWAY_SPECULATE)}")
         self.client, self.name, self.route_timeout = client, name, route_timeout
@@ -394,7 +394,7 @@ def read_chat_template(path: Path) -> str:
 
 async def serve_gateway(client: Client, name: str, *, host: str = "127.0.0.1", port: int = 8000,
                         route_timeout: float = 10.0, api_key: str | None = None, chat_template: str | None = None,
-                        speculate: str = "auto", task_status=trio.TASK_STATUS_IGNORED) -> None:
+                        speculate: str = "none", task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled; ``task_status.started`` gets the bound URLs."""
     gateway = Gateway(client, name, route_timeout=route_timeout, api_key=api_key, chat_template=chat_template,
                       speculate=speculate)

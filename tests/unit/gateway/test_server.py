@@ -173,14 +173,14 @@ async def test_metrics_are_served_in_prometheus_format_without_the_api_key(model
 
 
 async def test_only_a_request_that_starts_alone_speculates(model):
-    """`serve`'s default `--speculate auto` drafts for a request that starts while no other is
-    generating; with others generating the peers are busy, and it decodes plainly."""
+    """`serve --speculate auto` drafts for a request that starts while no other is generating;
+    with others generating the peers are busy, and it decodes plainly."""
     from types import SimpleNamespace
 
     from shardnet.inference.client.auto_drafter import AutoDrafter
 
     async with open_node(NodeConfig(dht_mode="client")) as node:
-        app = gateway(node, model)
+        app = gateway(node, model, speculate="auto")
         drafters = []
         app.client.generate = lambda ids, **kw: drafters.append(kw["drafter"])
         req = SimpleNamespace(temperature=0.0, top_p=1.0, seed=None, frequency_penalty=0.0, presence_penalty=0.0,
@@ -189,4 +189,4 @@ async def test_only_a_request_that_starts_alone_speculates(model):
             app.generating = generating
             app._tokens(req, [1, 2], 4, route=None)
         assert isinstance(drafters[0], AutoDrafter) and drafters[1] is None
-        assert gateway(node, model, speculate="none").speculate == "none"
+        assert gateway(node, model).speculate == "none"  # the default
