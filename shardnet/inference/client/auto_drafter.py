@@ -21,6 +21,11 @@ What "yields the most" means depends on the sampling:
   and the seed, never on timing, so a seed still fixes the output (lossless speculative sampling
   keeps its distribution whichever drafter drafts).
 
+A greedy generation may start from an earlier one's figures (``start_from``: a client passes its
+previous greedy generation's over the same candidates), skipping the first round of trials,
+which cost a short generation most (a quarter of the draft model's rate over 64-token outputs,
+docs/benchmarks.md).
+
 Which of the two a run is, the decode loop says by what it calls: ``propose`` (greedy) or
 ``sample``. It tells the drafter what each verified chunk yielded through ``observe``, naming the
 candidate that drafted it (with chunks in flight, a chunk drafted before a switch is credited to
@@ -58,7 +63,7 @@ class CandidateStats:
     drafter left out: they are plain decoding steps)."""
 
     chunks: int = 0
-    tokens: int = 0
+    tokens: float = 0
     seconds: float = 0.0
 
     @property
@@ -94,7 +99,17 @@ class AutoDrafter:
         self._since: float | None = None  # when the latest chunk (or the first draft) was observed
         self.chunks = 0
         self.choices: list[tuple[str, int]] = [(self.current, 0)]
+        #: an earlier generation's AutoDrafter to start from (``start_from``)
+        self.prior: AutoDrafter | None = None
 
+    def start_from(self, previous: AutoDrafter) -> None:
+        """Begin where ``previous`` (an earlier generation's, over the same candidates) left off,
+        if both decode greedily: its figures, at half weight (a new text may differ), choose
+        the first candidate, and the first round of trials is skipped; the others are tried
+        again when the choice has run its course, as always. Sampled generations start afresh
+        (their choices must depend on their own text and seed alone: a seed fixes the output)."""
+        if previous.candidates.keys() == self.candidates.keys() and previous.greedy and previous.chunks:
+            self.prior = previous
     @property
     def chosen(self) -> str:
         """The candidate drafting now."""
@@ -176,10 +191,19 @@ class AutoDrafter:
     def _begin(self, *, greedy: bool) -> None:
         if self.greedy is None:
             self.greedy = greedy
-            if not greedy and self.candidates[self.current] is None:  # plain's figure is known
+            if greedy and self.prior is not None:
+                self._seed(self.prior)
+            elif not greedy and self.candidates[self.current] is None:  # plain's figure is known
                 self._decide()
         if self._since is None:
             self._since = time.perf_counter()
+
+    def _seed(self, prior: AutoDrafter) -> None:
+        for name, st in prior.stats.items():
+            self.stats[name] = CandidateStats(-(-st.chunks // 2), st.tokens / 2, st.seconds / 2)
+        self._trial = len(self._order)  # as if every candidate had been tried
+        best = self.best()
+        self._switch(best, self.exploit_chunks if self.candidates[best] is not None else self.exploit_chunks // 4)
 
     def _switch(self, name: str, chunks: int) -> None:
         if name != self.current:

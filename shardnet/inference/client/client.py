@@ -29,6 +29,7 @@ import trio
 from shardnet.errors import HeldError, ShardnetError
 from shardnet.inference.client.activity import ClientActivity
 from shardnet.inference.client.audit import DEFAULT_AUDIT_RATE, RunAuditor
+from shardnet.inference.client.auto_drafter import AutoDrafter
 from shardnet.inference.claims_view import ClaimsView
 from shardnet.inference.client.decode import GenerationStats, Token, generate_on
 from shardnet.inference.client.healing import Heal, HealingSession
@@ -84,6 +85,9 @@ class Client:
         #: what a run receipt needs of the last ``generate`` (see run_receipt.last_run)
         self._last_run: dict | None = None
         self.last_stats: GenerationStats | None = None
+        #: per set of candidates, the last greedy generation's AutoDrafter: the next one over the
+        #: same candidates starts from its figures
+        self._auto_priors: dict[tuple[str, ...], AutoDrafter] = {}
         #: the swarm's claims for this model, shared by every request and client of this node
         #: (kept fresh in the background from now on, unless this client has a fixed route)
         view = ClaimsView.of(node, model.model_id, services.probes, num_layers=model.ckpt.num_layers)
@@ -130,6 +134,8 @@ class Client:
         in flight, drafting ahead on the assumption that earlier chunks are fully accepted; a
         rejection starts a new epoch and the stale chunks are discarded (and dropped by the peers
         that see the newer epoch first). A seed fixes the output whatever the depth and timing.
+        An ``AutoDrafter`` of a greedy generation starts from the figures of this client's last
+        greedy generation over the same candidates (``AutoDrafter.start_from``).
         ``tree`` (default): greedy decoding one chunk at a time verifies trees of drafts where the
         drafter makes them (a draft model: its chain and its second choices) and every peer of
         the chain takes them (``decode.generate_on``); False: chains only.
@@ -150,6 +156,8 @@ class Client:
         route = await self._route(route, stats, progress)
         if drafter is None:
             k, depth = 0, 1
+        elif isinstance(drafter, AutoDrafter) and tuple(drafter.candidates) in self._auto_priors and not drafter.chunks:
+            drafter.start_from(self._auto_priors[tuple(drafter.candidates)])  # (greedy only: see start_from)
         # drafts may run past the end
         request = self.request if prefix is ... else dataclasses.replace(self.request, prefix=_checked_prefix(prefix))
         # (a tree holds the drafts' chain and as many branches)
@@ -173,6 +181,8 @@ class Client:
                 activity.token(made=tok.id is not None, retracted=tok.retracted)
                 heals.tell()
                 yield tok
+        if isinstance(drafter, AutoDrafter) and drafter.greedy and drafter.chunks:
+            self._auto_priors[tuple(drafter.candidates)] = drafter
 
     def _checked_prompt(self, prompt: str | list[int], k: int, depth: int) -> list[int]:
         """The prompt's token ids, once the speculation settings are checked too."""

@@ -192,3 +192,34 @@ def test_trees_are_drafted_only_while_a_drafter_of_trees_is_chosen():
     assert auto.greedy is True  # a tree is a greedy proposal
     auto.current = "suffix"
     assert not auto.drafts_trees
+
+
+def test_a_greedy_generation_starts_from_the_last_ones_figures(monkeypatch):
+    """A client's next greedy AutoDrafter begins with the candidate the last one found best (its
+    figures at half weight) and skips the first round of trials; a sampled one, or one over
+    other candidates, starts afresh."""
+    now = [0.0]
+    monkeypatch.setattr(ad.time, "perf_counter", lambda: now[0])
+    cost = {"draft": 0.010, "suffix": 0.010, "plain": 0.010}
+
+    def clock(name):
+        now[0] += cost[name]
+
+    def auto():
+        return AutoDrafter({"draft": Fixed(5), "suffix": Fixed(6), "plain": None}, probe_chunks=3, exploit_chunks=12)
+
+    first = auto()
+    run(first, {"draft": 4, "suffix": 2, "plain": 1}, 9, clock, greedy=True)  # the trials: draft yields most
+    nxt = auto()
+    nxt.start_from(first)
+    used = run(nxt, {"draft": 4, "suffix": 2, "plain": 1}, 12, clock, greedy=True)
+    assert used == ["draft"] * 12  # no trial of the others first; they are tried when its turn ends:
+    assert nxt.choices == [("draft", 0), ("suffix", 12)]
+    assert nxt.stats["draft"].chunks == 2 + 12 and nxt.stats["suffix"].tokens == 3  # half of 3 chunks' 6
+    sampled = auto()
+    sampled.start_from(first)
+    assert run(sampled, {"draft": 4, "suffix": 2, "plain": 1}, 3)[:3] == ["draft"] * 3  # its own trials
+    assert sampled.stats["suffix"].chunks == 0
+    other = AutoDrafter({"suffix": Fixed(6), "plain": None})
+    other.start_from(first)
+    assert other.prior is None
