@@ -25,9 +25,9 @@ and ``s`` (16-byte session ID), plus per type:
             e (optional, default 0): speculation epoch. Step numbers only increase but may skip:
             a peer drops a chunk when a step of a newer epoch is already queued behind it;
             tree (optional; only to a chain whose ready said tree): the step's tokens are a tree
-            of drafts: tree[i] is token i's parent among them (-1: the cached text; parents come
-            first); token i sits at position pos + its depth and attends to the cache and its
-            ancestors; the cache holds the whole tree (in the given order) after the step, and
+            of drafts (at most MAX_TREE_TOKENS, 256): tree[i] is token i's parent among them (-1:
+            the cached text; parents come first); token i sits at position pos + its depth and
+            attends to the cache and its ancestors; the cache holds the whole tree (in the given order) after the step, and
             the next step starts at most one past the tree's first token unless it keeps a path;
             keep (optional): before this step, the cached positions keep[0] < keep[1] < ... are
             moved to keep[0], keep[0] + 1, ... and the cache is cut after them (the accepted path
@@ -75,6 +75,9 @@ SESSION_ID_BYTES = 16
 #: the longest prefix reuse scope an open may name
 MAX_PREFIX_SCOPE = 64
 DEFAULT_MAX_FRAME = 256 << 20
+#: the most tokens a tree step may carry (it runs whole, in a pass of its own, with a mask of
+#: its own: a prompt-sized tree would cost a peer what no step is let cost it)
+MAX_TREE_TOKENS = 256
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Compressed hidden states: int8 values with one float32 scale per position (the last axis is the
@@ -500,6 +503,9 @@ def _v_tree(tree: Any, shape: list[int]) -> None:
     tokens = shape[1] if len(shape) >= 2 else -1
     if not _ints(tree) or len(tree) != tokens:
         raise ActivationProtocolError(ErrorCode.MALFORMED, f"step.tree must be {tokens} parent indices, one per token")
+    if tokens > MAX_TREE_TOKENS:
+        raise ActivationProtocolError(ErrorCode.TOO_LARGE, f"a tree step carries at most {MAX_TREE_TOKENS} tokens, "
+                                      f"this one {tokens}")
     bad = next((i for i, p in enumerate(tree) if not -1 <= p < i), None)
     if bad is not None:
         raise ActivationProtocolError(ErrorCode.MALFORMED, f"step.tree: token {bad}'s parent {tree[bad]} is not "

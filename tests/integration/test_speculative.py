@@ -89,6 +89,31 @@ async def test_tree_speculation_greedy_equals_plain_greedy(loopback_config, refe
         assert spec.branched > 0  # and some traversal kept a branch's token (the peers kept that path)
 
 
+async def test_a_trees_logprobs_are_plain_decodings_and_penalties_keep_chains(loopback_config):
+    """With trees, each token's log-probability comes from the row it was chosen at (a branch's
+    parent's, not the chain's row at that depth): as plain decoding reports them. With a
+    frequency penalty (which counts the tokens before each position) chains are sent instead.
+    In float32, where the two computations agree to ~1e-5."""
+    path = default_model_path()
+    async with local_chain(loopback_config, path, [(0, 4), (4, 8)], dtype="float32") as node:
+        model = LocalModel(path, dtype="float32")
+        client = Client(node, model, audit_rate=0)
+        draft = drafter_of_kind("model", model)
+        plain = [t async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False, logprobs=2)]
+        tree = [t async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False, logprobs=2,
+                                                 drafter=draft, k=6)]
+        spec = client.last_stats.speculation
+        assert spec.trees > 0 and spec.branched > 0
+        assert [t.id for t in tree] == [t.id for t in plain]
+        for a, b in zip(tree, plain):
+            assert abs(a.logprob - b.logprob) < 1e-4 and [x for x, _ in a.top_logprobs] == [x for x, _ in b.top_logprobs]
+        penalised = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
+                                                         frequency_penalty=0.5, drafter=draft, k=6)]
+        assert client.last_stats.speculation.trees == 0
+        assert penalised == [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
+                                                                 frequency_penalty=0.5)]
+
+
 # -- lossless sampling -----------------------------------------------------------------------------
 def chi2_homogeneity(a: dict, b: dict) -> tuple[float, int]:
     """Two-sample chi-square statistic over the union of outcomes (rare ones pooled), and its

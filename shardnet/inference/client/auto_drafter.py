@@ -139,12 +139,19 @@ class AutoDrafter:
 
     @property
     def drafts_trees(self) -> bool:
-        """Whether the candidate drafting now drafts trees (``propose_tree``: a draft model)."""
+        """Whether the candidate that drafts next drafts trees (``propose_tree``: a draft model).
+        Asked by greedy decoding only, before it drafts: the first ask settles the mode (and may
+        choose a candidate from an earlier generation's figures)."""
+        self._begin(greedy=True)
         return getattr(self.drafter, "drafts_trees", False)
 
     def propose_tree(self, ids: list[int], k: int) -> tuple[list[int], list[int]]:
         self._begin(greedy=True)
-        return self.drafter.propose_tree(ids, k)
+        d = self.drafter
+        if getattr(d, "drafts_trees", False):
+            return d.propose_tree(ids, k)
+        chain = [] if d is None else d.propose(ids, k)  # (a candidate of chains: a chain, as a tree)
+        return chain, list(range(-1, len(chain) - 1))
 
     def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
                vocab_size: int) -> tuple[list[int], torch.Tensor]:

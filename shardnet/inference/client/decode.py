@@ -29,7 +29,7 @@ from shardnet.inference.client.speculative import (
     accept_greedy_tree,
     accept_sampled,
 )
-from shardnet.protocols.activation import ErrorCode
+from shardnet.protocols.activation import MAX_TREE_TOKENS, ErrorCode
 from shardnet.protocols.block_claim import Claim
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
         await pipe.draft_and_send()
         chunk, logits = await pipe.receive()
         todo = pipe.accept(chunk, logits)
-        rows = list(logits[:len(todo)])  # an accepted token was chosen (or matched) at its own row
+        rows = [logits[i] for i in pipe.rows[:len(todo)]]  # the rows the accepted tokens were chosen at
 
 
 class _Steps:
@@ -280,10 +280,13 @@ class _Pipeline:
                  tree: bool = False) -> None:
         self.steps, self.prompt, self.params, self.rng = steps, prompt, params, rng
         self.drafter, self.k, self.depth, self.max_new, self.stats = drafter, k, depth, max_new, stats
-        #: trees of drafts where they can be verified (see generate_on)
-        self.tree = tree and params.greedy and depth == 1
+        #: trees of drafts where they can be verified (see generate_on; not with penalties, which
+        #: count the tokens before each position: a branch's row would need its own path's)
+        self.tree = tree and params.greedy and depth == 1 and not (params.frequency_penalty or params.presence_penalty)
         #: the cached positions of the last tree's accepted path, for the next step to keep
         self.keep: list[int] | None = None
+        #: the logits rows the last accepted tokens were chosen at (a chain's: 0, 1, ...)
+        self.rows: list[int] = []
         self.vocab = steps.model.ckpt.config.vocab_size
         self.spec = list(prompt)
         self.inflight: deque[_Chunk] = deque()  # of the current epoch, oldest first
@@ -335,7 +338,8 @@ class _Pipeline:
         """One chunk: the last text token as the root of a tree of drafts."""
         spec = self.spec
         t_draft = time.perf_counter()
-        drafts, parents = self.drafter.propose_tree(spec, min(self.k, self.max_new - (len(spec) - len(self.prompt))))
+        k = min(self.k, self.max_new - (len(spec) - len(self.prompt)), (MAX_TREE_TOKENS - 1) // 2)
+        drafts, parents = self.drafter.propose_tree(spec, k)
         self.stats.draft_s += time.perf_counter() - t_draft
         feed = [spec[-1]] + drafts
         keep, self.keep = self.keep, None
@@ -371,14 +375,17 @@ class _Pipeline:
         if chunk.parents is not None:  # a tree: its accepted path, kept by the next step
             path, bonus = accept_greedy_tree(chunk.drafts, chunk.parents, logits.argmax(-1).tolist())
             kept = [chunk.drafts[i] for i in path] + [bonus]
+            self.rows = [0] + [1 + i for i in path]  # each kept token was chosen at its parent's row
             self.stats.branched += path != list(range(len(path)))
             root = chunk.start - 1  # (no path: the next step starts right after the root, no keep needed)
             self.keep = [root] + [root + 1 + i for i in path] if path else None
         elif params.greedy:
             kept = accept_greedy(chunk.drafts, logits.argmax(-1).tolist())
+            self.rows = list(range(len(kept)))
         else:
             p = torch.stack([probabilities(row, params) for row in logits])
             kept = accept_sampled(chunk.drafts, chunk.q, p, self.rng, chunk.start)
+            self.rows = list(range(len(kept)))
         stats = self.stats
         stats.verified += 1
         stats.drafted += len(chunk.drafts)
@@ -405,7 +412,9 @@ class _Pipeline:
         return todo
 
     def new_epoch(self, *, stale_below: int | None = None) -> None:
-        """Forget every chunk in flight; their results, if they come, are stale."""
+        """Forget every chunk in flight; their results, if they come, are stale (and a tree's
+        path not kept yet: the caller re-sends the text, as after a correction)."""
+        self.keep = None
         self.epoch += 1
         if stale_below is not None:
             self.stale_below = stale_below

@@ -221,6 +221,7 @@ class HealingSession:
         self._unanswered.clear()
         self._outer_of.clear()
         self.length = 0
+        self._open_tree = None
         plan = plan_heal(old_route, peers)
         await self.open(await self.request.planner.find_route(avoid=plan.avoid, keep=plan.keep))
         heal = Heal(list(peers), plan.replace, "audit", 0, 0,
@@ -319,13 +320,13 @@ class HealingSession:
             # is dropped), not as the sequence the history holds there
             upto = tree.pos
             again.insert(0, replace(tree, n=None))
-        if any(s.tree is not None or s.keep is not None for s in again) and not self.trees:
+        # a path kept from a tree below ``upto`` is in the history already; one above it is not
+        keeps = [s.keep if s.keep is not None and s.keep[0] >= upto else None for s in again]
+        if any(s.tree is not None or keep is not None for s, keep in zip(again, keeps)) and not self.trees:
             raise InferenceError(ErrorCode.UNEXPECTED, "the healed chain does not take tree steps")
         if upto > 0:
             self._outer_of[await self.inner.send(self._history[:, :upto], pos=0, epoch=epoch)] = None
-        for s in again:
-            # a path kept from a tree below ``upto`` is in the history already; one above it is not
-            keep = s.keep if s.keep is not None and s.keep[0] >= upto else None
+        for s, keep in zip(again, keeps):
             self._outer_of[await self.inner.send(s.hidden, pos=s.pos, logits_for=s.logits_for,
                                                  epoch=s.epoch, tree=s.tree, keep=keep)] = s.n
         return upto

@@ -223,3 +223,11 @@ def test_a_greedy_generation_starts_from_the_last_ones_figures(monkeypatch):
     other = AutoDrafter({"suffix": Fixed(6), "plain": None})
     other.start_from(first)
     assert other.prior is None
+
+
+def test_a_tree_asked_of_a_candidate_without_trees_is_its_chain_or_nothing():
+    auto = AutoDrafter({"suffix": Fixed(7), ad.PLAIN: None})
+    assert not auto.drafts_trees and auto.greedy is True  # asking settles the mode
+    assert auto.propose_tree([1, 2], 3) == ([7, 7, 7], [-1, 0, 1])
+    auto.current = ad.PLAIN
+    assert auto.propose_tree([1, 2], 3) == ([], [])

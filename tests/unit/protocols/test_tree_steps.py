@@ -101,3 +101,12 @@ def test_the_client_sends_trees_only_to_a_chain_that_takes_them():
         c.step(dtype="float32", shape=[1, 1, HIDDEN], payload=bytes(32), keep=[0, 3])
     kept = c.step(dtype="float32", shape=[1, 1, HIDDEN], payload=bytes(32), keep=[0, 2])
     assert (kept.pos, kept.keep) == (2, (0, 2))
+
+
+def test_a_tree_larger_than_the_bound_is_refused():
+    n = ap.MAX_TREE_TOKENS + 1
+    header = {"v": 1, "t": "step", "s": SESSION, "n": 0, "pos": 0, "dtype": "float32", "shape": [1, n, 1],
+              "tree": [-1] * n}
+    with pytest.raises(ap.ActivationProtocolError) as e:
+        ap.decode_frame(activation_frame(header, bytes(4 * n), prefixed=False))
+    assert e.value.code == "too_large" and f"at most {ap.MAX_TREE_TOKENS}" in str(e.value)
