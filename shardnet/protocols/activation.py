@@ -351,6 +351,20 @@ Message = Open | Ready | Attach | Step | Result | Close | Error
 TensorMessage = Step | Result
 
 
+def step_start(length: int, pos: int | None, keep: list[int] | tuple[int, ...] | None) -> int:
+    """Where a sender's next step starts, checked: ``pos``, or by default right after what the
+    cache holds once ``keep`` is applied (``length``: positions sent so far). ValueError when
+    ``keep`` reaches past what was sent or ``pos`` past what the cache would hold."""
+    if keep:
+        if keep[-1] >= length:
+            raise ValueError(f"position {keep[-1]} to keep is past the {length} sent")
+        length = keep[0] + len(keep)
+    pos = length if pos is None else pos
+    if not 0 <= pos <= length:
+        raise ValueError(f"position {pos} is outside 0..{length}")
+    return pos
+
+
 def new_session_id() -> bytes:
     return os.urandom(SESSION_ID_BYTES)
 

@@ -37,6 +37,7 @@ from .activation import (
     Result,
     Step,
     StepCursor,
+    step_start,
 )
 
 
@@ -300,14 +301,7 @@ class ClientSession:
         self._expect("ready")
         if (tree is not None or keep is not None) and not self.trees:
             raise ValueError("this chain does not take tree steps (a hop's ready did not say tree)")
-        length = self.length
-        if keep:
-            if keep[-1] >= self.length:
-                raise ValueError(f"position {keep[-1]} to keep is past the {self.length} sent")
-            length = keep[0] + len(keep)
-        pos = length if pos is None else pos
-        if not 0 <= pos <= length:
-            raise ValueError(f"position {pos} is outside 0..{length}")
+        pos = step_start(self.length, pos, keep)
         return Step(self.session, n=self.step_no, pos=pos, dtype=dtype, shape=shape, payload=payload,
                     logits_for=logits_for, epoch=epoch, tree=tree, keep=keep or None)
 

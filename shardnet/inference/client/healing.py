@@ -37,7 +37,7 @@ from shardnet.inference.client.heal_plan import plan_heal
 from shardnet.inference.client.request import RequestContext
 from shardnet.inference.client.session import open_session
 from shardnet.inference.client.timing import NAMED_ERROR_WAIT, PROBE_TIMEOUT
-from shardnet.protocols.activation import ErrorCode
+from shardnet.protocols.activation import ErrorCode, step_start
 from shardnet.protocols.block_claim import Claim
 from shardnet.transport.errors import ShardnetError
 
@@ -147,14 +147,7 @@ class HealingSession:
 
     async def send(self, hidden: torch.Tensor, *, pos: int | None = None, logits_for: int = 1,
                    epoch: int = 0, tree: list[int] | None = None, keep: list[int] | None = None) -> int:
-        length = self.length
-        if keep:
-            if keep[-1] >= self.length:
-                raise ValueError(f"position {keep[-1]} to keep is past the {self.length} sent")
-            length = keep[0] + len(keep)
-        pos = length if pos is None else pos
-        if not 0 <= pos <= length:
-            raise ValueError(f"position {pos} is outside 0..{length}")
+        pos = step_start(self.length, pos, keep)
         if pos + hidden.shape[1] > self.max_len:
             raise ValueError(f"{pos + hidden.shape[1]} positions exceed the session's max_len {self.max_len}")
         if self._history is None:
