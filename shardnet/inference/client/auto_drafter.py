@@ -110,6 +110,7 @@ class AutoDrafter:
         (their choices must depend on their own text and seed alone: a seed fixes the output)."""
         if previous.candidates.keys() == self.candidates.keys() and previous.greedy and previous.chunks:
             self.prior = previous
+
     @property
     def chosen(self) -> str:
         """The candidate drafting now."""
