@@ -48,7 +48,7 @@ from shardnet.inference.model.layout import split_layers  # noqa: E402
 from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter, SpeculationStats  # noqa: E402
 from shardnet.inference.client.suffix_drafter import SuffixDrafter  # noqa: E402
 from shardnet.inference.client.auto_drafter import PLAIN, AutoDrafter  # noqa: E402
-from shardnet.inference.client.throughput import ceiling  # noqa: E402
+from shardnet.inference.client.throughput import ceiling, tree_tokens  # noqa: E402
 from shardnet.testing.localswarm import ShardnetProcess, free_port, stop_processes  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
@@ -67,7 +67,7 @@ PROMPTS = [
 ]
 #: the SpeculationStats fields that add up over runs
 SUMMED = ("chunks", "verified", "stale", "carried", "drafted", "accepted", "tokens", "draft_s", "wait_s",
-          "round_trip_s")
+          "round_trip_s", "trees", "branched", "chain_tried", "chain_kept", "branch_tried", "branch_kept")
 
 
 @dataclass
@@ -247,6 +247,13 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
     plain_ids = dict(modes[0].ids)
     same = all(ids == plain_ids[i] for m in modes for i, ids in m.ids)
     print(f"greedy output identical in every mode and run: {same}")
+    for m in modes:
+        total = m.summed()
+        if total.trees:  # the tree law (throughput.tree_tokens) over the trees' measured alpha and beta
+            alpha, beta = total.tree_rates
+            print(f"{m.name}: {total.trees} trees, alpha {alpha:.2f}, beta {beta:.2f}: the tree law predicts "
+                  f"{tree_tokens(alpha, beta, m.k, m.k):.2f} tokens per traversal (measured over trees and "
+                  f"other chunks: {total.tokens_per_traversal:.2f}); {total.branched} kept a branch")
     print("ceiling: shardnet/inference/client/throughput.py over each mode's own acceptance outcomes, with the WAN")
     print("delays above plus compute measured in this process per chunk: " + ", ".join(
         f"{n} position{'s' if n > 1 else ''} {c[0] * 1e3:.1f} ms chain + {c[1] * 1e3:.1f} ms client"

@@ -73,6 +73,7 @@ MULTI_PROCESS = {
                        "pipelined, draft model, k=2, depth 2",
                        "pipelined, n-gram, k=2, depth 2", "pipelined, suffix, k=2, depth 2")),
         r"^greedy output identical in every mode and run: True$",
+        rf"^speculative, draft tree, k=2\+2: \d+ trees, alpha {NUM}, beta {NUM}: the tree law predicts {NUM} tokens",
         r"^delays above plus compute measured in this process per chunk: 1 position "]),
     "pipeline_decode.py": (["--quick"], [
         r"^model tiny-llama: 8 layers over 2 peers", rf"^decode \(tok/s\) +{NUM} +{NUM} +{NUM}",

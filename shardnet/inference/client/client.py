@@ -158,11 +158,10 @@ class Client:
             k, depth = 0, 1
         elif isinstance(drafter, AutoDrafter) and tuple(drafter.candidates) in self._auto_priors and not drafter.chunks:
             drafter.start_from(self._auto_priors[tuple(drafter.candidates)])  # (greedy only: see start_from)
-        # drafts may run past the end
         request = self.request if prefix is ... else dataclasses.replace(self.request, prefix=_checked_prefix(prefix))
-        # (a tree holds the drafts' chain and as many branches)
-        sess = HealingSession(request, len(ids) + max_new_tokens + (k + 1) * depth * (2 if tree else 1),
-                              max_heals=self.max_heals,
+        # drafts may run past the end (a tree's: its chain and as many branches beside it)
+        room = (k + 1) * depth + (k if tree and depth == 1 else 0)
+        sess = HealingSession(request, len(ids) + max_new_tokens + room, max_heals=self.max_heals,
                               progress=progress, heals=stats.heals)
         activity = self.services.activity
         stats.speculation.on_round_trip = _RoundTrips(activity, self.planner, stats, sess, depth)

@@ -377,6 +377,7 @@ class _Pipeline:
             kept = [chunk.drafts[i] for i in path] + [bonus]
             self.rows = [0] + [1 + i for i in path]  # each kept token was chosen at its parent's row
             self.stats.branched += path != list(range(len(path)))
+            _count_tree(self.stats, chunk.parents, path)
             root = chunk.start - 1  # (no path: the next step starts right after the root, no keep needed)
             self.keep = [root] + [root + 1 + i for i in path] if path else None
         elif params.greedy:
@@ -419,6 +420,23 @@ class _Pipeline:
         if stale_below is not None:
             self.stale_below = stale_below
         self.inflight.clear()
+
+
+def _count_tree(stats: SpeculationStats, parents: list[int], path: list[int]) -> None:
+    """What a verified tree says of its drafter's alpha and beta (``throughput.tree_tokens``): its
+    chain is the run of drafts each the child of the one before, from the first; a branch is a
+    draft beside one of the chain's (the same parent)."""
+    chain = 0
+    while chain < len(parents) and parents[chain] == chain - 1:
+        chain += 1
+    on_chain = 0
+    while on_chain < len(path) and on_chain < chain and path[on_chain] == on_chain:
+        on_chain += 1
+    stats.chain_tried += min(on_chain + 1, chain)
+    stats.chain_kept += on_chain
+    if on_chain < chain and any(parents[i] == on_chain - 1 for i in range(chain, len(parents))):
+        stats.branch_tried += 1
+        stats.branch_kept += len(path) > on_chain
 
 
 async def _correct_without(convicted: list[str], sess: InferenceSession, steps: _Steps, pipe: _Pipeline,

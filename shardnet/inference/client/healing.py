@@ -104,6 +104,7 @@ class HealingSession:
         self._outer_of: dict[int, int | None] = {}  # inner step -> our step (None: a replay)
         self._next = 0
         self._answered_any = False
+        self._epoch = 0  # the newest speculation epoch sent
         #: the last tree step while the caches still hold its whole tree (no step kept its path
         #: or rolled back past it yet): a replay sends it again, since what follows counts on it
         self._open_tree: _Sent | None = None
@@ -157,6 +158,7 @@ class HealingSession:
         self._history[:, pos:pos + hidden.shape[1]] = hidden
         self.length = pos + hidden.shape[1]
         sent = _Sent(self._next, pos, hidden, logits_for, epoch, tree, keep or None)
+        self._epoch = max(self._epoch, epoch)
         if self._open_tree is not None and (keep or pos <= self._open_tree.pos + 1):
             self._open_tree = None
         if tree is not None:
@@ -189,7 +191,10 @@ class HealingSession:
                 self._unanswered.popleft()  # skipped by the peers (a stale speculative chunk)
             if self._unanswered and self._unanswered[0].n == n:
                 sent = self._unanswered.popleft()
-                if self.auditor is not None:
+                # (a chunk of an older epoch was discarded: the history below it may since have
+                # been overwritten by the newer epoch's steps, so a re-run of it from the history
+                # would disagree with an honest chain)
+                if self.auditor is not None and sent.epoch == self._epoch:
                     self.auditor.observe(self._audit_job(sent, out))
             self._answered_any = True
             return n, out

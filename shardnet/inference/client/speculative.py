@@ -202,6 +202,12 @@ class SpeculationStats:
     tokens: int = 0  # tokens the verified chunks yielded
     trees: int = 0  # chunks sent as trees of drafts
     branched: int = 0  # trees whose accepted path left the draft's chain for one of its branches
+    #: in the trees: drafts of the chain verified (reached) and accepted; second choices verified
+    #: where the chain's draft beside them was rejected, and accepted (throughput.tree_tokens)
+    chain_tried: int = 0
+    chain_kept: int = 0
+    branch_tried: int = 0
+    branch_kept: int = 0
     draft_s: float = 0.0  # time spent drafting
     wait_s: float = 0.0  # time spent waiting for results
     round_trip_s: float = 0.0  # summed send-to-result time of verified chunks
@@ -212,6 +218,13 @@ class SpeculationStats:
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tree_rates(self) -> tuple[float, float]:
+        """The trees' alpha (a chain draft accepted once reached) and beta (a second choice right
+        where the chain's draft beside it was wrong), as measured; 0 where nothing was tried."""
+        return (self.chain_kept / self.chain_tried if self.chain_tried else 0.0,
+                self.branch_kept / self.branch_tried if self.branch_tried else 0.0)
 
     @property
     def cycles(self) -> int:

@@ -29,6 +29,31 @@ def expected_rate(alpha: float, k: int, depth: int, ring: float, draft: float, s
     return tokens / (turn + carried * max(service, turn / depth))
 
 
+def tree_tokens(alpha: float, beta: float, k: int, branches: int) -> float:
+    """Expected tokens per traversal of a tree of drafts: a chain of ``k`` drafts, each accepted
+    with probability ``alpha`` once its parent was, and beside the first ``branches`` of them a
+    second choice, right with probability ``beta`` where the chain's draft at that depth is
+    rejected. The chain's (1 - alpha^(k+1)) / (1 - alpha), plus one token for each depth d
+    < branches reached and rejected (alpha^d (1 - alpha)) whose branch is right."""
+    chain = float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return chain + beta * sum(alpha**d * (1 - alpha) for d in range(min(branches, k)))
+
+
+def best_tree(alpha: float, beta: float, latency: float, per_position: float, draft_per_token: float, *,
+              max_k: int = 12) -> tuple[int, int, float]:
+    """The (k, branches) of one chunk at a time that ranks first when a traversal of n positions
+    costs ``latency + n * per_position`` plus drafting ``k * draft_per_token`` (branches cost the
+    draft nothing: ``ModelDrafter.propose_tree``), and that rate in tokens per second."""
+    best = (0, 0, 1.0 / (latency + per_position))
+    for k in range(1, max_k + 1):
+        for branches in range(k + 1):
+            t = latency + (1 + k + branches) * per_position + k * draft_per_token
+            rate = tree_tokens(alpha, beta, k, branches) / t
+            if rate > best[2] * 1.001:  # prefer the smaller tree on a near-tie
+                best = (k, branches, rate)
+    return best
+
+
 def ceiling(stats: SpeculationStats, depth: int, ring: float, draft: float, service: float) -> float:
     """The rate a run with these acceptance outcomes would reach with no overhead beyond the
     ring, drafting and the service time: every cycle (a chunk that ended a run of accepted

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from shardnet.inference.client.speculative import SpeculationStats
-from shardnet.inference.client.throughput import best_plan, ceiling, expected_rate
+from shardnet.inference.client.throughput import best_plan, best_tree, ceiling, expected_rate, tree_tokens
 
 RING, DRAFT, SERVICE = 0.1, 0.006, 0.01
 
@@ -63,3 +63,55 @@ def test_best_plan_pipelines_only_when_whole_chunks_are_likely():
     assert depth > 1 and k >= 4 and rate > 5 * expected_rate(0.95, 0, 1, RING, 0, 0)
     k, depth, _ = best_plan(0.0, RING, 0.001, 0.002)
     assert (k, depth) == (0, 1)  # drafts that are never accepted only cost time
+
+
+@pytest.mark.parametrize("alpha,beta,k,branches", [(0.75, 0.8, 6, 6), (0.5, 0.3, 4, 2), (0.9, 0.5, 8, 0)])
+def test_the_tree_law_matches_a_simulation_of_accept_greedy_tree(alpha, beta, k, branches):
+    """Trees of a chain and second choices beside it, drawn at random and accepted by the
+    decode loop's own rule (speculative.accept_greedy_tree); counted by its own bookkeeping
+    (decode._count_tree), which must find alpha and beta again."""
+    from shardnet.inference.client.decode import _count_tree
+    from shardnet.inference.client.speculative import accept_greedy_tree
+
+    rng = random.Random(2)
+    parents = list(range(-1, k - 1)) + [d - 1 for d in range(branches)]
+    tokens_in_tree = list(range(k)) + [100 + d for d in range(branches)]
+    stats, total, n = SpeculationStats(), 0, 40_000
+    for _ in range(n):
+        target = []  # the target's token after the root and after each chain draft
+        for d in range(k + 1):
+            if d < k and rng.random() < alpha:
+                target.append(d)  # agrees with the chain's draft at depth d
+            else:
+                right = d < branches and rng.random() < beta
+                target.append(100 + d if right else -1)
+                break
+        path, _ = accept_greedy_tree(tokens_in_tree, parents, _targets(tokens_in_tree, parents, target))
+        total += len(path) + 1
+        _count_tree(stats, parents, path)
+    assert total / n == pytest.approx(tree_tokens(alpha, beta, k, branches), rel=0.02)
+    a, b = stats.tree_rates
+    assert a == pytest.approx(alpha, abs=0.01)
+    if branches:
+        assert b == pytest.approx(beta, abs=0.02)
+
+
+def _targets(tokens: list[int], parents: list[int], target: list[int]) -> list[int]:
+    """``accept_greedy_tree``'s target_tokens: the target's choice after the root, then after
+    each draft (what the target picks after the text up to it: known on the chain, else never
+    matched)."""
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    on_chain = [i == d for i, d in enumerate(depth)]  # (the chain is drafts 0..k-1, at depths 0..k-1)
+    return [target[0]] + [target[d + 1] if on_chain[i] and d + 1 < len(target) else -3
+                          for i, d in enumerate(depth)]
+
+
+def test_best_tree_takes_branches_where_latency_dominates():
+    k, branches, _ = best_tree(0.75, 0.8, latency=0.044, per_position=0.0002, draft_per_token=0.001)
+    assert branches == k and k >= 6  # a WAN traversal: positions are cheap next to the trip
+    k, branches, _ = best_tree(0.75, 0.1, latency=0.044, per_position=0.0002, draft_per_token=0.001)
+    assert 0 < branches < k  # second choices seldom right: only the likeliest are worth a position
+    assert best_tree(0.75, 0.8, latency=0.0005, per_position=0.003, draft_per_token=0.001)[:2] == (0, 0)
+    # (compute-bound, a position costing six trips: plain decoding)
