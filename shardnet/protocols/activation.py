@@ -27,8 +27,9 @@ and ``s`` (16-byte session ID), plus per type:
             tree (optional; only to a chain whose ready said tree): the step's tokens are a tree
             of drafts (at most MAX_TREE_TOKENS, 256): tree[i] is token i's parent among them (-1:
             the cached text; parents come first); token i sits at position pos + its depth and
-            attends to the cache and its ancestors; the cache holds the whole tree (in the given order) after the step, and
-            the next step starts at most one past the tree's first token unless it keeps a path;
+            attends to the cache and its ancestors; the cache holds the whole tree (in the given
+            order) after the step, and the next step starts at most one past the tree's first
+            token unless it keeps a path;
             keep (optional): before this step, the cached positions keep[0] < keep[1] < ... are
             moved to keep[0], keep[0] + 1, ... and the cache is cut after them (the accepted path
             of a tree step; then pos may be up to keep[0] + len(keep)). A step that keeps is

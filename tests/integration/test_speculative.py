@@ -106,7 +106,8 @@ async def test_a_trees_logprobs_are_plain_decodings_and_penalties_keep_chains(lo
         assert spec.trees > 0 and spec.branched > 0
         assert [t.id for t in tree] == [t.id for t in plain]
         for a, b in zip(tree, plain):
-            assert abs(a.logprob - b.logprob) < 1e-4 and [x for x, _ in a.top_logprobs] == [x for x, _ in b.top_logprobs]
+            assert abs(a.logprob - b.logprob) < 1e-4
+            assert [x for x, _ in a.top_logprobs] == [x for x, _ in b.top_logprobs]
         penalised = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
                                                          frequency_penalty=0.5, drafter=draft, k=6)]
         assert client.last_stats.speculation.trees == 0

@@ -165,8 +165,9 @@ class ModelDrafter:
             chain.append(t[0])
             others += [(-sure * q, depth, u) for q, u in zip(p[1:], t[1:], strict=True)]
             sure *= p[0]
-            if depth < k - 1:
-                logits = self.decoder.feed(self._align(ids + chain))
+            if depth < k - 1:  # (as propose: one step on from the aligned cache, no re-alignment)
+                logits = self.decoder.step(torch.tensor(t[0], device=self.decoder.device))
+        self.fed += chain[:-1]
         tokens, parents = list(chain), list(range(-1, k - 1))
         for _, depth, token in sorted(heapq.nsmallest(branches, others), key=lambda o: o[1]):
             tokens.append(token)

@@ -237,7 +237,8 @@ class BlockEndpoint:
                                  f"per second (session_rate_per_peer); try again shortly",
                                  retry_after_s=self._session_rate.retry_after(peer))
 
-    async def _open_next(self, session: BlockSession, rec: StageRecorder | None = None) -> tuple[MessageStream, bool]:
+    async def _open_next(self, session: BlockSession,
+                         rec: StageRecorder | None = None) -> tuple[MessageStream, bool]:
         """Open the next hop with the rest of the chain, or the return stream to the client; and
         whether the rest of the chain takes tree steps (its ready says so; true past the last hop)."""
         target, first = session.downstream()
