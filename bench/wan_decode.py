@@ -11,9 +11,12 @@ peer 1 -> ... -> peer n -> client) crosses n + 1 edges: about 100 ms with 4 peer
 
 Alternating runs (greedy, the same ``PROMPTS``: eight of three kinds, code, prose and chat)
 measure: plain decode; speculative decode with the shipped draft model, the n-gram drafter and
-the suffix drafter (one verify chunk at a time); the draft model's trees (its chain of k and the
-k likeliest of its second choices beside it, ``ModelDrafter.propose_tree``, one chunk at a time); ``--speculate auto``'s choice between the draft
-model, the suffix drafter and plain decoding, and between the last two alone (auto
+the suffix drafter (one verify chunk at a time); the draft model's trees (its chain and the
+likeliest of its second choices beside it, ``ModelDrafter.propose_tree``, one chunk at a time),
+of a fixed shape (k + k) and of a shape chosen per tree from the generation's measured
+acceptance and trips (``throughput.TreeShaper``, up to 12 + 12: its ceiling computed at its
+mean positions per chunk); ``--speculate auto``'s choice between the draft model (its trees'
+shape chosen), the suffix drafter and plain decoding, and between the last two alone (auto
 model-free) (auto_drafter.py: their ceilings are computed as if every chunk had k + 1
 positions); and each drafter with ``--depth`` verify chunks in flight. The figures of a mode
 are over all prompts: tok/s is the median over runs of one prompt each. Per mode: tok/s, the ratio to plain, tokens gained per
@@ -48,7 +51,7 @@ from shardnet.inference.model.layout import split_layers  # noqa: E402
 from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter, SpeculationStats  # noqa: E402
 from shardnet.inference.client.suffix_drafter import SuffixDrafter  # noqa: E402
 from shardnet.inference.client.auto_drafter import PLAIN, AutoDrafter  # noqa: E402
-from shardnet.inference.client.throughput import ceiling, tree_tokens  # noqa: E402
+from shardnet.inference.client.throughput import TREE_MAX_K, ceiling, tree_tokens  # noqa: E402
 from shardnet.testing.localswarm import ShardnetProcess, free_port, stop_processes  # noqa: E402
 from shardnet.models import default_draft_path, default_model_path  # noqa: E402
 from shardnet.transport import NodeConfig, open_node  # noqa: E402
@@ -76,7 +79,10 @@ class Mode:
     drafter: object
     k: int
     depth: int
-    tree: bool = False  # trees of drafts: the draft's chain of k and k branches beside it
+    tree: bool = False  # trees of drafts: the draft's chain and its second choices beside it
+    #: a tree's second choices (with the chain's k: a fixed shape); None: the shape chosen per
+    #: tree by throughput.TreeShaper, up to k in the chain and as many beside
+    branches: int | None = None
     rates: list[float] = field(default_factory=list)
     stats: list[SpeculationStats] = field(default_factory=list)
     #: (prompt index, the tokens generated) per run
@@ -92,8 +98,11 @@ class Mode:
 
     @property
     def positions(self) -> int:
-        """Positions a chunk carries at most: the last token and the drafts."""
-        return 2 * self.k + 1 if self.tree else self.k + 1
+        """Positions a chunk carries at most: the last token and the drafts (a shape chosen per
+        tree: on average, once run)."""
+        if self.tree and self.branches is None and self.total("verified"):
+            return round(1 + self.total("drafted") / self.total("verified"))
+        return self.k + (self.branches or 0) + 1 if self.tree else self.k + 1
 
     @property
     def ring(self) -> float:
@@ -136,10 +145,13 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
             ngram = NGramDrafter()
             modes = [Mode("plain decode", None, 0, 1),
                      Mode(f"speculative, draft model, k={args.k}", draft, args.k, 1),
-                     Mode(f"speculative, draft tree, k={args.k}+{args.k}", draft, args.k, 1, tree=True),
+                     Mode(f"speculative, draft tree, k={args.k}+{args.k}", draft, args.k, 1, tree=True,
+                          branches=args.k),
+                     Mode(f"speculative, draft tree, shape chosen (k<={TREE_MAX_K})", draft, TREE_MAX_K, 1,
+                          tree=True),
                      Mode(f"speculative, n-gram, k={args.ngram_k}", ngram, args.ngram_k, 1),
                      Mode(f"speculative, suffix, k={args.ngram_k}", SuffixDrafter, args.ngram_k, 1),
-                     Mode(f"speculative, auto, k={args.k}", lambda: AutoDrafter(
+                     Mode(f"speculative, auto, k={args.k} (trees: shape chosen)", lambda: AutoDrafter(
                          {"draft": draft, "suffix": SuffixDrafter(), PLAIN: None}), args.k, 1, tree=True),
                      Mode(f"speculative, auto model-free, k={args.ngram_k}", lambda: AutoDrafter(
                          {"suffix": SuffixDrafter(), PLAIN: None}), args.ngram_k, 1),
@@ -165,7 +177,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                 for m in modes:  # warm-up: connections along the ring, lazy initialisation
                     [t async for t in client.generate(prompts[0][1], max_new_tokens=8, stop_at_eos=False,
                                                       drafter=drafter_for(m), k=m.k, depth=m.depth,
-                                                      tree=m.tree)]
+                                                      tree=m.tree, branches=m.branches)]
                 for r in range(args.repeats):
                     for i, (kind, prompt) in enumerate(prompts):
                         progress(f"run {r + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)} ({kind})",
@@ -173,7 +185,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                         for m in modes:
                             m.ids.append((i, [t.id async for t in client.generate(
                                 prompt, max_new_tokens=args.tokens, stop_at_eos=False, drafter=drafter_for(m), k=m.k,
-                                depth=m.depth, tree=m.tree)]))
+                                depth=m.depth, tree=m.tree, branches=m.branches)]))
                             st = client.last_stats
                             m.rates.append(st.tokens_per_s)
                             m.stats.append(st.speculation)
@@ -251,9 +263,11 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
         total = m.summed()
         if total.trees:  # the tree law (throughput.tree_tokens) over the trees' measured alpha and beta
             alpha, beta = total.tree_rates
-            print(f"{m.name}: {total.trees} trees, alpha {alpha:.2f}, beta {beta:.2f}: the tree law predicts "
-                  f"{tree_tokens(alpha, beta, m.k, m.k):.2f} tokens per traversal (measured over trees and "
-                  f"other chunks: {total.tokens_per_traversal:.2f}); {total.branched} kept a branch")
+            law = (f"the tree law predicts {tree_tokens(alpha, beta, m.k, m.branches):.2f} tokens per traversal"
+                   if m.branches is not None else
+                   f"shapes chosen per tree, {total.drafted / total.verified:.1f} drafts per traversal on average")
+            print(f"{m.name}: {total.trees} trees, alpha {alpha:.2f}, beta {beta:.2f}: {law} (measured over trees "
+                  f"and other chunks: {total.tokens_per_traversal:.2f} tokens); {total.branched} kept a branch")
     print("ceiling: shardnet/inference/client/throughput.py over each mode's own acceptance outcomes, with the WAN")
     print("delays above plus compute measured in this process per chunk: " + ", ".join(
         f"{n} position{'s' if n > 1 else ''} {c[0] * 1e3:.1f} ms chain + {c[1] * 1e3:.1f} ms client"

@@ -52,7 +52,9 @@ from .common import (
 @click.option("--draft", "draft_path", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Draft checkpoint for --speculate draft or auto (default: the one the model's card names, "
                    "fetched from the swarm; the shipped tiny-llama-draft for the shipped model).")
-@click.option("-k", "draft_k", default=4, show_default=True, help="Drafted tokens verified per traversal.")
+@click.option("-k", "draft_k", type=int, default=None,
+              help="Drafted tokens verified per traversal (default: 4 in a chain; a tree's shape is chosen per "
+                   "traversal from measured acceptance and trip times, up to 12 in its chain and as many beside).")
 @click.option("--depth", default=1, show_default=True, help="Verify chunks kept in flight by speculation.")
 @click.option("--wire", type=click.Choice(["float32", "float16", "bfloat16", "int8q"]), default=None,
               help="How hidden states travel between peers (default: the model dtype; int8q = int8 + scales).")

@@ -71,21 +71,24 @@ async def test_speculative_greedy_equals_plain_greedy(loopback_config, reference
         assert spec.acceptance > 0.2, spec  # the shipped draft agrees with its target fairly often
 
 
-@pytest.mark.parametrize("k", [2, 6])
+@pytest.mark.parametrize("k", [6, None])
 async def test_tree_speculation_greedy_equals_plain_greedy(loopback_config, reference, k):
     """Trees of drafts (the draft's chain and its second choices) through two peers: the output
-    is plain greedy decoding's, and every traversal verified a tree (a chain and its branches)."""
+    is plain greedy decoding's. A fixed shape (a chain of 6 and 6 branches): every traversal
+    verified a tree, and some kept a branch's token; a shape chosen per tree (the default, by
+    ``TreeShaper`` from the measured acceptance and trips): the first is 4 + 4."""
     path = default_model_path()
     async with local_chain(loopback_config, path, [(0, 4), (4, 8)]) as node:
         model = LocalModel(path)
         client = Client(node, model)
         got = [t.id async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False,
-                                                    drafter=drafter_of_kind("model", model), k=k, tree=True)]
+                                                    drafter=drafter_of_kind("model", model), k=k, tree=True,
+                                                    branches=k)]
     assert got == reference
     spec = client.last_stats.speculation
-    assert spec.verified < NEW
-    assert spec.drafted > k * spec.verified  # branches went along with the chains
-    if k == 6:
+    assert spec.verified < NEW and spec.trees > 0
+    if k is not None:
+        assert spec.drafted > k * spec.verified  # branches went along with the chains
         assert spec.branched > 0  # and some traversal kept a branch's token (the peers kept that path)
 
 
@@ -101,7 +104,7 @@ async def test_a_trees_logprobs_are_plain_decodings_and_penalties_keep_chains(lo
         draft = drafter_of_kind("model", model)
         plain = [t async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False, logprobs=2)]
         tree = [t async for t in client.generate(PROMPT, max_new_tokens=NEW, stop_at_eos=False, logprobs=2,
-                                                 drafter=draft, k=6)]
+                                                 drafter=draft, k=6, branches=6)]
         spec = client.last_stats.speculation
         assert spec.trees > 0 and spec.branched > 0
         assert [t.id for t in tree] == [t.id for t in plain]
@@ -206,7 +209,7 @@ _PLAIN: dict = {}
 @pytest.mark.slow
 @pytest.mark.parametrize("k,depth", [(3, 1), (1, 3)])
 async def test_speculative_sampling_has_the_target_distribution(small_models, k, depth):
-    """Threshold: with N = 3000 seeded samples per side, the two-sample chi-square test on the
+    """Threshold: with N = 2000 seeded samples per side, the two-sample chi-square test on the
     joint distribution of the 3rd and 4th sampled tokens (144 outcomes, rare ones pooled) rejects
     equal distributions at p < 0.001 by chance once in a thousand runs; and the same test must
     reject a deliberately wrong acceptance rule (keep every draft), so it has the power to see
@@ -216,16 +219,16 @@ async def test_speculative_sampling_has_the_target_distribution(small_models, k,
 
     target, draft = small_models
     if "plain" not in _PLAIN:
-        _PLAIN["plain"] = await _sample_locally(target, draft, 3000, speculate=False)
+        _PLAIN["plain"] = await _sample_locally(target, draft, 2000, speculate=False)
     plain = _PLAIN["plain"]
-    spec = await _sample_locally(target, draft, 3000, k=k, depth=depth)
+    spec = await _sample_locally(target, draft, 2000, k=k, depth=depth)
     stat, dof = chi2_homogeneity(plain, spec)
     assert chi2_pvalue(stat, dof) > 1e-3, (stat, dof)
 
     def keep_all(drafts, q, p, rng, start):  # wrong: ignores p entirely
         return drafts + [draw(p[len(drafts)], rng.uniform(start + len(drafts), "target"))]
 
-    broken = await _sample_locally(target, draft, 3000, k=k, depth=depth, accept=keep_all)
+    broken = await _sample_locally(target, draft, 2000, k=k, depth=depth, accept=keep_all)
     stat, dof = chi2_homogeneity(plain, broken)
     assert chi2_pvalue(stat, dof) < 1e-6, (stat, dof)
 
@@ -252,6 +255,21 @@ async def test_speculative_sampling_through_the_chain_is_seeded(loopback_config,
         a, b, c = await run(1), await run(1), await run(2)
     assert a == b and a != c and len(a) == 24
     assert client.last_stats.speculation.verified < 24
+    if depth == 1:  # one chunk at a time: trees of sampled drafts (accept_sampled_tree), seeded as well
+        assert client.last_stats.speculation.trees > 0
+
+
+def test_a_sampled_tree_is_the_sampled_chain_and_second_draws_beside_it(small_models):
+    from shardnet.inference.client.sampling import Randomness, SamplingParams
+
+    target, draft = small_models
+    drafter = ModelDrafter(draft, vocab_size=12)
+    params, ids = SamplingParams(temperature=1.0), [3, 1, 4]
+    chain, q = drafter.sample(ids, 4, params, Randomness(7), 12)
+    drafter.forget()
+    tokens, parents, q_tree = drafter.sample_tree(ids, 4, 2, params, Randomness(7), 12)
+    assert tokens[:4] == chain and parents == [-1, 0, 1, 2, -1, 0]
+    assert torch.equal(q_tree[:4], q) and torch.equal(q_tree[4:], q[:2])  # a branch: its chain draft's distribution
 
 
 # -- activation compression -------------------------------------------------------------------------

@@ -68,12 +68,15 @@ MULTI_PROCESS = {
         r"^mode +tok/s +x plain +tok/trav +accepted +stale +ceiling +reached$",
         *(rf"^{re.escape(mode)} +{NUM} +{NUM}x +{NUM} +(-|\d+%) +\d+% +{NUM} +\d+%$"
           for mode in ("plain decode", "speculative, draft model, k=2", "speculative, draft tree, k=2+2",
-                       "speculative, n-gram, k=2",
-                       "speculative, suffix, k=2", "speculative, auto, k=2", "speculative, auto model-free, k=2",
+                       "speculative, draft tree, shape chosen (k<=12)", "speculative, n-gram, k=2",
+                       "speculative, suffix, k=2", "speculative, auto, k=2 (trees: shape chosen)",
+                       "speculative, auto model-free, k=2",
                        "pipelined, draft model, k=2, depth 2",
                        "pipelined, n-gram, k=2, depth 2", "pipelined, suffix, k=2, depth 2")),
         r"^greedy output identical in every mode and run: True$",
         rf"^speculative, draft tree, k=2\+2: \d+ trees, alpha {NUM}, beta {NUM}: the tree law predicts {NUM} tokens",
+        rf"^speculative, draft tree, shape chosen \(k<=12\): \d+ trees, alpha {NUM}, beta {NUM}: shapes chosen per "
+        rf"tree, {NUM} drafts per traversal on average",
         r"^delays above plus compute measured in this process per chunk: 1 position "]),
     "pipeline_decode.py": (["--quick"], [
         r"^model tiny-llama: 8 layers over 2 peers", rf"^decode \(tok/s\) +{NUM} +{NUM} +{NUM}",

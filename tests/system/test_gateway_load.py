@@ -1,6 +1,6 @@
 """Concurrent users through `shardnet serve`, as processes, with the official `openai` client
 and default limits: many requests at once come back with the texts they get alone, and users
-sending requests for two minutes see no failure while replicas die and come back. The helpers
+sending requests for 75 s see no failure while replicas die and come back. The helpers
 are bench/gateway_load.py's (the bench prints the same figures, before and after)."""
 
 import concurrent.futures
@@ -57,13 +57,13 @@ def test_64_concurrent_requests_get_the_texts_they_get_alone(join_args):
         assert again.failures == 0, (again.summary(), again.examples)
 
 
-def test_16_users_for_two_minutes_while_replicas_die_and_come_back():
+def test_16_users_see_no_failure_while_replicas_die_and_come_back():
     """Two peers per span (bench/gateway_load.py's replica_chaos). A quarter of the way in, one
     replica of the first span is killed (SIGKILL) and restarted with the same identity; once it
     serves again, the other replica of that span is killed, so the restarted peer is the span's
     only one: it must be routed through again (it failed during requests, and claimed its
     layers anew). Not one request may fail."""
-    seconds = 120.0
+    seconds = 75.0  # (the bench's run: 120 s; here the restarted peer serves alone for ~20 s of it)
     with swarm_with_gateway(replicas=2) as (swarm, peers, url):
         expected = complete(openai_client(url, timeout=170))
         events: list[str] = []
@@ -72,7 +72,7 @@ def test_16_users_for_two_minutes_while_replicas_die_and_come_back():
             load = users(url, 16, seconds, expected)
             chaos.result()  # (raises what went wrong there)
         print("\n" + "\n".join(events))
-        print(load.summary("16 users x 120 s, replicas killed and restarted: "))
+        print(load.summary("16 users x 75 s, replicas killed and restarted: "))
         assert len(events) == 3, events
         assert load.failures == 0, (load.summary(), load.examples)
         # and the restarted peer alone serves its span now

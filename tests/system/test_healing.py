@@ -69,7 +69,8 @@ async def generate(client, prompt, table, *, kill_when, drafter=None, depth=1, k
             killed.append((victim, kill(table, victim)))
 
     async for tok in client.generate(prompt, max_new_tokens=NEW, stop_at_eos=False, drafter=drafter,
-                                     depth=depth, k=k, tree=tree, progress=progress):
+                                     depth=depth, k=k, tree=tree, branches=k if tree else None,
+                                     progress=progress):
         got.append(tok.id)
         progress("token", {})
     return got, client.last_stats, killed, route

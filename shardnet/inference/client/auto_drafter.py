@@ -140,19 +140,33 @@ class AutoDrafter:
 
     @property
     def drafts_trees(self) -> bool:
-        """Whether the candidate that drafts next drafts trees (``propose_tree``: a draft model).
-        Asked by greedy decoding only, before it drafts: the first ask settles the mode (and may
-        choose a candidate from an earlier generation's figures)."""
-        self._begin(greedy=True)
+        """Whether the candidate that drafts next drafts trees (``propose_tree``: a draft model),
+        asked by greedy decoding (``drafts_trees_for``)."""
+        return self.drafts_trees_for(greedy=True)
+
+    def drafts_trees_for(self, greedy: bool) -> bool:
+        """Whether the candidate that drafts next drafts trees (``propose_tree``, ``sample_tree``:
+        a draft model). Asked before drafting: the first ask settles the mode, greedy or
+        sampling (and may choose a candidate from an earlier generation's figures)."""
+        self._begin(greedy=greedy)
         return getattr(self.drafter, "drafts_trees", False)
 
-    def propose_tree(self, ids: list[int], k: int) -> tuple[list[int], list[int]]:
+    def propose_tree(self, ids: list[int], k: int, branches: int | None = None) -> tuple[list[int], list[int]]:
         self._begin(greedy=True)
         d = self.drafter
         if getattr(d, "drafts_trees", False):
-            return d.propose_tree(ids, k)
+            return d.propose_tree(ids, k, branches)
         chain = [] if d is None else d.propose(ids, k)  # (a candidate of chains: a chain, as a tree)
         return chain, list(range(-1, len(chain) - 1))
+
+    def sample_tree(self, ids: list[int], k: int, branches: int, params: SamplingParams, rng: Randomness,
+                    vocab_size: int) -> tuple[list[int], list[int], torch.Tensor]:
+        self._begin(greedy=False)
+        d = self.drafter
+        if getattr(d, "drafts_trees", False):
+            return d.sample_tree(ids, k, branches, params, rng, vocab_size)
+        tokens, q = d.sample(ids, k, params, rng, vocab_size) if d is not None else ([], torch.zeros(0, vocab_size))
+        return tokens, list(range(-1, len(tokens) - 1)), q  # (a candidate of chains: a chain, as a tree)
 
     def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
                vocab_size: int) -> tuple[list[int], torch.Tensor]:

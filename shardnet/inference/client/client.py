@@ -40,6 +40,7 @@ from shardnet.inference.client.run_receipt import last_run, seal_run_receipt
 from shardnet.inference.client.sampling import Randomness, SamplingParams
 from shardnet.inference.client.session import InferenceSession, open_session
 from shardnet.inference.client.speculative import Drafter
+from shardnet.inference.client.throughput import TREE_MAX_K, TreeShaper
 from shardnet.inference.client.timing import QUEUE_TIMEOUT
 from shardnet.inference.model.block import dtype_name
 from shardnet.inference.model.local_model import LocalModel
@@ -123,12 +124,13 @@ class Client:
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                        logit_bias: dict[int, float] | None = None, logprobs: int | None = None,
                        stop_at_eos: bool = True,
-                       drafter: Drafter | None = None, k: int = 4, depth: int = 1, tree: bool = True,
+                       drafter: Drafter | None = None, k: int | None = None, depth: int = 1, tree: bool = True,
+                       branches: int | None = None,
                        progress=None, route: list[Claim] | None = None,
                        prefix: str | None | EllipsisType = ...) -> AsyncIterator[Token]:
         """Yield generated tokens one at a time (text in, text out).
 
-        With a ``drafter`` each chain traversal verifies up to ``k`` drafted tokens: greedy output is
+        With a ``drafter`` each chain traversal verifies up to ``k`` (default 4) drafted tokens: greedy output is
         identical to plain greedy decoding, and sampled output has exactly the distribution of
         plain sampling (lossless speculative sampling). ``depth`` > 1 keeps that many verify chunks
         in flight, drafting ahead on the assumption that earlier chunks are fully accepted; a
@@ -136,9 +138,13 @@ class Client:
         that see the newer epoch first). A seed fixes the output whatever the depth and timing.
         An ``AutoDrafter`` of a greedy generation starts from the figures of this client's last
         greedy generation over the same candidates (``AutoDrafter.start_from``).
-        ``tree`` (default): greedy decoding one chunk at a time verifies trees of drafts where the
-        drafter makes them (a draft model: its chain and its second choices) and every peer of
-        the chain takes them (``decode.generate_on``); False: chains only.
+        ``tree`` (default): decoding one chunk at a time without penalties verifies trees of
+        drafts where the drafter makes them (a draft model: its chain and, greedy, its second
+        choices, sampling, a second draw beside each draft: lossless) and every peer of the chain
+        takes them (``decode.generate_on``); False: chains only. Each tree's shape is
+        chosen from this generation's measured acceptance and trips (``throughput.TreeShaper``:
+        up to ``k``, default 12, drafts in its chain and as many branches), or fixed with
+        ``branches``: a chain of ``k`` and ``branches`` second choices beside it.
 
         When a peer fails mid-request the chain heals (see ``healing``) and generation goes on
         with the same output; ``last_stats.heals`` records each recovery. ``progress``, if given,
@@ -151,6 +157,10 @@ class Client:
         """
         params = SamplingParams(temperature, top_p, top_k, seed, frequency_penalty, presence_penalty,
                                 _checked_bias(logit_bias, self.model.ckpt.config.vocab_size))
+        if k is not None and k < 0 or branches is not None and branches < 0:
+            raise ShardnetError("need k >= 0 and branches >= 0")
+        tree_k = TREE_MAX_K if k is None else k
+        k = 4 if k is None else k
         ids = self._checked_prompt(prompt, k, depth)
         stats = GenerationStats(prompt_tokens=len(ids))
         route = await self._route(route, stats, progress)
@@ -160,7 +170,8 @@ class Client:
             drafter.start_from(self._auto_priors[tuple(drafter.candidates)])  # (greedy only: see start_from)
         request = self.request if prefix is ... else dataclasses.replace(self.request, prefix=_checked_prefix(prefix))
         # drafts may run past the end (a tree's: its chain and as many branches beside it)
-        room = (k + 1) * depth + (k if tree and depth == 1 else 0)
+        shaper = TreeShaper(tree_k, fixed=None if branches is None else (tree_k, min(branches, tree_k)))
+        room = max((k + 1) * depth, 2 * tree_k + 1 if tree and depth == 1 else 0)
         sess = HealingSession(request, len(ids) + max_new_tokens + room, max_heals=self.max_heals,
                               progress=progress, heals=stats.heals)
         activity = self.services.activity
@@ -174,7 +185,8 @@ class Client:
             async for tok in generate_on(sess, self.model, ids, params=params, rng=Randomness(seed), drafter=drafter,
                                          k=k, depth=depth, max_new=max_new_tokens, stop_at_eos=stop_at_eos,
                                          stats=stats, logits_on_last=self.request.logits_on_last,
-                                         auditor=sess.auditor, logprobs=logprobs, tree=tree):
+                                         auditor=sess.auditor, logprobs=logprobs,
+                                         tree=shaper if tree else False):
                 stats.chain = sess.route
                 tok.apply(out_ids)
                 activity.token(made=tok.id is not None, retracted=tok.retracted)

@@ -28,7 +28,9 @@ from shardnet.inference.client.speculative import (
     accept_greedy,
     accept_greedy_tree,
     accept_sampled,
+    accept_sampled_tree,
 )
+from shardnet.inference.client.throughput import TreeShaper
 from shardnet.protocols.activation import MAX_TREE_TOKENS, ErrorCode
 from shardnet.protocols.block_claim import Claim
 
@@ -124,7 +126,7 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
                       rng: Randomness, drafter: Drafter | None, k: int, depth: int, max_new: int,
                       stop_at_eos: bool, stats: GenerationStats, logits_on_last: bool = False,
                       auditor: RunAuditor | None = None, logprobs: int | None = None,
-                      tree: bool = False) -> AsyncIterator[Token]:
+                      tree: bool | TreeShaper = False) -> AsyncIterator[Token]:
     """Prefill ``prompt`` through an open session, then decode with up to ``depth`` verify chunks
     of up to ``k`` drafts in flight. Plain decoding is the case k = 0, depth = 1: each chunk is the
     last token alone. ``sess`` needs only ``send`` and ``receive`` (and, with an ``auditor``, the
@@ -138,11 +140,15 @@ async def generate_on(sess: InferenceSession, model: LocalModel, prompt: list[in
     With ``logprobs`` (a number of alternatives, 0 for none) each token carries its log-probability
     and the ``logprobs`` most likely tokens' (``Token.logprob``, ``Token.top_logprobs``).
 
-    ``tree``: verify trees of drafts (the drafter's ``propose_tree``: a draft model's chain of
-    ``k`` and its second choices beside it; drafters with ``drafts_trees``) instead of chains,
-    while decoding is greedy, one chunk is in flight (``depth`` 1) and the session's chain takes
-    tree steps (its ``trees``); each traversal then keeps the longest path the target agrees
-    with, and the next step tells the peers to keep it (``keep``) in place of the tree."""
+    ``tree``: verify trees of drafts (the drafter's ``propose_tree``: a draft model's chain and
+    its second choices beside it; drafters with ``drafts_trees``) instead of chains, while one
+    chunk is in flight (``depth`` 1), no penalty counts earlier tokens and the session's chain
+    takes tree steps (its ``trees``); each traversal then keeps the longest path the target
+    accepts (greedy: agrees with; sampling: ``accept_sampled_tree``, lossless, over a second
+    draw beside each chain draft, ``sample_tree``), and the next step tells the peers to keep it
+    (``keep``) in place of the tree. Each tree's shape
+    is the ``TreeShaper``'s (True: one that chooses up to ``k`` drafts in the chain and as many
+    branches from this generation's measured acceptance and trips)."""
     steps = _Steps(sess, model, logits_on_last)
     t0 = time.perf_counter()
     result = await steps.prefill(prompt)
@@ -277,12 +283,13 @@ class _Pipeline:
 
     def __init__(self, steps: _Steps, prompt: list[int], params: SamplingParams, rng: Randomness,
                  drafter: Drafter | None, k: int, depth: int, max_new: int, stats: SpeculationStats, *,
-                 tree: bool = False) -> None:
+                 tree: bool | TreeShaper = False) -> None:
         self.steps, self.prompt, self.params, self.rng = steps, prompt, params, rng
         self.drafter, self.k, self.depth, self.max_new, self.stats = drafter, k, depth, max_new, stats
         #: trees of drafts where they can be verified (see generate_on; not with penalties, which
         #: count the tokens before each position: a branch's row would need its own path's)
-        self.tree = tree and params.greedy and depth == 1 and not (params.frequency_penalty or params.presence_penalty)
+        self.tree = bool(tree) and depth == 1 and not (params.frequency_penalty or params.presence_penalty)
+        self.shaper = tree if isinstance(tree, TreeShaper) else TreeShaper(k)
         #: the cached positions of the last tree's accepted path, for the next step to keep
         self.keep: list[int] | None = None
         #: the logits rows the last accepted tokens were chosen at (a chain's: 0, 1, ...)
@@ -297,7 +304,10 @@ class _Pipeline:
     def _drafts_tree(self) -> bool:
         """Whether the next chunk is a tree: trees wanted, the chain takes them, and the drafter
         drafts them now (``drafts_trees``: a draft model; an AutoDrafter while it is chosen)."""
-        return self.tree and self.steps.trees and getattr(self.drafter, "drafts_trees", False)
+        if not (self.tree and self.steps.trees):
+            return False
+        ask = getattr(self.drafter, "drafts_trees_for", None)
+        return ask(self.params.greedy) if ask is not None else getattr(self.drafter, "drafts_trees", False)
 
     def continue_from(self, out: list[int]) -> None:
         """The accepted text changed: drafting continues from it and the drafts still in flight."""
@@ -338,14 +348,23 @@ class _Pipeline:
         """One chunk: the last text token as the root of a tree of drafts."""
         spec = self.spec
         t_draft = time.perf_counter()
-        k = min(self.k, self.max_new - (len(spec) - len(self.prompt)), (MAX_TREE_TOKENS - 1) // 2)
-        drafts, parents = self.drafter.propose_tree(spec, k)
+        k, branches = self.shaper.shape(self.stats)
+        k = min(k, self.max_new - (len(spec) - len(self.prompt)))
+        branches = min(branches, k, MAX_TREE_TOKENS - 1 - k)
+        q = None
+        if k <= 0:
+            drafts, parents = [], []
+        elif self.params.greedy:
+            drafts, parents = self.drafter.propose_tree(spec, k, branches)
+        else:
+            drafts, parents, q = self.drafter.sample_tree(spec, k, branches, self.params, self.rng, self.vocab)
         self.stats.draft_s += time.perf_counter() - t_draft
+        self.shaper.drafting(k, time.perf_counter() - t_draft)
         feed = [spec[-1]] + drafts
         keep, self.keep = self.keep, None
         n = await self.steps.send(feed, pos=len(spec) - 1, logits_for=len(feed), epoch=self.epoch,
                                   tree=[-1] + [p + 1 for p in parents] if drafts else None, keep=keep)
-        self.inflight.append(_Chunk(n, self.epoch, len(spec), drafts, None, time.perf_counter(),
+        self.inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, time.perf_counter(),
                                     getattr(self.drafter, "chosen", None), parents if drafts else None))
         self.stats.chunks += 1
         self.stats.trees += bool(drafts)
@@ -364,6 +383,8 @@ class _Pipeline:
         self.stats.round_trip_s += round_trip
         if self.stats.on_round_trip is not None:
             self.stats.on_round_trip(round_trip, len(chunk.drafts) + 1)
+        if self.tree:  # (one chunk in flight: its trip is its own; a chain's too, for the line)
+            self.shaper.trip(len(chunk.drafts) + 1, round_trip)
         # (what the chunk's start follows: the accepted text and the drafts of the chunks before it)
         generated = self.spec[len(self.prompt):chunk.start]
         return chunk, adjusted(await self.steps.logits(result), self.params, generated, chunk.drafts)
@@ -373,7 +394,11 @@ class _Pipeline:
         chunk in flight verifies anyway."""
         params = self.params
         if chunk.parents is not None:  # a tree: its accepted path, kept by the next step
-            path, bonus = accept_greedy_tree(chunk.drafts, chunk.parents, logits.argmax(-1).tolist())
+            if params.greedy:
+                path, bonus = accept_greedy_tree(chunk.drafts, chunk.parents, logits.argmax(-1).tolist())
+            else:
+                p = torch.stack([probabilities(row, params) for row in logits])
+                path, bonus = accept_sampled_tree(chunk.drafts, chunk.parents, chunk.q, p, self.rng, chunk.start)
             kept = [chunk.drafts[i] for i in path] + [bonus]
             self.rows = [0] + [1 + i for i in path]  # each kept token was chosen at its parent's row
             self.stats.branched += path != list(range(len(path)))

@@ -142,6 +142,18 @@ class ModelDrafter:
         return tokens, torch.stack(qs)
 
     @torch.inference_mode()
+    def sample_tree(self, ids: list[int], k: int, branches: int, params: SamplingParams, rng: Randomness,
+                    vocab_size: int) -> tuple[list[int], list[int], torch.Tensor]:
+        """``sample``'s chain of ``k`` and, beside its first ``branches`` drafts, a second draw from
+        the same distribution (``rng.uniform(position, "draft-1")``, independent of the first, as
+        ``accept_sampled_tree`` needs): tokens, parents (the chain first) and each draft's
+        distribution."""
+        tokens, q = self.sample(ids, k, params, rng, vocab_size)
+        parents = list(range(-1, len(tokens) - 1))
+        second = [draw(q[d], rng.uniform(len(ids) + d, "draft-1")) for d in range(min(branches, len(tokens)))]
+        return tokens + second, parents + [d - 1 for d in range(len(second))], torch.cat([q, q[:len(second)]])
+
+    @torch.inference_mode()
     def propose_tree(self, ids: list[int], k: int, branches: int | None = None,
                      width: int = 2) -> tuple[list[int], list[int]]:
         """The draft's greedy chain of ``k`` tokens and, as leaves beside it, up to ``branches``
@@ -252,6 +264,36 @@ def accept_greedy_tree(tokens: list[int], parents: list[int], target_tokens: lis
             return path, want
         path.append(nxt)
         at = nxt
+
+
+def accept_sampled_tree(tokens: list[int], parents: list[int], q: torch.Tensor, p: torch.Tensor,
+                        rng: Randomness, start: int) -> tuple[list[int], int]:
+    """Lossless speculative sampling over a tree of drafts whose children of one node were drawn
+    independently from one distribution (``q[i]``: draft i's; SpecInfer's multi-round
+    speculative sampling): at each node its children are tried in order, each kept with
+    probability min(1, r/q) where r starts as the target's distribution ``p[at + 1]`` (row 0:
+    after the text, row i + 1: after draft i) and becomes the normalised residual max(r - q, 0)
+    after each rejection; a kept child is the next node, and where every child is rejected the
+    token is drawn from the last residual. So each token has exactly the target's distribution.
+    Returns the kept path's indices and the token after it; a chain (one child per node) gives
+    ``accept_sampled``'s tokens for the same numbers."""
+    path: list[int] = []
+    at = -1
+    while True:
+        position = start + len(path)
+        dist = p[at + 1]
+        children = [i for i, parent in enumerate(parents) if parent == at]
+        for j, i in enumerate(children):
+            x = tokens[i]
+            if rng.uniform(position, "accept" if j == 0 else f"accept-{j}") * float(q[i, x]) < float(dist[x]):
+                path.append(i)
+                at = i
+                break
+            residual = (dist - q[i]).clamp_min(0.0)
+            total = float(residual.sum())
+            dist = residual / total if total > 0 else dist
+        else:
+            return path, draw(dist, rng.uniform(position, "residual" if children else "target"))
 
 
 def accept_greedy(drafts: list[int], target_tokens: list[int]) -> list[int]:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from shardnet.inference.client.speculative import SpeculationStats
 
+#: the most drafts in a tree's chain that a shape chosen by ``TreeShaper`` holds by default
+TREE_MAX_K = 12
+
 
 def expected_rate(alpha: float, k: int, depth: int, ring: float, draft: float, service: float) -> float:
     """Tokens per second when each draft is accepted with probability ``alpha`` independently,
@@ -75,3 +78,61 @@ def best_plan(alpha: float, ring: float, draft_per_token: float, service_per_chu
             if rate > best[2] * 1.001:  # prefer the smaller plan on a near-tie
                 best = (k, depth, rate)
     return best
+
+
+class TreeShaper:
+    """Each tree's shape, (k, branches), chosen by ``best_tree`` from what this generation has
+    measured so far: the trees' alpha and beta (``SpeculationStats.tree_rates``, pulled towards
+    ``PRIOR`` while few drafts were tried), a traversal's fixed cost and its cost per position
+    (a least-squares line through the trips' (positions, seconds), pulled towards
+    ``PER_POSITION`` while the trips' sizes hardly differ), and drafting's time per token. At
+    most ``max_k`` drafts in the chain and as many branches; ``fixed``: always that shape."""
+
+    PRIOR = (0.7, 0.5)  # alpha and beta before any tree was verified
+    PRIOR_WEIGHT = 8.0  # drafts' worth of weight the prior carries
+    PER_POSITION = 5e-4  # seconds per position before the trips say otherwise (the shipped model, CPU)
+    SPREAD = 4.0  # positions^2 of weight that prior carries
+    WINDOW = 64  # the trips the line is fitted through (the most recent)
+
+    def __init__(self, max_k: int, *, fixed: tuple[int, int] | None = None) -> None:
+        self.max_k, self.fixed = max_k, fixed
+        self.trips: list[tuple[int, float]] = []  # (positions, seconds)
+        self.drafted, self.draft_s = 0, 0.0
+
+    def trip(self, positions: int, seconds: float) -> None:
+        """A tree of ``positions`` positions (its root included) came back ``seconds`` after it was sent."""
+        self.trips = self.trips[-(self.WINDOW - 1):] + [(positions, seconds)]
+
+    def drafting(self, drafts: int, seconds: float) -> None:
+        self.drafted += drafts
+        self.draft_s += seconds
+
+    def cost(self) -> tuple[float, float]:
+        """The traversal's fixed seconds and seconds per position, as the trips measured them."""
+        if not self.trips:
+            return 0.0, self.PER_POSITION
+        n = len(self.trips)
+        mean_x = sum(x for x, _ in self.trips) / n
+        mean_y = sum(y for _, y in self.trips) / n
+        sxx = sum((x - mean_x) ** 2 for x, _ in self.trips)
+        sxy = sum((x - mean_x) * (y - mean_y) for x, y in self.trips)
+        per_position = max(0.0, (sxy + self.SPREAD * self.PER_POSITION) / (sxx + self.SPREAD))
+        return max(0.0, mean_y - per_position * mean_x), per_position
+
+    def rates(self, stats: SpeculationStats) -> tuple[float, float]:
+        w, (a, b) = self.PRIOR_WEIGHT, self.PRIOR
+        return ((stats.chain_kept + a * w) / (stats.chain_tried + w),
+                (stats.branch_kept + b * w) / (stats.branch_tried + w))
+
+    def shape(self, stats: SpeculationStats) -> tuple[int, int]:
+        """The next tree's (k, branches)."""
+        if self.fixed is not None:
+            return self.fixed
+        if not self.trips:  # nothing measured yet: a middling tree, whose trip is the first measure
+            k = min(self.max_k, 4)
+            return k, k
+        latency, per_position = self.cost()
+        alpha, beta = self.rates(stats)
+        draft = self.draft_s / self.drafted if self.drafted else 0.0
+        k, branches, _ = best_tree(alpha, beta, latency, per_position, draft, max_k=self.max_k)
+        return k, branches  # (0, 0: plain steps beat any tree here)

@@ -181,7 +181,7 @@ class Trees(Fixed):
 
     drafts_trees = True
 
-    def propose_tree(self, ids, k):
+    def propose_tree(self, ids, k, branches=None):
         return [self.token] * k + [self.token + 1], list(range(-1, k - 1)) + [-1]
 
 

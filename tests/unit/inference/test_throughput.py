@@ -6,7 +6,14 @@ import random
 import pytest
 
 from shardnet.inference.client.speculative import SpeculationStats
-from shardnet.inference.client.throughput import best_plan, best_tree, ceiling, expected_rate, tree_tokens
+from shardnet.inference.client.throughput import (
+    TreeShaper,
+    best_plan,
+    best_tree,
+    ceiling,
+    expected_rate,
+    tree_tokens,
+)
 
 RING, DRAFT, SERVICE = 0.1, 0.006, 0.01
 
@@ -115,3 +122,33 @@ def test_best_tree_takes_branches_where_latency_dominates():
     assert 0 < branches < k  # second choices seldom right: only the likeliest are worth a position
     assert best_tree(0.75, 0.8, latency=0.0005, per_position=0.003, draft_per_token=0.001)[:2] == (0, 0)
     # (compute-bound, a position costing six trips: plain decoding)
+
+
+def test_tree_shaper_fits_the_trips_and_follows_the_measured_rates():
+    shaper = TreeShaper(12)
+    stats = SpeculationStats()
+    assert shaper.shape(stats) == (4, 4)  # nothing measured: a middling tree, the first measure
+    for n in (9, 5, 13, 9, 3, 17):  # a 10 ms WAN's trips: 44 ms and 0.25 ms a position
+        shaper.trip(n, 0.044 + 0.00025 * n)
+    latency, per_position = shaper.cost()
+    assert latency == pytest.approx(0.044, rel=0.01) and per_position == pytest.approx(0.00025, rel=0.05)
+    shaper.drafting(60, 0.06)
+    stats.chain_tried, stats.chain_kept, stats.branch_tried, stats.branch_kept = 1000, 770, 200, 128
+    k, branches = shaper.shape(stats)
+    assert (k, branches) == best_tree(0.77 * 1000 / 1008 + 0.7 * 8 / 1008, (128 + 4) / 208, latency,
+                                      per_position, 0.001)[:2]
+    assert k >= 6 and branches >= k - 2  # trips dominate: a deep tree, a branch at nearly every depth
+    stats.chain_tried, stats.chain_kept, stats.branch_tried, stats.branch_kept = 1000, 100, 900, 5
+    assert shaper.shape(stats)[0] <= 2  # drafts seldom right: a small tree
+
+
+def test_tree_shaper_keeps_its_prior_per_position_while_trips_are_one_size():
+    shaper = TreeShaper(6)
+    for _ in range(10):
+        shaper.trip(9, 0.05)
+    latency, per_position = shaper.cost()
+    assert per_position == pytest.approx(TreeShaper.PER_POSITION)
+    assert latency == pytest.approx(0.05 - 9 * TreeShaper.PER_POSITION)
+    stats = SpeculationStats(chain_tried=100, chain_kept=99, branch_tried=1, branch_kept=1)
+    assert shaper.shape(stats)[0] == 6  # capped at max_k
+    assert TreeShaper(6, fixed=(3, 1)).shape(stats) == (3, 1)
