@@ -34,6 +34,7 @@ import argparse
 import logging
 import os
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -263,9 +264,11 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
         total = m.summed()
         if total.trees:  # the tree law (throughput.tree_tokens) over the trees' measured alpha and beta
             alpha, beta = total.tree_rates
+            shapes = sum((s.shapes for s in m.stats), Counter()).most_common(3)
             law = (f"the tree law predicts {tree_tokens(alpha, beta, m.k, m.branches):.2f} tokens per traversal"
                    if m.branches is not None else
-                   f"shapes chosen per tree, {total.drafted / total.verified:.1f} drafts per traversal on average")
+                   f"shapes chosen per tree, {total.drafted / total.verified:.1f} drafts per traversal on average, "
+                   "most often " + ", ".join(f"{k}+{b} ({n}x)" for (k, b), n in shapes))
             print(f"{m.name}: {total.trees} trees, alpha {alpha:.2f}, beta {beta:.2f}: {law} (measured over trees "
                   f"and other chunks: {total.tokens_per_traversal:.2f} tokens); {total.branched} kept a branch")
     print("ceiling: shardnet/inference/client/throughput.py over each mode's own acceptance outcomes, with the WAN")

@@ -76,7 +76,7 @@ MULTI_PROCESS = {
         r"^greedy output identical in every mode and run: True$",
         rf"^speculative, draft tree, k=2\+2: \d+ trees, alpha {NUM}, beta {NUM}: the tree law predicts {NUM} tokens",
         rf"^speculative, draft tree, shape chosen \(k<=12\): \d+ trees, alpha {NUM}, beta {NUM}: shapes chosen per "
-        rf"tree, {NUM} drafts per traversal on average",
+        rf"tree, {NUM} drafts per traversal on average, most often \d+\+\d+ \(\d+x\)",
         r"^delays above plus compute measured in this process per chunk: 1 position "]),
     "pipeline_decode.py": (["--quick"], [
         r"^model tiny-llama: 8 layers over 2 peers", rf"^decode \(tok/s\) +{NUM} +{NUM} +{NUM}",

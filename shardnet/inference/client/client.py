@@ -89,6 +89,8 @@ class Client:
         #: per set of candidates, the last greedy generation's AutoDrafter: the next one over the
         #: same candidates starts from its figures
         self._auto_priors: dict[tuple[str, ...], AutoDrafter] = {}
+        #: the last generation's tree shaper that measured trips (the next one starts from it)
+        self._last_shaper: TreeShaper | None = None
         #: the swarm's claims for this model, shared by every request and client of this node
         #: (kept fresh in the background from now on, unless this client has a fixed route)
         view = ClaimsView.of(node, model.model_id, services.probes, num_layers=model.ckpt.num_layers)
@@ -142,9 +144,11 @@ class Client:
         drafts where the drafter makes them (a draft model: its chain and, greedy, its second
         choices, sampling, a second draw beside each draft: lossless) and every peer of the chain
         takes them (``decode.generate_on``); False: chains only. Each tree's shape is
-        chosen from this generation's measured acceptance and trips (``throughput.TreeShaper``:
-        up to ``k``, default 12, drafts in its chain and as many branches), or fixed with
-        ``branches``: a chain of ``k`` and ``branches`` second choices beside it.
+        chosen from the measured acceptance and trips (``throughput.TreeShaper``, going on from
+        this client's previous generation: up to ``k``, default 12, drafts in its chain and as
+        many branches), or fixed with ``branches``: a chain of ``k`` and ``branches`` beside it.
+        With sampling the shape is fixed (``k`` and ``k``, default 4), so that a seed fixes the
+        output (a shape chosen from trip times would make it depend on timing).
 
         When a peer fails mid-request the chain heals (see ``healing``) and generation goes on
         with the same output; ``last_stats.heals`` records each recovery. ``progress``, if given,
@@ -170,7 +174,11 @@ class Client:
             drafter.start_from(self._auto_priors[tuple(drafter.candidates)])  # (greedy only: see start_from)
         request = self.request if prefix is ... else dataclasses.replace(self.request, prefix=_checked_prefix(prefix))
         # drafts may run past the end (a tree's: its chain and as many branches beside it)
+        if branches is None and not params.greedy:  # (a shape chosen from trip times: output by timing)
+            tree_k = branches = k
         shaper = TreeShaper(tree_k, fixed=None if branches is None else (tree_k, min(branches, tree_k)))
+        if self._last_shaper is not None:
+            shaper.start_from(self._last_shaper)
         room = max((k + 1) * depth, 2 * tree_k + 1 if tree and depth == 1 else 0)
         sess = HealingSession(request, len(ids) + max_new_tokens + room, max_heals=self.max_heals,
                               progress=progress, heals=stats.heals)
@@ -194,6 +202,8 @@ class Client:
                 yield tok
         if isinstance(drafter, AutoDrafter) and drafter.greedy and drafter.chunks:
             self._auto_priors[tuple(drafter.candidates)] = drafter
+        if stats.speculation.trees:
+            self._last_shaper = shaper
 
     def _checked_prompt(self, prompt: str | list[int], k: int, depth: int) -> list[int]:
         """The prompt's token ids, once the speculation settings are checked too."""

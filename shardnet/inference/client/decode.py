@@ -368,6 +368,9 @@ class _Pipeline:
                                     getattr(self.drafter, "chosen", None), parents if drafts else None))
         self.stats.chunks += 1
         self.stats.trees += bool(drafts)
+        if drafts:
+            chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
+            self.stats.shapes[(chain, len(parents) - chain)] += 1
 
     async def receive(self) -> tuple[_Chunk, torch.Tensor]:
         """The oldest chunk in flight and its logits, skipping stale results the peers computed anyway."""

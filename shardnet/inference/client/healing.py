@@ -31,9 +31,9 @@ from dataclasses import dataclass, field, replace
 import torch
 import trio
 
-from shardnet.errors import InferenceError
+from shardnet.errors import InferenceError, NoRouteError
 from shardnet.inference.client.audit import AuditJob
-from shardnet.inference.client.heal_plan import plan_heal
+from shardnet.inference.client.heal_plan import HealPlan, plan_heal
 from shardnet.inference.client.request import RequestContext
 from shardnet.inference.client.session import open_session
 from shardnet.inference.client.timing import NAMED_ERROR_WAIT, PROBE_TIMEOUT
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 HEALABLE = frozenset({ErrorCode.NEXT_HOP, ErrorCode.TIMEOUT, ErrorCode.IDLE, ErrorCode.UNKNOWN_SESSION})
 #: how long a peer blamed only for answering a probe late is routed around (seconds)
 SLOW_AVOID_S = 10.0
+#: how long a heal waits for a chain round such a peer before it goes through it again (seconds)
+SLOW_ROUTE_AROUND_S = 5.0
 
 
 @dataclass
@@ -257,7 +259,7 @@ class HealingSession:
                     self.request.planner.forget_peer(p)
             # the old chain with each failed span replaced (a whole new chain if that cannot be done)
             plan = plan_heal(old_route, failed)
-            route = await self.request.planner.find_route(avoid=plan.avoid, keep=plan.keep)
+            route = await self._route_round(plan, failed)
             try:
                 await self._enter(route)
                 replayed = await self._replay()
@@ -279,6 +281,25 @@ class HealingSession:
                     heal.seconds, phase, in_flight, " -> ".join(f"{c.peer[:12]}…[{c.start}:{c.end}]" for c in route),
                     replayed)
         self._notify("heal", heal.to_json())
+
+    async def _route_round(self, plan: HealPlan, failed: list[str]) -> list[Claim]:
+        """A chain round the failed peers. Where those blamed now all failed only to answer a
+        probe in time (busy, not gone) and no chain round them appears within
+        ``SLOW_ROUTE_AROUND_S``, the chain through them again: a busy peer that is its span's
+        only one makes a slower chain, not a missing one (as when every request on a killed
+        replica heals onto the span's last one at once)."""
+        planner = self.request.planner
+        slow = {p for p in failed if p in self._only_slow}
+        if not slow:
+            return await planner.find_route(avoid=plan.avoid, keep=plan.keep)
+        try:
+            return await planner.find_route(avoid=plan.avoid, keep=plan.keep, timeout=SLOW_ROUTE_AROUND_S)
+        except NoRouteError as e:
+            log.warning("no chain round the slow peer(s) %s (%s): through them again",
+                        ", ".join(p[:16] + "…" for p in slow), e)
+            for p in slow:
+                planner.pardon(p)
+            return await planner.find_route(avoid=plan.avoid - slow, keep=plan.keep)
 
     async def _name_failed(self, error: InferenceError) -> list[str]:
         """The peer the chain named, or the ones that cannot be reached now, or (when all can)

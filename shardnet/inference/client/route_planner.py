@@ -100,6 +100,10 @@ class RoutePlanner:
         claim = self.view.get(peer)
         self._avoid[peer] = (trio.current_time() + seconds, claim.expires if claim else time.time() + CLAIM_TTL)
 
+    def pardon(self, peer: str) -> None:
+        """Route through ``peer`` again (``forget_peer`` undone)."""
+        self._avoid.pop(peer, None)
+
     async def find_route(self, *, timeout: float | None = None, avoid: set[str] | frozenset = frozenset(),
                          keep: list[Claim] | None = None) -> list[Claim]:
         """The cheapest chain covering every layer (see ``routing``); waits up to ``timeout`` for

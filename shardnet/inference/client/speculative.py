@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,6 +225,8 @@ class SpeculationStats:
     draft_s: float = 0.0  # time spent drafting
     wait_s: float = 0.0  # time spent waiting for results
     round_trip_s: float = 0.0  # summed send-to-result time of verified chunks
+    #: trees sent of each shape: (drafts in the chain, branches beside it) -> count
+    shapes: Counter = field(default_factory=Counter, repr=False, compare=False)
     #: told each verified chunk's send-to-result time and how many tokens it carried (a monitor's
     #: histogram; the client's observed peer speeds)
     on_round_trip: Callable[[float, int], None] | None = field(default=None, repr=False, compare=False)

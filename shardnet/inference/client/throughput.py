@@ -81,26 +81,37 @@ def best_plan(alpha: float, ring: float, draft_per_token: float, service_per_chu
 
 
 class TreeShaper:
-    """Each tree's shape, (k, branches), chosen by ``best_tree`` from what this generation has
-    measured so far: the trees' alpha and beta (``SpeculationStats.tree_rates``, pulled towards
-    ``PRIOR`` while few drafts were tried), a traversal's fixed cost and its cost per position
-    (a least-squares line through the trips' (positions, seconds), pulled towards
-    ``PER_POSITION`` while the trips' sizes hardly differ), and drafting's time per token. At
-    most ``max_k`` drafts in the chain and as many branches; ``fixed``: always that shape."""
+    """Each tree's shape, (k, branches), chosen by ``best_tree`` from what was measured: the
+    trees' alpha and beta (``SpeculationStats.tree_rates``, pulled towards ``prior`` while few
+    drafts were tried), a traversal's fixed cost and its cost per position (a least-squares line
+    through the last ``WINDOW`` trips' (positions, seconds), pulled towards ``PER_POSITION``
+    while their sizes hardly differ), and drafting's time per token. A shaper that starts from
+    the one of the client's previous generation (``start_from``) keeps its trips and takes its
+    rates as the prior, so a short generation does not learn its chain's costs afresh. At most
+    ``max_k`` drafts in the chain and as many branches; ``fixed``: always that shape."""
 
     PRIOR = (0.7, 0.5)  # alpha and beta before any tree was verified
     PRIOR_WEIGHT = 8.0  # drafts' worth of weight the prior carries
-    PER_POSITION = 5e-4  # seconds per position before the trips say otherwise (the shipped model, CPU)
-    SPREAD = 4.0  # positions^2 of weight that prior carries
+    PER_POSITION = 2.5e-4  # seconds per position before the trips say otherwise (the shipped model, CPU)
+    SPREAD = 16.0  # positions^2 of weight that prior carries
     WINDOW = 64  # the trips the line is fitted through (the most recent)
 
     def __init__(self, max_k: int, *, fixed: tuple[int, int] | None = None) -> None:
         self.max_k, self.fixed = max_k, fixed
+        self.prior = self.PRIOR
         self.trips: list[tuple[int, float]] = []  # (positions, seconds)
         self.drafted, self.draft_s = 0, 0.0
+        self.rates_seen = self.PRIOR  # the rates the last shape was chosen with
+
+    def start_from(self, previous: TreeShaper) -> None:
+        """Go on from the client's previous generation's measurements (its trips and drafting
+        time; its last rates as this one's prior)."""
+        self.trips = list(previous.trips)
+        self.drafted, self.draft_s = previous.drafted, previous.draft_s
+        self.prior = previous.rates_seen
 
     def trip(self, positions: int, seconds: float) -> None:
-        """A tree of ``positions`` positions (its root included) came back ``seconds`` after it was sent."""
+        """A step of ``positions`` positions (its root included) came back ``seconds`` after it was sent."""
         self.trips = self.trips[-(self.WINDOW - 1):] + [(positions, seconds)]
 
     def drafting(self, drafts: int, seconds: float) -> None:
@@ -120,7 +131,7 @@ class TreeShaper:
         return max(0.0, mean_y - per_position * mean_x), per_position
 
     def rates(self, stats: SpeculationStats) -> tuple[float, float]:
-        w, (a, b) = self.PRIOR_WEIGHT, self.PRIOR
+        w, (a, b) = self.PRIOR_WEIGHT, self.prior
         return ((stats.chain_kept + a * w) / (stats.chain_tried + w),
                 (stats.branch_kept + b * w) / (stats.branch_tried + w))
 
@@ -129,10 +140,9 @@ class TreeShaper:
         if self.fixed is not None:
             return self.fixed
         if not self.trips:  # nothing measured yet: a middling tree, whose trip is the first measure
-            k = min(self.max_k, 4)
-            return k, k
+            return min(self.max_k, 4), min(self.max_k, 4)
         latency, per_position = self.cost()
-        alpha, beta = self.rates(stats)
+        alpha, beta = self.rates_seen = self.rates(stats)
         draft = self.draft_s / self.drafted if self.drafted else 0.0
         k, branches, _ = best_tree(alpha, beta, latency, per_position, draft, max_k=self.max_k)
         return k, branches  # (0, 0: plain steps beat any tree here)

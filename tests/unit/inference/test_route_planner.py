@@ -203,3 +203,32 @@ async def test_observed_steps_mark_an_overclaiming_peer_and_routes_avoid_it():
     assert p.reputation.to_json()["liar"]["overclaim"] > 3
     for _ in range(20):
         assert "liar" not in {c.peer for c in await p.find_route()}
+
+
+async def test_a_heal_goes_through_a_peer_blamed_only_as_slow_when_no_chain_avoids_it(monkeypatch):
+    """A peer that answered no probe in time (busy, not gone) is routed around while another
+    chain exists; where none does (it is its span's only peer), the heal goes through it again
+    after a short wait, instead of failing the request after the route timeout. A peer that
+    failed otherwise (named by its chain) stays avoided."""
+    from shardnet.inference.client import healing
+    from shardnet.inference.client.heal_plan import plan_heal
+
+    monkeypatch.setattr(healing, "SLOW_ROUTE_AROUND_S", 0.05)
+    a, b = claim(peer="a", start=0, end=4), claim(peer="b", start=0, end=4)
+
+    def session(claims):
+        p = planner(claims)
+        return p, healing.HealingSession(SimpleNamespace(planner=p), max_len=16)
+
+    p, sess = session([a, b])  # another replica: the heal takes it
+    sess._only_slow.add("a")
+    p.forget_peer("a", healing.SLOW_AVOID_S)
+    assert [c.peer for c in await sess._route_round(plan_heal([a], ["a"]), ["a"])] == ["b"]
+    p, sess = session([a])  # the span's only peer: through it again
+    sess._only_slow.add("a")
+    p.forget_peer("a", healing.SLOW_AVOID_S)
+    assert [c.peer for c in await sess._route_round(plan_heal([a], ["a"]), ["a"])] == ["a"]
+    p, sess = session([a])  # named as failed: no chain
+    p.forget_peer("a")
+    with pytest.raises(NoRouteError):
+        await sess._route_round(plan_heal([a], ["a"]), ["a"])

@@ -152,3 +152,17 @@ def test_tree_shaper_keeps_its_prior_per_position_while_trips_are_one_size():
     stats = SpeculationStats(chain_tried=100, chain_kept=99, branch_tried=1, branch_kept=1)
     assert shaper.shape(stats)[0] == 6  # capped at max_k
     assert TreeShaper(6, fixed=(3, 1)).shape(stats) == (3, 1)
+
+
+def test_a_tree_shaper_goes_on_from_the_previous_generations():
+    before = TreeShaper(12)
+    for n in (9, 13, 17):
+        before.trip(n, 0.04 + 0.0002 * n)
+    before.drafting(10, 0.01)
+    stats = SpeculationStats(chain_tried=500, chain_kept=450, branch_tried=50, branch_kept=40)
+    before.shape(stats)
+    after = TreeShaper(12)
+    after.start_from(before)
+    assert after.trips == before.trips and after.cost() == before.cost()
+    assert after.rates(SpeculationStats()) == pytest.approx(before.rates(stats))  # its rates: the prior
+    assert after.shape(SpeculationStats()) == before.shape(stats)
