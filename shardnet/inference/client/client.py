@@ -148,7 +148,8 @@ class Client:
         this client's previous generation: up to ``k``, default 12, drafts in its chain and as
         many branches), or fixed with ``branches``: a chain of ``k`` and ``branches`` beside it.
         With sampling the shape is fixed (``k`` and ``k``, default 4), so that a seed fixes the
-        output (a shape chosen from trip times would make it depend on timing).
+        output (a shape chosen from trip times would make it depend on timing; a heal onto a
+        chain of older peers that take no trees sends chains, which use the numbers otherwise).
 
         When a peer fails mid-request the chain heals (see ``healing``) and generation goes on
         with the same output; ``last_stats.heals`` records each recovery. ``progress``, if given,

@@ -93,6 +93,7 @@ class _Chunk:
     sent: float  # perf_counter() when sent
     by: str | None = None  # which drafter drafted it (a drafter that chooses: auto_drafter.py)
     parents: list[int] | None = None  # a tree of drafts: each draft's parent (-1: the text)
+    heals: int = 0  # the session's heals when it was sent (a trip that spans a heal is not a trip's cost)
 
 
 def _logprobs(row: torch.Tensor, tok: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
@@ -289,7 +290,8 @@ class _Pipeline:
         #: trees of drafts where they can be verified (see generate_on; not with penalties, which
         #: count the tokens before each position: a branch's row would need its own path's)
         self.tree = bool(tree) and depth == 1 and not (params.frequency_penalty or params.presence_penalty)
-        self.shaper = tree if isinstance(tree, TreeShaper) else TreeShaper(k)
+        # (sampling: a fixed shape, so that a seed fixes the output; see Client.generate)
+        self.shaper = tree if isinstance(tree, TreeShaper) else TreeShaper(k, fixed=None if params.greedy else (k, k))
         #: the cached positions of the last tree's accepted path, for the next step to keep
         self.keep: list[int] | None = None
         #: the logits rows the last accepted tokens were chosen at (a chain's: 0, 1, ...)
@@ -308,6 +310,9 @@ class _Pipeline:
             return False
         ask = getattr(self.drafter, "drafts_trees_for", None)
         return ask(self.params.greedy) if ask is not None else getattr(self.drafter, "drafts_trees", False)
+
+    def _heals(self) -> int:
+        return len(getattr(self.steps.sess, "heals", ()))
 
     def continue_from(self, out: list[int]) -> None:
         """The accepted text changed: drafting continues from it and the drafts still in flight."""
@@ -338,7 +343,7 @@ class _Pipeline:
             by = getattr(self.drafter, "chosen", None)
             keep, self.keep = self.keep, None
             n = await self.steps.send(feed, pos=len(spec) - 1, logits_for=len(feed), epoch=self.epoch, keep=keep)
-            inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, time.perf_counter(), by))
+            inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, time.perf_counter(), by, None, self._heals()))
             spec += drafts
             self.stats.chunks += 1
             if not drafts:
@@ -349,8 +354,8 @@ class _Pipeline:
         spec = self.spec
         t_draft = time.perf_counter()
         k, branches = self.shaper.shape(self.stats)
-        k = min(k, self.max_new - (len(spec) - len(self.prompt)))
-        branches = min(branches, k, MAX_TREE_TOKENS - 1 - k)
+        k = min(k, self.max_new - (len(spec) - len(self.prompt)), MAX_TREE_TOKENS - 1)
+        branches = max(0, min(branches, k, MAX_TREE_TOKENS - 1 - k))
         q = None
         if k <= 0:
             drafts, parents = [], []
@@ -365,7 +370,8 @@ class _Pipeline:
         n = await self.steps.send(feed, pos=len(spec) - 1, logits_for=len(feed), epoch=self.epoch,
                                   tree=[-1] + [p + 1 for p in parents] if drafts else None, keep=keep)
         self.inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, time.perf_counter(),
-                                    getattr(self.drafter, "chosen", None), parents if drafts else None))
+                                    getattr(self.drafter, "chosen", None), parents if drafts else None,
+                                    self._heals()))
         self.stats.chunks += 1
         self.stats.trees += bool(drafts)
         if drafts:
@@ -386,7 +392,8 @@ class _Pipeline:
         self.stats.round_trip_s += round_trip
         if self.stats.on_round_trip is not None:
             self.stats.on_round_trip(round_trip, len(chunk.drafts) + 1)
-        if self.tree:  # (one chunk in flight: its trip is its own; a chain's too, for the line)
+        if self.tree and self._heals() == chunk.heals:
+            # (one chunk in flight: its trip is its own; a chain's too, for the line)
             self.shaper.trip(len(chunk.drafts) + 1, round_trip)
         # (what the chunk's start follows: the accepted text and the drafts of the chunks before it)
         generated = self.spec[len(self.prompt):chunk.start]

@@ -289,8 +289,8 @@ class HealingSession:
         only one makes a slower chain, not a missing one (as when every request on a killed
         replica heals onto the span's last one at once)."""
         planner = self.request.planner
-        slow = {p for p in failed if p in self._only_slow}
-        if not slow:
+        slow = {p for p in failed if p in self._only_slow and planner.probes.verdict(p) != "gone"}
+        if not failed or slow != set(failed):
             return await planner.find_route(avoid=plan.avoid, keep=plan.keep)
         try:
             return await planner.find_route(avoid=plan.avoid, keep=plan.keep, timeout=SLOW_ROUTE_AROUND_S)
@@ -313,11 +313,13 @@ class HealingSession:
                 error = self.inner.error
         me = str(self.request.node.peer_id)
         if error.peer is not None and error.peer != me:
+            self._only_slow.discard(error.peer)  # (failed now, whatever a probe said of it before)
             return [error.peer]
         # (a last hop that could not open its return stream to us names us: we are not the problem)
         probes = await self.request.probes.probe([c.peer for c in self.route], max_age=0, timeout=PROBE_TIMEOUT)
         gone = [peer for peer, p in probes.items() if p.verdict == "gone"]
         if gone:
+            self._only_slow.difference_update(gone)
             return gone
         slow = [peer for peer, p in probes.items() if p.verdict == "slow"]
         self._only_slow.update(slow)

@@ -9,6 +9,8 @@ client's drafting plus its own per-chunk work).
 
 from __future__ import annotations
 
+import statistics
+
 from shardnet.inference.client.speculative import SpeculationStats
 
 #: the most drafts in a tree's chain that a shape chosen by ``TreeShaper`` holds by default
@@ -84,49 +86,58 @@ class TreeShaper:
     """Each tree's shape, (k, branches), chosen by ``best_tree`` from what was measured: the
     trees' alpha and beta (``SpeculationStats.tree_rates``, pulled towards ``prior`` while few
     drafts were tried), a traversal's fixed cost and its cost per position (a least-squares line
-    through the last ``WINDOW`` trips' (positions, seconds), pulled towards ``PER_POSITION``
-    while their sizes hardly differ), and drafting's time per token. A shaper that starts from
-    the one of the client's previous generation (``start_from``) keeps its trips and takes its
-    rates as the prior, so a short generation does not learn its chain's costs afresh. At most
-    ``max_k`` drafts in the chain and as many branches; ``fixed``: always that shape."""
+    through the last ``WINDOW`` trips' (positions, seconds), trips over ``OUTLIER`` times their
+    median left out, its slope pulled towards ``PER_POSITION`` while their sizes hardly differ),
+    and drafting's time per token (the median over the last ``WINDOW`` trees: a draft's first
+    call also feeds it the prompt). A shaper that starts from the one of the client's previous
+    generation (``start_from``) keeps its measurements and takes its rates as the prior, so a
+    short generation does not learn its chain's costs afresh. Where plain steps rank first, every
+    ``PROBE_EVERY``-th step is still a small tree, so that what is measured stays current. At
+    most ``max_k`` (up to ``MAX_K``) drafts in the chain and as many branches; ``fixed``: always
+    that shape."""
 
     PRIOR = (0.7, 0.5)  # alpha and beta before any tree was verified
     PRIOR_WEIGHT = 8.0  # drafts' worth of weight the prior carries
     PER_POSITION = 2.5e-4  # seconds per position before the trips say otherwise (the shipped model, CPU)
     SPREAD = 16.0  # positions^2 of weight that prior carries
-    WINDOW = 64  # the trips the line is fitted through (the most recent)
+    WINDOW = 64  # the trips (and trees' drafting times) measurements are taken over, the most recent
+    OUTLIER = 4.0  # a trip this many times the window's median is left out of the line
+    PROBE_EVERY = 16
+    MAX_K = 16  # (best_tree's search grows as k^3)
 
     def __init__(self, max_k: int, *, fixed: tuple[int, int] | None = None) -> None:
-        self.max_k, self.fixed = max_k, fixed
+        self.max_k, self.fixed = min(max_k, self.MAX_K), fixed
         self.prior = self.PRIOR
         self.trips: list[tuple[int, float]] = []  # (positions, seconds)
-        self.drafted, self.draft_s = 0, 0.0
+        self.drafts: list[float] = []  # seconds per draft token, per tree
         self.rates_seen = self.PRIOR  # the rates the last shape was chosen with
+        self.plain_run = 0  # plain steps chosen in a row
 
     def start_from(self, previous: TreeShaper) -> None:
         """Go on from the client's previous generation's measurements (its trips and drafting
-        time; its last rates as this one's prior)."""
-        self.trips = list(previous.trips)
-        self.drafted, self.draft_s = previous.drafted, previous.draft_s
-        self.prior = previous.rates_seen
+        times; its last rates as this one's prior)."""
+        self.trips, self.drafts = list(previous.trips), list(previous.drafts)
+        self.prior = self.rates_seen = previous.rates_seen
 
     def trip(self, positions: int, seconds: float) -> None:
         """A step of ``positions`` positions (its root included) came back ``seconds`` after it was sent."""
         self.trips = self.trips[-(self.WINDOW - 1):] + [(positions, seconds)]
 
     def drafting(self, drafts: int, seconds: float) -> None:
-        self.drafted += drafts
-        self.draft_s += seconds
+        if drafts > 0:
+            self.drafts = self.drafts[-(self.WINDOW - 1):] + [seconds / drafts]
 
     def cost(self) -> tuple[float, float]:
         """The traversal's fixed seconds and seconds per position, as the trips measured them."""
         if not self.trips:
             return 0.0, self.PER_POSITION
-        n = len(self.trips)
-        mean_x = sum(x for x, _ in self.trips) / n
-        mean_y = sum(y for _, y in self.trips) / n
-        sxx = sum((x - mean_x) ** 2 for x, _ in self.trips)
-        sxy = sum((x - mean_x) * (y - mean_y) for x, y in self.trips)
+        typical = statistics.median(y for _, y in self.trips)
+        trips = [(x, y) for x, y in self.trips if y <= self.OUTLIER * typical]
+        n = len(trips)
+        mean_x = sum(x for x, _ in trips) / n
+        mean_y = sum(y for _, y in trips) / n
+        sxx = sum((x - mean_x) ** 2 for x, _ in trips)
+        sxy = sum((x - mean_x) * (y - mean_y) for x, y in trips)
         per_position = max(0.0, (sxy + self.SPREAD * self.PER_POSITION) / (sxx + self.SPREAD))
         return max(0.0, mean_y - per_position * mean_x), per_position
 
@@ -136,13 +147,16 @@ class TreeShaper:
                 (stats.branch_kept + b * w) / (stats.branch_tried + w))
 
     def shape(self, stats: SpeculationStats) -> tuple[int, int]:
-        """The next tree's (k, branches)."""
+        """The next tree's (k, branches); (0, 0): a plain step."""
         if self.fixed is not None:
             return self.fixed
         if not self.trips:  # nothing measured yet: a middling tree, whose trip is the first measure
             return min(self.max_k, 4), min(self.max_k, 4)
         latency, per_position = self.cost()
         alpha, beta = self.rates_seen = self.rates(stats)
-        draft = self.draft_s / self.drafted if self.drafted else 0.0
+        draft = statistics.median(self.drafts) if self.drafts else 0.0
         k, branches, _ = best_tree(alpha, beta, latency, per_position, draft, max_k=self.max_k)
-        return k, branches  # (0, 0: plain steps beat any tree here)
+        self.plain_run = self.plain_run + 1 if k == 0 else 0
+        if k == 0 and self.plain_run % self.PROBE_EVERY == 0:
+            return min(self.max_k, 2), min(self.max_k, 2)
+        return k, branches

@@ -218,7 +218,8 @@ async def test_a_heal_goes_through_a_peer_blamed_only_as_slow_when_no_chain_avoi
 
     def session(claims):
         p = planner(claims)
-        return p, healing.HealingSession(SimpleNamespace(planner=p), max_len=16)
+        node = SimpleNamespace(peer_id="me")
+        return p, healing.HealingSession(SimpleNamespace(planner=p, node=node), max_len=16)
 
     p, sess = session([a, b])  # another replica: the heal takes it
     sess._only_slow.add("a")
@@ -232,3 +233,16 @@ async def test_a_heal_goes_through_a_peer_blamed_only_as_slow_when_no_chain_avoi
     p.forget_peer("a")
     with pytest.raises(NoRouteError):
         await sess._route_round(plan_heal([a], ["a"]), ["a"])
+    p, sess = session([a])  # slow once, later named by its chain: no longer only slow
+    sess._only_slow.add("a")
+    sess.inner = None
+    assert await sess._name_failed(healing.InferenceError(healing.ErrorCode.NEXT_HOP, "x", "a")) == ["a"]
+    p.forget_peer("a")
+    with pytest.raises(NoRouteError):
+        await sess._route_round(plan_heal([a], ["a"]), ["a"])
+    p, sess = session([a, claim(peer="c", start=4, end=8)])  # only one of the two blamed was slow
+    sess._only_slow.add("a")
+    p.forget_peer("a", healing.SLOW_AVOID_S)
+    p.forget_peer("c")
+    with pytest.raises(NoRouteError):
+        await sess._route_round(plan_heal([a], ["a", "c"]), ["a", "c"])

@@ -2,6 +2,7 @@
 simulation of the decode loop's chunk outcomes."""
 
 import random
+import statistics
 
 import pytest
 
@@ -166,3 +167,24 @@ def test_a_tree_shaper_goes_on_from_the_previous_generations():
     assert after.trips == before.trips and after.cost() == before.cost()
     assert after.rates(SpeculationStats()) == pytest.approx(before.rates(stats))  # its rates: the prior
     assert after.shape(SpeculationStats()) == before.shape(stats)
+
+
+def test_a_tree_shaper_leaves_out_a_heals_trip_and_keeps_probing_where_plain_wins():
+    shaper = TreeShaper(12)
+    for n in (9, 13, 17, 11) * 8:
+        shaper.trip(n, 0.04 + 0.0002 * n)
+    latency, per_position = shaper.cost()
+    shaper.trip(25, 8.0)  # a trip that spanned probes and a replay
+    assert shaper.cost() == pytest.approx((latency, per_position))
+    shaper.drafting(4, 0.5)  # a first draft that also fed the draft the prompt
+    for _ in range(4):
+        shaper.drafting(4, 0.004)
+    assert statistics.median(shaper.drafts) == pytest.approx(0.001)
+    local = TreeShaper(12)  # compute-bound: plain steps, and every PROBE_EVERY-th a small tree
+    for _ in range(10):
+        local.trip(1, 0.0005)
+        local.trip(9, 0.0005 + 8 * 0.003)
+    local.drafting(2, 0.004)
+    shapes = [local.shape(SpeculationStats(chain_tried=100, chain_kept=30)) for _ in range(2 * TreeShaper.PROBE_EVERY)]
+    assert shapes.count((0, 0)) == 2 * TreeShaper.PROBE_EVERY - 2 and shapes.count((2, 2)) == 2
+    assert TreeShaper(400).max_k == TreeShaper.MAX_K
