@@ -124,6 +124,31 @@ def suffix_trees(model, target, args) -> None:
         shape = f"{kind} of {size:>2}" if branches is None else f"tree of {size} + {branches:>2}"
         print(f"  {who:<6} {shape:<12}: {total / traversals:.2f} tokens per traversal "
               f"({sent / traversals:.1f} drafts, {1e3 * t_draft / traversals:.1f} ms drafting)")
+    shared_outputs(texts)
+
+
+def shared_outputs(texts) -> None:
+    """The suffix drafter's chain of 8 with a gateway's shared outputs (``serve --share-outputs``:
+    a ``SuffixCache``): holding the other prompts' answers (other users asking other things), and
+    holding an earlier answer to the same prompt (a repeated request), teacher-forced as above."""
+    from shardnet.inference.client.speculative import accept_greedy
+    from shardnet.inference.client.suffix_drafter import SuffixCache, SuffixDrafter
+
+    print("  suffix chain of 8 drafting from a gateway's shared outputs too (serve --share-outputs):")
+    for name in ("the other prompts' answers", "an earlier answer to the same prompt"):
+        traversals = 0
+        for i, (ids, cont) in enumerate(texts):
+            cache = SuffixCache()
+            for j, (_, other) in enumerate(texts):
+                if (j != i) == (name != "an earlier answer to the same prompt"):
+                    cache.add(other)
+            drafter, p = SuffixDrafter(cache=cache), 0
+            while p < len(cont):
+                drafts = drafter.propose(ids + cont[:p], 8)
+                want = cont[p:p + len(drafts) + 1]  # the target's token after the text and each draft
+                p += len(accept_greedy(drafts, want + [-1] * (len(drafts) + 1 - len(want))))
+                traversals += 1
+        print(f"    {name}: {sum(len(c) for _, c in texts) / traversals:.2f} tokens per traversal")
 
 if __name__ == "__main__":
     main()

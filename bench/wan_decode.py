@@ -88,6 +88,8 @@ class Mode:
     stats: list[SpeculationStats] = field(default_factory=list)
     #: (prompt index, the tokens generated) per run
     ids: list[tuple[int, list[int]]] = field(default_factory=list)
+    #: a shape chosen per tree: the shaper's estimates after each run (TreeShaper.estimates)
+    estimates: list[dict] = field(default_factory=list)
 
     def total(self, attr: str) -> float:
         return sum(getattr(s, attr) for s in self.stats)
@@ -190,6 +192,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                             st = client.last_stats
                             m.rates.append(st.tokens_per_s)
                             m.stats.append(st.speculation)
+                            if m.tree and m.branches is None and client.tree_shaper is not None:
+                                m.estimates.append(client.tree_shaper.estimates())
         finally:
             stop_processes(procs)
             nursery.cancel_scope.cancel()
@@ -271,6 +275,11 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
                    "most often " + ", ".join(f"{k}+{b} ({n}x)" for (k, b), n in shapes))
             print(f"{m.name}: {total.trees} trees, alpha {alpha:.2f}, beta {beta:.2f}: {law} (measured over trees "
                   f"and other chunks: {total.tokens_per_traversal:.2f} tokens); {total.branched} kept a branch")
+            if m.estimates:
+                med = {key: statistics.median(e[key] for e in m.estimates) for key in m.estimates[0]}
+                print(f"  its shaper's estimates after each run, medians: trip {med['latency'] * 1e3:.1f} ms + "
+                      f"{med['per_position'] * 1e3:.2f} ms a position, the client's own {med['client'] * 1e3:.1f} ms, "
+                      f"drafting {med['draft'] * 1e3:.2f} ms a token, alpha {med['alpha']:.2f}, beta {med['beta']:.2f}")
     print("ceiling: shardnet/inference/client/throughput.py over each mode's own acceptance outcomes, with the WAN")
     print("delays above plus compute measured in this process per chunk: " + ", ".join(
         f"{n} position{'s' if n > 1 else ''} {c[0] * 1e3:.1f} ms chain + {c[1] * 1e3:.1f} ms client"

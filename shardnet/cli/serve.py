@@ -57,9 +57,15 @@ from .common import (
                    "request's text and plain decoding by what each yields. Off by default: in float16 or "
                    "bfloat16 a verify chunk and a plain step may pick different tokens at a near-tie, and a "
                    "gateway's greedy answers should not depend on how busy it is.")
+@click.option("--share-outputs", is_flag=True, default=False,
+              help="With --speculate auto or suffix: suffix drafting also matches this gateway's recent outputs "
+                   "(the last 20,000 tokens), so a request that repeats what an earlier one answered is drafted "
+                   "from it. Other users' text shapes only the drafts, never the answer (greedy drafts are "
+                   "verified, sampling is lossless); how fast an answer comes may tell that it was asked before.")
 @wrap_errors
 def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, host, port, name, logits_on_last,
-          dtype, route_timeout, audit_rate, quantized, api_key, chat_template, prefix_reuse, speculate) -> None:
+          dtype, route_timeout, audit_rate, quantized, api_key, chat_template, prefix_reuse, speculate,
+          share_outputs) -> None:
     """Serve an OpenAI-compatible HTTP API (completions, chat, streaming) backed by the swarm."""
     from shardnet.errors import ShardnetError
     from shardnet.gateway.server import read_chat_template, serve_gateway
@@ -69,6 +75,8 @@ def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path,
 
     if api_key is not None and not api_key.strip():
         raise ShardnetError("--api-key is empty (leave it out to serve without a key)")
+    if share_outputs and speculate not in ("auto", "suffix"):
+        raise ShardnetError("--share-outputs is for suffix drafting: add --speculate auto or --speculate suffix")
     # a bad template file fails here, before anything is loaded or joined
     template = None if chat_template is None else read_chat_template(chat_template)
     path = local_model(model_path, download=not bootstrap and not mdns)
@@ -95,10 +103,10 @@ def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path,
                 # a port in use: PortInUseError, one line like the libp2p port's
                 urls = await nursery.start(functools.partial(
                     serve_gateway, client, shown, host=host, port=port, route_timeout=route_timeout,
-                    api_key=api_key, chat_template=template, speculate=speculate))
+                    api_key=api_key, chat_template=template, speculate=speculate, share_outputs=share_outputs))
                 say(f"serving the OpenAI API for model {shown!r} on {', '.join(urls)} "
                      f"(model {model.model_id[:16]}…)" + (" with an API key" if api_key else "")
-                     + f"; speculation: {speculate}")
+                     + f"; speculation: {speculate}" + (", drafting from shared outputs too" if share_outputs else ""))
                 say(f"swarm dashboard on {urls[0]}/dashboard, metrics on {urls[0]}/metrics")
 
     run(_main)

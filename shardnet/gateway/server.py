@@ -44,6 +44,7 @@ from shardnet.errors import NoRouteError, ShardnetError
 from shardnet.inference.client.auto_drafter import drafter_for
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.routing import format_layers, uncovered_layers
+from shardnet.inference.client.suffix_drafter import SuffixCache
 from shardnet.inference.swarm_status import swarm_report
 from shardnet.protocols.activation import ErrorCode
 
@@ -79,14 +80,19 @@ class Gateway:
     """The ASGI application. ``name``: the model name clients ask for (its ID works too)."""
 
     def __init__(self, client: Client, name: str, *, route_timeout: float = 10.0, api_key: str | None = None,
-                 chat_template: str | None = None, speculate: str = "none") -> None:
+                 chat_template: str | None = None, speculate: str = "none", share_outputs: bool = False) -> None:
         if speculate not in GATEWAY_SPECULATE:
             raise ValueError(f"speculate={speculate!r}: one of {', '.join(GATEWAY_SPECULATE)}")
+        if share_outputs and speculate not in ("auto", "suffix"):
+            raise ValueError("sharing outputs is for suffix drafting: it needs speculate auto or suffix")
         self.client, self.name, self.route_timeout = client, name, route_timeout
         #: each request's drafter (auto: suffix matching or plain decoding, chosen as it goes), for
         #: a request that starts while no other is generating: with several at once the peers are
         #: busy computing, and verify chunks cost them more than the round trips they save
         self.speculate = speculate
+        #: (opt-in) this gateway's recent outputs, which every request's suffix drafter also matches:
+        #: other users' text shapes the drafts, never the output (greedy: verified; sampling: lossless)
+        self.outputs = SuffixCache() if share_outputs else None
         self.generating = 0  # requests generating now
         self.api_key = api_key or None
         self.model = client.model
@@ -223,11 +229,25 @@ class Gateway:
 
     def _tokens(self, req: oa.GenerationRequest, ids: list[int], max_new: int, route):
         alone = self.generating <= 1
-        drafter = drafter_for(self.speculate if alone else "none", vocab_size=self.model.ckpt.config.vocab_size)
-        return self.client.generate(ids, max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
-                                    seed=req.seed, frequency_penalty=req.frequency_penalty,
-                                    presence_penalty=req.presence_penalty, logit_bias=req.logit_bias,
-                                    logprobs=req.logprobs, route=route, drafter=drafter)
+        drafter = drafter_for(self.speculate if alone else "none", vocab_size=self.model.ckpt.config.vocab_size,
+                              suffix_cache=self.outputs)
+        tokens = self.client.generate(ids, max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
+                                      seed=req.seed, frequency_penalty=req.frequency_penalty,
+                                      presence_penalty=req.presence_penalty, logit_bias=req.logit_bias,
+                                      logprobs=req.logprobs, route=route, drafter=drafter)
+        return tokens if self.outputs is None else self._shared(tokens)
+
+    async def _shared(self, tokens):
+        """``tokens``, passed on; what they made goes into the shared outputs once they end (a
+        request cut short by a stop sequence or a disconnect included: it is real output)."""
+        out: list[int] = []
+        try:
+            async with aclosing(tokens) as gen:
+                async for tok in gen:
+                    tok.apply(out)
+                    yield tok
+        finally:
+            self.outputs.add(out)
 
     def _logprob_entry(self, tok, offset: int) -> oa.LogprobEntry:
         return oa.LogprobEntry(tok.text, tok.logprob, [(self.model.decode([t]), lp) for t, lp in tok.top_logprobs],
@@ -394,8 +414,9 @@ def read_chat_template(path: Path) -> str:
 
 async def serve_gateway(client: Client, name: str, *, host: str = "127.0.0.1", port: int = 8000,
                         route_timeout: float = 10.0, api_key: str | None = None, chat_template: str | None = None,
-                        speculate: str = "none", task_status=trio.TASK_STATUS_IGNORED) -> None:
+                        speculate: str = "none", share_outputs: bool = False,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled; ``task_status.started`` gets the bound URLs."""
     gateway = Gateway(client, name, route_timeout=route_timeout, api_key=api_key, chat_template=chat_template,
-                      speculate=speculate)
+                      speculate=speculate, share_outputs=share_outputs)
     await serve_asgi(gateway, host=host, port=port, task_status=task_status)

@@ -37,7 +37,10 @@ ONE_PROCESS = {
         *(rf"^  {shape} *: {NUM} tokens per traversal \({NUM} drafts, {NUM} ms drafting\)$"
           for shape in ("suffix chain of  8", "suffix tree of  8", "suffix tree of 16", "suffix tree of 32",
                         "draft  chain of  6", "draft  chain of 12", r"draft  tree of 6 \+  6",
-                        r"draft  tree of 8 \+  8"))]),
+                        r"draft  tree of 8 \+  8")),
+        r"^  suffix chain of 8 drafting from a gateway's shared outputs too \(serve --share-outputs\):$",
+        *(rf"^    {who}: {NUM} tokens per traversal$"
+          for who in ("the other prompts' answers", "an earlier answer to the same prompt"))]),
     "quantization.py": (["--quick"], [
         r"^dtype bfloat16, 2 prompts x 3 tokens, 1 CPU threads",
         r"^\| model \| quantize \| bytes/layer \|",
@@ -77,6 +80,8 @@ MULTI_PROCESS = {
         rf"^speculative, draft tree, k=2\+2: \d+ trees, alpha {NUM}, beta {NUM}: the tree law predicts {NUM} tokens",
         rf"^speculative, draft tree, shape chosen \(k<=12\): \d+ trees, alpha {NUM}, beta {NUM}: shapes chosen per "
         rf"tree, {NUM} drafts per traversal on average, most often \d+\+\d+ \(\d+x\)",
+        rf"^  its shaper's estimates after each run, medians: trip {NUM} ms \+ {NUM} ms a position, the client's "
+        rf"own {NUM} ms, drafting {NUM} ms a token, alpha {NUM}, beta {NUM}$",
         r"^delays above plus compute measured in this process per chunk: 1 position "]),
     "pipeline_decode.py": (["--quick"], [
         r"^model tiny-llama: 8 layers over 2 peers", rf"^decode \(tok/s\) +{NUM} +{NUM} +{NUM}",

@@ -311,9 +311,11 @@ def test_an_api_key_a_chat_template_and_the_probes(gateway, tmp_path):
 
 
 def test_a_gateway_that_speculates_answers_the_same(gateway, expected):
-    """`serve --speculate auto` (per request: suffix matching or plain decoding, chosen as it goes)
-    gives the greedy text plain decoding gives, streamed or not."""
-    url = start_gateway(GATEWAY["swarm"], "--speculate", "auto")
+    """`serve --speculate auto --share-outputs` (per request: suffix matching, over the request's
+    text and the gateway's earlier outputs, or plain decoding, chosen as it goes) gives the greedy
+    text plain decoding gives, streamed or not (the second request repeats the first: drafted
+    from its output)."""
+    url = start_gateway(GATEWAY["swarm"], "--speculate", "auto", "--share-outputs")
     wait_healthy(url)
     client = api(url)
     text, _, _ = expected

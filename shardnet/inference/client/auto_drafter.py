@@ -272,10 +272,11 @@ class AutoDrafter:
 SPECULATE_CHOICES = ("auto", "none", "draft", "suffix", "ngram")
 
 
-def drafter_for(speculate: str, *, vocab_size: int, draft_path=None, draft_model=None):
+def drafter_for(speculate: str, *, vocab_size: int, draft_path=None, draft_model=None, suffix_cache=None):
     """The drafter ``--speculate`` names (None for "none"). "auto": an ``AutoDrafter`` over a draft
     model (``draft_model``, else loaded from ``draft_path``; none when neither is given or it cannot
-    be loaded, which is logged), the suffix drafter and plain decoding; "draft" needs one."""
+    be loaded, which is logged), the suffix drafter and plain decoding; "draft" needs one. The
+    suffix drafter also matches ``suffix_cache`` (a ``SuffixCache`` of earlier outputs), if given."""
     from shardnet.inference.client.speculative import ModelDrafter, NGramDrafter
     from shardnet.inference.client.suffix_drafter import SuffixDrafter
 
@@ -284,7 +285,7 @@ def drafter_for(speculate: str, *, vocab_size: int, draft_path=None, draft_model
     if speculate == "ngram":
         return NGramDrafter()
     if speculate == "suffix":
-        return SuffixDrafter()
+        return SuffixDrafter(cache=suffix_cache)
     if speculate == "draft":
         if draft_model is None and draft_path is None:
             raise ValueError("speculation with a draft model needs one: none was given and the model's card names none")
@@ -299,7 +300,7 @@ def drafter_for(speculate: str, *, vocab_size: int, draft_path=None, draft_model
                             type(e).__name__, e)
         if draft_model is not None:
             candidates["draft"] = draft_model
-        candidates["suffix"] = SuffixDrafter()
+        candidates["suffix"] = SuffixDrafter(cache=suffix_cache)
         candidates[PLAIN] = None
         return AutoDrafter(candidates)
     raise ValueError(f"--speculate {speculate!r}: one of {', '.join(SPECULATE_CHOICES)}")

@@ -89,8 +89,8 @@ class Client:
         #: per set of candidates, the last greedy generation's AutoDrafter: the next one over the
         #: same candidates starts from its figures
         self._auto_priors: dict[tuple[str, ...], AutoDrafter] = {}
-        #: the last generation's tree shaper that measured trips (the next one starts from it)
-        self._last_shaper: TreeShaper | None = None
+        #: the tree shaper of the last generation that sent trees (the next one starts from it)
+        self.tree_shaper: TreeShaper | None = None
         #: the swarm's claims for this model, shared by every request and client of this node
         #: (kept fresh in the background from now on, unless this client has a fixed route)
         view = ClaimsView.of(node, model.model_id, services.probes, num_layers=model.ckpt.num_layers)
@@ -178,8 +178,8 @@ class Client:
         if branches is None and not params.greedy:  # (a shape chosen from trip times: output by timing)
             tree_k = branches = k
         shaper = TreeShaper(tree_k, fixed=None if branches is None else (tree_k, min(branches, tree_k)))
-        if self._last_shaper is not None:
-            shaper.start_from(self._last_shaper)
+        if self.tree_shaper is not None:
+            shaper.start_from(self.tree_shaper)
         room = max((k + 1) * depth, 2 * tree_k + 1 if tree and depth == 1 else 0)
         sess = HealingSession(request, len(ids) + max_new_tokens + room, max_heals=self.max_heals,
                               progress=progress, heals=stats.heals)
@@ -204,7 +204,7 @@ class Client:
         if isinstance(drafter, AutoDrafter) and drafter.greedy and drafter.chunks:
             self._auto_priors[tuple(drafter.candidates)] = drafter
         if stats.speculation.trees:
-            self._last_shaper = shaper
+            self.tree_shaper = shaper
 
     def _checked_prompt(self, prompt: str | list[int], k: int, depth: int) -> list[int]:
         """The prompt's token ids, once the speculation settings are checked too."""

@@ -299,6 +299,7 @@ class _Pipeline:
         self.vocab = steps.model.ckpt.config.vocab_size
         self.spec = list(prompt)
         self.inflight: deque[_Chunk] = deque()  # of the current epoch, oldest first
+        self._result_at: float | None = None  # when the last result came (perf_counter)
         self.epoch, self.stale_below = 0, 0
         #: indices in the output of tokens accepted from chunks that had drafts
         self.drafted_at: set[int] = set()
@@ -363,13 +364,17 @@ class _Pipeline:
             drafts, parents = self.drafter.propose_tree(spec, k, branches)
         else:
             drafts, parents, q = self.drafter.sample_tree(spec, k, branches, self.params, self.rng, self.vocab)
-        self.stats.draft_s += time.perf_counter() - t_draft
-        self.shaper.drafting(k, time.perf_counter() - t_draft)
+        drafting = time.perf_counter() - t_draft
+        self.stats.draft_s += drafting
+        self.shaper.drafting(k, drafting)
         feed = [spec[-1]] + drafts
         keep, self.keep = self.keep, None
         n = await self.steps.send(feed, pos=len(spec) - 1, logits_for=len(feed), epoch=self.epoch,
                                   tree=[-1] + [p + 1 for p in parents] if drafts else None, keep=keep)
-        self.inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, time.perf_counter(),
+        sent = time.perf_counter()
+        if self._result_at is not None:  # (the client's own time since the last result, drafting aside)
+            self.shaper.client(sent - self._result_at - drafting)
+        self.inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, sent,
                                     getattr(self.drafter, "chosen", None), parents if drafts else None,
                                     self._heals()))
         self.stats.chunks += 1
@@ -388,7 +393,8 @@ class _Pipeline:
         chunk = self.inflight.popleft()
         if chunk.n != n:
             raise InferenceError(ErrorCode.UNEXPECTED, f"result {n} does not match step {chunk.n}")
-        round_trip = time.perf_counter() - chunk.sent
+        self._result_at = time.perf_counter()
+        round_trip = self._result_at - chunk.sent
         self.stats.round_trip_s += round_trip
         if self.stats.on_round_trip is not None:
             self.stats.on_round_trip(round_trip, len(chunk.drafts) + 1)

@@ -88,8 +88,9 @@ class TreeShaper:
     drafts were tried), a traversal's fixed cost and its cost per position (a least-squares line
     through the last ``WINDOW`` trips' (positions, seconds), trips over ``OUTLIER`` times their
     median left out, its slope pulled towards ``PER_POSITION`` while their sizes hardly differ),
-    and drafting's time per token (the median over the last ``WINDOW`` trees: a draft's first
-    call also feeds it the prompt). A shaper that starts from the one of the client's previous
+    drafting's time per token (the median over the last ``WINDOW`` trees: a draft's first call
+    also feeds it the prompt), and the client's own time per traversal beside drafting (the
+    median: it counts as the trip's fixed cost). A shaper that starts from the one of the client's previous
     generation (``start_from``) keeps its measurements and takes its rates as the prior, so a
     short generation does not learn its chain's costs afresh. Where plain steps rank first, every
     ``PROBE_EVERY``-th step is still a small tree, so that what is measured stays current. At
@@ -110,13 +111,14 @@ class TreeShaper:
         self.prior = self.PRIOR
         self.trips: list[tuple[int, float]] = []  # (positions, seconds)
         self.drafts: list[float] = []  # seconds per draft token, per tree
+        self.client_s: list[float] = []  # the client's own seconds per traversal, beside drafting
         self.rates_seen = self.PRIOR  # the rates the last shape was chosen with
         self.plain_run = 0  # plain steps chosen in a row
 
     def start_from(self, previous: TreeShaper) -> None:
         """Go on from the client's previous generation's measurements (its trips and drafting
         times; its last rates as this one's prior)."""
-        self.trips, self.drafts = list(previous.trips), list(previous.drafts)
+        self.trips, self.drafts, self.client_s = list(previous.trips), list(previous.drafts), list(previous.client_s)
         self.prior = self.rates_seen = previous.rates_seen
 
     def trip(self, positions: int, seconds: float) -> None:
@@ -126,6 +128,11 @@ class TreeShaper:
     def drafting(self, drafts: int, seconds: float) -> None:
         if drafts > 0:
             self.drafts = self.drafts[-(self.WINDOW - 1):] + [seconds / drafts]
+
+    def client(self, seconds: float) -> None:
+        """The client's own time for a traversal beside drafting: from a result to the next step's
+        send (logits, acceptance, handing the tokens on, embedding and sending), less drafting."""
+        self.client_s = self.client_s[-(self.WINDOW - 1):] + [max(0.0, seconds)]
 
     def cost(self) -> tuple[float, float]:
         """The traversal's fixed seconds and seconds per position, as the trips measured them."""
@@ -141,6 +148,15 @@ class TreeShaper:
         per_position = max(0.0, (sxy + self.SPREAD * self.PER_POSITION) / (sxx + self.SPREAD))
         return max(0.0, mean_y - per_position * mean_x), per_position
 
+    def estimates(self) -> dict[str, float]:
+        """What the last shape was chosen from: the trip's fixed and per-position seconds, the
+        drafting seconds per token, alpha and beta."""
+        latency, per_position = self.cost()
+        return {"latency": latency, "client": statistics.median(self.client_s) if self.client_s else 0.0,
+                "per_position": per_position,
+                "draft": statistics.median(self.drafts) if self.drafts else 0.0,
+                "alpha": self.rates_seen[0], "beta": self.rates_seen[1]}
+
     def rates(self, stats: SpeculationStats) -> tuple[float, float]:
         w, (a, b) = self.PRIOR_WEIGHT, self.prior
         return ((stats.chain_kept + a * w) / (stats.chain_tried + w),
@@ -152,10 +168,10 @@ class TreeShaper:
             return self.fixed
         if not self.trips:  # nothing measured yet: a middling tree, whose trip is the first measure
             return min(self.max_k, 4), min(self.max_k, 4)
-        latency, per_position = self.cost()
-        alpha, beta = self.rates_seen = self.rates(stats)
-        draft = statistics.median(self.drafts) if self.drafts else 0.0
-        k, branches, _ = best_tree(alpha, beta, latency, per_position, draft, max_k=self.max_k)
+        self.rates_seen = self.rates(stats)
+        e = self.estimates()
+        k, branches, _ = best_tree(e["alpha"], e["beta"], e["latency"] + e["client"], e["per_position"], e["draft"],
+                                   max_k=self.max_k)
         self.plain_run = self.plain_run + 1 if k == 0 else 0
         if k == 0 and self.plain_run % self.PROBE_EVERY == 0:
             return min(self.max_k, 2), min(self.max_k, 2)

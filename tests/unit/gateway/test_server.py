@@ -156,6 +156,9 @@ def test_an_empty_api_key_is_refused():
 
     r = CliRunner().invoke(serve, ["--api-key", " "])
     assert r.exit_code != 0 and r.output.strip() == "error: --api-key is empty (leave it out to serve without a key)"
+    r = CliRunner().invoke(serve, ["--share-outputs"])
+    assert r.exit_code != 0 and r.output.strip() == ("error: --share-outputs is for suffix drafting: add "
+                                                     "--speculate auto or --speculate suffix")
 
 
 async def test_metrics_are_served_in_prometheus_format_without_the_api_key(model):
@@ -190,3 +193,37 @@ async def test_only_a_request_that_starts_alone_speculates(model):
             app._tokens(req, [1, 2], 4, route=None)
         assert isinstance(drafters[0], AutoDrafter) and drafters[1] is None
         assert gateway(node, model).speculate == "none"  # the default
+
+
+async def test_shared_outputs_feed_every_requests_suffix_drafter(model):
+    """`serve --share-outputs`: each request's suffix drafter also matches the gateway's recent
+    outputs, and a request's output joins them when it ends (cut short too); refused without
+    suffix drafting."""
+    from types import SimpleNamespace
+
+    from shardnet.inference.client.decode import Token
+
+    async with open_node(NodeConfig(dht_mode="client")) as node:
+        app = gateway(node, model, speculate="auto", share_outputs=True)
+        drafters = []
+
+        async def generate(ids, **kw):
+            drafters.append(kw["drafter"])
+            for t in (7, 8, 9):
+                yield Token(t, "x")
+
+        app.client.generate = generate
+        req = SimpleNamespace(temperature=0.0, top_p=1.0, seed=None, frequency_penalty=0.0, presence_penalty=0.0,
+                              logit_bias=None, logprobs=None)
+        app.generating = 1
+        assert [t.id async for t in app._tokens(req, [1, 2], 3, route=None)] == [7, 8, 9]
+        suffix = drafters[0].candidates["suffix"]
+        assert suffix.cache is app.outputs and list(app.outputs._outputs) == [[7, 8, 9]]
+        assert suffix.propose([5, 7, 8], 1) == [9]  # drafted from the earlier output
+        gen = app._tokens(req, [1, 2], 3, route=None)
+        assert (await gen.__anext__()).id == 7
+        await gen.aclose()  # a request cut short (a stop sequence, a disconnect)
+        assert list(app.outputs._outputs)[-1] == [7]
+        assert gateway(node, model, speculate="auto").outputs is None  # opt-in
+        with pytest.raises(ValueError, match="suffix drafting"):
+            gateway(node, model, share_outputs=True)
