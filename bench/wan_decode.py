@@ -192,7 +192,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                             st = client.last_stats
                             m.rates.append(st.tokens_per_s)
                             m.stats.append(st.speculation)
-                            if m.tree and m.branches is None and client.tree_shaper is not None:
+                            if m.tree and m.branches is None and st.speculation.trees:  # (this run's shaper)
                                 m.estimates.append(client.tree_shaper.estimates())
         finally:
             stop_processes(procs)
@@ -278,7 +278,7 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
             if m.estimates:
                 med = {key: statistics.median(e[key] for e in m.estimates) for key in m.estimates[0]}
                 print(f"  its shaper's estimates after each run, medians: trip {med['latency'] * 1e3:.1f} ms + "
-                      f"{med['per_position'] * 1e3:.2f} ms a position, the client's own {med['client'] * 1e3:.1f} ms, "
+                      f"{med['per_position'] * 1e3:.2f} ms a position (the client's own work on a step included), "
                       f"drafting {med['draft'] * 1e3:.2f} ms a token, alpha {med['alpha']:.2f}, beta {med['beta']:.2f}")
     print("ceiling: shardnet/inference/client/throughput.py over each mode's own acceptance outcomes, with the WAN")
     print("delays above plus compute measured in this process per chunk: " + ", ".join(

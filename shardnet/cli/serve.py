@@ -60,8 +60,9 @@ from .common import (
 @click.option("--share-outputs", is_flag=True, default=False,
               help="With --speculate auto or suffix: suffix drafting also matches this gateway's recent outputs "
                    "(the last 20,000 tokens), so a request that repeats what an earlier one answered is drafted "
-                   "from it. Other users' text shapes only the drafts, never the answer (greedy drafts are "
-                   "verified, sampling is lossless); how fast an answer comes may tell that it was asked before.")
+                   "from it (not a seeded sampled request). Other users' text shapes only the drafts (greedy "
+                   "drafts are verified, sampling is lossless; in float16 or bfloat16 a near-tie may tip); how "
+                   "fast an answer comes may tell that it was asked before (docs/security.md).")
 @wrap_errors
 def serve(identity, listen, announce, bootstrap, quic, mdns, relays, model_path, cache_dir, host, port, name, logits_on_last,
           dtype, route_timeout, audit_rate, quantized, api_key, chat_template, prefix_reuse, speculate,

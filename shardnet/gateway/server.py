@@ -229,8 +229,11 @@ class Gateway:
 
     def _tokens(self, req: oa.GenerationRequest, ids: list[int], max_new: int, route):
         alone = self.generating <= 1
+        # (not for a seeded sampled request: which drafts were sent decides which numbers draw which
+        # token, so other users' outputs would change its text)
+        shared = self.outputs if req.temperature == 0 or req.seed is None else None
         drafter = drafter_for(self.speculate if alone else "none", vocab_size=self.model.ckpt.config.vocab_size,
-                              suffix_cache=self.outputs)
+                              suffix_cache=shared)
         tokens = self.client.generate(ids, max_new_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
                                       seed=req.seed, frequency_penalty=req.frequency_penalty,
                                       presence_penalty=req.presence_penalty, logit_bias=req.logit_bias,

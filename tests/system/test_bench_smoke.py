@@ -80,8 +80,8 @@ MULTI_PROCESS = {
         rf"^speculative, draft tree, k=2\+2: \d+ trees, alpha {NUM}, beta {NUM}: the tree law predicts {NUM} tokens",
         rf"^speculative, draft tree, shape chosen \(k<=12\): \d+ trees, alpha {NUM}, beta {NUM}: shapes chosen per "
         rf"tree, {NUM} drafts per traversal on average, most often \d+\+\d+ \(\d+x\)",
-        rf"^  its shaper's estimates after each run, medians: trip {NUM} ms \+ {NUM} ms a position, the client's "
-        rf"own {NUM} ms, drafting {NUM} ms a token, alpha {NUM}, beta {NUM}$",
+        rf"^  its shaper's estimates after each run, medians: trip {NUM} ms \+ {NUM} ms a position \(the client's "
+        rf"own work on a step included\), drafting {NUM} ms a token, alpha {NUM}, beta {NUM}$",
         r"^delays above plus compute measured in this process per chunk: 1 position "]),
     "pipeline_decode.py": (["--quick"], [
         r"^model tiny-llama: 8 layers over 2 peers", rf"^decode \(tok/s\) +{NUM} +{NUM} +{NUM}",

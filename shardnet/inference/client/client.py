@@ -170,16 +170,16 @@ class Client:
         stats = GenerationStats(prompt_tokens=len(ids))
         route = await self._route(route, stats, progress)
         if drafter is None:
-            k, depth = 0, 1
+            k, depth, tree_k, tree = 0, 1, 0, False
         elif isinstance(drafter, AutoDrafter) and tuple(drafter.candidates) in self._auto_priors and not drafter.chunks:
             drafter.start_from(self._auto_priors[tuple(drafter.candidates)])  # (greedy only: see start_from)
         request = self.request if prefix is ... else dataclasses.replace(self.request, prefix=_checked_prefix(prefix))
-        # drafts may run past the end (a tree's: its chain and as many branches beside it)
         if branches is None and not params.greedy:  # (a shape chosen from trip times: output by timing)
             tree_k = branches = k
         shaper = TreeShaper(tree_k, fixed=None if branches is None else (tree_k, min(branches, tree_k)))
         if self.tree_shaper is not None:
             shaper.start_from(self.tree_shaper)
+        # drafts may run past the end (a tree's: its chain and as many branches beside it)
         room = max((k + 1) * depth, 2 * tree_k + 1 if tree and depth == 1 else 0)
         sess = HealingSession(request, len(ids) + max_new_tokens + room, max_heals=self.max_heals,
                               progress=progress, heals=stats.heals)

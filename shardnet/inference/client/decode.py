@@ -94,6 +94,7 @@ class _Chunk:
     by: str | None = None  # which drafter drafted it (a drafter that chooses: auto_drafter.py)
     parents: list[int] | None = None  # a tree of drafts: each draft's parent (-1: the text)
     heals: int = 0  # the session's heals when it was sent (a trip that spans a heal is not a trip's cost)
+    send_s: float = 0.0  # a tree's: the client's time from its drafts to its send (embedding, framing)
 
 
 def _logprobs(row: torch.Tensor, tok: int, top: int) -> tuple[float, tuple[tuple[int, float], ...]]:
@@ -299,7 +300,6 @@ class _Pipeline:
         self.vocab = steps.model.ckpt.config.vocab_size
         self.spec = list(prompt)
         self.inflight: deque[_Chunk] = deque()  # of the current epoch, oldest first
-        self._result_at: float | None = None  # when the last result came (perf_counter)
         self.epoch, self.stale_below = 0, 0
         #: indices in the output of tokens accepted from chunks that had drafts
         self.drafted_at: set[int] = set()
@@ -364,19 +364,17 @@ class _Pipeline:
             drafts, parents = self.drafter.propose_tree(spec, k, branches)
         else:
             drafts, parents, q = self.drafter.sample_tree(spec, k, branches, self.params, self.rng, self.vocab)
-        drafting = time.perf_counter() - t_draft
-        self.stats.draft_s += drafting
-        self.shaper.drafting(k, drafting)
+        t_feed = time.perf_counter()
+        self.stats.draft_s += t_feed - t_draft
+        self.shaper.drafting(k, t_feed - t_draft)
         feed = [spec[-1]] + drafts
         keep, self.keep = self.keep, None
         n = await self.steps.send(feed, pos=len(spec) - 1, logits_for=len(feed), epoch=self.epoch,
                                   tree=[-1] + [p + 1 for p in parents] if drafts else None, keep=keep)
         sent = time.perf_counter()
-        if self._result_at is not None:  # (the client's own time since the last result, drafting aside)
-            self.shaper.client(sent - self._result_at - drafting)
         self.inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, sent,
                                     getattr(self.drafter, "chosen", None), parents if drafts else None,
-                                    self._heals()))
+                                    self._heals(), sent - t_feed))
         self.stats.chunks += 1
         self.stats.trees += bool(drafts)
         if drafts:
@@ -393,17 +391,20 @@ class _Pipeline:
         chunk = self.inflight.popleft()
         if chunk.n != n:
             raise InferenceError(ErrorCode.UNEXPECTED, f"result {n} does not match step {chunk.n}")
-        self._result_at = time.perf_counter()
-        round_trip = self._result_at - chunk.sent
+        t_result = time.perf_counter()
+        round_trip = t_result - chunk.sent
         self.stats.round_trip_s += round_trip
         if self.stats.on_round_trip is not None:
             self.stats.on_round_trip(round_trip, len(chunk.drafts) + 1)
-        if self.tree and self._heals() == chunk.heals:
-            # (one chunk in flight: its trip is its own; a chain's too, for the line)
-            self.shaper.trip(len(chunk.drafts) + 1, round_trip)
         # (what the chunk's start follows: the accepted text and the drafts of the chunks before it)
         generated = self.spec[len(self.prompt):chunk.start]
-        return chunk, adjusted(await self.steps.logits(result), self.params, generated, chunk.drafts)
+        logits = adjusted(await self.steps.logits(result), self.params, generated, chunk.drafts)
+        if self.tree and self._heals() == chunk.heals:
+            # one chunk in flight: its trip is its own (a chain's too, for the line), with the
+            # client's own work on it: embedding and sending it, the head over its rows
+            own = chunk.send_s + time.perf_counter() - t_result
+            self.shaper.trip(len(chunk.drafts) + 1, round_trip + own)
+        return chunk, logits
 
     def accept(self, chunk: _Chunk, logits: torch.Tensor) -> list[int]:
         """The tokens a chunk's logits accept (its kept drafts and one more), less what the next

@@ -131,31 +131,37 @@ class SuffixTrie:
 
 class SuffixCache:
     """Earlier outputs of one model, shared by the sessions that opt in (a gateway's, say): the
-    last ``max_tokens`` tokens of them, counted in a suffix trie rebuilt from what is kept when
-    it holds twice that."""
+    last ``max_tokens`` tokens of them (of an output longer than that, its end), one suffix trie
+    per output, so that taking one in or letting the oldest go costs what that output does (one
+    trie over them all would have to be rebuilt, or pruned node by node, stalling the event loop
+    for a second at 20,000 tokens). A drafter matches each output's trie."""
 
     def __init__(self, max_tokens: int = 20_000, depth: int = DEFAULT_DEPTH) -> None:
         self.max_tokens, self.depth = max_tokens, depth
-        self._outputs: deque[list[int]] = deque()
+        self._tries: deque[SuffixTrie] = deque()
         self._kept = 0
-        self.trie = SuffixTrie(depth)
+
+    @property
+    def tries(self) -> tuple[SuffixTrie, ...]:
+        """One per output kept, oldest first."""
+        return tuple(self._tries)
+
+    @property
+    def tokens(self) -> int:
+        return self._kept
 
     def add(self, tokens: list[int]) -> None:
         """One finished output (its prompt left out: prompts are the session's own)."""
+        tokens = list(tokens[-self.max_tokens:])
         if not tokens:
             return
-        self._outputs.append(list(tokens))
+        trie = SuffixTrie(self.depth)
+        trie.start()
+        trie.feed(tokens)
+        self._tries.append(trie)
         self._kept += len(tokens)
-        while self._kept > self.max_tokens and len(self._outputs) > 1:
-            self._kept -= len(self._outputs.popleft())
-        if self.trie.tokens + len(tokens) > 2 * self.max_tokens:
-            self.trie = SuffixTrie(self.depth)
-            for out in self._outputs:
-                self.trie.start()
-                self.trie.feed(out)
-        else:
-            self.trie.start()
-            self.trie.feed(tokens)
+        while self._kept > self.max_tokens and len(self._tries) > 1:
+            self._kept -= self._tries.popleft().tokens
 
 
 class SuffixDrafter:
@@ -177,11 +183,10 @@ class SuffixDrafter:
             return []
         self._follow(ids)
         best: list[int] = []
-        for trie in (self.trie, self.cache.trie if self.cache is not None else None):
-            if trie is not None:
-                drafts = self._draft(trie, ids, k)
-                if len(drafts) > len(best):
-                    best = drafts
+        for trie in (self.trie, *(self.cache.tries if self.cache is not None else ())):
+            drafts = self._draft(trie, ids, k)
+            if len(drafts) > len(best):
+                best = drafts
         return best
 
     def _draft(self, trie: SuffixTrie, ids: list[int], k: int) -> list[int]:

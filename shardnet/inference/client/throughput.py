@@ -88,9 +88,9 @@ class TreeShaper:
     drafts were tried), a traversal's fixed cost and its cost per position (a least-squares line
     through the last ``WINDOW`` trips' (positions, seconds), trips over ``OUTLIER`` times their
     median left out, its slope pulled towards ``PER_POSITION`` while their sizes hardly differ),
-    drafting's time per token (the median over the last ``WINDOW`` trees: a draft's first call
-    also feeds it the prompt), and the client's own time per traversal beside drafting (the
-    median: it counts as the trip's fixed cost). A shaper that starts from the one of the client's previous
+    and drafting's time per token (the median over the last ``WINDOW`` trees: a draft's first
+    call also feeds it the prompt). A trip counts the client's own work on the step too
+    (embedding and sending it, the head over its rows), not what it does per token accepted. A shaper that starts from the one of the client's previous
     generation (``start_from``) keeps its measurements and takes its rates as the prior, so a
     short generation does not learn its chain's costs afresh. Where plain steps rank first, every
     ``PROBE_EVERY``-th step is still a small tree, so that what is measured stays current. At
@@ -111,28 +111,23 @@ class TreeShaper:
         self.prior = self.PRIOR
         self.trips: list[tuple[int, float]] = []  # (positions, seconds)
         self.drafts: list[float] = []  # seconds per draft token, per tree
-        self.client_s: list[float] = []  # the client's own seconds per traversal, beside drafting
         self.rates_seen = self.PRIOR  # the rates the last shape was chosen with
         self.plain_run = 0  # plain steps chosen in a row
 
     def start_from(self, previous: TreeShaper) -> None:
         """Go on from the client's previous generation's measurements (its trips and drafting
         times; its last rates as this one's prior)."""
-        self.trips, self.drafts, self.client_s = list(previous.trips), list(previous.drafts), list(previous.client_s)
+        self.trips, self.drafts = list(previous.trips), list(previous.drafts)
         self.prior = self.rates_seen = previous.rates_seen
 
     def trip(self, positions: int, seconds: float) -> None:
-        """A step of ``positions`` positions (its root included) came back ``seconds`` after it was sent."""
+        """A step of ``positions`` positions (its root included) cost ``seconds`` from its drafts to
+        its logits."""
         self.trips = self.trips[-(self.WINDOW - 1):] + [(positions, seconds)]
 
     def drafting(self, drafts: int, seconds: float) -> None:
         if drafts > 0:
             self.drafts = self.drafts[-(self.WINDOW - 1):] + [seconds / drafts]
-
-    def client(self, seconds: float) -> None:
-        """The client's own time for a traversal beside drafting: from a result to the next step's
-        send (logits, acceptance, handing the tokens on, embedding and sending), less drafting."""
-        self.client_s = self.client_s[-(self.WINDOW - 1):] + [max(0.0, seconds)]
 
     def cost(self) -> tuple[float, float]:
         """The traversal's fixed seconds and seconds per position, as the trips measured them."""
@@ -152,8 +147,7 @@ class TreeShaper:
         """What the last shape was chosen from: the trip's fixed and per-position seconds, the
         drafting seconds per token, alpha and beta."""
         latency, per_position = self.cost()
-        return {"latency": latency, "client": statistics.median(self.client_s) if self.client_s else 0.0,
-                "per_position": per_position,
+        return {"latency": latency, "per_position": per_position,
                 "draft": statistics.median(self.drafts) if self.drafts else 0.0,
                 "alpha": self.rates_seen[0], "beta": self.rates_seen[1]}
 
@@ -170,7 +164,7 @@ class TreeShaper:
             return min(self.max_k, 4), min(self.max_k, 4)
         self.rates_seen = self.rates(stats)
         e = self.estimates()
-        k, branches, _ = best_tree(e["alpha"], e["beta"], e["latency"] + e["client"], e["per_position"], e["draft"],
+        k, branches, _ = best_tree(e["alpha"], e["beta"], e["latency"], e["per_position"], e["draft"],
                                    max_k=self.max_k)
         self.plain_run = self.plain_run + 1 if k == 0 else 0
         if k == 0 and self.plain_run % self.PROBE_EVERY == 0:

@@ -197,8 +197,8 @@ async def test_only_a_request_that_starts_alone_speculates(model):
 
 async def test_shared_outputs_feed_every_requests_suffix_drafter(model):
     """`serve --share-outputs`: each request's suffix drafter also matches the gateway's recent
-    outputs, and a request's output joins them when it ends (cut short too); refused without
-    suffix drafting."""
+    outputs (not a seeded sampled request's), and a request's output joins them when it ends
+    (cut short too); refused without suffix drafting."""
     from types import SimpleNamespace
 
     from shardnet.inference.client.decode import Token
@@ -218,12 +218,15 @@ async def test_shared_outputs_feed_every_requests_suffix_drafter(model):
         app.generating = 1
         assert [t.id async for t in app._tokens(req, [1, 2], 3, route=None)] == [7, 8, 9]
         suffix = drafters[0].candidates["suffix"]
-        assert suffix.cache is app.outputs and list(app.outputs._outputs) == [[7, 8, 9]]
+        assert suffix.cache is app.outputs and app.outputs.tokens == 3
         assert suffix.propose([5, 7, 8], 1) == [9]  # drafted from the earlier output
         gen = app._tokens(req, [1, 2], 3, route=None)
         assert (await gen.__anext__()).id == 7
         await gen.aclose()  # a request cut short (a stop sequence, a disconnect)
-        assert list(app.outputs._outputs)[-1] == [7]
+        assert app.outputs.tokens == 4 and app.outputs.tries[-1].tokens == 1
+        seeded = SimpleNamespace(**{**vars(req), "temperature": 0.8, "seed": 3})  # (its text must not depend on them)
+        [t async for t in app._tokens(seeded, [1, 2], 3, route=None)]
+        assert drafters[-1].candidates["suffix"].cache is None
         assert gateway(node, model, speculate="auto").outputs is None  # opt-in
         with pytest.raises(ValueError, match="suffix drafting"):
             gateway(node, model, share_outputs=True)

@@ -75,10 +75,13 @@ def test_the_shared_cache_keeps_its_last_outputs_within_its_size():
     cache = SuffixCache(max_tokens=10, depth=4)
     for i in range(50):
         cache.add([100 + i, 1, 2, 3])
-    assert cache.trie.tokens <= 2 * 10 + 4
+    assert cache.tokens <= 10 and len(cache.tries) == 2
     assert SuffixDrafter(cache=cache).propose([7, 149, 1], 2) == [2, 3]
     assert SuffixDrafter(cache=cache).propose([7, 100, 1], 2) == [2, 3]  # (1 2 3 is everywhere)
-    assert counts(cache.trie).get((100,)) is None  # the first outputs are gone
+    assert all(counts(t).get((100,)) is None for t in cache.tries)  # the first outputs are gone
+    cache.add(list(range(200, 230)))  # an output longer than the cache: its end
+    assert cache.tokens == 10 and len(cache.tries) == 1
+    assert SuffixDrafter(cache=cache).propose([5, 221, 222], 3) == [223, 224, 225]
 
 
 def test_sampling_drafts_are_point_masses_within_the_vocabulary():
