@@ -91,7 +91,8 @@ class Gateway:
         #: busy computing, and verify chunks cost them more than the round trips they save
         self.speculate = speculate
         #: (opt-in) this gateway's recent outputs, which every request's suffix drafter also matches:
-        #: other users' text shapes the drafts, never the output (greedy: verified; sampling: lossless)
+        #: other users' text shapes the drafts, not the output (greedy: verified, though a float16
+        #: near-tie may tip; unseeded sampling: lossless; a seeded sampled request does not use them)
         self.outputs = SuffixCache() if share_outputs else None
         self.generating = 0  # requests generating now
         self.api_key = api_key or None
