@@ -1,7 +1,7 @@
 """Decode over an emulated WAN, the headline benchmark: plain vs speculative vs pipelined, one run.
 
     python -m bench.wan_decode [--peers 4] [--delay-ms 20] [--jitter-ms 1] [--mbit 100] [--tokens 64]
-                               [-k 6] [--depth 4] [--ngram-k 8] [--repeats 1] [--quick]
+                               [-k 6] [--depth 4] [--ngram-k 8] [--repeats 1] [--temperature 0] [--quick]
 
 A bootstrap, ``--peers`` compute peers (``shardnet join``, separate processes, the shipped
 tiny-llama split evenly) and the client each sit behind a WAN emulator (bench/wan_emulator.py):
@@ -164,6 +164,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                      Mode(f"pipelined, suffix, k={args.ngram_k}, depth {args.depth}", SuffixDrafter, args.ngram_k,
                           args.depth)]
             prompts = PROMPTS[:args.prompts]
+            if args.temperature > 0:  # (sampling keeps a fixed tree shape, so that a seed fixes the output)
+                modes = [m for m in modes if not (m.tree and m.branches is None and m.drafter is draft)]
+            sampling = {"temperature": args.temperature}
 
             def drafter_for(m: Mode):
                 # a suffix drafter (and auto's choices) per generation; the draft model's cache follows the text
@@ -180,7 +183,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                 for m in modes:  # warm-up: connections along the ring, lazy initialisation
                     [t async for t in client.generate(prompts[0][1], max_new_tokens=8, stop_at_eos=False,
                                                       drafter=drafter_for(m), k=m.k, depth=m.depth,
-                                                      tree=m.tree, branches=m.branches)]
+                                                      tree=m.tree, branches=m.branches, seed=0, **sampling)]
                 for r in range(args.repeats):
                     for i, (kind, prompt) in enumerate(prompts):
                         progress(f"run {r + 1}/{args.repeats}, prompt {i + 1}/{len(prompts)} ({kind})",
@@ -188,7 +191,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                         for m in modes:
                             m.ids.append((i, [t.id async for t in client.generate(
                                 prompt, max_new_tokens=args.tokens, stop_at_eos=False, drafter=drafter_for(m), k=m.k,
-                                depth=m.depth, tree=m.tree, branches=m.branches)]))
+                                depth=m.depth, tree=m.tree, branches=m.branches, seed=1000 * r + i, **sampling)]))
                             st = client.last_stats
                             m.rates.append(st.tokens_per_s)
                             m.stats.append(st.speculation)
@@ -258,12 +261,17 @@ def report(args: argparse.Namespace, ranges, ping: float, modes: list[Mode], com
         rows.append([m.name, f"{rate:.2f}", ratio(rate, plain), f"{total.tokens_per_traversal:.2f}", acc,
                      f"{total.stale / max(1, total.chunks):.0%}", f"{top:.2f}", f"{rate / top:.0%}"])
     kinds = sorted({kind for kind, _ in PROMPTS[:args.prompts]})
-    print_table(f"{args.tokens} greedy tokens x {args.prompts} prompts ({', '.join(kinds)}) x {args.repeats} runs "
+    how = "greedy" if args.temperature == 0 else f"sampled (temperature {args.temperature:g}, seeded per prompt)"
+    print_table(f"{args.tokens} {how} tokens x {args.prompts} prompts ({', '.join(kinds)}) x {args.repeats} runs "
                 "per mode, alternating; tok/s: median over runs",
                 ["mode", "tok/s", "x plain", "tok/trav", "accepted", "stale", "ceiling", "reached"], rows)
-    plain_ids = dict(modes[0].ids)
-    same = all(ids == plain_ids[i] for m in modes for i, ids in m.ids)
-    print(f"greedy output identical in every mode and run: {same}")
+    if args.temperature == 0:
+        plain_ids = dict(modes[0].ids)
+        same = all(ids == plain_ids[i] for m in modes for i, ids in m.ids)
+        print(f"greedy output identical in every mode and run: {same}")
+    else:  # (a seed's text depends on which drafts were sent: each mode's is its own sample)
+        print("sampled output not compared across modes (lossless: each mode's text is a sample of the same "
+              "distribution, chi-square tested)")
     for m in modes:
         total = m.summed()
         if total.trees:  # the tree law (throughput.tree_tokens) over the trees' measured alpha and beta
@@ -306,6 +314,9 @@ def main() -> None:
                         "shipped model; greedy output is compared exactly in float32 only: in float16 two "
                         "exact computations in different orders may pick different tokens at a near-tie)")
     p.add_argument("--ngram-k", type=int, default=8, help="drafts per chunk for the n-gram drafter")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (0: greedy); each prompt's seed is the same in every mode, "
+                        "trees keep a fixed shape (the shape-chosen row is left out)")
     p.add_argument("--depth", type=int, default=4, help="verify chunks in flight for the pipelined rows")
     args = p.parse_args()
     if args.quick:
