@@ -146,6 +146,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
             model = LocalModel(default_model_path(), dtype=args.dtype)
             draft = ModelDrafter(default_draft_path(), vocab_size=ckpt.config.vocab_size)
             ngram = NGramDrafter()
+            auto_trees = "shape chosen" if args.temperature == 0 else "k+k"  # (sampling: a fixed shape)
             modes = [Mode("plain decode", None, 0, 1),
                      Mode(f"speculative, draft model, k={args.k}", draft, args.k, 1),
                      Mode(f"speculative, draft tree, k={args.k}+{args.k}", draft, args.k, 1, tree=True,
@@ -154,7 +155,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> None:
                           tree=True),
                      Mode(f"speculative, n-gram, k={args.ngram_k}", ngram, args.ngram_k, 1),
                      Mode(f"speculative, suffix, k={args.ngram_k}", SuffixDrafter, args.ngram_k, 1),
-                     Mode(f"speculative, auto, k={args.k} (trees: shape chosen)", lambda: AutoDrafter(
+                     Mode(f"speculative, auto, k={args.k} (trees: {auto_trees})", lambda: AutoDrafter(
                          {"draft": draft, "suffix": SuffixDrafter(), PLAIN: None}), args.k, 1, tree=True),
                      Mode(f"speculative, auto model-free, k={args.ngram_k}", lambda: AutoDrafter(
                          {"suffix": SuffixDrafter(), PLAIN: None}), args.ngram_k, 1),
