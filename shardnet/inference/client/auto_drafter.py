@@ -152,21 +152,17 @@ class AutoDrafter:
         return getattr(self.drafter, "drafts_trees", False)
 
     def propose_tree(self, ids: list[int], k: int, branches: int | None = None) -> tuple[list[int], list[int]]:
-        self._begin(greedy=True)
-        d = self.drafter
-        if getattr(d, "drafts_trees", False):
-            return d.propose_tree(ids, k, branches)
-        chain = [] if d is None else d.propose(ids, k)  # (a candidate of chains: a chain, as a tree)
+        if self.drafts_trees_for(greedy=True):
+            return self.drafter.propose_tree(ids, k, branches)
+        chain = self.propose(ids, k)  # (a candidate of chains: a chain, as a tree)
         return chain, list(range(-1, len(chain) - 1))
 
     def sample_tree(self, ids: list[int], k: int, branches: int, params: SamplingParams, rng: Randomness,
                     vocab_size: int) -> tuple[list[int], list[int], torch.Tensor]:
-        self._begin(greedy=False)
-        d = self.drafter
-        if getattr(d, "drafts_trees", False):
-            return d.sample_tree(ids, k, branches, params, rng, vocab_size)
-        tokens, q = d.sample(ids, k, params, rng, vocab_size) if d is not None else ([], torch.zeros(0, vocab_size))
-        return tokens, list(range(-1, len(tokens) - 1)), q  # (a candidate of chains: a chain, as a tree)
+        if self.drafts_trees_for(greedy=False):
+            return self.drafter.sample_tree(ids, k, branches, params, rng, vocab_size)
+        tokens, q = self.sample(ids, k, params, rng, vocab_size)  # (a candidate of chains: a chain, as a tree)
+        return tokens, list(range(-1, len(tokens) - 1)), q
 
     def sample(self, ids: list[int], k: int, params: SamplingParams, rng: Randomness,
                vocab_size: int) -> tuple[list[int], torch.Tensor]:

@@ -344,7 +344,7 @@ class _Pipeline:
             by = getattr(self.drafter, "chosen", None)
             keep, self.keep = self.keep, None
             n = await self.steps.send(feed, pos=len(spec) - 1, logits_for=len(feed), epoch=self.epoch, keep=keep)
-            inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, time.perf_counter(), by, None, self._heals()))
+            inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, time.perf_counter(), by, heals=self._heals()))
             spec += drafts
             self.stats.chunks += 1
             if not drafts:
@@ -372,9 +372,8 @@ class _Pipeline:
         n = await self.steps.send(feed, pos=len(spec) - 1, logits_for=len(feed), epoch=self.epoch,
                                   tree=[-1] + [p + 1 for p in parents] if drafts else None, keep=keep)
         sent = time.perf_counter()
-        self.inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, sent,
-                                    getattr(self.drafter, "chosen", None), parents if drafts else None,
-                                    self._heals(), sent - t_feed))
+        self.inflight.append(_Chunk(n, self.epoch, len(spec), drafts, q, sent, getattr(self.drafter, "chosen", None),
+                                    parents if drafts else None, heals=self._heals(), send_s=sent - t_feed))
         self.stats.chunks += 1
         self.stats.trees += bool(drafts)
         if drafts:

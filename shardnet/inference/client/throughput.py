@@ -90,9 +90,10 @@ class TreeShaper:
     median left out, its slope pulled towards ``PER_POSITION`` while their sizes hardly differ),
     and drafting's time per token (the median over the last ``WINDOW`` trees: a draft's first
     call also feeds it the prompt). A trip counts the client's own work on the step too
-    (embedding and sending it, the head over its rows), not what it does per token accepted. A shaper that starts from the one of the client's previous
-    generation (``start_from``) keeps its measurements and takes its rates as the prior, so a
-    short generation does not learn its chain's costs afresh. Where plain steps rank first, every
+    (embedding and sending it, the head over its rows), not what it does per token accepted. A
+    shaper that starts from the one of the client's previous generation (``start_from``) keeps
+    its measurements and takes its rates as the prior, so a short generation does not learn its
+    chain's costs afresh. Where plain steps rank first, every
     ``PROBE_EVERY``-th step is still a small tree, so that what is measured stays current. At
     most ``max_k`` (up to ``MAX_K``) drafts in the chain and as many branches; ``fixed``: always
     that shape."""
