@@ -89,7 +89,7 @@ UPKEEP_LOOKUP_S = CLAIM_TTL / 3
 #: compute_peer.UPKEEP_PINGS: the most unconnected claims one upkeep round pings
 UPKEEP_PINGS = 16
 #: compute_peer.SUCCESSOR_RTT_MAX_AGE_S: a successor's round trip is measured again this late
-SUCCESSOR_RTT_MAX_AGE_S = 60.0
+SUCCESSOR_RTT_MAX_AGE_S = 600.0
 #: the most claims of its view a simulated compute peer plans over (``Swarm.view_claims``: half
 #: of them a sample of what its lookups got, half of the news it heard, their tokens/s scaled
 #: up to stand for the rest): planning over thousands of claims at every upkeep of 10,000 peers

@@ -19,8 +19,12 @@ from shardnet.transport.node import Node
 log = logging.getLogger(__name__)
 
 #: how long a claim is valid: its publisher puts it in the DHT again every third of this (with the
-#: same version), and gossips only news (docs/protocols.md)
-CLAIM_TTL = 600.0
+#: same version), and gossips only news (docs/protocols.md). Not how a peer's death is found:
+#: connections close (keepalive, or at once when its process exits) and clients probe what they
+#: route through, so a claim may outlive its peer by most of an hour. Kademlia's hourly
+#: republication: at 600 s, the refreshes and the lookups that carry them were most of an idle
+#: 24-peer swarm's control traffic (docs/performance.md, issue 37)
+CLAIM_TTL = 3600.0
 MAX_CLAIMS_PER_REPLY = 16
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
 
 import trio
 
-from shardnet.inference.claims import CLAIM_TTL, find_claims
+from shardnet.inference.claims import find_claims
 from shardnet.inference.probes import Probes
 from shardnet.protocols import block_claim as bc
 from shardnet.transport.behaviour import Behaviour
@@ -38,7 +39,12 @@ LOOKUP_TIMEOUT = 15.0
 #: and routing then want every news
 CROWDED_NEWS = 16
 CROWDED_WINDOW_S = 120.0
-CROWDED_PAUSE_S = CLAIM_TTL
+CROWDED_PAUSE_S = 600.0
+#: a view looks up again this long before the first of its claims expires (if that comes before
+#: its next lookup), and no sooner than MIN_EXPIRY_LOOKUP_S after the last: a dead peer's claim
+#: costs at most a lookup or two before it expires
+EXPIRY_MARGIN_S = 30.0
+MIN_EXPIRY_LOOKUP_S = 60.0
 
 
 class ClaimsView:
@@ -94,6 +100,7 @@ class ClaimsView:
         self._changed = trio.Event()
         self._kick = trio.Event()
         self._last_lookup = -LOOKUP_GAP_S
+        self._refreshed: set[str] = set()  # the peers whose claims the last lookup brought anew
         self._running = False
 
     @classmethod
@@ -184,21 +191,34 @@ class ClaimsView:
             self.last_lookup_error = f"the last lookup failed: {e}"
             log.info("claims lookup failed (keeping the %d claims known): %s: %s", len(self._table),
                      type(e).__name__, e)
-        for c in found:
-            self.note(c)
+        self._refreshed = {c.peer for c in found if self.note(c)}
         self.lookups += 1
         self.first_lookup.set()
         self._changed.set()
         self._changed = trio.Event()
+
+    def next_lookup_in(self, *, first: bool = False) -> float:
+        """Seconds from a lookup to the next: ``refresh_s``, the first time a random share of it
+        (a node that just started looks again soon; nodes started together do not look together
+        ever after), and sooner when a claim the last lookup refreshed expires before then
+        (``EXPIRY_MARGIN_S`` ahead of it, at least ``MIN_EXPIRY_LOOKUP_S`` on): claims of peers
+        of dissemination 2 live 600 s and are refreshed only by lookups. (A claim the lookup did
+        not refresh is its peer's last: the peer is gone or does not answer, and a lookup would
+        not keep it.)"""
+        wait = self.refresh_s * (random.uniform(0.05, 1.0) if first else 1.0)
+        now = time.time()
+        earliest = min((c.expires for c in self.current() if c.peer in self._refreshed), default=math.inf)
+        return min(wait, max(MIN_EXPIRY_LOOKUP_S, earliest - EXPIRY_MARGIN_S - now))
 
     async def _run(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self._subscribe()
+                first = True
                 while True:
                     await self.lookup()
-                    with trio.move_on_after(self.refresh_s):
+                    with trio.move_on_after(self.next_lookup_in(first=first)):
                         await self._kick.wait()
                     self._kick = trio.Event()
                     await trio.sleep(max(0.0, self._last_lookup + LOOKUP_GAP_S - trio.current_time()))

@@ -37,7 +37,7 @@ class NodeConfig:
     #: How often the node looks for new peers through the DHT: every ``discovery_interval`` s
     #: while it finds new ones (or wants connections), backing off to ``discovery_max_interval``.
     discovery_interval: float = 5.0
-    discovery_max_interval: float = 300.0
+    discovery_max_interval: float = 1800.0
     #: Bootstrap reconnect backoff: first delay, cap.
     reconnect_initial: float = 0.5
     reconnect_max: float = 30.0
@@ -74,7 +74,7 @@ class NodeConfig:
     #: streams write nothing the interval grows (half the time since one last wrote) up to
     #: ``keepalive_max_interval``; traffic of any kind stands in for pings (compat fix 10).
     keepalive_interval: float = 10.0
-    keepalive_max_interval: float = 60.0
+    keepalive_max_interval: float = 300.0
     keepalive_timeout: float = 15.0  # below interval + 10 s (py-libp2p waits 10 s for a pong, then pings anew)
     #: Raise glibc's mmap threshold for this process (see allocator.py): ~2.5x faster large
     #: transfers from the start. Off leaves the process allocator untouched.

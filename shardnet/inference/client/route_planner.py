@@ -69,6 +69,11 @@ class SpanPolicy:
         return f"is {'not ' if c.quant == 'none' else ''}quantized ({c.quant}; --quantized {self.quantized})"
 
 
+#: seconds a client routes around a peer that failed in a request (unless it claims anew): after
+#: that its claim, if still held, is probed again like any other
+FORGET_S = 600.0
+
+
 class RoutePlanner:
     """Chains over ``num_layers`` layers through the peers in ``view``. ``fixed_route``: always
     this chain (no lookups), unless one of its peers is to be avoided."""
@@ -94,7 +99,7 @@ class RoutePlanner:
         #: peer -> (until (trio time), the expiry of its claim then): failed during a request
         self._avoid: dict[str, tuple[float, float]] = {}
 
-    def forget_peer(self, peer: str, seconds: float = CLAIM_TTL) -> None:
+    def forget_peer(self, peer: str, seconds: float = FORGET_S) -> None:
         """Route around ``peer`` for a while (its claim may outlive it in the DHT), or until it
         signs a newer claim: a peer that restarted and claimed its layers again is back."""
         claim = self.view.get(peer)

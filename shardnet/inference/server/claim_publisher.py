@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import random
 import time
 from functools import partial
 
@@ -45,7 +46,8 @@ class ClaimPublisher(Behaviour):
     the topic of the layer range holding the claim's first layer (and that of the span it is loading)
     (``block_claim.range_topic``) and in the DHT, and provides those ranges' keys
     (``range_provider_name``) that it did not provide last; otherwise it only puts the same
-    version, expiring later, in the DHT once a third of the TTL has passed since the last put.
+    version, expiring later, in the DHT once a third of the TTL has passed since the last put
+    (after the first put, a random share of that: ``first_refresh_share``).
     A news goes into the DHT no sooner than ``NEWS_PUT_GAP_S`` after the last put (at once when
     that has passed). Its ranges' keys are provided again every ``PROVIDE_REFRESH_S``. A direct
     request always gets the claim as built last, signed. ``num_layers``: the model's, which its ranges are cut from."""
@@ -64,6 +66,10 @@ class ClaimPublisher(Behaviour):
         self.provided: frozenset[int] = frozenset()
         self.provide_refresh_s = PROVIDE_REFRESH_S
         self._last_put = -math.inf  # trio time
+        #: a put's refresh is due this share of a third of the TTL after it: 1, but after the
+        #: first put a random share (``first_refresh_share``), so that peers started together
+        #: do not all refresh together ever after
+        self._refresh_share = first_refresh_share()
         self._put_pending = False  # news not in the DHT yet (NEWS_PUT_GAP_S)
         self._last_provide = -math.inf
         self._wake = trio.Event()
@@ -98,7 +104,7 @@ class ClaimPublisher(Behaviour):
             claim, reason = self.next_claim(time.time())
             self.current = blob = bc.encode(self.node.key_pair, claim)
             since_put = trio.current_time() - self._last_put
-            refresh_due = since_put >= self.ttl / 3
+            refresh_due = since_put >= self.ttl / 3 * self._refresh_share
             ranges = bc.claim_ranges(claim, self.num_layers)
             steps = []  # news on gossip first (the peers following those ranges), then the DHT
             if reason is not None:
@@ -114,6 +120,8 @@ class ClaimPublisher(Behaviour):
             if refresh_due or (self._put_pending and since_put >= NEWS_PUT_GAP_S):
                 steps.append((PUT_STEP, lambda: self.node.dht.put(claim_record_name(claim.model), blob), None))
                 self._put_pending = False
+                if self._last_put > -math.inf:  # (the first put keeps its random share)
+                    self._refresh_share = 1.0
                 self._last_put = trio.current_time()
             # every range's key hourly; else those of ranges new to the claim (a move, loading)
             provide_due = trio.current_time() - self._last_provide >= self.provide_refresh_s
@@ -140,12 +148,20 @@ class ClaimPublisher(Behaviour):
             # again when the next refresh is due, or at once when our relay addresses or span change
             relay_client = self.node.relay_client
             events = [self._wake] if relay_client is None else [relay_client.changed, self._wake]
-            due = self._last_put + (NEWS_PUT_GAP_S if self._put_pending else self.ttl / 3)
+            due = self._last_put + (NEWS_PUT_GAP_S if self._put_pending else self.ttl / 3 * self._refresh_share)
             with trio.move_on_after(max(0.0, due - trio.current_time())):
                 async with trio.open_nursery() as nursery:
                     for event in events:
                         nursery.start_soon(_wait_then_cancel, event, nursery.cancel_scope)
             self._wake = trio.Event()
+
+
+def first_refresh_share() -> float:
+    """When a publisher's first refresh comes after its first put: a random share (5-100 %) of
+    a third of the TTL. Peers started together (a swarm restarted, a test, a benchmark) would
+    otherwise put every refresh in the same second forever; with a random phase each peer's
+    refreshes spread over the period, as Kademlia's republication is jittered."""
+    return random.uniform(0.05, 1.0)
 
 
 async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:

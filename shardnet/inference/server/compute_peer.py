@@ -86,8 +86,9 @@ MEASURE_S = 3.0
 UPKEEP_LOOKUP_S = CLAIM_TTL / 3
 #: the most claims of peers we are not connected to that one upkeep round pings
 UPKEEP_PINGS = 16
-#: a successor's round trip is measured again once it is this old (seconds; the next upkeep after)
-SUCCESSOR_RTT_MAX_AGE_S = 60.0
+#: a successor's round trip is measured again once it is this old (seconds; the next upkeep after):
+#: round trips change slowly, and pinging each successor every minute grew with the swarm
+SUCCESSOR_RTT_MAX_AGE_S = 600.0
 #: the most seconds the lookup before a planned move takes (then the view as it is decides)
 MOVE_LOOKUP_TIMEOUT = 10.0
 

@@ -31,10 +31,12 @@
    interval per connection, which at 24 idle peers was a fifth of each peer's socket reads).
    A path that dies is still found within an interval and the ping's timeout. And the interval
    grows while no stream writes on a connection (half the time since one last wrote, from
-   ``keepalive_interval`` up to ``keepalive_max_interval``, 60 s): an idle swarm's peers hold a
-   connection to each of their neighbours, and pinging each every 10 s was the largest share of
-   an idle peer's messages (docs/performance.md). A silently dead idle connection is found
-   within the longer interval and the timeout; one whose streams write keeps the short one.
+   ``keepalive_interval`` up to ``keepalive_max_interval``, 300 s): an idle swarm's peers hold a
+   connection to each of their neighbours, and pinging each every 10 s (later 60 s) was the
+   largest share of an idle peer's messages (docs/performance.md). A silently dead idle
+   connection is found within the longer interval and the timeout; one whose streams write
+   keeps the short one. (A NAT that drops idle TCP mappings sooner than 5 minutes, below RFC
+   5382's 2 h 4 min, loses such a connection; it is dialled again when next wanted.)
 15. Cancelled writes broke connections. Yamux frames were encrypted and written by whichever task
    wrote to a stream; a cancellation (a step timeout, a heal, a client hanging up) landing inside
    the socket write left a Noise message half sent after its nonce was consumed, so the peer's
@@ -73,7 +75,7 @@ log = logging.getLogger(__name__)
 # 10. keepalive --------------------------------------------------------------------------------
 #: Seconds between pings on a connection that opened no stream for a long while (set with the
 #: interval; ``keepalive_max_interval`` in a node's config).
-QUIET_MAX_INTERVAL = 60.0
+QUIET_MAX_INTERVAL = 300.0
 
 
 def set_keepalive_interval(seconds: float, longest: float | None = None) -> None:
