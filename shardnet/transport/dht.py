@@ -38,8 +38,9 @@ K = BUCKET_SIZE
 #: seconds a walk's result (the servers closest to a key) is used again for another put, provide
 #: or server listing towards the same key, as long as the routing table holds the same peers: a
 #: claim refreshed every 200 s walked each time to the same servers (in a small swarm, a query to
-#: every peer per refresh). Any peer joining or leaving the table makes the next one walk.
-WALK_REUSE_S = 600.0
+#: every peer per refresh). Any peer joining or leaving the table makes the next one walk. An
+#: hour, Kademlia's republication period: claims are refreshed and looked up every 1200 s.
+WALK_REUSE_S = 3600.0
 #: no reuse below this many peers in the routing table (py-libp2p's walks then also start from
 #: every connected peer)
 MIN_TABLE_FOR_REUSE = 5

@@ -106,29 +106,39 @@ class Discovery(Behaviour):
             self._kicked = trio.Event()
             # Between network walks, pick up peers that reached us (inbound connections, DHT
             # queries) within a second rather than at the next walk.
+            # Only when the connections or the table changed since the last look (or a peer's
+            # identify was still out): going over every peer each second grew with the swarm.
+            last, pending = None, True
             with trio.move_on_after(self.interval):
                 while not self._kicked.is_set():
                     connected, in_table = set(node.host.get_connected_peers()), set(node.dht.routing_table_peers())
-                    for pid in connected | in_table:
-                        self.note(pid)
-                    await self._tidy_routing_table(connected, in_table)
+                    now = (frozenset(connected), frozenset(in_table))
+                    if pending or now != last:
+                        for pid in connected | in_table:
+                            self.note(pid)
+                        pending = await self._tidy_routing_table(connected, in_table)
+                        last = now
                     with trio.move_on_after(1.0):
                         await self._kicked.wait()
 
-    async def _tidy_routing_table(self, connected: set[ID], in_table: set[ID]) -> None:
+    async def _tidy_routing_table(self, connected: set[ID], in_table: set[ID]) -> bool:
         """Per identify: peers serving the DHT in the routing table, DHT clients out of it.
+        True when some connected peer's identify has not come yet (look again).
 
         A server is offered once per connection (a full bucket may refuse it; asking again
         each second would ping that bucket's oldest peer each time)."""
         self._offered_to_table &= connected
         dht, store = self.node.dht, self.node.host.get_peerstore()
+        pending = False
         for pid in connected:
             serves = compat.serves_dht(store, pid)
+            pending = pending or serves is None
             if serves is False and pid in in_table:
                 dht.remove_peer(pid)
             elif serves and pid not in in_table and pid not in self._offered_to_table:
                 self._offered_to_table.add(pid)
                 await dht.add_peer(pid)
+        return pending
 
     async def _top_up_connections(self) -> None:
         """Keep direct connections to discovered peers up to the low watermark, so that

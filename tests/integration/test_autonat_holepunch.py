@@ -127,8 +127,8 @@ async def test_a_silently_dead_connection_is_closed_by_keepalive(loopback_config
         except trio.BrokenResourceError:
             pass
 
-    async with open_node(loopback_config(keepalive_interval=0.5, keepalive_timeout=2.0)) as a, \
-            open_node(loopback_config(keepalive_interval=0.5, keepalive_timeout=2.0)) as b, \
+    cfg = dict(keepalive_interval=0.5, keepalive_max_interval=1.0, keepalive_timeout=2.0)
+    async with open_node(loopback_config(**cfg)) as a, open_node(loopback_config(**cfg)) as b, \
             trio.open_nursery() as nursery:
         port = int(str(b.listen_addrs[0]).split("/tcp/")[1].split("/")[0])
 

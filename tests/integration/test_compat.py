@@ -13,6 +13,7 @@ from libp2p import new_host
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
+from shardnet.testing.factories import echo_handler
 from shardnet.testing.helpers import free_port
 from shardnet.transport import compat, open_node
 from shardnet.transport.errors import PortInUseError
@@ -615,15 +616,17 @@ async def test_only_quiet_connections_are_pinged(loopback_config):
 
 
 async def test_idle_connections_are_pinged_less_often(loopback_config):
-    """On a connection whose streams write nothing the keepalive interval grows (half the time
-    since one last wrote, up to ``keepalive_max_interval``); a stream writing brings it back to
-    ``keepalive_interval`` (a dead path is found as before: test_autonat_holepunch.py's
-    silently-dead-connection test)."""
+    """On a connection whose long-lived streams write nothing the keepalive interval grows (half
+    the time since one last wrote, up to ``keepalive_max_interval``; the longest on one none ever
+    wrote on); a stream open for an interval or more that writes brings it back to
+    ``keepalive_interval``, a request and its answer do not (a dead path is found as before:
+    test_autonat_holepunch.py's silently-dead-connection test)."""
     base, longest = 0.2, 1.6
     cfg = dict(keepalive_interval=base, keepalive_max_interval=longest, keepalive_timeout=2.0,
                discovery_interval=600.0, autonat_client=False)  # no DHT walk or AutoNAT ask opens a stream
     async with open_node(loopback_config(**cfg)) as a, open_node(loopback_config(**cfg)) as b:
         b.set_stream_handler("/noop/1.0.0", lambda stream: stream.close())
+        b.set_stream_handler("/echo/1.0.0", echo_handler)
         await a.connect(b.listen_addrs[0])
         ours, theirs = (n.host.get_network().get_connections(p)[0].muxed_conn
                         for n, p in ((a, b.peer_id), (b, a.peer_id)))
@@ -631,14 +634,24 @@ async def test_idle_connections_are_pinged_less_often(loopback_config):
         def pings() -> int:
             return compat.pings_sent(ours) + compat.pings_sent(theirs)
 
-        await trio.sleep(4 * longest)
-        assert compat.ping_interval(ours, trio.current_time()) == longest
+        assert compat.ping_interval(ours, trio.current_time()) == longest  # never used
+        await trio.sleep(0.6)  # (the first ping, which measures the round trip, is out)
         before = pings()
         await trio.sleep(4 * longest)
         quiet = pings() - before  # one per 0.75-1.0 x 1.6 s: 4 to 6 (at the base interval: ~20)
         assert 2 <= quiet <= 7, quiet
 
-        s = await a.new_stream(b.peer_id, "/noop/1.0.0")
+        s = await a.new_stream(b.peer_id, "/noop/1.0.0")  # a request: short-lived
         await s.close()
+        assert compat.ping_interval(ours, trio.current_time()) == longest
+        assert compat.ping_interval(theirs, trio.current_time()) == longest
+
+        s = await a.new_stream(b.peer_id, "/echo/1.0.0")  # a session: lives past an interval
+        await s.write(b"x", timeout=10)
+        assert await s.read_some(64, timeout=10) == b"x"
+        await trio.sleep(2 * base)
+        await s.write(b"y", timeout=10)
+        assert await s.read_some(64, timeout=10) == b"y"
         assert compat.ping_interval(ours, trio.current_time()) == base
-        assert compat.ping_interval(theirs, trio.current_time()) == base  # its side saw the stream too
+        assert compat.ping_interval(theirs, trio.current_time()) == base  # its side's echo wrote too
+        await s.close()

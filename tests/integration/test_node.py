@@ -356,3 +356,17 @@ async def test_pings_are_answered_in_order_and_in_batches(loopback_config):
         except ShardnetError:
             answer = b""
         assert answer == b""
+
+
+async def test_the_dht_refreshes_its_routing_table_hourly(loopback_config):
+    """Compat fix 19: py-libp2p's DHT walked once per non-empty bucket every 10 minutes, beside
+    discovery's own walks; a node's DHT loop now sleeps an hour between refreshes."""
+    import inspect
+
+    from libp2p.kad_dht import kad_dht
+
+    async with open_node(loopback_config()):
+        assert kad_dht.ROUTING_TABLE_REFRESH_INTERVAL == 3600
+        # the loop reads the module's name each round, so the patched value is the one it sleeps
+        loop = inspect.getsource(kad_dht.KadDHT._run_main_loop)
+        assert "await trio.sleep(ROUTING_TABLE_REFRESH_INTERVAL)" in loop

@@ -30,12 +30,15 @@
    turns instead of both pinging every interval (upstream: two pings and two answers per
    interval per connection, which at 24 idle peers was a fifth of each peer's socket reads).
    A path that dies is still found within an interval and the ping's timeout. And the interval
-   grows while no stream writes on a connection (half the time since one last wrote, from
-   ``keepalive_interval`` up to ``keepalive_max_interval``, 300 s): an idle swarm's peers hold a
-   connection to each of their neighbours, and pinging each every 10 s (later 60 s) was the
-   largest share of an idle peer's messages (docs/performance.md). A silently dead idle
-   connection is found within the longer interval and the timeout; one whose streams write
-   keeps the short one. (A NAT that drops idle TCP mappings sooner than 5 minutes, below RFC
+   grows while no long-lived stream writes on a connection (half the time since one last wrote,
+   from ``keepalive_interval`` up to ``keepalive_max_interval``, 300 s; the longest on a
+   connection none ever wrote on): an idle swarm's peers hold a connection to each of their
+   neighbours, and pinging each every 10 s (later 60 s) was the largest share of an idle peer's
+   messages (docs/performance.md). Long-lived: open for an interval or more (a session, a
+   gossip link); requests and their answers (DHT queries, claim fetches) do not count, or each
+   one brought a connection back to 10 s and ~9 pings before it was quiet again. A silently
+   dead idle connection is found within the longer interval and the timeout; one whose
+   sessions write keeps the short one. (A NAT that drops idle TCP mappings sooner than 5 minutes, below RFC
    5382's 2 h 4 min, loses such a connection; it is dialled again when next wanted.)
 15. Cancelled writes broke connections. Yamux frames were encrypted and written by whichever task
    wrote to a stream; a cancellation (a step timeout, a heal, a client hanging up) landing inside
@@ -112,14 +115,18 @@ def used_at(muxed: Any) -> float | None:
 
 
 def ping_interval(muxed: Any, now: float) -> float:
-    """Seconds between pings on ``muxed`` now: the keepalive interval while its streams write,
-    then half the time since a stream last wrote, up to ``QUIET_MAX_INTERVAL``."""
+    """Seconds between pings on ``muxed`` now: the keepalive interval while a long-lived stream
+    of it writes (``note_when_each_connection_last_used``), then half the time since one last
+    wrote, up to ``QUIET_MAX_INTERVAL``; that longest interval on a connection no long-lived
+    stream ever wrote on."""
     from libp2p.stream_muxer.yamux import yamux as ymod
 
     base = ymod.RTT_MEASURE_INTERVAL
+    longest = max(base, QUIET_MAX_INTERVAL)
     used = used_at(muxed)
-    quiet = 0.0 if used is None else now - used
-    return min(max(base, QUIET_MAX_INTERVAL), max(base, quiet / 2))
+    if used is None:
+        return longest
+    return min(longest, max(base, (now - used) / 2))
 
 
 def note_when_each_connection_last_used() -> None:
@@ -128,7 +135,13 @@ def note_when_each_connection_last_used() -> None:
     stream_write = ymod.YamuxStream.write
 
     async def write(self: Any, data: bytes) -> None:
-        self.conn.__dict__["_sn_used_at"] = trio.current_time()
+        # Only a stream that has lived an interval counts (a session, a gossip link): a request
+        # and its answer (a DHT query, a claim fetch) pass in well under one, and when each
+        # one brought the interval back to 10 s, an idle 24-peer swarm's rare DHT traffic had
+        # every connection pinged ~9 times after it (docs/performance.md)
+        now = trio.current_time()
+        if now - self.__dict__.setdefault("_sn_born", now) >= ymod.RTT_MEASURE_INTERVAL:
+            self.conn.__dict__["_sn_used_at"] = now
         await stream_write(self, data)
 
     ymod.YamuxStream.write = write
@@ -139,7 +152,6 @@ def ping_only_quiet_connections() -> None:
 
     async def _measure_rtt_loop(self: Any) -> None:
         await trio.sleep(0.5)  # upstream's: let the connection establish; the first ping measures its RTT
-        self.__dict__.setdefault("_sn_used_at", trio.current_time())
         must_ping = True
         rng = random.Random()
         while not self.event_shutting_down.is_set():
