@@ -85,7 +85,7 @@ BATCH_TOKENS = 256
 REPUBLISH_S = CLAIM_TTL / 3
 #: compute_peer.UPKEEP_LOOKUP_S (not imported: that module needs torch; a test keeps them equal):
 #: a compute peer's claims view looks up this often, gossip bringing news in between
-UPKEEP_LOOKUP_S = CLAIM_TTL / 3
+UPKEEP_LOOKUP_S = CLAIM_TTL / 2
 #: compute_peer.UPKEEP_PINGS: the most unconnected claims one upkeep round pings
 UPKEEP_PINGS = 16
 #: compute_peer.SUCCESSOR_RTT_MAX_AGE_S: a successor's round trip is measured again this late

@@ -37,7 +37,7 @@ class NodeConfig:
     #: How often the node looks for new peers through the DHT: every ``discovery_interval`` s
     #: while it finds new ones (or wants connections), backing off to ``discovery_max_interval``.
     discovery_interval: float = 5.0
-    discovery_max_interval: float = 1800.0
+    discovery_max_interval: float = 3600.0
     #: Bootstrap reconnect backoff: first delay, cap.
     reconnect_initial: float = 0.5
     reconnect_max: float = 30.0

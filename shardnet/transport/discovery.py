@@ -5,6 +5,7 @@ host and its peers reach us as connections, which this behaviour then notes)."""
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,10 +40,12 @@ class Discovery(Behaviour):
     second the peers that reached us. Ready at once.
 
     Walks follow Kademlia's refresh rather than a fixed beat: every ``discovery_interval`` while
-    walks find peers we did not know (or connect us to ones we knew: the top-up), then
-    twice as long after each walk that found nothing new, up to ``discovery_max_interval`` (a
-    walk queries up to 20 peers, so a fixed 5 s beat cost every node a share of a core that grew
-    with the swarm: docs/performance.md); at once, and back to the short beat, when ``kick``-ed."""
+    walks find peers we did not know (or connect us to ones we knew: the top-up), then, after
+    the first walk that found nothing new, a random share of ``discovery_max_interval`` (an
+    hour), then every ``discovery_max_interval`` (a walk queries up to 20 peers, so a fixed 5 s
+    beat cost every node a share of a core that grew with the swarm: docs/performance.md); at
+    once, and back to the short beat, when ``kick``-ed. Peers that join later reach us (their
+    own walks, their DHT queries) and are noted within a second."""
 
     def __init__(self, config: NodeConfig, on_discovered: Callable[[ID], None] | None = None) -> None:
         self.config = config
@@ -55,8 +58,10 @@ class Discovery(Behaviour):
         self.last_walk_at: float | None = None
         self.last_walk_found = 0
         self.top_up_dials = 0
-        #: seconds until the next walk (``discovery_interval``, doubling while walks find nothing new)
+        #: seconds until the next walk (``discovery_interval`` while walks find news, then up to
+        #: ``discovery_max_interval``: ``_next_interval``)
         self.interval = config.discovery_interval
+        self._settled = False  # a walk found nothing new since the last news
 
     def snapshot(self) -> DiscoveryStatus:
         return DiscoveryStatus(len(self.discovered), self.walks, self.last_walk_at, self.last_walk_found,
@@ -101,8 +106,7 @@ class Discovery(Behaviour):
                 log.warning("connection top-up failed: %s: %s", type(e).__name__, e)
             # new peers, new connections to old ones, or a kick: keep looking at the short beat
             news = len(self.discovered) > known or self.top_up_dials > dials or self._kicked.is_set()
-            self.interval = (self.config.discovery_interval if news
-                             else min(2 * self.interval, self.config.discovery_max_interval))
+            self.interval = self._next_interval(news)
             self._kicked = trio.Event()
             # Between network walks, pick up peers that reached us (inbound connections, DHT
             # queries) within a second rather than at the next walk.
@@ -120,6 +124,22 @@ class Discovery(Behaviour):
                         last = now
                     with trio.move_on_after(1.0):
                         await self._kicked.wait()
+
+    def _next_interval(self, news: bool) -> float:
+        """Seconds to the next walk: the short beat after news; after the first walk that found
+        nothing new, a random 5-100 % of the ceiling (nodes started together do not walk
+        together ever after, and a window shorter than the ceiling sees each node's walks at
+        their long-run rate); then the ceiling. (Doubling from the short beat put every node's
+        walks at the same times for the first hour, and a node an hour old walks no more often
+        than Kademlia's hourly refresh.)"""
+        ceiling = self.config.discovery_max_interval
+        if news:
+            self._settled = False
+            return self.config.discovery_interval
+        if not self._settled:
+            self._settled = True
+            return ceiling * random.uniform(0.05, 1.0)
+        return ceiling
 
     async def _tidy_routing_table(self, connected: set[ID], in_table: set[ID]) -> bool:
         """Per identify: peers serving the DHT in the routing table, DHT clients out of it.

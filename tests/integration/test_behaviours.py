@@ -203,8 +203,9 @@ async def test_the_behaviour_registry_holds_only_what_runs(loopback_config):
 
 
 async def test_discovery_walks_less_often_while_it_finds_nothing_new(loopback_config):
-    """Kademlia's refresh, not a fixed beat: the interval doubles after each walk that finds no
-    new peer, up to the ceiling, and a kick walks at once and goes back to the short beat."""
+    """Kademlia's refresh, not a fixed beat: after a walk that finds no new peer the next comes a
+    random share of the ceiling later, then at the ceiling, and a kick walks at once and goes
+    back to the short beat."""
     async with open_node(loopback_config()) as boot, \
             open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])], discovery_interval=0.1,
                                       discovery_max_interval=0.8)) as node:

@@ -358,15 +358,31 @@ async def test_pings_are_answered_in_order_and_in_batches(loopback_config):
         assert answer == b""
 
 
-async def test_the_dht_refreshes_its_routing_table_hourly(loopback_config):
+async def test_the_dht_leaves_its_routing_table_refresh_to_discovery(loopback_config):
     """Compat fix 19: py-libp2p's DHT walked once per non-empty bucket every 10 minutes, beside
-    discovery's own walks; a node's DHT loop now sleeps an hour between refreshes."""
+    discovery's own walks; its loop now sleeps an hour between rounds and its refresh walks no
+    more, while discovery walks (towards our ID and a random one) and fills the table."""
     import inspect
 
     from libp2p.kad_dht import kad_dht
 
-    async with open_node(loopback_config()):
+    async with open_node(loopback_config()) as boot, \
+            open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as a, \
+            open_node(loopback_config(bootstrap=[str(boot.listen_addrs[0])])) as b:
         assert kad_dht.ROUTING_TABLE_REFRESH_INTERVAL == 3600
         # the loop reads the module's name each round, so the patched value is the one it sleeps
         loop = inspect.getsource(kad_dht.KadDHT._run_main_loop)
         assert "await trio.sleep(ROUTING_TABLE_REFRESH_INTERVAL)" in loop
+        routing, walks = a.dht.kad.peer_routing, []
+        walk = routing.find_closest_peers_network
+
+        async def counted(*args, **kwargs):
+            walks.append(args)
+            return await walk(*args, **kwargs)
+
+        routing.find_closest_peers_network = counted
+        await a.dht.kad.refresh_routing_table()
+        assert walks == []  # upstream: one walk for our ID, one per non-empty bucket
+        with trio.fail_after(20):  # discovery's walks found b for a's table all the same
+            while b.peer_id not in a.dht.routing_table_peers():
+                await trio.sleep(0.1)

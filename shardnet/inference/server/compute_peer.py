@@ -82,8 +82,10 @@ RECHECK_DELAY = (0.5, 2.5)
 #: after this many seconds the throughput measurement takes the rounds it has
 MEASURE_S = 3.0
 #: seconds between a compute peer's lookups of the claims (gossip brings news in between; a
-#: lookup brings refreshed claims, which are not gossiped): a third of the claims' TTL
-UPKEEP_LOOKUP_S = CLAIM_TTL / 3
+#: lookup brings refreshed claims, which are not gossiped): half the claims' TTL. A claim is
+#: rebuilt at least every third of the TTL, so one a lookup brings lives at least two thirds of
+#: the TTL more, past the next lookup
+UPKEEP_LOOKUP_S = CLAIM_TTL / 2
 #: the most claims of peers we are not connected to that one upkeep round pings
 UPKEEP_PINGS = 16
 #: a successor's round trip is measured again once it is this old (seconds; the next upkeep after):

@@ -23,10 +23,11 @@ state that dht.py needs.
    (and asks) see different providers.
 19. The DHT refreshed its routing table every 10 minutes: a walk towards our own ID and one
    towards a random ID in every non-empty bucket, beside the node's own discovery walks
-   (discovery.py). In a swarm of under k = 20 servers each walk queries about every peer, so
-   a 24-peer swarm's peers answered ~5 walks of each of the others every 10 minutes. Now
-   hourly (``ROUTING_TABLE_REFRESH_S``), Kademlia's bucket refresh; discovery walks as well,
-   every 5 s while it finds peers, backing off to 30 minutes.
+   (discovery.py), which walk towards our own ID and a random one. In a swarm of under k = 20
+   servers each walk queries about every peer, so a 24-peer swarm's peers answered ~5 walks of
+   each of the others every 10 minutes. Its loop now sleeps an hour
+   (``ROUTING_TABLE_REFRESH_S``) and its refresh walks no more: discovery's walks are the
+   node's Kademlia refresh (every 5 s while they find peers, then hourly at a random phase).
 """
 
 from __future__ import annotations
@@ -136,6 +137,15 @@ def refresh_the_routing_table_hourly() -> None:
     from libp2p.kad_dht import kad_dht
 
     kad_dht.ROUTING_TABLE_REFRESH_INTERVAL = ROUTING_TABLE_REFRESH_S  # (read by its loop each round)
+
+
+def leave_routing_table_refresh_to_discovery() -> None:
+    from libp2p.kad_dht.kad_dht import KadDHT
+
+    async def refresh_routing_table(self) -> None:
+        return None  # discovery.py walks towards our own ID and a random one, on its schedule
+
+    KadDHT.refresh_routing_table = refresh_routing_table
 
 
 def answer_a_sample_of_providers() -> None:
