@@ -100,7 +100,7 @@ class ClaimsView:
         self._changed = trio.Event()
         self._kick = trio.Event()
         self._last_lookup = -LOOKUP_GAP_S
-        self._refreshed: set[str] = set()  # the peers whose claims the last lookup brought anew
+        self._refreshed: set[str] = set()  # the peers whose claims the last lookup brought
         self._running = False
 
     @classmethod
@@ -191,7 +191,10 @@ class ClaimsView:
             self.last_lookup_error = f"the last lookup failed: {e}"
             log.info("claims lookup failed (keeping the %d claims known): %s: %s", len(self._table),
                      type(e).__name__, e)
-        self._refreshed = {c.peer for c in found if self.note(c)}
+        for c in found:
+            self.note(c)
+        if found:  # (a failed lookup keeps the last set: it says nothing of who is live)
+            self._refreshed = {c.peer for c in found}
         self.lookups += 1
         self.first_lookup.set()
         self._changed.set()
@@ -200,10 +203,10 @@ class ClaimsView:
     def next_lookup_in(self, *, first: bool = False) -> float:
         """Seconds from a lookup to the next: ``refresh_s``, the first time a random share of it
         (a node that just started looks again soon; nodes started together do not look together
-        ever after), and sooner when a claim the last lookup refreshed expires before then
+        ever after), and sooner when a claim the last lookup brought expires before then
         (``EXPIRY_MARGIN_S`` ahead of it, at least ``MIN_EXPIRY_LOOKUP_S`` on): claims of peers
         of dissemination 2 live 600 s and are refreshed only by lookups. (A claim the lookup did
-        not refresh is its peer's last: the peer is gone or does not answer, and a lookup would
+        not bring is its peer's last: the peer is gone or does not answer, and a lookup would
         not keep it.)"""
         wait = self.refresh_s * (random.uniform(0.05, 1.0) if first else 1.0)
         now = time.time()
@@ -220,6 +223,7 @@ class ClaimsView:
                     await self.lookup()
                     with trio.move_on_after(self.next_lookup_in(first=first)):
                         await self._kick.wait()
+                    first = False
                     self._kick = trio.Event()
                     await trio.sleep(max(0.0, self._last_lookup + LOOKUP_GAP_S - trio.current_time()))
         finally:

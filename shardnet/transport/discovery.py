@@ -34,6 +34,11 @@ class DiscoveryStatus:
     top_up_dials: int  # discovered peers dialled to reach the low watermark
 
 
+#: the least seconds between two top-ups of the connections outside a walk (below the low
+#: watermark): the ceiling of walks before 2026-12-07, when every walk topped up
+TOP_UP_GAP_S = 300.0
+
+
 class Discovery(Behaviour):
     """Walk the DHT for peers near ourselves and near random keys, remember them (``discovered``,
     oldest first) and dial them up to ``low_watermark`` connections; between walks, note within a
@@ -62,6 +67,7 @@ class Discovery(Behaviour):
         #: ``discovery_max_interval``: ``_next_interval``)
         self.interval = config.discovery_interval
         self._settled = False  # a walk found nothing new since the last news
+        self._last_top_up = -TOP_UP_GAP_S  # trio time
 
     def snapshot(self) -> DiscoveryStatus:
         return DiscoveryStatus(len(self.discovered), self.walks, self.last_walk_at, self.last_walk_found,
@@ -122,6 +128,14 @@ class Discovery(Behaviour):
                             self.note(pid)
                         pending = await self._tidy_routing_table(connected, in_table)
                         last = now
+                    # below the low watermark, dial discovered peers now and then, not only
+                    # after a walk (walks are an hour apart once the swarm is known)
+                    if len(connected) < self.config.low_watermark and \
+                            trio.current_time() - self._last_top_up >= TOP_UP_GAP_S:
+                        try:
+                            await self._top_up_connections()
+                        except Exception as e:  # as after a walk: never takes the node down
+                            log.warning("connection top-up failed: %s: %s", type(e).__name__, e)
                     with trio.move_on_after(1.0):
                         await self._kicked.wait()
 
@@ -164,13 +178,13 @@ class Discovery(Behaviour):
         """Keep direct connections to discovered peers up to the low watermark, so that
         gossip meshes and streams do not depend on any one node (the bootstrap in particular)."""
         node = self.node
+        self._last_top_up = trio.current_time()
         connected = set(node.host.get_connected_peers())
         want = self.config.low_watermark - len(connected)
         for pid in list(self.discovered):
             if want <= 0:
                 break
-            addrs = node.addrs_of(pid)
-            if pid in connected or not addrs:
+            if pid in connected or not (addrs := node.addrs_of(pid)):
                 continue
             try:
                 await node.connect(PeerInfo(pid, addrs), timeout=min(5.0, self.config.dial_timeout))

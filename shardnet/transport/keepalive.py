@@ -16,6 +16,9 @@ from .config import NodeConfig
 
 log = logging.getLogger(__name__)
 
+#: the longest keepalive interval of an idle connection while this node is behind NAT (seconds)
+PRIVATE_MAX_INTERVAL_S = 60.0
+
 
 @dataclass(frozen=True)
 class KeepaliveStatus:
@@ -30,6 +33,10 @@ class Keepalive(Behaviour):
     once."""
 
     def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        #: whether this node is behind NAT (AutoNAT says private, or it holds relay slots it was
+        #: given): its idle connections are then pinged at most every PRIVATE_MAX_INTERVAL_S
+        self.private = False
         # py-libp2p sends the next ping 10 s + interval after an unanswered one, which resets
         # the age we watch: a longer timeout would never fire.
         self.timeout = min(config.keepalive_timeout, config.keepalive_interval + 9.0)
@@ -43,6 +50,7 @@ class Keepalive(Behaviour):
         task_status.started()
         while True:
             await trio.sleep(min(1.0, self.timeout / 4))
+            self._mind_the_nat()
             for conn in list(self.node.host.get_network().get_connections()):
                 age = compat.unanswered_ping_age(conn.muxed_conn)
                 if age is not None and age > self.timeout:
@@ -55,3 +63,18 @@ class Keepalive(Behaviour):
                             await conn.close()
                         except Exception as e:
                             log.debug("closing a dead connection: %s", e)
+
+    def _mind_the_nat(self) -> None:
+        """Behind NAT, ping idle connections at most every ``PRIVATE_MAX_INTERVAL_S``: the NAT
+        keeps an idle TCP mapping for minutes on some routers (RFC 5382 asks 2 h 4 min; not all
+        comply), and it is our side's packets that keep it. A public node's idle connections
+        go up to ``keepalive_max_interval`` (300 s). Process-wide, like the interval itself."""
+        autonat = self.node.autonat
+        private = bool(self.config.relays) or (autonat is not None and autonat.status == "private")
+        if private != self.private:
+            self.private = private
+            longest = self.config.keepalive_max_interval
+            compat.set_keepalive_interval(self.config.keepalive_interval,
+                                          min(longest, PRIVATE_MAX_INTERVAL_S) if private else longest)
+            log.info("%s: idle connections pinged at most every %g s", "behind NAT" if private else "reachable",
+                     min(longest, PRIVATE_MAX_INTERVAL_S) if private else longest)

@@ -655,3 +655,33 @@ async def test_idle_connections_are_pinged_less_often(loopback_config):
         assert compat.ping_interval(ours, trio.current_time()) == base
         assert compat.ping_interval(theirs, trio.current_time()) == base  # its side's echo wrote too
         await s.close()
+
+
+async def test_a_session_starting_on_a_quiet_connection_wakes_its_keepalive(loopback_config):
+    """A connection no long-lived stream wrote on sleeps the longest interval between pings; a
+    session that begins writing there wakes it, so a path dying under the session is found within
+    the short interval and the timeout, not after the long sleep."""
+    base, longest = 0.2, 30.0
+    cfg = dict(keepalive_interval=base, keepalive_max_interval=longest, keepalive_timeout=2.0,
+               discovery_interval=600.0, autonat_client=False)
+    async with open_node(loopback_config(**cfg)) as a, open_node(loopback_config(**cfg)) as b:
+        b.set_stream_handler("/echo/1.0.0", echo_handler)
+        await a.connect(b.listen_addrs[0])
+        ours, theirs = (n.host.get_network().get_connections(p)[0].muxed_conn
+                        for n, p in ((a, b.peer_id), (b, a.peer_id)))
+
+        def pings() -> int:
+            return compat.pings_sent(ours) + compat.pings_sent(theirs)
+
+        await trio.sleep(1.0)  # the first pings are out; both loops asleep for 22-30 s now
+        s = await a.new_stream(b.peer_id, "/echo/1.0.0")
+        await s.write(b"x", timeout=10)
+        assert await s.read_some(64, timeout=10) == b"x"
+        await trio.sleep(2 * base)
+        before = pings()
+        await s.write(b"y", timeout=10)  # a long-lived stream writes: both sides' loops wake
+        assert await s.read_some(64, timeout=10) == b"y"
+        with trio.fail_after(3):  # quiet again: a ping within the short interval
+            while pings() == before:
+                await trio.sleep(0.05)
+        await s.close()

@@ -66,9 +66,9 @@ class ClaimPublisher(Behaviour):
         self.provided: frozenset[int] = frozenset()
         self.provide_refresh_s = PROVIDE_REFRESH_S
         self._last_put = -math.inf  # trio time
-        #: a put's refresh is due this share of a third of the TTL after it: 1, but after the
-        #: first put a random share (``first_refresh_share``), so that peers started together
-        #: do not all refresh together ever after
+        #: a put's refresh is due this share of a third of the TTL after it: 1, but until the
+        #: first refresh a random share (``first_refresh_share``), so that peers started
+        #: together do not all refresh together ever after
         self._refresh_share = first_refresh_share()
         self._put_pending = False  # news not in the DHT yet (NEWS_PUT_GAP_S)
         self._last_provide = -math.inf
@@ -120,8 +120,8 @@ class ClaimPublisher(Behaviour):
             if refresh_due or (self._put_pending and since_put >= NEWS_PUT_GAP_S):
                 steps.append((PUT_STEP, lambda: self.node.dht.put(claim_record_name(claim.model), blob), None))
                 self._put_pending = False
-                if self._last_put > -math.inf:  # (the first put keeps its random share)
-                    self._refresh_share = 1.0
+                if refresh_due and self._last_put > -math.inf:
+                    self._refresh_share = 1.0  # (the first put, news and retries keep the random share)
                 self._last_put = trio.current_time()
             # every range's key hourly; else those of ranges new to the claim (a move, loading)
             provide_due = trio.current_time() - self._last_provide >= self.provide_refresh_s

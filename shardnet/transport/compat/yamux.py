@@ -141,7 +141,14 @@ def note_when_each_connection_last_used() -> None:
         # every connection pinged ~9 times after it (docs/performance.md)
         now = trio.current_time()
         if now - self.__dict__.setdefault("_sn_born", now) >= ymod.RTT_MEASURE_INTERVAL:
-            self.conn.__dict__["_sn_used_at"] = now
+            state = self.conn.__dict__
+            used = state.get("_sn_used_at")
+            state["_sn_used_at"] = now
+            if used is None or now - used > 2 * ymod.RTT_MEASURE_INTERVAL:
+                # the keepalive loop may be asleep on a long interval: it takes the short one now
+                wake = state.get("_sn_wake")
+                if wake is not None:
+                    wake.set()
         await stream_write(self, data)
 
     ymod.YamuxStream.write = write
@@ -164,12 +171,13 @@ def ping_only_quiet_connections() -> None:
             # waits would have both ping at once, each before the other's ping arrived).
             quiet_until = heard + interval * rng.uniform(0.75, 1.0)
             if not must_ping and trio.current_time() < quiet_until:
+                self.__dict__["_sn_wake"] = wake = trio.Event()  # a long-lived stream began writing
                 with trio.move_on_after(quiet_until - trio.current_time()):
-                    await self.event_shutting_down.wait()
+                    await _either(self.event_shutting_down, wake)
                 if self.event_shutting_down.is_set():
                     break
-                if (heard_at(self) or heard) != heard:
-                    continue  # heard something meanwhile: wait again from then
+                if (heard_at(self) or heard) != heard or wake.is_set():
+                    continue  # heard something meanwhile, or the interval shrank: wait again from then
             must_ping = False
             try:
                 self._ping_id += 1
@@ -190,6 +198,17 @@ def ping_only_quiet_connections() -> None:
                     await self.event_shutting_down.wait()
 
     ymod.Yamux._measure_rtt_loop = _measure_rtt_loop
+
+
+async def _either(a: trio.Event, b: trio.Event) -> None:
+    """Until either event is set."""
+    async with trio.open_nursery() as nursery:
+        async def wait_then_cancel(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(wait_then_cancel, a)
+        nursery.start_soon(wait_then_cancel, b)
 
 
 def pings_sent(muxed: Any) -> int:

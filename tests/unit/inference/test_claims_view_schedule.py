@@ -44,3 +44,24 @@ def test_a_claim_the_last_lookup_did_not_refresh_does_not_bring_the_next_one_for
     # swarm such claims expire all the time
     view = view_holding(expiring_claim("gone", 100), expiring_claim("live", 3000), refreshed={"live"})
     assert view.next_lookup_in() == 1200.0
+
+
+def test_only_the_second_lookup_comes_at_a_random_share_of_the_period():
+    import trio
+    import trio.testing
+
+    async def main() -> list[float]:
+        view = ClaimsView(None, MODEL, None, refresh_s=100.0, num_layers=8)
+        at: list[float] = []
+
+        async def lookup(timeout: float = 0.0) -> None:
+            at.append(trio.current_time())
+
+        view.lookup = lookup
+        with trio.move_on_after(1000):
+            await view._run()
+        return at
+
+    at = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    assert 5 <= gaps[0] <= 100 and all(abs(g - 100) < 1e-6 for g in gaps[1:]), gaps

@@ -69,6 +69,7 @@ class FakeNode:
         self.links_changes = 0
         self.discovery = Discovery(NodeConfig())
         self.discovery.attach(self)
+        self.autonat = None
 
     async def connect(self, info, timeout=None):
         self.dials += 1
@@ -95,6 +96,41 @@ def test_keepalive_closes_a_connection_whose_ping_went_unanswered_and_counts_it(
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_behind_nat_idle_connections_are_pinged_at_most_every_minute():
+    """A NAT keeps an idle TCP mapping for minutes on some routers: while AutoNAT says we are
+    private, the longest keepalive interval is 60 s, not keepalive_max_interval."""
+    from types import SimpleNamespace
+
+    from shardnet.transport.compat import yamux
+    from shardnet.transport.keepalive import PRIVATE_MAX_INTERVAL_S
+
+    from libp2p.stream_muxer.yamux import yamux as upstream
+
+    before = yamux.QUIET_MAX_INTERVAL, upstream.RTT_MEASURE_INTERVAL
+
+    async def main() -> None:
+        node = FakeNode()
+        node.autonat = SimpleNamespace(status="unknown")
+        keepalive = Keepalive(NodeConfig(keepalive_interval=10.0, keepalive_max_interval=300.0))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(keepalive.run, node)
+            await trio.sleep(2)
+            assert yamux.QUIET_MAX_INTERVAL == 300.0 and not keepalive.private
+            node.autonat.status = "private"
+            await trio.sleep(2)
+            assert yamux.QUIET_MAX_INTERVAL == PRIVATE_MAX_INTERVAL_S == 60.0 and keepalive.private
+            node.autonat.status = "public"
+            await trio.sleep(2)
+            assert yamux.QUIET_MAX_INTERVAL == 300.0
+            nursery.cancel_scope.cancel()
+
+    try:
+        yamux.set_keepalive_interval(10.0, 300.0)
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        yamux.QUIET_MAX_INTERVAL, upstream.RTT_MEASURE_INTERVAL = before
 
 
 def test_keepalive_timeout_stays_below_the_next_ping():
