@@ -125,19 +125,27 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
     errors: list[ShardnetError] = []
     at_once = trio.CapacityLimiter(LOOKUP_RANGES_AT_ONCE)
 
-    async def providers_of(index: int, nursery: trio.Nursery, servers: list | None) -> None:
-        try:
-            async with at_once:
-                found = await node.dht.find_providers(range_provider_name(model_id, index),
-                                                      count=per_range, closest=servers)
-        except ShardnetError as e:
-            log.debug("providers of range %d of %s: %s", index, model_id[:16], e)
-            errors.append(e)
-            return
+    def ask_each(found: list, nursery: trio.Nursery) -> None:
         for info in found:
             if str(info.peer_id) not in asked:
                 asked.add(str(info.peer_id))
                 nursery.start_soon(claims_of, info.peer_id, info.addrs)
+
+    async def providers_of(index: int, nursery: trio.Nursery, servers: list | None) -> None:
+        # every provider wanted (``shardnet status``): each is asked as soon as a DHT peer names
+        # it, so that one busy peer's late answer does not hold up the claims of all the others
+        # (a status look while 24 peers settled on 2 cores found nobody within its 5 s)
+        every = per_range >= STATUS_PROVIDERS_PER_RANGE
+        try:
+            async with at_once:
+                found = await node.dht.find_providers(
+                    range_provider_name(model_id, index), count=per_range, closest=servers,
+                    on_answer=(lambda infos: ask_each(infos, nursery)) if every else None)
+        except ShardnetError as e:
+            log.debug("providers of range %d of %s: %s", index, model_id[:16], e)
+            errors.append(e)
+            return
+        ask_each(found, nursery)
 
     async def claims_of(peer_id, addrs: list, provider: bool = True) -> None:
         # the peer itself first (one stream, its freshest claim); a provider's DHT record (a

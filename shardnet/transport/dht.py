@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -284,12 +284,15 @@ class DHT:
             found = await self._closest_again(self.host.get_id().to_bytes(), K)
         return found if len(found) < K else None
 
-    async def find_providers(self, name: str, count: int = K, *, closest: list[ID] | None = None) -> list[PeerInfo]:
+    async def find_providers(self, name: str, count: int = K, *, closest: list[ID] | None = None,
+                             on_answer: Callable[[list[PeerInfo]], None] | None = None) -> list[PeerInfo]:
         """Providers of ``name``, each peer once with the union of its addresses: all found when
         they are at most ``count``, else ``count`` of them at random. The closest peers to the
         key each answer a random sample of at most 20 of the providers they hold, so where many
         peers provide a key a lookup finds a sample of them, and each lookup another one.
-        ``closest``: the peers to ask (``servers_if_few``) instead of walking to the key's."""
+        ``closest``: the peers to ask (``servers_if_few``) instead of walking to the key's.
+        ``on_answer``: called with each peer's answer as it comes (unsampled), so that a caller
+        with a deadline can act on the first answers while a busy peer is still to answer."""
         key = bytes.fromhex(provider_key(name))
         store = self.kad.provider_store
         # py-libp2p's find_providers returns the local store alone whenever it is non-empty
@@ -309,6 +312,8 @@ class DHT:
                         log.debug("GET_PROVIDERS to %s failed: %s", peer, e)
                         return
                     found.extend(providers or [])
+                    if on_answer is not None and providers:
+                        on_answer(list(providers))
 
             async with trio.open_nursery() as nursery:
                 for peer in closest:

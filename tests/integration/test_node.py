@@ -197,6 +197,12 @@ async def test_provider_replies_are_bounded_random_samples(loopback_config):
             found = [frozenset(p.peer_id for p in await asker.dht.find_providers("model/many", count=5))
                      for _ in range(3)]
             assert all(len(f) == 5 and f <= ids for f in found) and len(set(found)) > 1
+            # each peer's answer as it comes, unsampled (``shardnet status`` asks each provider
+            # named at once, not after the slowest DHT peer answered)
+            answers = []
+            last = await asker.dht.find_providers("model/many", count=400, on_answer=answers.append)
+            assert len(answers) == 1 and len(answers[0]) == 20
+            assert {p.peer_id for p in answers[0]} == {p.peer_id for p in last}
 
 
 async def test_publishing_with_no_peer_to_store_at_says_so(loopback_config):
