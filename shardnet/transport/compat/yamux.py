@@ -38,8 +38,9 @@
    gossip link); requests and their answers (DHT queries, claim fetches) do not count, or each
    one brought a connection back to 10 s and ~9 pings before it was quiet again. A silently
    dead idle connection is found within the longer interval and the timeout; one whose
-   sessions write keeps the short one. (A NAT that drops idle TCP mappings sooner than 5 minutes, below RFC
-   5382's 2 h 4 min, loses such a connection; it is dialled again when next wanted.)
+   sessions write keeps the short one. Behind NAT the longest interval is 60 s (keepalive.py:
+   a NAT may drop an idle TCP mapping sooner than RFC 5382's 2 h 4 min, and it is our side's
+   packets that keep it).
 15. Cancelled writes broke connections. Yamux frames were encrypted and written by whichever task
    wrote to a stream; a cancellation (a step timeout, a heal, a client hanging up) landing inside
    the socket write left a Noise message half sent after its nonce was consumed, so the peer's
