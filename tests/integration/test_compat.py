@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -580,25 +581,27 @@ def test_tcp_reads_never_ask_the_socket_for_more_than_a_bound():
     assert asked == [compat.MAX_TCP_READ]
 
 
+@asynccontextmanager
+async def keepalive_pair(loopback_config, **cfg):
+    """Two nodes with ``cfg``, connected, the second echoing on /echo/1.0.0 and closing
+    /noop/1.0.0 streams at once: yields them, each side's Yamux connection (ours, theirs) and a
+    count of both sides' keepalive pings."""
+    async with open_node(loopback_config(**cfg)) as a, open_node(loopback_config(**cfg)) as b:
+        b.set_stream_handler("/echo/1.0.0", echo_handler)
+        b.set_stream_handler("/noop/1.0.0", lambda stream: stream.close())
+        await a.connect(b.listen_addrs[0])
+        ours, theirs = (n.host.get_network().get_connections(p)[0].muxed_conn
+                        for n, p in ((a, b.peer_id), (b, a.peer_id)))
+        yield a, b, ours, theirs, lambda: compat.pings_sent(ours) + compat.pings_sent(theirs)
+
+
 async def test_only_quiet_connections_are_pinged(loopback_config):
     """Keepalive pings go only over a connection that brought nothing for a whole interval: on an
     idle one the two sides take turns (one ping per interval, not one each), a busy one is not
     pinged at all, and a path that dies is still found (test_autonat_holepunch.py)."""
     interval = 0.5
     cfg = dict(keepalive_interval=interval, keepalive_max_interval=interval, keepalive_timeout=2.0)
-    async with open_node(loopback_config(**cfg)) as a, open_node(loopback_config(**cfg)) as b:
-        async def echo(stream):
-            while data := await stream.read_some(64, timeout=10):
-                await stream.write(data, timeout=10)
-
-        b.set_stream_handler("/echo/1.0.0", echo)
-        await a.connect(b.listen_addrs[0])
-        ours, theirs = (n.host.get_network().get_connections(p)[0].muxed_conn
-                        for n, p in ((a, b.peer_id), (b, a.peer_id)))
-
-        def pings() -> int:
-            return compat.pings_sent(ours) + compat.pings_sent(theirs)
-
+    async with keepalive_pair(loopback_config, **cfg) as (a, b, ours, theirs, pings):
         await trio.sleep(1.0)
         before = pings()
         await trio.sleep(10 * interval)
@@ -624,16 +627,7 @@ async def test_idle_connections_are_pinged_less_often(loopback_config):
     base, longest = 0.2, 1.6
     cfg = dict(keepalive_interval=base, keepalive_max_interval=longest, keepalive_timeout=2.0,
                discovery_interval=600.0, autonat_client=False)  # no DHT walk or AutoNAT ask opens a stream
-    async with open_node(loopback_config(**cfg)) as a, open_node(loopback_config(**cfg)) as b:
-        b.set_stream_handler("/noop/1.0.0", lambda stream: stream.close())
-        b.set_stream_handler("/echo/1.0.0", echo_handler)
-        await a.connect(b.listen_addrs[0])
-        ours, theirs = (n.host.get_network().get_connections(p)[0].muxed_conn
-                        for n, p in ((a, b.peer_id), (b, a.peer_id)))
-
-        def pings() -> int:
-            return compat.pings_sent(ours) + compat.pings_sent(theirs)
-
+    async with keepalive_pair(loopback_config, **cfg) as (a, b, ours, theirs, pings):
         assert compat.ping_interval(ours, trio.current_time()) == longest  # never used
         await trio.sleep(0.6)  # (the first ping, which measures the round trip, is out)
         before = pings()
@@ -664,15 +658,7 @@ async def test_a_session_starting_on_a_quiet_connection_wakes_its_keepalive(loop
     base, longest = 0.2, 30.0
     cfg = dict(keepalive_interval=base, keepalive_max_interval=longest, keepalive_timeout=2.0,
                discovery_interval=600.0, autonat_client=False)
-    async with open_node(loopback_config(**cfg)) as a, open_node(loopback_config(**cfg)) as b:
-        b.set_stream_handler("/echo/1.0.0", echo_handler)
-        await a.connect(b.listen_addrs[0])
-        ours, theirs = (n.host.get_network().get_connections(p)[0].muxed_conn
-                        for n, p in ((a, b.peer_id), (b, a.peer_id)))
-
-        def pings() -> int:
-            return compat.pings_sent(ours) + compat.pings_sent(theirs)
-
+    async with keepalive_pair(loopback_config, **cfg) as (a, b, ours, theirs, pings):
         await trio.sleep(1.0)  # the first pings are out; both loops asleep for 22-30 s now
         s = await a.new_stream(b.peer_id, "/echo/1.0.0")
         await s.write(b"x", timeout=10)

@@ -392,3 +392,34 @@ async def test_the_dht_leaves_its_routing_table_refresh_to_discovery(loopback_co
         with trio.fail_after(20):  # discovery's walks found b for a's table all the same
             while b.peer_id not in a.dht.routing_table_peers():
                 await trio.sleep(0.1)
+
+
+async def test_a_peer_record_is_checked_once(loopback_config):
+    """Compat fix 20: a signed peer record arriving in DHT messages again (the same bytes) is
+    not unpacked and checked again; a record with a bad signature is refused every time."""
+    from libp2p.kad_dht import utils
+    from libp2p.peer.envelope import Envelope
+    from libp2p.peer.peerstore import env_to_send_in_RPC
+
+    async with open_node(loopback_config()) as a:
+        data, _ = env_to_send_in_RPC(a.host)
+        checks = []
+        validate = Envelope.validate
+
+        def counted(self, domain):
+            checks.append(domain)
+            return validate(self, domain)
+
+        Envelope.validate = counted
+        try:
+            first = utils.consume_envelope(data, "libp2p-peer-record")
+            again = utils.consume_envelope(data, "libp2p-peer-record")
+            assert len(checks) == 1 and again[1].peer_id == first[1].peer_id == a.peer_id
+            forged = bytearray(data)
+            forged[-1] ^= 1  # the signature's last byte
+            for _ in range(2):
+                with pytest.raises(Exception):
+                    utils.consume_envelope(bytes(forged), "libp2p-peer-record")
+            assert len(checks) == 3
+        finally:
+            Envelope.validate = validate
