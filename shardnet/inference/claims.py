@@ -106,7 +106,7 @@ async def fetch_claims(node: Node, peer: str, *, timeout: float = 10.0) -> list[
 
 async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Iterable[int] | None = None,
                       per_range: int = LOOKUP_PROVIDERS_PER_RANGE, timeout: float = 15.0,
-                      every_provider: bool = False) -> list[bc.Claim]:
+                      every_provider: bool = False, answered: set[str] | None = None) -> list[bc.Claim]:
     """The claims for ``model_id`` of the peers the DHT knows as providers of its layer ranges
     (``ranges``: indices into ``block_claim.layer_ranges(num_layers)``; all by default), verified.
     The ranges' providers are looked up together (``LOOKUP_RANGES_AT_ONCE`` at a time), at most
@@ -118,7 +118,9 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
     (``dht.servers_if_few``), and each is asked directly instead, without provider records
     (a compute peer is a DHT server; one that does not answer, or serves no claims, is skipped),
     unless ``every_provider`` (``shardnet status``: the claims of peers gone too, read from the
-    DHT, until they expire). Raises the lookup's error only when every range's provider lookup failed."""
+    DHT, until they expire). ``answered``: filled with the peers that answered the direct
+    request themselves (a claim read from the DHT may be a gone peer's last). Raises the
+    lookup's error only when every range's provider lookup failed and no claim was found."""
     ranges = range(len(bc.layer_ranges(num_layers))) if ranges is None else sorted(set(ranges))
     claims: dict[str, bc.Claim] = {}
     asked: set[str] = set()
@@ -136,14 +138,20 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
         # it, so that one busy peer's late answer does not hold up the claims of all the others
         # (a status look while 24 peers settled on 2 cores found nobody within its 5 s)
         every = per_range >= STATUS_PROVIDERS_PER_RANGE
+        heard = []
+
+        def on_answer(infos: list) -> None:
+            heard.append(True)
+            ask_each(infos, nursery)
+
         try:
             async with at_once:
-                found = await node.dht.find_providers(
-                    range_provider_name(model_id, index), count=per_range, closest=servers,
-                    on_answer=(lambda infos: ask_each(infos, nursery)) if every else None)
+                found = await node.dht.find_providers(range_provider_name(model_id, index), count=per_range,
+                                                      closest=servers, on_answer=on_answer if every else None)
         except ShardnetError as e:
             log.debug("providers of range %d of %s: %s", index, model_id[:16], e)
-            errors.append(e)
+            if not heard:  # (a lookup that timed out after some answers came did not fail)
+                errors.append(e)
             return
         ask_each(found, nursery)
 
@@ -158,6 +166,8 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
         except (ShardnetError, trio.TooSlowError) as e:
             log.debug("direct claim request to %s: %s", pid[:16], e)
             got = []
+        if got and answered is not None:
+            answered.add(pid)
         if not got and provider:
             try:
                 blob = await node.dht.get(pid, claim_record_name(model_id))
@@ -185,7 +195,7 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
             else:
                 for index in ranges:
                     nursery.start_soon(providers_of, index, nursery, None)
-    if ranges and len(errors) == len(ranges):
+    if ranges and len(errors) == len(ranges) and not claims:
         raise errors[0]
     if servers is None:
         return list(claims.values())

@@ -100,7 +100,7 @@ class ClaimsView:
         self._changed = trio.Event()
         self._kick = trio.Event()
         self._last_lookup = -LOOKUP_GAP_S
-        self._refreshed: set[str] = set()  # the peers whose claims the last lookup brought
+        self._refreshed: set[str] = set()  # the peers that answered the last lookup themselves
         self._running = False
 
     @classmethod
@@ -184,7 +184,9 @@ class ClaimsView:
         """One lookup through the DHT (and direct requests), merged into the view."""
         self._last_lookup = trio.current_time()
         try:
-            found = await find_claims(self.node, self.model_id, num_layers=self.num_layers, timeout=timeout)
+            answered: set[str] = set()
+            found = await find_claims(self.node, self.model_id, num_layers=self.num_layers, timeout=timeout,
+                                      answered=answered)
             self.last_lookup_error = None if found else "the last lookup found no claims"
         except Exception as e:  # whatever it was, the view (and the node it runs in) carries on
             found = []
@@ -194,7 +196,8 @@ class ClaimsView:
         for c in found:
             self.note(c)
         if found:  # (a failed lookup keeps the last set: it says nothing of who is live)
-            self._refreshed = {c.peer for c in found}
+            # the peers that answered themselves: a claim read from the DHT may be a gone peer's
+            self._refreshed = {c.peer for c in found if c.peer in answered}
         self.lookups += 1
         self.first_lookup.set()
         self._changed.set()
@@ -203,11 +206,11 @@ class ClaimsView:
     def next_lookup_in(self, *, first: bool = False) -> float:
         """Seconds from a lookup to the next: ``refresh_s``, the first time a random share of it
         (a node that just started looks again soon; nodes started together do not look together
-        ever after), and sooner when a claim the last lookup brought expires before then
-        (``EXPIRY_MARGIN_S`` ahead of it, at least ``MIN_EXPIRY_LOOKUP_S`` on): claims of peers
-        of dissemination 2 live 600 s and are refreshed only by lookups. (A claim the lookup did
-        not bring is its peer's last: the peer is gone or does not answer, and a lookup would
-        not keep it.)"""
+        ever after), and sooner when the claim of a peer that answered the last lookup itself
+        expires before then (``EXPIRY_MARGIN_S`` ahead of it, at least ``MIN_EXPIRY_LOOKUP_S``
+        on): claims of peers of dissemination 2 live 600 s and are refreshed only by lookups. (A
+        claim of a peer that did not answer, read from the DHT or held from before, is its
+        peer's last: the peer is gone or silent, and a lookup would not keep it.)"""
         wait = self.refresh_s * (random.uniform(0.05, 1.0) if first else 1.0)
         now = time.time()
         earliest = min((c.expires for c in self.current() if c.peer in self._refreshed), default=math.inf)

@@ -37,6 +37,10 @@ class DiscoveryStatus:
 #: the least seconds between two top-ups of the connections outside a walk (below the low
 #: watermark): the ceiling of walks before 2026-12-07, when every walk topped up
 TOP_UP_GAP_S = 300.0
+#: the most seconds such a top-up takes from the loop that notes peers each second
+TOP_UP_BUDGET_S = 10.0
+#: seconds before a peer whose top-up dial failed is dialled again by a top-up
+TOP_UP_RETRY_S = 3600.0
 
 
 class Discovery(Behaviour):
@@ -68,6 +72,9 @@ class Discovery(Behaviour):
         self.interval = config.discovery_interval
         self._settled = False  # a walk found nothing new since the last news
         self._last_top_up = -TOP_UP_GAP_S  # trio time
+        #: discovered peers whose last top-up dial failed: when (trio time); not dialled again
+        #: for TOP_UP_RETRY_S (a gone peer's addresses stay known for hours)
+        self._dial_failed: dict[ID, float] = {}
 
     def snapshot(self) -> DiscoveryStatus:
         return DiscoveryStatus(len(self.discovered), self.walks, self.last_walk_at, self.last_walk_found,
@@ -106,6 +113,7 @@ class Discovery(Behaviour):
             self.last_walk_at, self.last_walk_found = time.time(), len(found)
             for pid in found:
                 self.note(pid)
+                self._dial_failed.pop(pid, None)  # (it answered the walk)
             try:
                 await self._top_up_connections()
             except Exception as e:  # a discovery hiccup must never take the node down
@@ -133,7 +141,8 @@ class Discovery(Behaviour):
                     if len(connected) < self.config.low_watermark and \
                             trio.current_time() - self._last_top_up >= TOP_UP_GAP_S:
                         try:
-                            await self._top_up_connections()
+                            with trio.move_on_after(TOP_UP_BUDGET_S):  # (dials of gone peers time out)
+                                await self._top_up_connections()
                         except Exception as e:  # as after a walk: never takes the node down
                             log.warning("connection top-up failed: %s: %s", type(e).__name__, e)
                     with trio.move_on_after(1.0):
@@ -178,20 +187,26 @@ class Discovery(Behaviour):
         """Keep direct connections to discovered peers up to the low watermark, so that
         gossip meshes and streams do not depend on any one node (the bootstrap in particular)."""
         node = self.node
-        self._last_top_up = trio.current_time()
+        self._last_top_up = now = trio.current_time()
         connected = set(node.host.get_connected_peers())
         want = self.config.low_watermark - len(connected)
         for pid in list(self.discovered):
             if want <= 0:
                 break
-            if pid in connected or not (addrs := node.addrs_of(pid)):
+            failed = self._dial_failed.get(pid)
+            if pid in connected or (failed is not None and now - failed < TOP_UP_RETRY_S) \
+                    or not (addrs := node.addrs_of(pid)):
                 continue
             try:
                 await node.connect(PeerInfo(pid, addrs), timeout=min(5.0, self.config.dial_timeout))
                 want -= 1
                 self.top_up_dials += 1
+                self._dial_failed.pop(pid, None)
             except ShardnetError as e:
                 log.debug("could not dial discovered peer %s: %s", identity.short(pid), e)
+                self._dial_failed[pid] = now
+                if len(self._dial_failed) > MAX_DISCOVERED:
+                    self._dial_failed.pop(next(iter(self._dial_failed)))
 
 
 def _random_peer_id() -> ID:

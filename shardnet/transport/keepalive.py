@@ -6,6 +6,7 @@ py-libp2p pings every connection every ``keepalive_interval`` s (the interval is
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import trio
@@ -18,6 +19,8 @@ log = logging.getLogger(__name__)
 
 #: the longest keepalive interval of an idle connection while this node is behind NAT (seconds)
 PRIVATE_MAX_INTERVAL_S = 60.0
+#: the keepalive behaviours of this process whose node is behind NAT (the interval is process-wide)
+_PRIVATE: weakref.WeakSet = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -68,13 +71,24 @@ class Keepalive(Behaviour):
         """Behind NAT, ping idle connections at most every ``PRIVATE_MAX_INTERVAL_S``: the NAT
         keeps an idle TCP mapping for minutes on some routers (RFC 5382 asks 2 h 4 min; not all
         comply), and it is our side's packets that keep it. A public node's idle connections
-        go up to ``keepalive_max_interval`` (300 s). Process-wide, like the interval itself."""
+        go up to ``keepalive_max_interval`` (300 s). The interval is process-wide, so it is the
+        short one while any node of the process is private (and set again if a node started
+        since reset it); connections already asleep on the long one are woken."""
         autonat = self.node.autonat
         private = bool(self.config.relays) or (autonat is not None and autonat.status == "private")
-        if private != self.private:
+        if private:
+            _PRIVATE.add(self)
+        else:
+            _PRIVATE.discard(self)
+        longest = self.config.keepalive_max_interval
+        want = min(longest, PRIVATE_MAX_INTERVAL_S) if _PRIVATE else longest
+        if private != self.private or (private and compat.yamux.QUIET_MAX_INTERVAL > want):
             self.private = private
-            longest = self.config.keepalive_max_interval
-            compat.set_keepalive_interval(self.config.keepalive_interval,
-                                          min(longest, PRIVATE_MAX_INTERVAL_S) if private else longest)
-            log.info("%s: idle connections pinged at most every %g s", "behind NAT" if private else "reachable",
-                     min(longest, PRIVATE_MAX_INTERVAL_S) if private else longest)
+            if compat.yamux.QUIET_MAX_INTERVAL != want:
+                lower = want < compat.yamux.QUIET_MAX_INTERVAL
+                compat.set_keepalive_interval(self.config.keepalive_interval, want)
+                log.info("%s: idle connections pinged at most every %g s",
+                         "behind NAT" if private else "reachable", want)
+                if lower:  # loops asleep on the long interval take the short one now
+                    for conn in self.node.host.get_network().get_connections():
+                        compat.wake_keepalive(conn.muxed_conn)

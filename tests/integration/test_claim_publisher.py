@@ -111,8 +111,10 @@ async def test_news_is_gossiped_with_a_new_version_and_the_rest_is_not(loopback_
             with trio.fail_after(10):
                 while publisher.provided != {1}:
                     await trio.sleep(0.05)
-            found = await find_claims(listener, MODEL, num_layers=LAYERS, timeout=10)
+            answered: set[str] = set()  # (the peers that answered themselves, not from the DHT)
+            found = await find_claims(listener, MODEL, num_layers=LAYERS, timeout=10, answered=answered)
             assert [c.seq for c in found] == [heard[1].seq] and found[0].expires > time.time()
+            assert answered == {str(peer.peer_id)}
             nursery.cancel_scope.cancel()
 
 

@@ -63,6 +63,7 @@ from .yamux import (  # noqa: F401
     set_keepalive_interval,
     streams_held,
     unanswered_ping_age,
+    wake_keepalive,
 )
 
 #: The py-libp2p version every patch below was written for and tested against.

@@ -201,6 +201,13 @@ def ping_only_quiet_connections() -> None:
     ymod.Yamux._measure_rtt_loop = _measure_rtt_loop
 
 
+def wake_keepalive(muxed: Any) -> None:
+    """Have the keepalive loop of ``muxed`` look at its interval again now (it changed)."""
+    wake = getattr(muxed, "__dict__", {}).get("_sn_wake")
+    if wake is not None:
+        wake.set()
+
+
 async def _either(a: trio.Event, b: trio.Event) -> None:
     """Until either event is set."""
     async with trio.open_nursery() as nursery:
