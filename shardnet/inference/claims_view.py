@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -15,7 +14,7 @@ import trio
 from shardnet.inference.claims import find_claims
 from shardnet.inference.probes import Probes
 from shardnet.protocols import block_claim as bc
-from shardnet.transport.behaviour import Behaviour
+from shardnet.transport.behaviour import Behaviour, random_phase
 from shardnet.transport.node import Node
 
 log = logging.getLogger(__name__)
@@ -211,7 +210,7 @@ class ClaimsView:
         on): claims of peers of dissemination 2 live 600 s and are refreshed only by lookups. (A
         claim of a peer that did not answer, read from the DHT or held from before, is its
         peer's last: the peer is gone or silent, and a lookup would not keep it.)"""
-        wait = self.refresh_s * (random.uniform(0.05, 1.0) if first else 1.0)
+        wait = random_phase(self.refresh_s) if first else self.refresh_s
         now = time.time()
         earliest = min((c.expires for c in self.current() if c.peer in self._refreshed), default=math.inf)
         return min(wait, max(MIN_EXPIRY_LOOKUP_S, earliest - EXPIRY_MARGIN_S - now))

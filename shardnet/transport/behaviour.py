@@ -22,6 +22,7 @@ assembled by ``shardnet/inference/services.py``).
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -83,3 +84,22 @@ class Behaviour:
             self._pending.append((fn, args))
         else:
             log.debug("%s has stopped; not starting %s", type(self).__name__, getattr(fn, "__name__", fn))
+
+
+def random_phase(period: float) -> float:
+    """Seconds to the first round of a duty that then runs every ``period``: a random 5-100 % of
+    it. Nodes started together (a swarm restarted, a test, a benchmark) would otherwise do it
+    together ever after; with a random phase their rounds spread over the period, and a window
+    shorter than the period sees each at its long-run rate on average."""
+    return period * random.uniform(0.05, 1.0)
+
+
+async def wait_any(*events: trio.Event) -> None:
+    """Until any of ``events`` is set."""
+    async with trio.open_nursery() as nursery:
+        async def wait_then_cancel(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        for event in events:
+            nursery.start_soon(wait_then_cancel, event)

@@ -5,7 +5,6 @@ host and its peers reach us as connections, which this behaviour then notes)."""
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from . import compat, identity
-from .behaviour import Behaviour
+from .behaviour import Behaviour, random_phase
 from .config import NodeConfig
 from .errors import ShardnetError
 
@@ -161,7 +160,7 @@ class Discovery(Behaviour):
             return self.config.discovery_interval
         if not self._settled:
             self._settled = True
-            return ceiling * random.uniform(0.05, 1.0)
+            return random_phase(ceiling)
         return ceiling
 
     async def _tidy_routing_table(self, connected: set[ID], in_table: set[ID]) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import random
 import time
 from functools import partial
 
@@ -15,7 +14,7 @@ import trio
 
 from shardnet.inference.claims import CLAIM_TTL, claim_record_name, range_provider_name
 from shardnet.protocols import block_claim as bc
-from shardnet.transport.behaviour import Behaviour
+from shardnet.transport.behaviour import Behaviour, random_phase, wait_any
 from shardnet.transport.node import Node
 from shardnet.transport.stream import Stream
 
@@ -47,7 +46,7 @@ class ClaimPublisher(Behaviour):
     (``block_claim.range_topic``) and in the DHT, and provides those ranges' keys
     (``range_provider_name``) that it did not provide last; otherwise it only puts the same
     version, expiring later, in the DHT once a third of the TTL has passed since the last put
-    (after the first put, a random share of that: ``first_refresh_share``).
+    (until the first refresh, a random share of that: ``behaviour.random_phase``).
     A news goes into the DHT no sooner than ``NEWS_PUT_GAP_S`` after the last put (at once when
     that has passed). Its ranges' keys are provided again every ``PROVIDE_REFRESH_S``. A direct
     request always gets the claim as built last, signed. ``num_layers``: the model's, which its ranges are cut from."""
@@ -67,9 +66,9 @@ class ClaimPublisher(Behaviour):
         self.provide_refresh_s = PROVIDE_REFRESH_S
         self._last_put = -math.inf  # trio time
         #: a put's refresh is due this share of a third of the TTL after it: 1, but until the
-        #: first refresh a random share (``first_refresh_share``), so that peers started
+        #: first refresh a random share (``behaviour.random_phase``), so that peers started
         #: together do not all refresh together ever after
-        self._refresh_share = first_refresh_share()
+        self._refresh_share = random_phase(1.0)
         self._put_pending = False  # news not in the DHT yet (NEWS_PUT_GAP_S)
         self._last_provide = -math.inf
         self._wake = trio.Event()
@@ -150,20 +149,5 @@ class ClaimPublisher(Behaviour):
             events = [self._wake] if relay_client is None else [relay_client.changed, self._wake]
             due = self._last_put + (NEWS_PUT_GAP_S if self._put_pending else self.ttl / 3 * self._refresh_share)
             with trio.move_on_after(max(0.0, due - trio.current_time())):
-                async with trio.open_nursery() as nursery:
-                    for event in events:
-                        nursery.start_soon(_wait_then_cancel, event, nursery.cancel_scope)
+                await wait_any(*events)
             self._wake = trio.Event()
-
-
-def first_refresh_share() -> float:
-    """When a publisher's first refresh comes after its first put: a random share (5-100 %) of
-    a third of the TTL. Peers started together (a swarm restarted, a test, a benchmark) would
-    otherwise put every refresh in the same second forever; with a random phase each peer's
-    refreshes spread over the period, as Kademlia's republication is jittered."""
-    return random.uniform(0.05, 1.0)
-
-
-async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
-    await event.wait()
-    scope.cancel()

@@ -71,6 +71,7 @@ from typing import Any
 
 import trio
 
+from ..behaviour import wait_any
 from .naps import TrioWithoutCleanupNaps
 
 log = logging.getLogger(__name__)
@@ -146,10 +147,7 @@ def note_when_each_connection_last_used() -> None:
             used = state.get("_sn_used_at")
             state["_sn_used_at"] = now
             if used is None or now - used > 2 * ymod.RTT_MEASURE_INTERVAL:
-                # the keepalive loop may be asleep on a long interval: it takes the short one now
-                wake = state.get("_sn_wake")
-                if wake is not None:
-                    wake.set()
+                wake_keepalive(self.conn)  # it may be asleep on a long interval: the short one now
         await stream_write(self, data)
 
     ymod.YamuxStream.write = write
@@ -174,7 +172,7 @@ def ping_only_quiet_connections() -> None:
             if not must_ping and trio.current_time() < quiet_until:
                 self.__dict__["_sn_wake"] = wake = trio.Event()  # a long-lived stream began writing
                 with trio.move_on_after(quiet_until - trio.current_time()):
-                    await _either(self.event_shutting_down, wake)
+                    await wait_any(self.event_shutting_down, wake)
                 if self.event_shutting_down.is_set():
                     break
                 if (heard_at(self) or heard) != heard or wake.is_set():
@@ -206,17 +204,6 @@ def wake_keepalive(muxed: Any) -> None:
     wake = getattr(muxed, "__dict__", {}).get("_sn_wake")
     if wake is not None:
         wake.set()
-
-
-async def _either(a: trio.Event, b: trio.Event) -> None:
-    """Until either event is set."""
-    async with trio.open_nursery() as nursery:
-        async def wait_then_cancel(event: trio.Event) -> None:
-            await event.wait()
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(wait_then_cancel, a)
-        nursery.start_soon(wait_then_cancel, b)
 
 
 def pings_sent(muxed: Any) -> int:
