@@ -128,8 +128,9 @@ class Discovery(Behaviour):
             last, pending = None, True
             with trio.move_on_after(self.interval):
                 while not self._kicked.is_set():
-                    connected, in_table = set(node.host.get_connected_peers()), set(node.dht.routing_table_peers())
-                    now = (frozenset(connected), frozenset(in_table))
+                    connected = frozenset(node.host.get_connected_peers())
+                    in_table = frozenset(node.dht.routing_table_peers())
+                    now = (connected, in_table)
                     if pending or now != last:
                         for pid in connected | in_table:
                             self.note(pid)
@@ -163,7 +164,7 @@ class Discovery(Behaviour):
             return random_phase(ceiling)
         return ceiling
 
-    async def _tidy_routing_table(self, connected: set[ID], in_table: set[ID]) -> bool:
+    async def _tidy_routing_table(self, connected: frozenset[ID], in_table: frozenset[ID]) -> bool:
         """Per identify: peers serving the DHT in the routing table, DHT clients out of it.
         True when some connected peer's identify has not come yet (look again).
 
