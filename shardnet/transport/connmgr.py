@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import trio
 from libp2p.peer.id import ID
 
-from . import identity
+from . import compat, identity
 from .behaviour import Behaviour
 from .config import NodeConfig
 
@@ -127,8 +127,8 @@ class ConnectionManager(Behaviour):
         return closed
 
 
-#: protocols whose streams stay open for a connection's life: they do not make it busy
-LASTING = ("/meshsub/", "/floodsub/")
+#: protocols whose streams stay open for a connection's life (gossip links): they do not make it busy
+LASTING = compat.yamux.GOSSIP_PROTOCOLS
 
 
 def _streams(conn) -> int:

@@ -51,21 +51,37 @@ class Keepalive(Behaviour):
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        look_at = 0.0  # when the connections are looked at next
         while True:
             await trio.sleep(min(1.0, self.timeout / 4))
             self._mind_the_nat()
-            for conn in list(self.node.host.get_network().get_connections()):
-                age = compat.unanswered_ping_age(conn.muxed_conn)
-                if age is not None and age > self.timeout:
-                    peer = conn.muxed_conn.peer_id
-                    log.warning("connection to %s%s is dead (keepalive unanswered for %.0f s); closing it",
-                                identity.short(peer), " (relayed)" if compat.swarm.is_relayed(conn) else "", age)
-                    self.closed += 1
-                    with trio.move_on_after(5):
-                        try:
-                            await conn.close()
-                        except Exception as e:
-                            log.debug("closing a dead connection: %s", e)
+            if trio.current_time() >= look_at:
+                look_at = trio.current_time() + await self._close_dead()
+
+    async def _close_dead(self) -> float:
+        """Close the connections whose ping went unanswered for longer than the timeout; return
+        the seconds until another could: when the oldest ping still unanswered would pass it, or
+        a whole timeout (a ping sent after this look is found at the look after next). Once a
+        timeout rather than every second: going over every connection each second grew with
+        the swarm."""
+        wait = self.timeout
+        for conn in list(self.node.host.get_network().get_connections()):
+            age = compat.unanswered_ping_age(conn.muxed_conn)
+            if age is None:
+                continue
+            if age <= self.timeout:
+                wait = min(wait, self.timeout - age)
+                continue
+            peer = conn.muxed_conn.peer_id
+            log.warning("connection to %s%s is dead (keepalive unanswered for %.0f s); closing it",
+                        identity.short(peer), " (relayed)" if compat.swarm.is_relayed(conn) else "", age)
+            self.closed += 1
+            with trio.move_on_after(5):
+                try:
+                    await conn.close()
+                except Exception as e:
+                    log.debug("closing a dead connection: %s", e)
+        return wait
 
     def _mind_the_nat(self) -> None:
         """Behind NAT, ping idle connections at most every ``PRIVATE_MAX_INTERVAL_S``: the NAT

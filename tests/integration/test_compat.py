@@ -651,6 +651,28 @@ async def test_idle_connections_are_pinged_less_often(loopback_config):
         await s.close()
 
 
+async def test_gossip_links_do_not_shorten_the_keepalive_interval(loopback_config):
+    """A gossip link lives as long as its connection and gossipsub's mesh upkeep writes down some
+    link every heartbeat: its writes are not a use of the connection (each one brought it back to
+    the short interval: an idle 24-peer swarm's peer pinged each connection every ~20 s). A
+    stream of a gossip protocol (floodsub's ID here, served by an echo) that lives past an
+    interval and writes leaves the connection on the longest interval."""
+    base, longest = 0.2, 1.6
+    cfg = dict(keepalive_interval=base, keepalive_max_interval=longest, keepalive_timeout=2.0,
+               discovery_interval=600.0, autonat_client=False)
+    async with keepalive_pair(loopback_config, **cfg) as (a, b, ours, theirs, pings):
+        b.set_stream_handler("/floodsub/1.0.0", echo_handler)
+        s = await a.new_stream(b.peer_id, "/floodsub/1.0.0")
+        await s.write(b"x", timeout=10)
+        assert await s.read_some(64, timeout=10) == b"x"
+        await trio.sleep(2 * base)
+        await s.write(b"y", timeout=10)
+        assert await s.read_some(64, timeout=10) == b"y"
+        assert compat.ping_interval(ours, trio.current_time()) == longest
+        assert compat.ping_interval(theirs, trio.current_time()) == longest
+        await s.close()
+
+
 async def test_a_session_starting_on_a_quiet_connection_wakes_its_keepalive(loopback_config):
     """A connection no long-lived stream wrote on sleeps the longest interval between pings; a
     session that begins writing there wakes it, so a path dying under the session is found within

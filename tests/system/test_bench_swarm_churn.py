@@ -18,7 +18,7 @@ BOUND_S = 90.0
 
 def test_twelve_peers_are_visible_generate_and_recover_from_losing_a_third(tmp_path):
     out = tmp_path / "churn.json"
-    stdout = bench_stdout("bench.swarm_churn", "--peers", "12", "--kill", "4", "--timeout", "240",
+    stdout = bench_stdout("bench.swarm_churn", "--peers", "12", "--kill", "4", "--timeout", "240", "--generations", "2",
                           "--json", str(out), timeout=1200)
     print(stdout)
     c = json.loads(out.read_text())

@@ -265,6 +265,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_YAMUX + "YamuxStream.write", "wrap",
           "when a connection's streams last wrote was not known (the keepalive below pings idle ones less often)",
           _T + "test_idle_connections_are_pinged_less_often", 10, yamux.note_when_each_connection_last_used),
+    Patch("libp2p.network.stream.net_stream:NetStream.set_protocol", "wrap",
+          "gossip links' control messages (mesh upkeep, every heartbeat) counted as use of their "
+          "connection and brought it back to the short keepalive interval",
+          _T + "test_gossip_links_do_not_shorten_the_keepalive_interval", 10, yamux.note_gossip_streams),
     Patch(_YAMUX + "Yamux._measure_rtt_loop", "replace",
           "both sides pinged every connection every interval, busy or not",
           _T + "test_only_quiet_connections_are_pinged", 10, yamux.ping_only_quiet_connections),

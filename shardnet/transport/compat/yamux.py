@@ -36,7 +36,11 @@
    neighbours, and pinging each every 10 s (later 60 s) was the largest share of an idle peer's
    messages (docs/performance.md). Long-lived: open for an interval or more (a session, a
    gossip link); requests and their answers (DHT queries, claim fetches) do not count, or each
-   one brought a connection back to 10 s and ~9 pings before it was quiet again. A silently
+   one brought a connection back to 10 s and ~9 pings before it was quiet again. Nor do gossip
+   links' writes (``GOSSIP_PROTOCOLS``, marked when the stream's protocol is set): gossipsub's
+   mesh upkeep sends a control message down some link every heartbeat, and each one brought a
+   connection back to 10 s (an idle 24-peer swarm's peer sent 1.2 pings a second, one per
+   connection every ~20 s, measured by the profile of docs/performance.md). A silently
    dead idle connection is found within the longer interval and the timeout; one whose
    sessions write keeps the short one. Behind NAT the longest interval is 60 s (keepalive.py:
    a NAT may drop an idle TCP mapping sooner than RFC 5382's 2 h 4 min, and it is our side's
@@ -131,6 +135,24 @@ def ping_interval(muxed: Any, now: float) -> float:
     return min(longest, max(base, (now - used) / 2))
 
 
+#: protocols of gossip links: long-lived streams whose writes are the swarm's upkeep, not a use of
+#: the connection (they do not shorten its keepalive interval; connmgr.py: nor make it busy)
+GOSSIP_PROTOCOLS = ("/meshsub/", "/floodsub/")
+
+
+def note_gossip_streams() -> None:
+    from libp2p.network.stream.net_stream import NetStream
+
+    set_protocol = NetStream.set_protocol
+
+    def set_protocol_noting_gossip(self: Any, protocol_id: Any) -> None:
+        set_protocol(self, protocol_id)
+        if str(protocol_id).startswith(GOSSIP_PROTOCOLS):
+            getattr(self.muxed_stream, "__dict__", {})["_sn_gossip"] = True
+
+    NetStream.set_protocol = set_protocol_noting_gossip
+
+
 def note_when_each_connection_last_used() -> None:
     from libp2p.stream_muxer.yamux import yamux as ymod
 
@@ -142,7 +164,8 @@ def note_when_each_connection_last_used() -> None:
         # one brought the interval back to 10 s, an idle 24-peer swarm's rare DHT traffic had
         # every connection pinged ~9 times after it (docs/performance.md)
         now = trio.current_time()
-        if now - self.__dict__.setdefault("_sn_born", now) >= ymod.RTT_MEASURE_INTERVAL:
+        if now - self.__dict__.setdefault("_sn_born", now) >= ymod.RTT_MEASURE_INTERVAL and \
+                not self.__dict__.get("_sn_gossip"):
             state = self.conn.__dict__
             used = state.get("_sn_used_at")
             state["_sn_used_at"] = now

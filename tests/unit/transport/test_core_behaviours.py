@@ -42,8 +42,10 @@ class FakeConn:
 class FakeNetwork:
     def __init__(self) -> None:
         self.conns: list[FakeConn] = []
+        self.looks = 0  # calls of get_connections
 
     def get_connections(self, peer=None):
+        self.looks += 1
         return list(self.conns)
 
 
@@ -93,6 +95,32 @@ def test_keepalive_closes_a_connection_whose_ping_went_unanswered_and_counts_it(
             assert not dead.closed
             await trio.sleep(3)
             assert dead.closed and not alive.closed and keepalive.snapshot().closed >= 1
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_keepalive_looks_at_the_connections_once_a_timeout_not_every_second():
+    """Going over every connection each second grew with the swarm: the connections are looked
+    at once a timeout while no ping is out, and a ping sent in between is still found unanswered
+    within a second of the timeout."""
+
+    async def main() -> None:
+        node = FakeNode()
+        keepalive = Keepalive(NodeConfig(keepalive_interval=10.0, keepalive_timeout=15.0))
+        await trio.sleep(1)
+        quiet = FakeConn(_peer(), None)
+        node.host.network.conns = [quiet]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(keepalive.run, node)
+            await trio.sleep(60)
+            assert node.host.network.looks <= 60 / 15 + 1
+            late = FakeConn(_peer(), trio.current_time() + 0.5)  # pinged half a second after a look
+            node.host.network.conns.append(late)
+            await trio.sleep(15.0)
+            assert not late.closed
+            await trio.sleep(2.0)
+            assert late.closed and not quiet.closed
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
