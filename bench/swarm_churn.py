@@ -233,6 +233,8 @@ def main() -> None:
     a = parser.parse_args()
     if a.quick:
         a.peers, a.kill = 6, 2
+    if a.generations < 1:
+        parser.error("--generations must be at least 1")
     c = run(a.peers, a.kill, max_layers=a.max_layers, tokens=a.tokens, generations=a.generations, timeout=a.timeout,
             progress=lambda m: print(m, file=sys.stderr, flush=True))
     report(c)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from bench.gateway_load import (
+    PROMPTS,
     Load,
     TieCheck,
     burst,
@@ -23,8 +24,6 @@ from shardnet.testing.helpers import openai_client
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["def main(args):\n    ", "import os\n", "class Parser:\n    def ", "for i in range(",
-           "    return ", "# Copyright", "with open(path) as f:\n", "if __name__ == "]
 
 
 @pytest.mark.parametrize("join_args", [("--batch-tokens", "0"), ()], ids=["one-at-a-time", "batched"])

@@ -40,7 +40,9 @@
    links' writes (``GOSSIP_PROTOCOLS``, marked when the stream's protocol is set): gossipsub's
    mesh upkeep sends a control message down some link every heartbeat, and each one brought a
    connection back to 10 s (an idle 24-peer swarm's peer sent 1.2 pings a second, one per
-   connection every ~20 s, measured by the profile of docs/performance.md). A silently
+   connection every ~20 s, measured by the profile of docs/performance.md); a connection that
+   carries gossip alone is pinged as an idle one, so its silent death is found within the longest
+   interval and the timeout (before: ~10-20 s). A silently
    dead idle connection is found within the longer interval and the timeout; one whose
    sessions write keeps the short one. Behind NAT the longest interval is 60 s (keepalive.py:
    a NAT may drop an idle TCP mapping sooner than RFC 5382's 2 h 4 min, and it is our side's
