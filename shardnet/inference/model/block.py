@@ -96,6 +96,8 @@ class Block:
         shell = ModelShell(ckpt, dtype, config)
         self.config = shell.config
         self.layers = torch.nn.ModuleList()
+        #: per layer, its modules whose ``layer_idx`` addresses the session's cache
+        self._indexed: list[list[torch.nn.Module]] = []
         n_tensors = n_bytes = 0
         for i in range(start, end):
             names = ckpt.layer_tensors(i)
@@ -103,9 +105,11 @@ class Block:
             layer = shell.take(shell.base.layers[i], f"model.layers.{i}.", device)
             # built with its global index (which picks its attention type, dense or sparse MLP);
             # its attention addresses this block's own cache, which starts at 0
-            for sub in layer.modules():
-                if "Attention" in type(sub).__name__ and isinstance(getattr(sub, "layer_idx", None), int):
-                    sub.layer_idx = i - start
+            indexed = [sub for sub in layer.modules()
+                       if "Attention" in type(sub).__name__ and isinstance(getattr(sub, "layer_idx", None), int)]
+            for sub in indexed:
+                sub.layer_idx = i - start
+            self._indexed.append(indexed)
             if quantize:
                 from shardnet.inference.model.quantize import quantize_module
 
@@ -150,24 +154,60 @@ class Block:
             self._kv_layout = layout
         return self._kv_layout
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self, layers: tuple[int, int] | None = None) -> int:
         """Bytes a session's KV cache on this block holds per position (what ``new_cache`` allocates
-        per position of its length)."""
-        return sum(s.bytes_per_token for s in self.kv_layout() if s is not None)
+        per position of its length); ``layers``: of a session that runs only those (``forward``)."""
+        i0, i1 = self.local_range(layers)
+        return sum(s.bytes_per_token for s in self.kv_layout()[i0:i1] if s is not None)
+
+    def local_range(self, layers: tuple[int, int] | None) -> tuple[int, int]:
+        """``layers`` (model layer indices [a, b), within this block's; None: all of them) as
+        indices into ``self.layers``; ValueError where they are not a non-empty part of it."""
+        if layers is None:
+            return 0, self.num_layers
+        a, b = layers
+        if not self.start <= a < b <= self.end:
+            raise ValueError(f"layers {a}:{b} are not within this block's {self.start}:{self.end}")
+        return a - self.start, b - self.start
 
     @property
     def takes_trees(self) -> bool:
         """Whether ``forward`` runs tree steps here: a family proven with trees, full attention."""
         return self.family.trees and "sliding_attention" not in self.layer_types
 
-    def new_cache(self, max_len: int | None = None) -> SessionKv:
+    def new_cache(self, max_len: int | None = None, layers: tuple[int, int] | None = None) -> SessionKv:
         """A session's KV cache: ``max_len`` positions allocated now, written in place by its
-        steps (without a length it grows by doubling: local use, not a peer's served path)."""
-        return SessionKv(self.kv_layout(), max_len, self.device)
+        steps (without a length it grows by doubling: local use, not a peer's served path);
+        ``layers``: for a session that runs only those of the block (``forward``), theirs alone."""
+        i0, i1 = self.local_range(layers)
+        return SessionKv(self.kv_layout()[i0:i1], max_len, self.device)
+
+    @contextlib.contextmanager
+    def _addressing(self, i0: int):
+        """While a sub-span's pass runs (its layers from ``self.layers[i0]``), each of its attention
+        modules addresses the sub-span's own cache (index from its first layer, not the block's)."""
+        if i0 == 0:
+            yield
+            return
+        for i, modules in enumerate(self._indexed):
+            for m in modules:
+                m.layer_idx = i - i0
+        try:
+            yield
+        finally:
+            for i, modules in enumerate(self._indexed):
+                for m in modules:
+                    m.layer_idx = i
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, cache, start_pos: int, tree: list[int] | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, cache, start_pos: int, tree: list[int] | None = None,
+                layers: tuple[int, int] | None = None) -> torch.Tensor:
         """hidden: [batch, tokens, hidden_size] for positions start_pos.. ; updates ``cache``.
+
+        ``layers``: run only model layers [a, b) of this block's (a *sub-span* session: a chain
+        that enters or leaves this peer's span in its middle); ``cache`` is then one made for
+        exactly those (``new_cache(layers=...)``). The result is what a block of exactly those
+        layers computes.
 
         ``tree``: the new tokens form a tree of drafts rather than a sequence: ``tree[i]`` is the
         index of token i's parent among them (-1: its parent is the cached text), parents before
@@ -181,13 +221,17 @@ class Block:
             create_sliding_window_causal_mask,
         )
 
+        i0, i1 = self.local_range(layers)
+        kinds = self.layer_types[i0:i1]
+        if len(getattr(cache, "layers", ())) not in (0, i1 - i0):
+            raise ValueError(f"a cache of {len(cache.layers)} layers for a pass over {i1 - i0}")
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         t = hidden.shape[1]
         position_ids = torch.arange(start_pos, start_pos + t, device=self.device).unsqueeze(0)
         kw = dict(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=cache,
                   position_ids=position_ids)
         if tree is not None:
-            if "sliding_attention" in self.layer_types:
+            if "sliding_attention" in kinds:
                 raise ValueError("a tree step needs full attention in every layer")
             depths, ancestors = tree_shape(tree, t)
             ancestors = ancestors.to(self.device)
@@ -206,13 +250,13 @@ class Block:
             allowed = torch.ones(t, start_pos + t, dtype=torch.bool, device=self.device)
             allowed[:, start_pos:] = ancestors
             masks["full_attention"] = allowed[None, None]
-        elif "full_attention" in self.layer_types:
+        elif "full_attention" in kinds:
             masks["full_attention"] = create_causal_mask(**kw)
-        if "sliding_attention" in self.layer_types:
+        if "sliding_attention" in kinds:
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kw)
-        pos_emb = self.family.position_embeddings(self.rotary, hidden, position_ids, self.layer_types)
-        with self._pass:
-            for layer, kind in zip(self.layers, self.layer_types):
+        pos_emb = self.family.position_embeddings(self.rotary, hidden, position_ids, kinds)
+        with self._pass, self._addressing(i0):
+            for layer, kind in zip(self.layers[i0:i1], kinds):
                 hidden = layer(hidden, attention_mask=masks[kind], position_ids=position_ids, cache=cache,
                                use_cache=True, position_embeddings=pos_emb[kind])
         return hidden
@@ -231,6 +275,8 @@ class Block:
         if len(steps) == 1:  # the plain path, without the padding
             h, cache = steps[0]
             return [self.forward(h, cache, cache.get_seq_length())]
+        if any(len(cache.layers) != self.num_layers for _, cache in steps):
+            raise ValueError("a sub-span session's steps run alone (forward with its layers), not batched")
         lengths = [cache.get_seq_length() for _, cache in steps]
         news = [h.shape[1] for h, _ in steps]
         b, new = len(steps), max(news)

@@ -170,13 +170,16 @@ class BlockEndpoint:
                 raise InferenceError(ErrorCode.WRONG_MODEL, f"this peer serves model {sb.model_id[:16]}…, "
                                      f"not {op.model[:16]}…")
             start, end = op.layers
-            if (start, end) != (sb.block.start, sb.block.end):
-                raise InferenceError(ErrorCode.LAYERS, f"layers {start}:{end} requested; this peer serves exactly "
-                                     f"{sb.block.start}:{sb.block.end} of {sb.block.ckpt.num_layers}")
-            if op.logits and not op.chain and sb.head is None:
-                raise InferenceError(ErrorCode.NO_HEAD, "this peer does not hold the LM head")
+            if not sb.block.start <= start < end <= sb.block.end:
+                raise InferenceError(ErrorCode.LAYERS, f"layers {start}:{end} requested; this peer serves "
+                                     f"{sb.block.start}:{sb.block.end} of {sb.block.ckpt.num_layers} "
+                                     f"(any range within it)")
+            if op.logits and not op.chain and (sb.head is None or end != sb.block.ckpt.num_layers):
+                raise InferenceError(ErrorCode.NO_HEAD, "this peer does not hold the LM head" if sb.head is None
+                                     else f"the LM head follows layer {sb.block.ckpt.num_layers - 1}; "
+                                          f"this session's layers end at {end}")
             self._admit_session(up.remote_peer)
-            sb.kv.reserve(s, op.max_len * sb.block.kv_bytes_per_token())
+            sb.kv.reserve(s, op.max_len * sb.block.kv_bytes_per_token(_sub_span(sb, op)))
         except InferenceError as e:
             await reply_error(up, s, e.code, e.message, **e.figures)
             return
@@ -184,7 +187,7 @@ class BlockEndpoint:
         sb.sessions_served += 1
         self.activity.sessions_total += 1
         session = BlockSession(op, sb.block.config.hidden_size)
-        rec = StageRecorder(sb.model_id, s, (sb.block.start, sb.block.end), str(self.node.peer_id),
+        rec = StageRecorder(sb.model_id, s, (start, end), str(self.node.peer_id),
                             str(sb.block.device), dtype=dtype_name(sb.block.dtype),
                             quant=sb.block.quantize or "none", batching=sb.scheduler.batching,
                             region=sb.region)
@@ -261,9 +264,11 @@ class BlockEndpoint:
         # allocated now at the session's length, exactly what sb.kv reserved for it; freed when the
         # session ends (the last reference goes: a pass still running its step holds one until done)
         op = session.open
-        cache = sb.block.new_cache(op.max_len)
+        layers = _sub_span(sb, op)
+        cache = sb.block.new_cache(op.max_len, layers)
+        # (prefix pages are kept per layer range: a sub-span session's hold only its layers)
         tracker = None if op.prefix is None else PrefixTracker(
-            session_seed(sb.model_id, (sb.block.start, sb.block.end), dtype_name(sb.block.dtype), op.prefix, op.ret.peer))
+            session_seed(sb.model_id, tuple(op.layers), dtype_name(sb.block.dtype), op.prefix, op.ret.peer))
         # other peers compute this session's steps too (scheduler: the halves of such sessions alternate)
         pipelined = not session.last or str(up.remote_peer) != op.ret.peer
         while True:
@@ -308,7 +313,7 @@ class BlockEndpoint:
             done = len(reused) * PAGE
             out = await sb.scheduler.forward(up.remote_peer, hidden[:, done:], cache, step.pos + done,
                                              on_shared=rec.step_was_batched if rec is not None else None,
-                                             pipelined=pipelined, tree=step.tree)
+                                             pipelined=pipelined, tree=step.tree, layers=layers)
             if reused:
                 out = torch.cat([torch.cat([p.outputs for p in reused])[None].to(out.dtype), out], dim=1)
             if tracker is not None:
@@ -324,6 +329,12 @@ class BlockEndpoint:
             self.activity.step(hidden.shape[1], len(step.payload), len(payload), time.perf_counter() - t_step)
             if hidden.shape[1] >= TRIM_AFTER_TOKENS:  # a prompt's transient buffers, freed: give them back
                 await trio.to_thread.run_sync(allocator.trim)
+
+
+def _sub_span(sb: ServedBlock, op: ap.Open) -> tuple[int, int] | None:
+    """The layers a session runs when they are not the whole block (a sub-span session), else None."""
+    layers = tuple(op.layers)
+    return None if layers == (sb.block.start, sb.block.end) else layers
 
 
 def _reuse_prefix(sb: ServedBlock, tracker: PrefixTracker, cache, pos: int, hidden):

@@ -23,7 +23,9 @@ whole where it fits what is left of the pass, else in chunks (exact either way; 
 differs).
 
 With ``max_tokens=0`` (``--batch-tokens 0``) there is no batching: a pass holds one whole step,
-the next in turn round the peers (``Block.forward``; no budget, so no chunks). A step whose
+the next in turn round the peers (``Block.forward``; no budget, so no chunks). A step of a
+sub-span session (one that runs only some of the block's layers) always runs whole and alone in
+a pass of its own, at its turn, as a tree step does. A step whose
 position is not where its cache ends (not in the protocol's normal flow: the endpoint crops the
 cache on a rollback first) runs the same way, whole and alone in a pass of its own at its
 position, before the next batch.
@@ -86,6 +88,7 @@ class _Step:
     shared: bool = False  # some chunk of it ran in one forward pass with other sessions' steps
     waiting: _Round | None = None  # where it waits for its turn
     tree: tuple[int, ...] | None = None  # a tree step's parents (it runs alone)
+    layers: tuple[int, int] | None = None  # a sub-span session's layers (it runs alone)
 
     @property
     def left(self) -> int:
@@ -173,14 +176,16 @@ class BlockScheduler:
 
     async def forward(self, peer, hidden: torch.Tensor, cache, pos: int, *,
                       on_shared: Callable[[], None] | None = None, pipelined: bool = False,
-                      tree: tuple[int, ...] | None = None) -> torch.Tensor:
+                      tree: tuple[int, ...] | None = None, layers: tuple[int, int] | None = None) -> torch.Tensor:
         """The block's output for ``hidden`` ([1, T, hidden]: a session's positions from ``pos``,
         extending ``cache``), computed when the scheduler's order comes to it, possibly in one pass
         with other sessions' steps. ``peer``: the upstream peer it came from. ``on_shared`` is
         called when the step ran in one forward pass with other sessions' steps (receipts count
         those: batched results may round differently from a step computed alone). ``tree``: the
-        step is a tree of drafts (``Block.forward``), run in a pass of its own."""
-        step = _Step(peer, hidden, cache, pos, pipelined=pipelined, tree=tree)
+        step is a tree of drafts (``Block.forward``), run in a pass of its own. ``layers``: the
+        session runs only those of the block (a sub-span session, ``Block.forward``), each step
+        in a pass of its own."""
+        step = _Step(peer, hidden, cache, pos, pipelined=pipelined, tree=tree, layers=layers)
         step.waiting = self._round_for(step)
         step.waiting.add(step)
         self._arrived += 1
@@ -210,7 +215,8 @@ class BlockScheduler:
         return torch.cat(step.outputs, dim=1) if len(step.outputs) > 1 else step.outputs[0]
 
     def _round_for(self, step: _Step) -> _Round:
-        if not self.batching or step.tree is not None or step.pos != step.cache.get_seq_length():
+        if not self.batching or step.tree is not None or step.layers is not None or \
+                step.pos != step.cache.get_seq_length():
             return self._alone
         return self._short if step.hidden.shape[1] <= self.short_tokens else self._long
 
@@ -284,9 +290,7 @@ class BlockScheduler:
         step, n = batch[0]
         if len(batch) == 1 and n == step.left and step.done_tokens == 0:
             # one whole step: the plain path, at the step's own position
-            if step.tree is not None:
-                return lambda: [self.block.forward(step.hidden, step.cache, step.pos, tree=step.tree)]
-            return lambda: [self.block.forward(step.hidden, step.cache, step.pos)]
+            return lambda: [self.block.forward(step.hidden, step.cache, step.pos, tree=step.tree, layers=step.layers)]
         return partial(self.block.forward_batch,
                        [(s.hidden[:, s.done_tokens:s.done_tokens + n], s.cache) for s, n in batch])
 
