@@ -8,7 +8,8 @@ public, private or unknown), ``load`` (the share of its KV budget in use) and ``
 which clients use as edge weights when routing), ``dtype`` (what it computes in: clients route
 through peers computing in their own dtype, and honest-compute checks allow for it when comparing
 peers' outputs) and ``quant`` (how its weights are quantized, "none" when they are not: clients
-may require or refuse quantized spans). It is signed with the peer's Ed25519 identity key, so anyone can check it came from P
+may require or refuse quantized spans), ``sub_spans`` (true: the peer runs a session over any
+layer range within its span, not only the whole span). It is signed with the peer's Ed25519 identity key, so anyone can check it came from P
 and was not altered; it travels through the DHT (a signed value, plus a provider record under
 the layer range holding its first layer: ``layer_ranges``, ``claim_ranges``), as news on that
 range's gossipsub topic ``/shardnet/block-claim/1.0.0/<model>/r<i>`` (``range_topic``; a compute
@@ -70,6 +71,10 @@ class Claim:
     #: ``news``'s thresholds (a new span, addresses, a step of load...); a refresh of the same
     #: news keeps it and extends ``expires``. 0: not said (claims from before the key existed).
     seq: int = 0
+    #: the peer runs sessions over any layer range within its span (an ``open`` whose ``layers``
+    #: are a part of [start, end): a *sub-span* session); False (absent, as in older claims): the
+    #: whole span only, and a route may use the peer for [start, end) alone
+    sub_spans: bool = False
 
     def covers(self, layer: int) -> bool:
         return self.start <= layer < self.end
@@ -142,6 +147,8 @@ def _body(c: Claim) -> dict:
     d["rtts"] = [list(pair) for pair in c.rtts[:MAX_RTTS]]
     if not c.seq:
         del d["seq"]  # absent, as in claims from before the key existed
+    if not c.sub_spans:
+        del d["sub_spans"]  # absent, as in claims from before the key existed
     if c.loading is None:
         del d["loading"]  # absent, as in claims from before the key existed
     else:
@@ -225,7 +232,8 @@ def _verify(blob: bytes) -> Claim:
                   peer=body["peer"], reach=body.get("reach", "unknown"), load=float(body.get("load", 0.0)),
                   rtts=_rtts(body.get("rtts", [])), dtype=body.get("dtype", "unknown"),
                   quant=body.get("quant", "none"), since=float(body.get("since", 0.0)),
-                  loading=_span(body.get("loading")), seq=body.get("seq", 0))
+                  loading=_span(body.get("loading")), seq=body.get("seq", 0),
+                  sub_spans=body.get("sub_spans", False))
     except (KeyError, TypeError, ValueError) as e:
         raise ClaimError(f"claim body incomplete ({e})") from None
     if not (isinstance(c.model, str) and isinstance(c.peer, str) and all(isinstance(a, str) for a in c.addrs)
@@ -234,7 +242,8 @@ def _verify(blob: bytes) -> Claim:
             and c.dtype in DTYPE_VALUES and c.quant in QUANT_VALUES
             and math.isfinite(c.tput) and c.tput >= 0 and 0.0 <= c.load <= 1.0
             and math.isfinite(c.since) and c.since >= 0
-            and isinstance(c.seq, int) and not isinstance(c.seq, bool) and 0 <= c.seq < 1 << 63):
+            and isinstance(c.seq, int) and not isinstance(c.seq, bool) and 0 <= c.seq < 1 << 63
+            and isinstance(c.sub_spans, bool)):
         raise ClaimError("claim body has the wrong types or an empty layer range")
     if str(ID.from_pubkey(pk)) != c.peer:
         raise ClaimError("claim is signed by a key other than its peer's")

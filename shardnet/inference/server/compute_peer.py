@@ -265,7 +265,8 @@ class ComputePeer:
         rtts = tuple(sorted(self.successor_rtts.items(), key=lambda kv_: kv_[1]))
         return Claim(start=sb.block.start, end=sb.block.end,
                      kv_tokens=(kv.limit - kv.used) // sb.block.kv_bytes_per_token(), tput=self.tput,
-                     load=min(1.0, kv.used / kv.limit) if kv.limit else 0.0, rtts=rtts, **common)
+                     load=min(1.0, kv.used / kv.limit) if kv.limit else 0.0, rtts=rtts,
+                     sub_spans=True, **common)  # (block_endpoint: any range within the span)
 
     # -- choosing and revising the span ----------------------------------------------------------
     async def choose_span(self, *, max_layers: int | None = None, wait: float = 5.0) -> tuple[int, int]:

@@ -26,14 +26,16 @@ def test_roundtrip_and_signature():
     c = claim()
     assert bc.decode(bc.encode(KP, c)) == c
     full = dataclasses.replace(c, reach="private", load=0.25, rtts=(("12D3KooWpeer", 0.012),), dtype="bfloat16",
-                               quant="int8")
+                               quant="int8", sub_spans=True)
     assert bc.decode(bc.encode(KP, full)) == full
+    # sub_spans absent (as an older peer's claim has it) reads as whole spans only
+    assert "sub_spans" not in cbor2.loads(bc.encode(KP, c))["body"] and not bc.decode(bc.encode(KP, c)).sub_spans
 
 
 def test_optional_fields_are_checked():
     for bad in ({"reach": "sometimes"}, {"load": 1.5}, {"tput": float("nan")},
                 {"rtts": (("p", -1.0),)}, {"rtts": (("p", "soon"),)}, {"rtts": ((7, 0.1),)},
-                {"quant": "int3"}, {"dtype": "float64"}):
+                {"quant": "int3"}, {"dtype": "float64"}, {"sub_spans": "yes"}):
         blob = bc.encode(KP, dataclasses.replace(claim(), **bad))
         with pytest.raises(bc.ClaimError):
             bc.decode(blob)
