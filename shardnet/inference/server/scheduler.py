@@ -290,7 +290,8 @@ class BlockScheduler:
         step, n = batch[0]
         if len(batch) == 1 and n == step.left and step.done_tokens == 0:
             # one whole step: the plain path, at the step's own position
-            return lambda: [self.block.forward(step.hidden, step.cache, step.pos, tree=step.tree, layers=step.layers)]
+            kw = {k: v for k, v in (("tree", step.tree), ("layers", step.layers)) if v is not None}
+            return lambda: [self.block.forward(step.hidden, step.cache, step.pos, **kw)]
         return partial(self.block.forward_batch,
                        [(s.hidden[:, s.done_tokens:s.done_tokens + n], s.cache) for s, n in batch])
 

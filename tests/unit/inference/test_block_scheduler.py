@@ -51,8 +51,8 @@ class FakeBlock:
         if any(name in self.fail for name, _ in self.passes[-1][1]):
             raise RuntimeError("out of memory")
 
-    def forward(self, hidden, cache, pos):
-        self.passes.append(("forward", [(cache.name, hidden.shape[1])]))
+    def forward(self, hidden, cache, pos, layers=None):
+        self.passes.append(("forward", [(cache.name, hidden.shape[1])] + ([layers] if layers else [])))
         self._run()
         cache.length = pos + hidden.shape[1]
         return hidden.clone()
@@ -72,14 +72,16 @@ def activations(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(1, n, 4, generator=torch.Generator().manual_seed(seed))
 
 
-async def hand_in(scheduler, nursery, peer, cache, n, results, pos=None, on_shared=None, pipelined=False):
+async def hand_in(scheduler, nursery, peer, cache, n, results, pos=None, on_shared=None, pipelined=False,
+                  layers=None):
     """Start a session's step; returns once it waits in the scheduler. Its (input, output) goes to
     ``results[cache.name]``."""
     async def one(task_status=trio.TASK_STATUS_IGNORED):
         h = activations(n, len(results))
         task_status.started()  # (synchronous: the step is queued before the caller runs again)
         results[cache.name] = (h, await scheduler.forward(peer, h, cache, cache.length if pos is None else pos,
-                                                          on_shared=on_shared, pipelined=pipelined))
+                                                          on_shared=on_shared, pipelined=pipelined,
+                                                          **({"layers": layers} if layers else {})))
     await nursery.start(one)
 
 
@@ -264,6 +266,22 @@ async def test_a_step_not_at_its_caches_end_runs_alone_at_its_position():
             block.open()
     assert block.passes[1:] == [("forward", [("odd", 2)]), ("batch", [("x", 1), ("y", 1)])]
     assert odd.length == 5  # computed at positions 3 and 4
+
+
+async def test_a_sub_span_sessions_step_runs_alone_with_its_layers():
+    """A session that runs only some of the block's layers (issue 39) is never batched: its step
+    (a prompt here, longer than the budget) runs whole in a pass of its own, at its turn."""
+    block = FakeBlock()
+    scheduler = BlockScheduler(block, max_tokens=16)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await hand_in(scheduler, nursery, "z", FakeCache("running"), 1, {})
+            await block.pass_running()
+            await hand_in(scheduler, nursery, "a", FakeCache("x"), 1, {})
+            await hand_in(scheduler, nursery, "b", FakeCache("sub"), 20, {}, layers=(2, 3))
+            await hand_in(scheduler, nursery, "c", FakeCache("y"), 1, {})
+            block.open()
+    assert block.passes[1:] == [("forward", [("sub", 20), (2, 3)]), ("batch", [("x", 1), ("y", 1)])]
 
 
 async def test_no_batching_runs_one_whole_step_per_pass_in_fair_turns():
