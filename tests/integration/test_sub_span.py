@@ -65,12 +65,13 @@ async def test_a_chain_of_sub_spans_equals_transformers(loopback_config, cut):
 
 async def test_sub_span_and_whole_span_sessions_share_a_peer(loopback_config):
     """Concurrent sessions on the same peers, some through a sub-span route and some through the
-    whole spans: each gets transformers' text (a sub-span step runs in a pass of its own; the
-    others may be batched)."""
+    whole spans: each gets transformers' text (a sub-span step runs in a pass of its own, a
+    prompt longer than the peers' budget of 64 tokens in chunks; the others may be batched)."""
     from shardnet.testing.factories import random_prompts
 
     model = LocalModel(default_model_path(), dtype="float32")
-    prompts = random_prompts(6, seed=3, vocab=500, lengths=(2, 30))
+    prompts = random_prompts(5, seed=3, vocab=500, lengths=(2, 30)) + random_prompts(1, seed=4, vocab=500,
+                                                                                    lengths=(150, 151))
     async with AsyncExitStack() as stack:
         client_node, claims, served = await _two_peers(stack, loopback_config)
         routes = [_route(claims, (0, 4), (4, 8)), _route(claims, (0, 5), (5, 8))]

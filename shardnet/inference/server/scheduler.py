@@ -24,8 +24,10 @@ differs).
 
 With ``max_tokens=0`` (``--batch-tokens 0``) there is no batching: a pass holds one whole step,
 the next in turn round the peers (``Block.forward``; no budget, so no chunks). A step of a
-sub-span session (one that runs only some of the block's layers) always runs whole and alone in
-a pass of its own, at its turn, as a tree step does. A step whose
+sub-span session (one that runs only some of the block's layers) is never batched with other
+sessions' steps: with a budget it waits in a round of its own, and a pass of one holds it alone,
+at most the budget of it (a long prompt goes in chunks, as above), taking turns with the batched
+passes of the other sessions; without a budget it runs whole, as every step does. A step whose
 position is not where its cache ends (not in the protocol's normal flow: the endpoint crops the
 cache on a rollback first) runs the same way, whole and alone in a pass of its own at its
 position, before the next batch.
@@ -157,6 +159,9 @@ class BlockScheduler:
         self.prefill_floor = max(1, int(max_tokens * PREFILL_SHARE))
         self.short_tokens = max(0, min(short_tokens, max_tokens - self.prefill_floor))
         self._alone, self._short, self._long = _Round(), _Round(), _Round()
+        #: sub-span sessions' steps: each pass of one holds it alone, in chunks of the budget
+        self._sub = _Round()
+        self._sub_turn = False  # a sub-span step goes next when others wait too
         #: a leader runs passes, or the lead is on its way to a waiting step's owner
         self._running = False
         self._arrived = 0  # steps handed in so far
@@ -172,7 +177,7 @@ class BlockScheduler:
 
     @property
     def waiting(self) -> int:
-        return len(self._alone) + len(self._short) + len(self._long)
+        return len(self._alone) + len(self._sub) + len(self._short) + len(self._long)
 
     async def forward(self, peer, hidden: torch.Tensor, cache, pos: int, *,
                       on_shared: Callable[[], None] | None = None, pipelined: bool = False,
@@ -215,9 +220,10 @@ class BlockScheduler:
         return torch.cat(step.outputs, dim=1) if len(step.outputs) > 1 else step.outputs[0]
 
     def _round_for(self, step: _Step) -> _Round:
-        if not self.batching or step.tree is not None or step.layers is not None or \
-                step.pos != step.cache.get_seq_length():
+        if not self.batching or step.tree is not None or step.pos != step.cache.get_seq_length():
             return self._alone
+        if step.layers is not None:
+            return self._sub
         return self._short if step.hidden.shape[1] <= self.short_tokens else self._long
 
     async def _lead(self, mine: _Step) -> None:
@@ -255,6 +261,12 @@ class BlockScheduler:
         if self._alone:  # whole, in a pass of its own
             step = self._alone.pop()
             return [(step, step.left)]
+        if self._sub and (self._sub_turn or not (self._short or self._long)):
+            # a sub-span step alone, at most the budget of it, taking turns with the batches
+            self._sub_turn = False
+            step = self._sub.pop()
+            return [(step, min(step.left, self.max_tokens))]
+        self._sub_turn = True
         batch: list[tuple[_Step, int]] = []
         budget = self.max_tokens
         for_short = budget - (self.prefill_floor if self._long else 0)
@@ -288,6 +300,11 @@ class BlockScheduler:
 
     def _pass_fn(self, batch: list[tuple[_Step, int]]) -> Callable[[], list[torch.Tensor]]:
         step, n = batch[0]
+        if step.layers is not None:  # a sub-span step (or a chunk of it), alone at its cache's end
+            d = step.done_tokens
+            kw = {"tree": step.tree} if step.tree is not None else {}
+            return lambda: [self.block.forward(step.hidden[:, d:d + n], step.cache, step.pos + d,
+                                               layers=step.layers, **kw)]
         if len(batch) == 1 and n == step.left and step.done_tokens == 0:
             # one whole step: the plain path, at the step's own position
             kw = {k: v for k, v in (("tree", step.tree), ("layers", step.layers)) if v is not None}
@@ -314,7 +331,7 @@ class BlockScheduler:
     def _hand_over(self) -> None:
         """The leader is done: the owner of a waiting step leads next (its task is alive); with
         nothing waiting, the next step to arrive leads."""
-        for waiting in (self._alone, self._short, self._long):
+        for waiting in (self._alone, self._sub, self._short, self._long):
             if waiting:
                 step = waiting.peek()
                 step.lead = True

@@ -268,20 +268,25 @@ async def test_a_step_not_at_its_caches_end_runs_alone_at_its_position():
     assert odd.length == 5  # computed at positions 3 and 4
 
 
-async def test_a_sub_span_sessions_step_runs_alone_with_its_layers():
-    """A session that runs only some of the block's layers (issue 39) is never batched: its step
-    (a prompt here, longer than the budget) runs whole in a pass of its own, at its turn."""
+async def test_a_sub_span_sessions_steps_run_alone_in_chunks_taking_turns_with_batches():
+    """A session that runs only some of the block's layers (issue 39) is never batched: its steps
+    run alone, a prompt longer than the budget in chunks of the budget, and the batched passes of
+    the other sessions take turns with them (neither kind waits for the other's whole backlog)."""
     block = FakeBlock()
     scheduler = BlockScheduler(block, max_tokens=16)
+    sub = FakeCache("sub")
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             await hand_in(scheduler, nursery, "z", FakeCache("running"), 1, {})
             await block.pass_running()
+            await hand_in(scheduler, nursery, "b", sub, 40, {}, layers=(2, 3))
             await hand_in(scheduler, nursery, "a", FakeCache("x"), 1, {})
-            await hand_in(scheduler, nursery, "b", FakeCache("sub"), 20, {}, layers=(2, 3))
             await hand_in(scheduler, nursery, "c", FakeCache("y"), 1, {})
             block.open()
-    assert block.passes[1:] == [("forward", [("sub", 20), (2, 3)]), ("batch", [("x", 1), ("y", 1)])]
+    # (the pass running when they came was a batch pass: the sub-span step's turn is next)
+    assert block.passes[1:] == [("forward", [("sub", 16), (2, 3)]), ("batch", [("x", 1), ("y", 1)]),
+                                ("forward", [("sub", 16), (2, 3)]), ("forward", [("sub", 8), (2, 3)])]
+    assert sub.length == 40  # the chunks at positions 0, 16 and 32
 
 
 async def test_no_batching_runs_one_whole_step_per_pass_in_fair_turns():
