@@ -673,6 +673,53 @@ async def test_gossip_links_do_not_shorten_the_keepalive_interval(loopback_confi
         await s.close()
 
 
+async def test_the_stale_stream_sweeper_sleeps_while_no_closed_stream_waits(loopback_config, monkeypatch):
+    """A connection's sweeper only reclaims streams fully closed with unread data: while none is
+    left it sleeps IDLE_SWEEP_FACTOR intervals, while one is, one (compat fix 21; upstream woke
+    every connection's sweeper every 30 s)."""
+    from libp2p.stream_muxer.yamux import yamux as upstream
+
+    from shardnet.transport.compat import yamux
+
+    async def sweeps_in(muxed, seconds: float) -> int:
+        count, sweep = 0, muxed._sweep_stale_streams
+
+        def counting(now=None):
+            nonlocal count
+            count += 1
+            return sweep(now)
+
+        muxed._sweep_stale_streams = counting
+        try:
+            await trio.sleep(seconds)
+        finally:
+            muxed._sweep_stale_streams = sweep
+        return count
+
+    monkeypatch.setattr(upstream, "_STALE_STREAM_SWEEP_INTERVAL", 0.05)
+    monkeypatch.setattr(upstream, "_STALE_STREAM_GRACE_SECONDS", 0.3)
+    cfg = dict(discovery_interval=600.0, autonat_client=False)
+    async with keepalive_pair(loopback_config, **cfg) as (a, b, ours, theirs, pings):
+        await trio.sleep(0.6)  # (each sweeper on its long sleep now)
+        # 2 s of 0.05 s intervals: ~40 sweeps upstream, ~4 on the long sleep
+        assert yamux.IDLE_SWEEP_FACTOR == 10 and await sweeps_in(ours, 2.0) <= 6
+
+        async def write_and_close(stream):  # the other side writes and closes; ours never reads
+            await stream.write(b"unread", timeout=10)
+            await stream.close()
+
+        b.set_stream_handler("/unread/1.0.0", write_and_close)
+        s = await a.new_stream(b.peer_id, "/unread/1.0.0")
+        with trio.fail_after(5):  # its data and FIN are in
+            while not s.raw.muxed_stream.recv_closed:
+                await trio.sleep(0.05)
+        await s.close()  # fully closed, its data unread: left to the sweeper
+        assert any(st.closed for st in ours.streams.values())
+        with trio.fail_after(5):  # reclaimed after the grace, at the short interval
+            while any(st.closed for st in ours.streams.values()):
+                await trio.sleep(0.05)
+
+
 async def test_a_session_starting_on_a_quiet_connection_wakes_its_keepalive(loopback_config):
     """A connection no long-lived stream wrote on sleeps the longest interval between pings; a
     session that begins writing there wakes it, so a path dying under the session is found within

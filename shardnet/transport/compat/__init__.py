@@ -9,8 +9,8 @@ are written for one py-libp2p version, :data:`SUPPORTED_LIBP2P`, and ``apply()``
 on another (docs/embedding.md).
 
 One module per upstream subsystem holds the patches and their explanation, under the fix
-numbers the docs cite: swarm.py (1, 3, 6, 9, 12, 17), tcp.py (13), yamux.py (2, 3, 6, 10, 15, 17),
-noise.py (6), pubsub.py (4, 16), kad.py (11, 14, 18), identify.py (7, 8), logger.py (5); naps.py holds the
+numbers the docs cite: swarm.py (1, 3, 6, 9, 12, 17), tcp.py (13), yamux.py (2, 3, 6, 10, 15, 17, 21),
+noise.py (6), pubsub.py (4, 16), kad.py (11, 14, 18, 19, 20), identify.py (7, 8), logger.py (5); naps.py holds the
 trio proxy of fix 3, which swarm.py and yamux.py both install. The same modules
 hold the small accessors through which the rest of shardnet reads py-libp2p's private state
 (``swarm.forget_failed_dial``, ``kad.providers_from_peer``, ...), so that state is touched only
@@ -269,6 +269,10 @@ PATCHES: tuple[Patch, ...] = (
           "gossip links' control messages (mesh upkeep, every heartbeat) counted as use of their "
           "connection and brought it back to the short keepalive interval",
           _T + "test_gossip_links_do_not_shorten_the_keepalive_interval", 10, yamux.note_gossip_streams),
+    Patch(_YAMUX + "Yamux._stale_stream_sweeper", "replace",
+          "every connection's stale-stream sweeper woke every 30 s, streams to reclaim or not",
+          _T + "test_the_stale_stream_sweeper_sleeps_while_no_closed_stream_waits", 21,
+          yamux.sweep_only_while_a_closed_stream_waits),
     Patch(_YAMUX + "Yamux._measure_rtt_loop", "replace",
           "both sides pinged every connection every interval, busy or not",
           _T + "test_only_quiet_connections_are_pinged", 10, yamux.ping_only_quiet_connections),

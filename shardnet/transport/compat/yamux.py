@@ -60,6 +60,11 @@
    came before its reset reads to a clean end. With SHARDNET_UNTUNED_DATA_PATH=1 (upstream's
    stream write, for benchmarks) frames still go through the writer whole, but a write cut
    midway does not reset its stream.
+21. Each connection's stale-stream sweeper woke every 30 s whatever the connection carried: at
+   24 idle peers 0.8 wakeups a second per peer, 5 % of an idle peer's profile. It only reclaims
+   streams fully closed with unread data (a normal close forgets a stream at once), so it now
+   sleeps ``IDLE_SWEEP_FACTOR`` (10) intervals while no closed stream is left on the connection,
+   one while one is (such a stream is reclaimed at most 300 s later than before).
 17. A connection lets this node open 256 streams (``Yamux.stream_backlog_limit``); a stream keeps
    its slot until it is closed or reset *here*, even once the peer has closed its half (it may
    still be written to). An app that never closes its streams found its 257th open waiting
@@ -243,6 +248,32 @@ def unanswered_ping_age(muxed: Any) -> float | None:
     if event is None or not sent or event.is_set():
         return None
     return trio.current_time() - sent
+
+
+# 21. idle connections' upkeep ----------------------------------------------------------------
+#: how many sweep intervals (30 s upstream) the stale-stream sweeper of a connection sleeps while
+#: none of its streams waits to be reclaimed
+IDLE_SWEEP_FACTOR = 10
+
+
+def sweep_only_while_a_closed_stream_waits() -> None:
+    from libp2p.stream_muxer.yamux import yamux as ymod
+
+    async def _stale_stream_sweeper(self: Any) -> None:
+        # Upstream woke every connection's sweeper every 30 s (at 24 idle peers, 0.8 wakeups a
+        # second per peer for nothing): a stream is only ever left to the sweeper when it was
+        # fully closed with unread data (the normal close forgets it at once), so while no
+        # closed stream is left the sweeper sleeps IDLE_SWEEP_FACTOR times longer.
+        while not self.event_shutting_down.is_set():
+            waiting = any(stream.closed for stream in self.streams.values())
+            with trio.move_on_after(ymod._STALE_STREAM_SWEEP_INTERVAL * (1 if waiting else IDLE_SWEEP_FACTOR)):
+                await self.event_shutting_down.wait()
+            if self.event_shutting_down.is_set():
+                break
+            async with self.streams_lock:
+                self._sweep_stale_streams()
+
+    ymod.Yamux._stale_stream_sweeper = _stale_stream_sweeper
 
 
 # 2. yamux zero-window wait --------------------------------------------------------------------
