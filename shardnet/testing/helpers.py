@@ -185,6 +185,24 @@ EXACT_NEW_TOKENS = 12
 LOGIT_TOL = 1e-4
 
 
+async def each_at_once(n: int, one, seconds: float) -> None:
+    """``await one(i)`` for every i in 0..n-1, all at once, within ``seconds``."""
+    import trio
+
+    with trio.fail_after(seconds):
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, i)
+
+
+def assert_greedy_texts(got: dict[int, list[int]], prompts: list[list[int]], new: int, path=None) -> None:
+    """``got[i]`` is single-process transformers' greedy continuation of ``prompts[i]`` (float32)."""
+    from shardnet.models import default_model_path
+
+    for i, p in enumerate(prompts):
+        assert got[i] == transformers_reference(path or default_model_path(), p, new)[0], i
+
+
 def transformers_reference(path, prompt: list[int], new: int, dtype="float32"):
     """transformers' greedy continuation of token IDs ``prompt`` and the logits of its last
     position, in float32 (or, with ``dtype=None``, in the checkpoint's own dtype: transformers'

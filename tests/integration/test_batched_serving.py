@@ -5,7 +5,6 @@ in one forward pass."""
 
 
 import pytest
-import trio
 
 from shardnet.inference.client.client import Client
 from shardnet.inference.client.speculative import NGramDrafter
@@ -13,7 +12,7 @@ from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.server.compute_peer import serve_block
 from shardnet.models import default_model_path
 from shardnet.testing.factories import random_prompts
-from shardnet.testing.helpers import chain_token_ids, transformers_reference
+from shardnet.testing.helpers import assert_greedy_texts, chain_token_ids, each_at_once
 from shardnet.transport import open_node
 
 NEW = 10
@@ -49,13 +48,8 @@ async def test_concurrent_sessions_batched_equal_each_alone(loopback_config, ran
             kw = {"drafter": NGramDrafter(), "k": 3, "depth": 2} if i % 3 == 0 else {}
             got[i] = await chain_token_ids(client, ps[i], NEW, **kw)
 
-        with trio.fail_after(240):
-            async with trio.open_nursery() as nursery:
-                for i in range(len(ps)):
-                    nursery.start_soon(one, i)
-        # each equals the model run alone on its prompt, in one process
-        for i, p in enumerate(ps):
-            assert got[i] == transformers_reference(default_model_path(), p, NEW)[0], i
+        await each_at_once(len(ps), one, 240)
+        assert_greedy_texts(got, ps, NEW)  # each equals the model run alone on its prompt, in one process
         stats = [s.scheduler.stats for s in served]
         assert all(s.largest > 1 for s in stats), stats  # steps of several sessions ran together
         assert all(s.tokens <= s.passes * 64 for s in stats)  # within the token budget

@@ -595,6 +595,15 @@ async def keepalive_pair(loopback_config, **cfg):
         yield a, b, ours, theirs, lambda: compat.pings_sent(ours) + compat.pings_sent(theirs)
 
 
+async def echo_an_interval_apart(s, interval: float) -> None:
+    """Two messages through an echo stream, two intervals apart (the stream lives past one)."""
+    await s.write(b"x", timeout=10)
+    assert await s.read_some(64, timeout=10) == b"x"
+    await trio.sleep(2 * interval)
+    await s.write(b"y", timeout=10)
+    assert await s.read_some(64, timeout=10) == b"y"
+
+
 async def test_only_quiet_connections_are_pinged(loopback_config):
     """Keepalive pings go only over a connection that brought nothing for a whole interval: on an
     idle one the two sides take turns (one ping per interval, not one each), a busy one is not
@@ -641,11 +650,7 @@ async def test_idle_connections_are_pinged_less_often(loopback_config):
         assert compat.ping_interval(theirs, trio.current_time()) == longest
 
         s = await a.new_stream(b.peer_id, "/echo/1.0.0")  # a session: lives past an interval
-        await s.write(b"x", timeout=10)
-        assert await s.read_some(64, timeout=10) == b"x"
-        await trio.sleep(2 * base)
-        await s.write(b"y", timeout=10)
-        assert await s.read_some(64, timeout=10) == b"y"
+        await echo_an_interval_apart(s, base)
         assert compat.ping_interval(ours, trio.current_time()) == base
         assert compat.ping_interval(theirs, trio.current_time()) == base  # its side's echo wrote too
         await s.close()
@@ -663,11 +668,7 @@ async def test_gossip_links_do_not_shorten_the_keepalive_interval(loopback_confi
     async with keepalive_pair(loopback_config, **cfg) as (a, b, ours, theirs, pings):
         b.set_stream_handler("/floodsub/1.0.0", echo_handler)
         s = await a.new_stream(b.peer_id, "/floodsub/1.0.0")
-        await s.write(b"x", timeout=10)
-        assert await s.read_some(64, timeout=10) == b"x"
-        await trio.sleep(2 * base)
-        await s.write(b"y", timeout=10)
-        assert await s.read_some(64, timeout=10) == b"y"
+        await echo_an_interval_apart(s, base)
         assert compat.ping_interval(ours, trio.current_time()) == longest
         assert compat.ping_interval(theirs, trio.current_time()) == longest
         await s.close()

@@ -17,7 +17,7 @@ from shardnet.inference.client.speculative import NGramDrafter
 from shardnet.inference.model.local_model import LocalModel
 from shardnet.inference.server.compute_peer import serve_block
 from shardnet.models import default_model_path
-from shardnet.testing.helpers import chain_token_ids, transformers_reference
+from shardnet.testing.helpers import assert_greedy_texts, chain_token_ids, each_at_once, transformers_reference
 from shardnet.transport import open_node
 
 PROMPT = [5, 17, 300, 41, 9, 77, 12]
@@ -81,12 +81,8 @@ async def test_sub_span_and_whole_span_sessions_share_a_peer(loopback_config):
             client = Client(client_node, model, audit_rate=0.0, route=routes[i % 2])
             got[i] = await chain_token_ids(client, prompts[i], NEW)
 
-        with trio.fail_after(180):
-            async with trio.open_nursery() as nursery:
-                for i in range(len(prompts)):
-                    nursery.start_soon(one, i)
-        for i, p in enumerate(prompts):
-            assert got[i] == transformers_reference(default_model_path(), p, NEW)[0], i
+        await each_at_once(len(prompts), one, 180)
+        assert_greedy_texts(got, prompts, NEW)
 
 
 async def test_layers_outside_the_span_are_refused_in_one_line(loopback_config):
