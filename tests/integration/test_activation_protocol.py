@@ -171,3 +171,39 @@ async def test_bad_input_gets_an_error_reply_and_the_peer_keeps_serving(loopback
             toks = [t async for t in client.generate([1, 2, 3], max_new_tokens=5, stop_at_eos=False)]
             assert len(toks) == 5
             assert served.kv.used == 0  # every failed session released its KV
+
+
+async def test_a_session_whose_set_up_fails_gives_back_its_kv_and_slot(loopback_config, model_dir, monkeypatch):
+    """Past admission (KV reserved, a session slot taken), a failure setting the session up
+    (its receipt recorder here) gives both back: the peer's budget does not leak. (And a
+    sub-span of a peer holding the LM head may ask for logits only where it ends at the model's
+    last layer.)"""
+    from shardnet.inference.model.checkpoint import Checkpoint
+    from shardnet.inference.server import block_endpoint
+    from shardnet.inference.server.compute_peer import join_swarm
+    from shardnet.transport.stream import StreamClosedError
+
+    def broken(*a, **kw):
+        raise RuntimeError("recorder broke")
+
+    model_id = Checkpoint(model_dir).model_id
+    async with open_node(loopback_config()) as peer, open_node(loopback_config()) as cli:
+        async with join_swarm(peer, str(model_dir), layers=(0, 2), rebalance_interval=0, hold_head=True) as compute:
+            await cli.connect(peer.listen_addrs[0])
+            me = ap.PeerRef(str(cli.peer_id), [str(a) for a in cli.listen_addrs])
+
+            async def first_reply(layers, **kw):
+                ms = MessageStream(await cli.new_stream(peer.peer_id, ap.PROTOCOL_ID))
+                await ms.stream.write(ap.encode(ap.Open(os.urandom(16), model=model_id, layers=layers, max_len=16,
+                                                        chain=[], ret=me, **kw)))
+                with trio.fail_after(15):
+                    try:
+                        return await ms.recv(15)
+                    except StreamClosedError:
+                        return None
+
+            reply = await first_reply((0, 1), logits=True)
+            assert reply.code == "no_head" and "layers end at 1" in reply.msg
+            monkeypatch.setattr(block_endpoint, "StageRecorder", broken)
+            assert await first_reply((0, 2)) is None  # (the handler failed: the stream is reset)
+            assert compute.served.kv.used == 0 and not compute.endpoint.sessions_by_peer

@@ -184,16 +184,21 @@ class BlockEndpoint:
             await reply_error(up, s, e.code, e.message, **e.figures)
             return
         self.sessions_by_peer[up.remote_peer] += 1
+        try:
+            session = BlockSession(op, sb.block.config.hidden_size)
+            rec = StageRecorder(sb.model_id, s, (start, end), str(self.node.peer_id),
+                                str(sb.block.device), dtype=dtype_name(sb.block.dtype),
+                                quant=sb.block.quantize or "none", batching=sb.scheduler.batching,
+                                region=sb.region)
+            rec.received.add(op.raw)
+            up.received_hash = rec.received
+            rec.observed["upstream"] = up.observed()
+        except BaseException:  # (the session never started: what it was granted goes back)
+            sb.kv.release(s)
+            self.sessions_by_peer.release(up.remote_peer)
+            raise
         sb.sessions_served += 1
         self.activity.sessions_total += 1
-        session = BlockSession(op, sb.block.config.hidden_size)
-        rec = StageRecorder(sb.model_id, s, (start, end), str(self.node.peer_id),
-                            str(sb.block.device), dtype=dtype_name(sb.block.dtype),
-                            quant=sb.block.quantize or "none", batching=sb.scheduler.batching,
-                            region=sb.region)
-        rec.received.add(op.raw)
-        up.received_hash = rec.received
-        rec.observed["upstream"] = up.observed()
         if session.returns_logits:
             rec.tokens = []
         down: MessageStream | None = None
