@@ -8,8 +8,9 @@ and a gateway run as processes on loopback, with default limits. ``--users`` thr
 greedy completions with the official ``openai`` client (no retries) back to back for
 ``--seconds``; a request fails when it raises or when its text differs from the text of one
 request sent alone first, unless the difference is a *near tie* (``TieCheck``): recomputed here,
-every token served is within the peers' dtype's tolerance of its position's best. ``--burst N``: instead, N requests sent at once. ``--chaos`` (with
-``--replicas 2``): replicas die and come back meanwhile (see ``replica_chaos``). ``--before DIR``: run the same scenario first with the shardnet tree
+every token served is within the peers' dtype's tolerance of its position's best. ``--burst
+N``: instead, N requests sent at once. ``--chaos`` (with ``--replicas 2``): replicas die and come
+back meanwhile (see ``replica_chaos``). ``--before DIR``: run the same scenario first with the shardnet tree
 in DIR (e.g. ``git archive <commit> shardnet | tar -x -C DIR``) and then with this one (or the
 one in ``--after DIR``), and print both.
 tests/system/test_gateway_load.py drives the helpers here.
@@ -98,8 +99,10 @@ class TieCheck:
     Anything else is a wrong text: another token, a text cut short. (The walk goes by text, not
     by re-encoding it: byte-level BPE merges a prompt's trailing space into the next word.)"""
 
-    #: candidates tried at a position (ties are between two or three tokens)
+    #: candidates tried at a position (ties are between two or three tokens), and the most
+    #: forward passes one check may take (past that the text counts as wrong)
     BRANCHES = 4
+    MAX_PASSES = 256
 
     def __init__(self, dtype: str = "auto") -> None:
         from shardnet.inference.model.block import Block, dtype_name
@@ -129,16 +132,22 @@ class TieCheck:
 
     def consistent(self, prompt: str, text: str, finish_reason: str, max_tokens: int) -> bool:
         ids = self.model.encode(prompt)
+        passes = 0
+
+        def within_after(out: list[int]) -> list[int]:
+            nonlocal passes
+            passes += 1
+            return [] if passes > self.MAX_PASSES else self._within(self._next_logits(ids + out))
 
         def walk(out: list[int]) -> bool:
             spelled = self.model.decode(out)
             if spelled == text:
                 if finish_reason == "length":
                     return len(out) == max_tokens
-                return any(t in self.model.eos_ids for t in self._within(self._next_logits(ids + out)))
+                return any(t in self.model.eos_ids for t in within_after(out))
             if len(out) >= max_tokens or not text.startswith(spelled.rstrip("\ufffd")):
                 return False
-            return any(walk(out + [t]) for t in self._within(self._next_logits(ids + out)))
+            return any(walk(out + [t]) for t in within_after(out))
 
         return walk([])
 

@@ -300,14 +300,13 @@ class BlockScheduler:
 
     def _pass_fn(self, batch: list[tuple[_Step, int]]) -> Callable[[], list[torch.Tensor]]:
         step, n = batch[0]
+        kw = {"tree": step.tree} if step.tree is not None else {}
         if step.layers is not None:  # a sub-span step (or a chunk of it), alone at its cache's end
             d = step.done_tokens
-            kw = {"tree": step.tree} if step.tree is not None else {}
             return lambda: [self.block.forward(step.hidden[:, d:d + n], step.cache, step.pos + d,
                                                layers=step.layers, **kw)]
         if len(batch) == 1 and n == step.left and step.done_tokens == 0:
             # one whole step: the plain path, at the step's own position
-            kw = {k: v for k, v in (("tree", step.tree), ("layers", step.layers)) if v is not None}
             return lambda: [self.block.forward(step.hidden, step.cache, step.pos, **kw)]
         return partial(self.block.forward_batch,
                        [(s.hidden[:, s.done_tokens:s.done_tokens + n], s.cache) for s, n in batch])
