@@ -60,11 +60,6 @@
    came before its reset reads to a clean end. With SHARDNET_UNTUNED_DATA_PATH=1 (upstream's
    stream write, for benchmarks) frames still go through the writer whole, but a write cut
    midway does not reset its stream.
-21. Each connection's stale-stream sweeper woke every 30 s whatever the connection carried: at
-   24 idle peers 0.8 wakeups a second per peer, 5 % of an idle peer's profile. It only reclaims
-   streams fully closed with unread data (a normal close forgets a stream at once), so it now
-   sleeps ``IDLE_SWEEP_FACTOR`` (10) intervals while no closed stream is left on the connection,
-   one while one is (such a stream is reclaimed at most 300 s later than before).
 17. A connection lets this node open 256 streams (``Yamux.stream_backlog_limit``); a stream keeps
    its slot until it is closed or reset *here*, even once the peer has closed its half (it may
    still be written to). An app that never closes its streams found its 257th open waiting
@@ -72,6 +67,11 @@
    StreamLimitError naming the limit and how many of the streams holding it the peer had closed,
    and the refusal is logged here (one line per peer every 10 s). Released streams are upstream's:
    closed or reset here, or reset by the peer.
+21. Each connection's stale-stream sweeper woke every 30 s whatever the connection carried: at
+   24 idle peers 0.8 wakeups a second per peer, 5 % of an idle peer's profile. It only reclaims
+   streams fully closed with unread data (a normal close forgets a stream at once), so it now
+   sleeps ``IDLE_SWEEP_FACTOR`` (10) intervals while no closed stream is left on the connection,
+   one while one is (such a stream is reclaimed at most 300 s later than before).
 """
 
 from __future__ import annotations
