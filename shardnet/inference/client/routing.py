@@ -17,11 +17,12 @@ the claims instead of quadratic per boundary (a route over 10,000 claims in mill
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardnet.errors import NoRouteError
 from shardnet.protocols.block_claim import Claim
@@ -134,14 +135,21 @@ class ChainCost:
 
 
 def plan_route(claims: Iterable[Claim], num_layers: int, *, cost: HopCost | ChainCost | None = None,
-               finish: Callable[[Claim], float] | None = None, rng: random.Random | None = None) -> list[Claim]:
+               finish: Callable[[Claim], float] | None = None, rng: random.Random | None = None,
+               sub_spans: bool = False) -> list[Claim]:
     """The cheapest chain covering layers 0..num_layers-1 (default: 1 per hop, so fewest hops).
     ``cost``: a ``ChainCost`` (its ``finish`` too), or any function of (previous claim, claim).
+    ``sub_spans``: a claim that says ``sub_spans`` may also be used for part of its span, from
+    and to any *cut* inside it (a boundary where some usable claim starts or ends: ``narrowed``);
+    such a hop comes back as the claim narrowed to the layers it runs. (Not yet what clients
+    route with: healing and placement do not know partial hops yet, issue 39.)
 
     Raises NoRouteError naming the layers nobody serves, or saying that the claims do not line up.
     """
     rng = rng or random.Random()
     usable = [c for c in claims if c.serving and 0 <= c.start < c.end <= num_layers]
+    if sub_spans:
+        usable = _with_sub_spans(usable)
     rng.shuffle(usable)  # among equal costs the first found wins: a random one
     by_start: dict[int, list[int]] = {}
     for i, c in enumerate(usable):
@@ -179,6 +187,34 @@ def plan_route(claims: Iterable[Claim], num_layers: int, *, cost: HopCost | Chai
         chain.append(usable[state[1]])
         state = came_from[state]
     return chain[::-1]
+
+
+def narrowed(claim: Claim, start: int, end: int) -> Claim:
+    """``claim`` used for layers [start, end) of its span (a sub-span hop): its tokens/s scaled to
+    the layers it runs (compute per token is per layer), and no span being loaded."""
+    if not claim.start <= start < end <= claim.end:
+        raise ValueError(f"layers {start}:{end} are not within the claim's {claim.start}:{claim.end}")
+    if (start, end) == (claim.start, claim.end):
+        return claim
+    return replace(claim, start=start, end=end, tput=claim.tput * (claim.end - claim.start) / (end - start),
+                   loading=None)
+
+
+def _with_sub_spans(usable: list[Claim]) -> list[Claim]:
+    """``usable`` and, for each claim that says ``sub_spans``, the claim narrowed to every range
+    between two cuts inside its span (cuts: where a usable claim starts or ends; other
+    boundaries never help a route, since a hop could only end where the next one starts). Where
+    spans line up (a tiling) no claim has a cut inside and nothing is added; where every
+    boundary is a cut, a claim of n layers adds up to n (n + 1) / 2 - 1."""
+    cuts = sorted({c.start for c in usable} | {c.end for c in usable})
+    out = list(usable)
+    for c in usable:
+        if not c.sub_spans:
+            continue
+        inside = cuts[bisect.bisect_left(cuts, c.start):bisect.bisect_right(cuts, c.end)]
+        out.extend(narrowed(c, a, b) for i, a in enumerate(inside) for b in inside[i + 1:]
+                   if (a, b) != (c.start, c.end))
+    return out
 
 
 class _Weights:
