@@ -2,7 +2,8 @@
 layer range [a, b) within a peer's claimed span, with a KV cache of exactly those layers, and
 the chain's output is single-process transformers' greedy output in float32 whichever ranges
 the route cuts the peers' spans into. Routes are given here (the planner still routes whole
-spans); the peers are 0:5 and 3:8, so the routes below overlap them differently."""
+spans); the peers are 0:5 and 3:8, so the routes below overlap them differently, and one comes
+from `plan_route(..., sub_spans=True)`, the planner's first step towards routing with them."""
 
 from contextlib import AsyncExitStack
 from dataclasses import replace
@@ -61,6 +62,27 @@ async def test_a_chain_of_sub_spans_equals_transformers(loopback_config, cut):
             assert await chain_token_ids(client, PROMPT, NEW, drafter=NGramDrafter(), k=3, depth=2) == want
         # each peer reserved KV for the layers it ran only, and gave it back
         assert all(sb.kv.used == 0 for sb in served)
+
+
+async def test_where_only_sub_spans_tile_the_model_the_planner_finds_a_route_that_generates(loopback_config):
+    """Spans 0:5 and 3:8 line up nowhere: no route of whole spans exists. The peers' own claims
+    say ``sub_spans``; ``plan_route(..., sub_spans=True)`` cuts them, and the route generates
+    transformers' text."""
+    from shardnet.errors import NoRouteError
+    from shardnet.inference.client.routing import plan_route
+
+    model = LocalModel(default_model_path(), dtype="float32")
+    async with AsyncExitStack() as stack:
+        client_node, claims, served = await _two_peers(stack, loopback_config)
+        assert all(c.sub_spans for c in claims)
+        with pytest.raises(NoRouteError):
+            plan_route(claims, 8)
+        route = plan_route(claims, 8, sub_spans=True)
+        assert len(route) == 2 and route[0].start == 0 and route[0].end == route[1].start and route[1].end == 8
+        client = Client(client_node, model, audit_rate=0.0, route=route)
+        with trio.fail_after(120):
+            assert await chain_token_ids(client, PROMPT, NEW) == transformers_reference(default_model_path(),
+                                                                                        PROMPT, NEW)[0]
 
 
 async def test_sub_span_and_whole_span_sessions_share_a_peer(loopback_config):
