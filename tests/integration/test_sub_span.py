@@ -1,7 +1,7 @@
 """Sub-span sessions on real peers (issue 39, the compute peer's side): a session may run any
 layer range [a, b) within a peer's claimed span, with a KV cache of exactly those layers, and
 the chain's output is single-process transformers' greedy output in float32 whichever ranges
-the route cuts the peers' spans into. Routes are given here (the planner still routes whole
+the route cuts the peers' spans into. Routes are given to the client here (clients still route whole
 spans); the peers are 0:5 and 3:8, so the routes below overlap them differently, and one comes
 from `plan_route(..., sub_spans=True)`, the planner's first step towards routing with them."""
 

@@ -99,6 +99,10 @@ MULTI_PROCESS = {
         rf"^routing: chosen chain\(s\) \[.+\]: {NUM} tok/s; slow chain .+: {NUM} tok/s; ratio {NUM}x$",
         r"^  heal 1: \S+ \[\(\d, \d\)\] failed during \w+; healed in \d+ ms",
         rf"^healing: median heal \d+ ms; a request with one failure takes [+-]{NUM} s"]),
+    "plan_routes.py": (["--quick"], [
+        r"^plan_route over synthetic swarms of 24 layers \(median of 1\): whole spans against sub-spans$",
+        *(rf"^200 +{kind} +{NUM} ms +({NUM} ms, \d+ hops|no route) +{NUM} ms +({NUM} ms, \d+ hops|no route) "
+          rf"+{NUM}x$" for kind in ("aligned", "random"))]),
     "gateway_load.py": (["--quick"], [
         rf"^this: 2 users x 2 s: requests=\d+ failures=\d+ \({NUM} %\) p50={NUM} s"]),
     "prefix_chat.py": (["--quick"], [  # the texts must not change with prefix reuse
