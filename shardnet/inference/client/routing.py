@@ -148,8 +148,11 @@ def plan_route(claims: Iterable[Claim], num_layers: int, *, cost: HopCost | Chai
     """
     rng = rng or random.Random()
     usable = [c for c in claims if c.serving and 0 <= c.start < c.end <= num_layers]
-    if sub_spans:
-        usable = _with_sub_spans(usable)
+    if sub_spans and any(c.sub_spans for c in usable):
+        if isinstance(cost, ChainCost):
+            rng.shuffle(usable)
+            return _SubSpanPlanner(usable, num_layers, cost).plan()
+        usable = _with_sub_spans(usable)  # (any cost function: each narrowed claim priced by it)
     rng.shuffle(usable)  # among equal costs the first found wins: a random one
     by_start: dict[int, list[int]] = {}
     for i, c in enumerate(usable):
@@ -215,6 +218,121 @@ def _with_sub_spans(usable: list[Claim]) -> list[Claim]:
         out.extend(narrowed(c, a, b) for i, a in enumerate(inside) for b in inside[i + 1:]
                    if (a, b) != (c.start, c.end))
     return out
+
+
+class _SubSpanPlanner:
+    """``plan_route`` with a ``ChainCost`` where claims may be cut (``sub_spans``): Dijkstra over
+    *out* states (boundary, the claim whose hop ended there; as ``plan_route``'s) and *in* states
+    (a cut inside a ``sub_spans`` claim's span, its hop still running). From an out state at b a
+    hop enters a claim covering b (a ``sub_spans`` one at any cut of its span, any other at its
+    start), paying half the round trip from the previous hop (as that peer reported it, else the
+    client's) and its compute up to the next cut; inside, each edge to the next cut pays that
+    stretch's compute, and the hop may end at any cut (the return to the client added at the
+    model's end). Compute is per layer (``narrowed``). A claim with c cuts inside costs about c
+    states, where adding its narrowed copies costs about c^2 / 2 claims. Each claim is entered
+    at its unreported round trip once per boundary, from the cheapest state there (the rule of
+    ``_ChainWeights``)."""
+
+    def __init__(self, usable: list[Claim], num_layers: int, cost: ChainCost) -> None:
+        self.usable, self.num_layers, self.cost = usable, num_layers, cost
+        self.cuts = sorted({c.start for c in usable} | {c.end for c in usable})
+        self.fk = [cost.factor(c.peer) * cost.discount(c.peer) for c in usable]
+        self.compute = [cost.compute(c) for c in usable]
+        rtt_of: dict[str, float] = {}
+        for c in usable:
+            if c.peer not in rtt_of:
+                rtt_of[c.peer] = cost.rtt(c.peer)
+        self.client_rtt = [rtt_of[c.peer] for c in usable]
+        self.back = [cost.finish(c) for c in usable]  # the return to the client from the hop's peer
+        self.enter: dict[int, list[int]] = {}  # boundary -> claims a hop may start at there
+        for i, c in enumerate(usable):
+            at = self.cuts[bisect.bisect_left(self.cuts, c.start):bisect.bisect_left(self.cuts, c.end)] \
+                if c.sub_spans else [c.start]
+            for b in at:
+                self.enter.setdefault(b, []).append(i)
+        self._by_peer: dict[int, dict[str, list[int]]] = {}
+        self._unrelaxed: dict[int, dict[int, None]] = {}
+
+    def _next_cut(self, i: int, b: int) -> int:
+        c = self.usable[i]
+        if not c.sub_spans:
+            return c.end
+        return min(c.end, self.cuts[bisect.bisect_right(self.cuts, b)])
+
+    def _stretch(self, i: int, a: int, b: int) -> float:
+        c = self.usable[i]
+        return self.compute[i] * (b - a) / (c.end - c.start) * self.fk[i]
+
+    def _entries(self, at: int, idx: int) -> list[tuple[int, float]]:
+        """Claims a hop may start at ``at`` after claim ``idx`` (-1: the client), each with the
+        round trip that start pays; as ``_ChainWeights.from_state``."""
+        everything = [i for i in self.enter.get(at, ()) if i != idx]
+        if idx < 0:
+            return [(i, self.client_rtt[i]) for i in everything]
+        if at not in self._by_peer:
+            by_peer: dict[str, list[int]] = {}
+            for i in self.enter.get(at, ()):
+                by_peer.setdefault(self.usable[i].peer, []).append(i)
+            self._by_peer[at], self._unrelaxed[at] = by_peer, dict.fromkeys(self.enter.get(at, ()))
+        reported = dict(self.usable[idx].rtts)
+        by_peer, unrelaxed = self._by_peer[at], self._unrelaxed[at]
+        out = [(i, rtt) for peer, rtt in reported.items() for i in by_peer.get(peer, ()) if i != idx]
+        for i in [i for i in unrelaxed if self.usable[i].peer not in reported]:
+            del unrelaxed[i]
+            if i != idx:
+                out.append((i, self.client_rtt[i]))
+        return out
+
+    def plan(self) -> list[Claim]:
+        L = self.num_layers
+        # a state: (boundary, claim index, inside); (0, -1, False) is the client
+        start = (0, -1, False)
+        best: dict[tuple, float] = {start: 0.0}
+        came_from: dict[tuple, tuple] = {}
+        tie = itertools.count()
+        heap: list = [(0.0, next(tie), start)]
+        done: set = set()
+        goal = None
+
+        def relax(d: float, state, nxt, w: float) -> None:
+            if d + w < best.get(nxt, float("inf")):
+                best[nxt], came_from[nxt] = d + w, state
+                heapq.heappush(heap, (d + w, next(tie), nxt))
+
+        while heap:
+            d, _, state = heapq.heappop(heap)
+            if state in done:
+                continue
+            done.add(state)
+            at, idx, inside = state
+            if not inside:
+                if at == L and idx >= 0:
+                    goal = state
+                    break
+                for i, rtt in self._entries(at, idx):
+                    c = self.usable[i]
+                    if not c.sub_spans:  # the whole span, priced as ChainCost.step prices it
+                        w = (rtt / 2 + self.compute[i]) * self.fk[i] + (self.back[i] if c.end == L else 0.0)
+                        relax(d, state, (c.end, i, False), w)
+                    else:
+                        nxt = self._next_cut(i, at)
+                        relax(d, state, (nxt, i, True), rtt / 2 * self.fk[i] + self._stretch(i, at, nxt))
+                continue
+            c = self.usable[idx]
+            relax(d, state, (at, idx, False), self.back[idx] if at == L else 0.0)  # the hop ends here
+            if at < c.end:
+                nxt = self._next_cut(idx, at)
+                relax(d, state, (nxt, idx, True), self._stretch(idx, at, nxt))
+        if goal is None:
+            raise NoRouteError(explain_gap(self.usable, L))
+        chain, state = [], goal
+        while state[1] >= 0:  # back through an out state, the in states of its hop, its entry
+            i, end = state[1], state[0]
+            state = came_from[state]
+            while state[2]:
+                state = came_from[state]
+            chain.append(narrowed(self.usable[i], state[0], end))
+        return chain[::-1]
 
 
 class _Weights:

@@ -62,3 +62,37 @@ def test_spans_that_line_up_add_nothing_and_routes_are_unchanged():
         route = plan_route(cs, 8, sub_spans=True, rng=random.Random(seed))
         assert [(c.start, c.end) for c in route] == [(0, 2), (2, 4), (4, 6), (6, 8)]
         assert all(c in cs for c in route)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_state_planner_finds_a_chain_as_cheap_as_every_narrowed_claim_would(seed):
+    """With a ``ChainCost`` the planner walks states inside claims (one per cut); the generic path
+    prices every narrowed claim (every pair of cuts) with the same cost: the same cheapest cost,
+    over random swarms with reported round trips, kept peers and claims that run whole spans only."""
+    rng = random.Random(seed)
+    layers, peers = 12, [f"p{i}" for i in range(14)]
+    cs = []
+    for i, peer in enumerate(peers):
+        k = rng.randint(1, 6)
+        a = rng.randrange(0, layers - k + 1)
+        rtts = tuple((rng.choice(peers), rng.uniform(0.001, 0.05)) for _ in range(3))
+        cs.append(claim(peer=peer, start=a, end=a + k, tput=rng.uniform(5, 100), sub_spans=rng.random() < 0.8,
+                        rtts=rtts, load=rng.uniform(0, 0.5)))
+    cs.append(claim(peer="first", start=0, end=3, sub_spans=True))  # (so some route exists)
+    cs.append(claim(peer="last", start=3, end=layers, sub_spans=True))
+    rtt = {p: rng.uniform(0.005, 0.08) for p in peers + ["first", "last"]}
+    costs = ChainCost(lambda p: rtt[p], kept=frozenset(rng.sample(peers, 2)))
+    fast = plan_route(cs, layers, cost=costs, sub_spans=True, rng=random.Random(1))
+    slow = plan_route(cs, layers, cost=lambda prev, c: costs.step(prev, c), finish=costs.finish, sub_spans=True,
+                      rng=random.Random(1))
+
+    def weighed(route):  # as routing weighs a chain: ChainCost.step per hop, then the return
+        return sum(costs.step(p, c) for p, c in zip([None, *route], route)) + costs.finish(route[-1])
+
+    assert weighed(fast) == pytest.approx(weighed(slow), rel=1e-9)
+    assert [c.start for c in fast][0] == 0 and fast[-1].end == layers
+    assert all(a.end == b.start for a, b in zip(fast, fast[1:]))
+    by_peer = {c.peer: c for c in cs}
+    assert all(by_peer[c.peer].start <= c.start < c.end <= by_peer[c.peer].end for c in fast)
+    assert all((c.start, c.end) == (by_peer[c.peer].start, by_peer[c.peer].end)
+               for c in fast if not by_peer[c.peer].sub_spans)
