@@ -236,24 +236,18 @@ class _SubSpanPlanner:
     ``_ChainWeights``)."""
 
     def __init__(self, usable: list[Claim], num_layers: int, cost: ChainCost) -> None:
-        self.usable, self.num_layers, self.cost = usable, num_layers, cost
+        self.usable, self.num_layers = usable, num_layers
         self.cuts = sorted({c.start for c in usable} | {c.end for c in usable})
-        self.fk = [cost.factor(c.peer) * cost.discount(c.peer) for c in usable]
-        self.compute = [cost.compute(c) for c in usable]
-        rtt_of: dict[str, float] = {}
-        for c in usable:
-            if c.peer not in rtt_of:
-                rtt_of[c.peer] = cost.rtt(c.peer)
-        self.client_rtt = [rtt_of[c.peer] for c in usable]
-        self.back = [cost.finish(c) for c in usable]  # the return to the client from the hop's peer
-        self.enter: dict[int, list[int]] = {}  # boundary -> claims a hop may start at there
+        enter: dict[int, list[int]] = {}  # boundary -> claims a hop may start at there
         for i, c in enumerate(usable):
             at = self.cuts[bisect.bisect_left(self.cuts, c.start):bisect.bisect_left(self.cuts, c.end)] \
                 if c.sub_spans else [c.start]
             for b in at:
-                self.enter.setdefault(b, []).append(i)
-        self._by_peer: dict[int, dict[str, list[int]]] = {}
-        self._unrelaxed: dict[int, dict[int, None]] = {}
+                enter.setdefault(b, []).append(i)
+        #: each claim's compute, factor, discount, the client's round trip and the return to it
+        #: (a hop can end at the model's end only where its claim does), and the entries rule
+        self.weights = _ChainWeights(usable, enter, cost, num_layers)
+        self.fk = [f * k for f, k in zip(self.weights.factor, self.weights.keep)]
 
     def _next_cut(self, i: int, b: int) -> int:
         c = self.usable[i]
@@ -263,27 +257,7 @@ class _SubSpanPlanner:
 
     def _stretch(self, i: int, a: int, b: int) -> float:
         c = self.usable[i]
-        return self.compute[i] * (b - a) / (c.end - c.start) * self.fk[i]
-
-    def _entries(self, at: int, idx: int) -> list[tuple[int, float]]:
-        """Claims a hop may start at ``at`` after claim ``idx`` (-1: the client), each with the
-        round trip that start pays; as ``_ChainWeights.from_state``."""
-        everything = [i for i in self.enter.get(at, ()) if i != idx]
-        if idx < 0:
-            return [(i, self.client_rtt[i]) for i in everything]
-        if at not in self._by_peer:
-            by_peer: dict[str, list[int]] = {}
-            for i in self.enter.get(at, ()):
-                by_peer.setdefault(self.usable[i].peer, []).append(i)
-            self._by_peer[at], self._unrelaxed[at] = by_peer, dict.fromkeys(self.enter.get(at, ()))
-        reported = dict(self.usable[idx].rtts)
-        by_peer, unrelaxed = self._by_peer[at], self._unrelaxed[at]
-        out = [(i, rtt) for peer, rtt in reported.items() for i in by_peer.get(peer, ()) if i != idx]
-        for i in [i for i in unrelaxed if self.usable[i].peer not in reported]:
-            del unrelaxed[i]
-            if i != idx:
-                out.append((i, self.client_rtt[i]))
-        return out
+        return self.weights.compute[i] * (b - a) / (c.end - c.start) * self.fk[i]
 
     def plan(self) -> list[Claim]:
         L = self.num_layers
@@ -311,17 +285,18 @@ class _SubSpanPlanner:
                 if at == L and idx >= 0:
                     goal = state
                     break
-                for i, rtt in self._entries(at, idx):
+                for i, rtt in self.weights.entries(at, idx):
                     c = self.usable[i]
-                    if not c.sub_spans:  # the whole span, priced as ChainCost.step prices it
-                        w = (rtt / 2 + self.compute[i]) * self.fk[i] + (self.back[i] if c.end == L else 0.0)
-                        relax(d, state, (c.end, i, False), w)
+                    if i == idx:  # (a hop does not go on in the claim that just ended)
+                        continue
+                    if not c.sub_spans:  # the whole span, priced as plan_route's other path prices it
+                        relax(d, state, (c.end, i, False), self.weights._weight(i, rtt))
                     else:
                         nxt = self._next_cut(i, at)
                         relax(d, state, (nxt, i, True), rtt / 2 * self.fk[i] + self._stretch(i, at, nxt))
                 continue
             c = self.usable[idx]
-            relax(d, state, (at, idx, False), self.back[idx] if at == L else 0.0)  # the hop ends here
+            relax(d, state, (at, idx, False), self.weights.tail[idx] if at == L else 0.0)  # the hop ends here
             if at < c.end:
                 nxt = self._next_cut(idx, at)
                 relax(d, state, (nxt, idx, True), self._stretch(idx, at, nxt))
@@ -390,9 +365,14 @@ class _ChainWeights(_Weights):
         return (rtt / 2 + self.compute[i]) * self.factor[i] * self.keep[i] + self.tail[i]
 
     def from_state(self, at: int, idx: int) -> Iterable[tuple[int, float]]:
+        return [(i, self._weight(i, rtt)) for i, rtt in self.entries(at, idx)]
+
+    def entries(self, at: int, idx: int) -> list[tuple[int, float]]:
+        """The claims to relax from a state at ``at`` reached by claim ``idx`` (-1: the client),
+        each with the round trip its hop pays (reported by ``idx``'s peer, else the client's)."""
         everything = self.by_start.get(at, ())
         if idx < 0:
-            return [(i, self._weight(i, self.client_rtt[i])) for i in everything]
+            return [(i, self.client_rtt[i]) for i in everything]
         if at not in self._by_peer:
             by_peer: dict[str, list[int]] = {}
             for i in everything:
@@ -400,10 +380,10 @@ class _ChainWeights(_Weights):
             self._by_peer[at], self._unrelaxed[at] = by_peer, dict.fromkeys(everything)
         reported = dict(self.usable[idx].rtts)
         by_peer, unrelaxed = self._by_peer[at], self._unrelaxed[at]
-        out = [(i, self._weight(i, rtt)) for peer, rtt in reported.items() for i in by_peer.get(peer, ())]
+        out = [(i, rtt) for peer, rtt in reported.items() for i in by_peer.get(peer, ())]
         for i in [i for i in unrelaxed if self.usable[i].peer not in reported]:
             del unrelaxed[i]
-            out.append((i, self._weight(i, self.client_rtt[i])))
+            out.append((i, self.client_rtt[i]))
         return out
 
 
