@@ -86,6 +86,9 @@ class _ConnectionEvents:
 
 #: Seconds for the direct addresses of a peer that also advertises relay circuits.
 DIRECT_FIRST = 3.0
+#: the most dials of one connect (``_connect_direct``): py-libp2p dials one address per transport,
+#: the first it holds; after a failure the next held address is dialled, this many in all
+MAX_DIAL_ROUNDS = 4
 #: Seconds open_node waits for a first bootstrap connection to check our identity is not live
 #: elsewhere before handing out the node (later connections are checked in the background).
 IDENTITY_CHECK_WAIT = 3.0
@@ -316,15 +319,20 @@ class Node:
             return []
 
     def learn_addrs(self, peer: str, addrs, ttl: float) -> None:
-        """Addresses ``peer`` signed for itself (a newer claim of its), kept ``ttl`` seconds: a
-        peer restarted on another port is dialled where it listens now without waiting for a
-        DHT lookup to say so."""
+        """Addresses ``peer`` signed for itself (a newer claim of its), kept ``ttl`` seconds and
+        put ahead of those held for it: a peer restarted on another port is dialled where it
+        listens now without waiting for a DHT lookup to say so. Ahead, not after: py-libp2p
+        dials the first address it holds of each transport (``_connect_direct`` tries the others
+        only once that fails)."""
         try:
             info = peer_info(peer, addrs)
         except ShardnetError:
             return
         if info.addrs:
-            self.host.get_peerstore().add_addrs(info.peer_id, info.addrs, int(ttl))
+            store = self.host.get_peerstore()
+            held = [a for a in self.addrs_of(info.peer_id) if a not in info.addrs]
+            store.clear_addrs(info.peer_id)
+            store.add_addrs(info.peer_id, [*info.addrs, *held], int(ttl))
 
     # -- streams -----------------------------------------------------------------------------
     def set_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:
@@ -409,14 +417,25 @@ class Node:
         return await self._connect_via_relay(info.peer_id, circuits, timeout)
 
     async def _connect_direct(self, info: PeerInfo, timeout: float) -> ID:
-        # py-libp2p blocks every dial to a peer for 60 s after one failure ("negative cache");
-        # a restarted bootstrap must be reachable on our own backoff schedule instead.
-        compat.swarm.forget_failed_dial(self.host.get_network(), info.peer_id)
+        """Dial ``info``'s peer at the addresses held for it (``info``'s added). py-libp2p dials
+        only the first held address of each transport: when that fails and more are held (a
+        restarted peer's dead port ahead of its new one), the failed ones go to the back and the
+        next are dialled, within the same ``timeout``."""
+        network = self.host.get_network()
+        rounds = max(1, min(MAX_DIAL_ROUNDS, len({*self.addrs_of(info.peer_id), *info.addrs})))
         with trio.move_on_after(timeout) as scope:
-            try:
-                await self.host.connect(info)
-            except Exception as e:
-                raise DialError(f"could not connect to {_short(info.peer_id)}: {_reason(e)}") from None
+            for attempt in range(rounds):
+                # py-libp2p blocks every dial to a peer for 60 s after one failure ("negative
+                # cache"); a restarted bootstrap must be reachable on our own backoff schedule
+                compat.swarm.forget_failed_dial(network, info.peer_id)
+                try:
+                    await self.host.connect(info)
+                    break
+                except Exception as e:
+                    if attempt + 1 == rounds:
+                        raise DialError(f"could not connect to {_short(info.peer_id)}: {_reason(e)}") from None
+                    log.debug("dial to %s failed (%s); trying its other addresses", _short(info.peer_id), _reason(e))
+                    compat.swarm.first_addr_to_back(self.host.get_peerstore(), info.peer_id)
         if scope.cancelled_caught:
             raise DialError(f"could not connect to {_short(info.peer_id)}: timed out after {timeout:g} s")
         return info.peer_id

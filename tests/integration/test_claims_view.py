@@ -128,6 +128,39 @@ async def test_ping_streams_per_peer_is_a_limit(loopback_config):
         await first.close()
 
 
+async def test_a_restarted_peer_is_dialled_where_it_listens_now(loopback_config):
+    """A peer killed (its old address still held, as identify or a DHT answer leaves it) and
+    restarted with its identity on another port. py-libp2p dials one TCP address per peer, the
+    first held: with the new address behind the dead one, every dial went to the dead port (the
+    replica chaos test failed on it). Now a newer claim's addresses go ahead of those held, and a
+    dial whose first address fails tries the next."""
+    from shardnet.transport.host import PING_PROTOCOL
+
+    async def ping(node, peer) -> None:
+        with trio.fail_after(10):
+            stream = await node.new_stream(peer, PING_PROTOCOL, timeout=5)
+            await stream.write(b"x" * 32)
+            assert await stream.read_exactly(32, timeout=5) == b"x" * 32
+            await stream.close()
+
+    async with open_node(loopback_config()) as node, open_node(loopback_config()) as other:
+        async with open_node(loopback_config()) as first:
+            key, old = first.key_pair, first.listen_addrs[0]
+            node.learn_addrs(str(first.peer_id), [f"{old}/p2p/{first.peer_id}"], 600)
+            other.host.get_peerstore().add_addrs(first.peer_id, [old], 600)
+        async with open_node(loopback_config(key_pair=key, check_identity=False)) as again:
+            new = again.listen_addrs[0]
+            assert new != old
+            # the claim's way: the new address first, the old one kept behind it
+            node.learn_addrs(str(again.peer_id), [f"{new}/p2p/{again.peer_id}"], 600)
+            assert node.addrs_of(again.peer_id)[0] == new and old in node.addrs_of(again.peer_id)
+            await ping(node, again.peer_id)
+            # the other ways (identify, DHT answers): appended behind the dead one
+            other.host.get_peerstore().add_addrs(again.peer_id, [new], 600)
+            assert other.addrs_of(again.peer_id) == [old, new]
+            await ping(other, again.peer_id)  # (then identify replaces what it held)
+
+
 async def test_a_peer_restarted_on_another_port_is_probed_where_it_listens_now(loopback_config):
     """A replica killed and restarted with its identity listens on another port. Its new claim
     (signed, with its addresses) gives the client its new address and clears the "gone" verdict
@@ -155,3 +188,6 @@ async def test_a_peer_restarted_on_another_port_is_probed_where_it_listens_now(l
             route = await client.planner.find_route(timeout=25)
         assert route[0].peer == str(first.peer_id)
         assert again.listen_addrs[0] in node.addrs_of(first.peer_id)
+        # and only there: py-libp2p dials one address per transport (TCP here), the first it
+        # holds, so a stale address kept before the new one left a restarted replica unreachable
+        assert old_addr not in node.addrs_of(first.peer_id), node.addrs_of(first.peer_id)

@@ -244,6 +244,14 @@ def forget_failed_dial(swarm: Any, peer_id: Any) -> None:
     swarm._negative_peer_cache.evict(str(peer_id))
 
 
+def first_addr_to_back(peerstore: Any, peer_id: Any) -> None:
+    """Move the first address held for ``peer_id`` to the back of its list, its TTL kept (the
+    swarm dials the first held address of each transport: after that one failed, the next)."""
+    data = peerstore.peer_data_map.get(peer_id)
+    if data is not None and len(data.addrs) > 1:
+        data.addrs.append(data.addrs.pop(0))
+
+
 def connection_type(conn: Any) -> Any:
     """The ``ConnectionType`` a raw or swarm connection records for itself; None on any other
     layer (muxed, secured), whose type is its raw connection's."""
