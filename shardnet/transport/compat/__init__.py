@@ -10,7 +10,7 @@ on another (docs/embedding.md).
 
 One module per upstream subsystem holds the patches and their explanation, under the fix
 numbers the docs cite: swarm.py (1, 3, 6, 9, 12, 17), tcp.py (13), yamux.py (2, 3, 6, 10, 15, 17, 21),
-noise.py (6), pubsub.py (4, 16), kad.py (11, 14, 18, 19, 20), identify.py (7, 8), logger.py (5); naps.py holds the
+noise.py (6), pubsub.py (4, 16, 22), kad.py (11, 14, 18, 19, 20), identify.py (7, 8), logger.py (5); naps.py holds the
 trio proxy of fix 3, which swarm.py and yamux.py both install. The same modules
 hold the small accessors through which the rest of shardnet reads py-libp2p's private state
 (``swarm.forget_failed_dial``, ``kad.providers_from_peer``, ...), so that state is touched only
@@ -141,6 +141,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch("libp2p.pubsub.pubsub:Pubsub._teardown_if_connected", "replace",
           "muting a peer whose connection went away meanwhile raised KeyError and ended the node",
           _T + "test_muting_a_peer_that_went_away_meanwhile_is_harmless", 16, pubsub.forget_blacklisted_peers_once),
+    Patch("libp2p.pubsub.pubsub:Pubsub.__init__", "wrap",
+          "message numbers started at the Unix time in seconds: a peer restarted soon reused them, dropped as seen",
+          _T + "test_a_restarted_peers_gossip_is_not_taken_for_what_it_sent_before", 22,
+          pubsub.number_messages_from_the_time_in_nanoseconds),
     Patch("libp2p.discovery.mdns.broadcaster:PeerBroadcaster._resolve_host_addrs", "replace",
           "mDNS advertised raw listen addresses (/ip4/0.0.0.0/...) instead of the host's addresses",
           "tests/system/test_lan_discovery.py::test_two_nodes_find_each_other_with_mdns", 7,

@@ -10,6 +10,12 @@
    KeyError ended pubsub's task manager and the node with it (seen once under the gossip-flood
    attack of tests/system/test_hostile_peers.py). The teardown forgets the peer if it is still
    there.
+22. gossipsub names a message by its sender and sequence number (seen ones are dropped for
+   2 minutes), and a node's numbers started at the Unix time in *seconds*, one more per message:
+   a peer restarted with its identity fewer seconds after its last start than it had published
+   messages numbered its new ones like old ones, and every peer that had seen those dropped them
+   (a replica restarted under load: its new claim never reached the gateway). They now start at
+   the time in nanoseconds, as go-libp2p's do.
 """
 
 from __future__ import annotations
@@ -109,3 +115,17 @@ def forget_blacklisted_peers_once() -> None:
         self._forget_all_subscriptions(peer_id)
 
     pmod.Pubsub._teardown_if_connected = _teardown_if_connected
+
+
+def number_messages_from_the_time_in_nanoseconds() -> None:
+    import time
+
+    from libp2p.pubsub import pubsub as pmod
+
+    original = pmod.Pubsub.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.counter = time.time_ns()  # (8 bytes hold it until 2554)
+
+    pmod.Pubsub.__init__ = __init__
