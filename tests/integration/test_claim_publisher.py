@@ -198,3 +198,28 @@ async def test_a_failed_provide_or_put_is_retried_at_the_next_look_not_an_hour_l
                     await trio.sleep(0.2)
             assert publisher.counts == {"news": 1, "refresh": 0}
             nursery.cancel_scope.cancel()
+
+
+async def test_a_news_gossiped_before_any_follower_was_known_is_gossiped_again_once_one_is(loopback_config):
+    """A peer just started gossips its first claim before its connections have told it who
+    follows the topic: that reached nobody, and a gateway learned of the restarted peer only from
+    a lookup (the replica chaos test failed on it). The same version goes out again once a
+    follower is known, and only then."""
+    async with publisher_and_listener_nodes(loopback_config) as (peer, listener):
+        def claim_fn(expires: float) -> bc.Claim:
+            return factories.claim(model=MODEL, peer=str(peer.peer_id), addrs=("/ip4/127.0.0.1/tcp/1",),
+                                   kv_tokens=1000, tput=10.0, expires=expires, start=0, end=4)
+
+        async with trio.open_nursery() as nursery:
+            publisher = ClaimPublisher(peer, claim_fn, num_layers=LAYERS, ttl=600.0)
+            await nursery.start(publisher.run)  # nobody follows range 0 yet
+            assert publisher.counts["news"] == 1 and list(publisher._unheard) == [0]
+            # past gossipsub's own second chance (the message is offered to new followers for
+            # gossip_window = 3 heartbeats of 1 s), as when a busy peer hears of them late
+            await trio.sleep(5.0)
+            async with listener.pubsub.subscribe(bc.range_topic(MODEL, 0)) as sub:
+                with trio.fail_after(10):
+                    claim = bc.decode((await sub.__anext__()).data)
+                assert claim.seq == publisher.published.seq and publisher.counts["news"] == 1
+                assert not publisher._unheard  # (heard now: watched no more)
+            nursery.cancel_scope.cancel()

@@ -31,6 +31,12 @@ PROVIDE_REFRESH_S = 3600.0
 NEWS_PUT_GAP_S = 30.0
 #: the label of the DHT put among a look's publication steps (a failed one is put again)
 PUT_STEP = "DHT record"
+#: a news gossiped on a topic before this node knew any follower of it (a peer just started: its
+#: connections have not told it their subscriptions yet) reached nobody, and the topic's
+#: followers heard of it only from a lookup. Such a topic is checked every UNHEARD_POLL_S for
+#: this long, and the claim gossiped again there once a follower is known
+UNHEARD_WATCH_S = 60.0
+UNHEARD_POLL_S = 1.0
 
 
 class ClaimPublisher(Behaviour):
@@ -48,7 +54,9 @@ class ClaimPublisher(Behaviour):
     version, expiring later, in the DHT once a third of the TTL has passed since the last put
     (until the first refresh, a random share of that: ``behaviour.random_phase``).
     A news goes into the DHT no sooner than ``NEWS_PUT_GAP_S`` after the last put (at once when
-    that has passed). Its ranges' keys are provided again every ``PROVIDE_REFRESH_S``. A direct
+    that has passed). A news gossiped on a topic while no follower of it was known (a peer just
+    started) is gossiped there again once one is (``UNHEARD_WATCH_S``). Its ranges' keys are
+    provided again every ``PROVIDE_REFRESH_S``. A direct
     request always gets the claim as built last, signed. ``num_layers``: the model's, which its ranges are cut from."""
 
     def __init__(self, node: Node, claim_fn, *, num_layers: int, ttl: float = CLAIM_TTL) -> None:
@@ -71,6 +79,9 @@ class ClaimPublisher(Behaviour):
         self._refresh_share = random_phase(1.0)
         self._put_pending = False  # news not in the DHT yet (NEWS_PUT_GAP_S)
         self._last_provide = -math.inf
+        #: range -> until when (trio time) its topic is watched for a first follower: the last
+        #: news went out there while none was known (``UNHEARD_WATCH_S``)
+        self._unheard: dict[int, float] = {}
         self._wake = trio.Event()
         node.set_stream_handler(bc.PROTOCOL_ID, self._answer)
 
@@ -97,6 +108,23 @@ class ClaimPublisher(Behaviour):
             seq = max(seq + 1, int(now * 1000))  # a restarted peer's versions go on rising too
         return dataclasses.replace(fresh, seq=seq), reason
 
+    async def _gossip(self, model: str, index: int, blob: bytes) -> None:
+        """The claim on range ``index``'s topic; watched for a first follower if none is known."""
+        topic = bc.range_topic(model, index)
+        followed = bool(self.node.pubsub.topic_peers(topic))
+        await self.node.pubsub.publish(topic, blob)
+        if followed:
+            self._unheard.pop(index, None)
+        else:
+            self._unheard.setdefault(index, trio.current_time() + UNHEARD_WATCH_S)
+
+    def _followed_now(self, model: str, ranges) -> list[int]:
+        """The watched ranges of ``ranges`` whose topic has a known follower now (the others
+        stay watched until ``UNHEARD_WATCH_S`` has passed; ranges the claim left are dropped)."""
+        now = trio.current_time()
+        self._unheard = {i: until for i, until in self._unheard.items() if i in ranges and until > now}
+        return [i for i in self._unheard if self.node.pubsub.topic_peers(bc.range_topic(model, i))]
+
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         first = True
         while True:
@@ -108,13 +136,16 @@ class ClaimPublisher(Behaviour):
             steps = []  # news on gossip first (the peers following those ranges), then the DHT
             if reason is not None:
                 for i in ranges:
-                    steps.append((f"gossip on range {i}", partial(self.node.pubsub.publish,
-                                                                  bc.range_topic(claim.model, i), blob), None))
+                    steps.append((f"gossip on range {i}", partial(self._gossip, claim.model, i, blob), None))
                 self.published = claim
                 self.counts["news"] += 1
                 log.debug("claim version %d published on ranges %s (%s)", claim.seq, ranges, reason)
-            elif refresh_due:
-                self.counts["refresh"] += 1
+            else:
+                for i in self._followed_now(claim.model, ranges):
+                    steps.append((f"gossip on range {i} (again: a follower is known now)",
+                                  partial(self._gossip, claim.model, i, blob), None))
+                if refresh_due:
+                    self.counts["refresh"] += 1
             self._put_pending = self._put_pending or reason is not None
             if refresh_due or (self._put_pending and since_put >= NEWS_PUT_GAP_S):
                 steps.append((PUT_STEP, lambda: self.node.dht.put(claim_record_name(claim.model), blob), None))
@@ -148,6 +179,8 @@ class ClaimPublisher(Behaviour):
             relay_client = self.node.relay_client
             events = [self._wake] if relay_client is None else [relay_client.changed, self._wake]
             due = self._last_put + (NEWS_PUT_GAP_S if self._put_pending else self.ttl / 3 * self._refresh_share)
+            if self._unheard:
+                due = min(due, trio.current_time() + UNHEARD_POLL_S)
             with trio.move_on_after(max(0.0, due - trio.current_time())):
                 await wait_any(*events)
             self._wake = trio.Event()
