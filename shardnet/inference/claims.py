@@ -14,6 +14,7 @@ import trio
 
 from shardnet.errors import ShardnetError
 from shardnet.protocols import block_claim as bc
+from shardnet.transport.errors import DialError
 from shardnet.transport.node import Node
 
 log = logging.getLogger(__name__)
@@ -166,6 +167,10 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
         except (ShardnetError, trio.TooSlowError) as e:
             log.debug("direct claim request to %s: %s", pid[:16], e)
             got = []
+            if isinstance(e, DialError):
+                # (a walk reused for the server list may name it where it listened before a
+                # restart: the next lookup walks again, and its answers say where it is now)
+                node.dht.unreachable(peer_id)
         if got and answered is not None:
             answered.add(pid)
         if not got and provider:

@@ -191,6 +191,14 @@ class DHT:
             self._walks[key] = (table, now, closest)
         return closest
 
+    def unreachable(self, peer: ID | str) -> None:
+        """``peer``, which a walk named, could not be dialled: the walks that named it are not
+        used again (a peer restarted with its identity on another port leaves the routing table
+        looking the same, and a reused walk kept its old address; a new walk's answers carry
+        where it listens now)."""
+        peer = str(peer)
+        self._walks = {k: w for k, w in self._walks.items() if peer not in {str(p) for p in w[2]}}
+
     def _forget_walk(self, key: bytes) -> None:
         """The servers the last walk found took nothing: walk again next time."""
         self._walks.pop(key, None)

@@ -155,6 +155,13 @@ async def test_a_put_walks_again_only_when_the_routing_table_changed(loopback_co
         assert (await a.dht.put("claim", b"v2")).peers >= 1
         assert (a.dht.walks, a.dht.walks_saved) == (walks, saved + 1)
         assert await c.dht.get(a.peer_id, "claim") == b"v2"
+        # a peer the walk named could not be dialled (it may have restarted on another port, the
+        # table looking the same): the next put walks again, and the one after reuses that walk
+        a.dht.unreachable(c.peer_id)
+        await a.dht.put("claim", b"v2")
+        await a.dht.put("claim", b"v2")
+        assert (a.dht.walks, a.dht.walks_saved) == (walks + 1, saved + 2)
+        walks += 1
         async with open_node(loopback_config(bootstrap=[str(b.listen_addrs[0])])) as d:
             await d.wait_bootstrapped()
             await a.connect(d.listen_addrs[0])
