@@ -261,12 +261,19 @@ class Gateway:
         req, ids, max_new = await self._request(chat, receive)
         rid = oa.new_id(chat)
         t0 = time.perf_counter()
-        gone = trio.Event()
-        # A client that goes away (streaming or not) cancels its generation and frees its chain.
+        gone, answered = trio.Event(), trio.Event()
+
+        async def send_answer(message) -> None:
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                answered.set()
+
+        # A client that goes away (streaming or not) cancels its generation and frees its chain;
+        # once it has the whole answer, its going away (the server reports it then) cancels nothing
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, gone)
-                await self._generate(req, ids, max_new, rid, send)
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope, gone, answered)
+                await self._generate(req, ids, max_new, rid, send_answer)
                 nursery.cancel_scope.cancel()
         except BaseExceptionGroup as eg:  # the request's own error (an ApiError: its status), unwrapped
             if len(eg.exceptions) == 1:
@@ -390,10 +397,13 @@ async def _read_body(receive) -> bytes:
         raise oa.ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT:g} s") from None
 
 
-async def _cancel_on_disconnect(receive, scope: trio.CancelScope, gone: trio.Event) -> None:
-    """A client that goes away stops its generation (and frees its chain)."""
+async def _cancel_on_disconnect(receive, scope: trio.CancelScope, gone: trio.Event, answered: trio.Event) -> None:
+    """A client that goes away before it has its whole answer stops its generation (and frees
+    its chain)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+    if answered.is_set():
+        return
     log.info("client disconnected: generation cancelled")
     gone.set()
     scope.cancel()

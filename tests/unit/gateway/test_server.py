@@ -230,3 +230,22 @@ async def test_shared_outputs_feed_every_requests_suffix_drafter(model):
         assert gateway(node, model, speculate="auto").outputs is None  # opt-in
         with pytest.raises(ValueError, match="suffix drafting"):
             gateway(node, model, share_outputs=True)
+
+
+async def test_a_client_going_away_after_its_whole_answer_cancels_nothing():
+    """The server reports a disconnect once a client has read its whole answer and closed: that
+    is no cancellation (every finished request was logged "cancelled: the client went away", and
+    the work after the answer, such as closing the chain, was cut short). Before the answer ends,
+    it cancels the generation."""
+    from shardnet.gateway.server import _cancel_on_disconnect
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    for whole in (True, False):
+        gone, answered = trio.Event(), trio.Event()
+        if whole:
+            answered.set()
+        with trio.CancelScope() as scope:
+            await _cancel_on_disconnect(receive, scope, gone, answered)
+        assert scope.cancel_called is not whole and gone.is_set() is not whole
