@@ -262,12 +262,7 @@ class Gateway:
         rid = oa.new_id(chat)
         t0 = time.perf_counter()
         gone, answered = trio.Event(), trio.Event()
-
-        async def send_answer(message) -> None:
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                answered.set()
-
+        send_answer = _answer_sender(send, answered)
         # A client that goes away (streaming or not) cancels its generation and frees its chain;
         # once it has the whole answer, its going away (the server reports it then) cancels nothing
         try:
@@ -395,6 +390,22 @@ async def _read_body(receive) -> bytes:
                     return body
     except trio.TooSlowError:
         raise oa.ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT:g} s") from None
+
+
+def _answer_sender(send, answered: trio.Event):
+    """``send``, setting ``answered`` as the answer's last part goes: hypercorn queues the
+    client's disconnect inside that last send and yields after it, so the watcher
+    (``_cancel_on_disconnect``) must find the answer given when it wakes; the send is shielded
+    (the answer is out: nothing left to cancel)."""
+    async def send_answer(message) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            answered.set()
+            with trio.CancelScope(shield=True):
+                await send(message)
+            return
+        await send(message)
+
+    return send_answer
 
 
 async def _cancel_on_disconnect(receive, scope: trio.CancelScope, gone: trio.Event, answered: trio.Event) -> None:

@@ -167,7 +167,7 @@ async def find_claims(node: Node, model_id: str, *, num_layers: int, ranges: Ite
         except (ShardnetError, trio.TooSlowError) as e:
             log.debug("direct claim request to %s: %s", pid[:16], e)
             got = []
-            if isinstance(e, DialError):
+            if isinstance(e, DialError) and pid not in {str(p) for p in node.peers()}:
                 # (a walk reused for the server list may name it where it listened before a
                 # restart: the next lookup walks again, and its answers say where it is now)
                 node.dht.unreachable(peer_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -41,6 +42,9 @@ K = BUCKET_SIZE
 #: every peer per refresh). Any peer joining or leaving the table makes the next one walk. An
 #: hour, Kademlia's republication period: claims are refreshed and looked up every 1200 s.
 WALK_REUSE_S = 3600.0
+#: the least seconds between two times one unreachable peer drops the walks naming it
+#: (``DHT.unreachable``)
+UNREACHABLE_REWALK_S = 10.0
 #: no reuse below this many peers in the routing table (py-libp2p's walks then also start from
 #: every connected peer)
 MIN_TABLE_FOR_REUSE = 5
@@ -141,6 +145,8 @@ class DHT:
         self.timeout = config.dht_timeout
         #: per key walked for a put, a provide or servers_if_few: (routing table, when, closest)
         self._walks: dict[bytes, tuple[frozenset, float, list[ID]]] = {}
+        #: peer -> when it last dropped the walks naming it (``unreachable``)
+        self._unreachable: dict[str, float] = {}
         #: walks a put, provide or servers_if_few made, and how many it did not need (WALK_REUSE_S)
         self.walks = self.walks_saved = 0
 
@@ -195,8 +201,13 @@ class DHT:
         """``peer``, which a walk named, could not be dialled: the walks that named it are not
         used again (a peer restarted with its identity on another port leaves the routing table
         looking the same, and a reused walk kept its old address; a new walk's answers carry
-        where it listens now)."""
-        peer = str(peer)
+        where it listens now). At most once per peer per ``UNREACHABLE_REWALK_S``: a dead peer
+        that other servers still name costs a walk that often, not one per lookup."""
+        peer, now = str(peer), trio.current_time()
+        if now - self._unreachable.get(peer, -math.inf) < UNREACHABLE_REWALK_S:
+            return
+        self._unreachable = {p: t for p, t in self._unreachable.items() if now - t < UNREACHABLE_REWALK_S}
+        self._unreachable[peer] = now
         self._walks = {k: w for k, w in self._walks.items() if peer not in {str(p) for p in w[2]}}
 
     def _forget_walk(self, key: bytes) -> None:

@@ -329,10 +329,7 @@ class Node:
         except ShardnetError:
             return
         if info.addrs:
-            store = self.host.get_peerstore()
-            held = [a for a in self.addrs_of(info.peer_id) if a not in info.addrs]
-            store.clear_addrs(info.peer_id)
-            store.add_addrs(info.peer_id, [*info.addrs, *held], int(ttl))
+            compat.swarm.addrs_first(self.host.get_peerstore(), info.peer_id, list(info.addrs), int(ttl))
 
     # -- streams -----------------------------------------------------------------------------
     def set_stream_handler(self, protocol_id: str, handler: StreamHandler) -> None:
@@ -417,28 +414,34 @@ class Node:
         return await self._connect_via_relay(info.peer_id, circuits, timeout)
 
     async def _connect_direct(self, info: PeerInfo, timeout: float) -> ID:
-        """Dial ``info``'s peer at the addresses held for it (``info``'s added). py-libp2p dials
-        only the first held address of each transport: when that fails and more are held (a
-        restarted peer's dead port ahead of its new one), the failed ones go to the back and the
-        next are dialled, within the same ``timeout``."""
-        network = self.host.get_network()
-        rounds = max(1, min(MAX_DIAL_ROUNDS, len({*self.addrs_of(info.peer_id), *info.addrs})))
-        with trio.move_on_after(timeout) as scope:
-            for attempt in range(rounds):
-                # py-libp2p blocks every dial to a peer for 60 s after one failure ("negative
-                # cache"); a restarted bootstrap must be reachable on our own backoff schedule
-                compat.swarm.forget_failed_dial(network, info.peer_id)
+        """Dial ``info``'s peer at its addresses (put ahead of the others held for it). py-libp2p
+        dials only the first held address of each transport: when that fails or takes its share
+        of ``timeout`` and more are held (a restarted peer's dead port ahead of its new one), it
+        goes to the back and the next is dialled, up to ``MAX_DIAL_ROUNDS`` within ``timeout``."""
+        network, store = self.host.get_network(), self.host.get_peerstore()
+        if info.addrs:
+            compat.swarm.addrs_first(store, info.peer_id, list(info.addrs), None)
+        rounds = max(1, min(MAX_DIAL_ROUNDS, len(compat.swarm.dial_places(store, info.peer_id))))
+        deadline = trio.current_time() + timeout
+        attempt = 1
+        while True:
+            # py-libp2p blocks every dial to a peer for 60 s after one failure ("negative
+            # cache"); a restarted bootstrap must be reachable on our own backoff schedule
+            compat.swarm.forget_failed_dial(network, info.peer_id)
+            share = max(0.0, deadline - trio.current_time()) / (rounds - attempt + 1)
+            with trio.move_on_after(share) as scope:
                 try:
-                    await self.host.connect(info)
-                    break
+                    await self.host.connect(PeerInfo(info.peer_id, []))
+                    return info.peer_id
                 except Exception as e:
-                    if attempt + 1 == rounds:
-                        raise DialError(f"could not connect to {_short(info.peer_id)}: {_reason(e)}") from None
-                    log.debug("dial to %s failed (%s); trying its other addresses", _short(info.peer_id), _reason(e))
-                    compat.swarm.first_addr_to_back(self.host.get_peerstore(), info.peer_id)
-        if scope.cancelled_caught:
-            raise DialError(f"could not connect to {_short(info.peer_id)}: timed out after {timeout:g} s")
-        return info.peer_id
+                    why = _reason(e)
+            if scope.cancelled_caught:
+                why = f"timed out after {timeout:g} s" if attempt == rounds else f"no answer within {share:.1f} s"
+            if attempt == rounds:
+                raise DialError(f"could not connect to {_short(info.peer_id)}: {why}")
+            log.debug("dial to %s failed (%s); trying its other addresses", _short(info.peer_id), why)
+            compat.swarm.dialled_addr_to_back(store, info.peer_id)
+            attempt += 1
 
     async def _connect_via_relay(self, peer_id: ID, circuits: list[Multiaddr], timeout: float) -> ID:
         relay_client = self.relay_client

@@ -159,6 +159,7 @@ async def test_a_put_walks_again_only_when_the_routing_table_changed(loopback_co
         # table looking the same): the next put walks again, and the one after reuses that walk
         a.dht.unreachable(c.peer_id)
         await a.dht.put("claim", b"v2")
+        a.dht.unreachable(c.peer_id)  # (again within dht.UNREACHABLE_REWALK_S: no walk more)
         await a.dht.put("claim", b"v2")
         assert (a.dht.walks, a.dht.walks_saved) == (walks + 1, saved + 2)
         walks += 1

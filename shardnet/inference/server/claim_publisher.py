@@ -118,12 +118,23 @@ class ClaimPublisher(Behaviour):
         else:
             self._unheard.setdefault(index, trio.current_time() + UNHEARD_WATCH_S)
 
-    def _followed_now(self, model: str, ranges) -> list[int]:
-        """The watched ranges of ``ranges`` whose topic has a known follower now (the others
-        stay watched until ``UNHEARD_WATCH_S`` has passed; ranges the claim left are dropped)."""
-        now = trio.current_time()
-        self._unheard = {i: until for i, until in self._unheard.items() if i in ranges and until > now}
-        return [i for i in self._unheard if self.node.pubsub.topic_peers(bc.range_topic(model, i))]
+    async def _watch_unheard(self, model: str, ranges, events: list[trio.Event]) -> None:
+        """While a topic of ``ranges`` is watched (its news went out with no follower known),
+        look every ``UNHEARD_POLL_S`` whether one is known now and gossip the current claim there
+        (the same version: nothing is built or signed anew); returns once none is watched, or
+        when one of ``events`` is set (``refresh``, relay addresses)."""
+        while not any(e.is_set() for e in events):
+            now = trio.current_time()
+            self._unheard = {i: until for i, until in self._unheard.items() if i in ranges and until > now}
+            if not self._unheard:
+                return
+            for i in [i for i in self._unheard if self.node.pubsub.topic_peers(bc.range_topic(model, i))]:
+                try:
+                    await self._gossip(model, i, self.current)
+                except Exception as e:  # (best effort, as every publication: looked at again)
+                    log.info("publishing claim (gossip on range %d again) failed: %s", i, e)
+            with trio.move_on_after(UNHEARD_POLL_S):
+                await wait_any(*events)
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         first = True
@@ -140,12 +151,8 @@ class ClaimPublisher(Behaviour):
                 self.published = claim
                 self.counts["news"] += 1
                 log.debug("claim version %d published on ranges %s (%s)", claim.seq, ranges, reason)
-            else:
-                for i in self._followed_now(claim.model, ranges):
-                    steps.append((f"gossip on range {i} (again: a follower is known now)",
-                                  partial(self._gossip, claim.model, i, blob), None))
-                if refresh_due:
-                    self.counts["refresh"] += 1
+            elif refresh_due:
+                self.counts["refresh"] += 1
             self._put_pending = self._put_pending or reason is not None
             if refresh_due or (self._put_pending and since_put >= NEWS_PUT_GAP_S):
                 steps.append((PUT_STEP, lambda: self.node.dht.put(claim_record_name(claim.model), blob), None))
@@ -179,8 +186,7 @@ class ClaimPublisher(Behaviour):
             relay_client = self.node.relay_client
             events = [self._wake] if relay_client is None else [relay_client.changed, self._wake]
             due = self._last_put + (NEWS_PUT_GAP_S if self._put_pending else self.ttl / 3 * self._refresh_share)
-            if self._unheard:
-                due = min(due, trio.current_time() + UNHEARD_POLL_S)
             with trio.move_on_after(max(0.0, due - trio.current_time())):
+                await self._watch_unheard(claim.model, ranges, events)
                 await wait_any(*events)
             self._wake = trio.Event()

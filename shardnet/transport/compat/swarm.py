@@ -244,12 +244,42 @@ def forget_failed_dial(swarm: Any, peer_id: Any) -> None:
     swarm._negative_peer_cache.evict(str(peer_id))
 
 
-def first_addr_to_back(peerstore: Any, peer_id: Any) -> None:
-    """Move the first address held for ``peer_id`` to the back of its list, its TTL kept (the
-    swarm dials the first held address of each transport: after that one failed, the next)."""
+def addrs_first(peerstore: Any, peer_id: Any, addrs: list, ttl: int | None) -> None:
+    """Put ``addrs`` ahead of the other addresses held for ``peer_id``, in place (the swarm
+    dials the first held address of each transport). ``ttl``: the peer's addresses' new TTL
+    (None: kept). Upstream's clear_addrs would also drop the peer's signed record, after which
+    an older one from any DHT answer replaces every address again, and raises on expired data."""
     data = peerstore.peer_data_map.get(peer_id)
-    if data is not None and len(data.addrs) > 1:
-        data.addrs.append(data.addrs.pop(0))
+    if data is None:
+        peerstore.add_addrs(peer_id, addrs, 120 if ttl is None else ttl)
+        return
+    data.addrs[:] = [*addrs, *(a for a in data.addrs if a not in addrs)]
+    if ttl is not None:
+        data.set_ttl(ttl)
+    data.update_last_identified()
+
+
+def _where(addr: Any) -> str:
+    """An address without its ``/p2p/<id>`` part (held both ways, it is one place to dial)."""
+    return str(addr).split("/p2p/")[0]
+
+
+def dial_places(peerstore: Any, peer_id: Any) -> list[str]:
+    """The distinct direct places held for ``peer_id``, in the order the swarm would take them
+    (loopback ones only when no other is held, as ``Swarm.dial_peer`` picks)."""
+    data = peerstore.peer_data_map.get(peer_id)
+    direct = [_where(a) for a in (data.addrs if data is not None else ()) if "/p2p-circuit" not in str(a)]
+    public = [a for a in direct if "/ip4/127." not in a and "/ip6/::1" not in a]
+    return list(dict.fromkeys(public or direct))
+
+
+def dialled_addr_to_back(peerstore: Any, peer_id: Any) -> None:
+    """Move the place the swarm dialled for ``peer_id`` (``dial_places``' first; every spelling
+    of it) to the back of its addresses: after that dial failed, the next one is dialled."""
+    places = dial_places(peerstore, peer_id)
+    if len(places) > 1:
+        data = peerstore.peer_data_map[peer_id]
+        data.addrs.sort(key=lambda a: _where(a) == places[0])  # (stable: the rest keep their order)
 
 
 def connection_type(conn: Any) -> Any:
