@@ -125,8 +125,10 @@ class TieCheck:
             return self.model.head.logits(hidden[:, -1:])[0, -1].float()
 
     def _within(self, logits) -> list[int]:
-        """Tokens within the tolerance of the best, best first (tolerance.relative_gaps' measure)."""
-        gaps = (logits.max() - logits) / logits.abs().max().clamp_min(1e-12)
+        """Tokens within the tolerance of the best, best first."""
+        from shardnet.inference.model.tolerance import gaps_to_best
+
+        gaps = gaps_to_best(logits)
         order = gaps.argsort()[:self.BRANCHES]
         return [int(t) for t in order if gaps[t] <= self.tolerance]
 

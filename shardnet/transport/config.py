@@ -96,6 +96,13 @@ def parse_multiaddr(text: str, *, what: str = "address") -> Multiaddr:
         raise AddressError(f"malformed multiaddr for {what}: {text!r} ({e})") from None
 
 
+def dial_place(addr: object) -> str:
+    """An address as the place it dials: without its ``/p2p/<id>`` part, so an address held with
+    and without it is one place (a relay circuit, whose ``/p2p`` parts say the way, is kept whole)."""
+    text = str(addr)
+    return text if "/p2p-circuit" in text else text.split("/p2p/")[0]
+
+
 def peer_info(peer_id: str, addrs) -> PeerInfo:
     """A peer ID and its addresses as text (a claim's or a chain hop's); addresses that do not
     parse are skipped, a trailing /p2p/<peer_id> is dropped (a relay circuit keeps its inner

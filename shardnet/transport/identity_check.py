@@ -19,7 +19,6 @@ that died without closing its connections counts until keepalive closes them (15
 from __future__ import annotations
 
 import logging
-import secrets
 
 import cbor2
 import trio
@@ -27,6 +26,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
+from .config import dial_place
 from .errors import ShardnetError
 from .nat.pbwire import FrameBuffer, MessageError, frame
 from .nat.rawstream import close_quietly, read_message
@@ -55,10 +55,6 @@ def _decode(body: bytes) -> dict:
     if not isinstance(msg, dict):
         raise MessageError("not a map")
     return msg
-
-
-def _strip_p2p(addr: str) -> str:
-    return addr.split("/p2p/")[0] if "/p2p-circuit" not in addr else addr
 
 
 async def _identify_over(conn) -> list[Multiaddr] | None:
@@ -120,14 +116,14 @@ async def serve(node, raw) -> None:
         with trio.fail_after(TIMEOUT):
             msg = await read_message(raw, FrameBuffer(MAX_MESSAGE), _decode)
         listen = msg.get("listen")
-        asker_addrs = {_strip_p2p(a) for a in listen[:MAX_ADDRS] if isinstance(a, str)} if isinstance(listen, list) else set()
+        asker_addrs = {dial_place(a) for a in listen[:MAX_ADDRS] if isinstance(a, str)} if isinstance(listen, list) else set()
         others = [c for c in node.host.get_network().get_connections(asker) if c.muxed_conn is not raw.muxed_conn]
         live: list[str] = []
         original: list[Multiaddr] = []
 
         async def probe(conn) -> None:
             addrs = await _identify_over(conn)
-            if addrs is not None and asker_addrs and {_strip_p2p(str(a)) for a in addrs} == asker_addrs:
+            if addrs is not None and asker_addrs and {dial_place(str(a)) for a in addrs} == asker_addrs:
                 return  # the asker itself on a second connection (both sides dialled at once)
             if addrs is not None:  # it answered: another live node with our asker's key
                 live.append(_shown(addrs, _remote_addr(conn)))
@@ -175,7 +171,7 @@ async def ask(node, server: ID) -> list[str]:
     with trio.fail_after(TIMEOUT + PROBE_TIMEOUT):
         raw = await node.host.new_stream(server, [TProtocol(PROTOCOL_ID)])
         try:
-            listen = [_strip_p2p(str(a)) for a in node.listen_addrs]
+            listen = [dial_place(str(a)) for a in node.listen_addrs]
             await raw.write(frame(cbor2.dumps({"listen": listen[:MAX_ADDRS]})))
             reply = await read_message(raw, FrameBuffer(MAX_MESSAGE), _decode)
         finally:

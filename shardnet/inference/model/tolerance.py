@@ -75,12 +75,17 @@ class TokenVerdict:
                 f"{self.tolerance:.1e} (margin {self.margin:.2e}; {self.beyond} of {self.tokens} tokens beyond it)")
 
 
-def relative_gaps(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-    """Per row of ``logits`` [n, vocab]: how far ``tokens[i]``'s logit is below the row's best,
-    relative to the row's largest |logit|."""
+def gaps_to_best(logits: torch.Tensor) -> torch.Tensor:
+    """Every token's gap in ``logits`` [..., vocab]: how far its logit is below its row's best,
+    relative to the row's largest |logit| (the measure tolerances are stated in)."""
     logits = logits.float()
-    chosen = logits.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0]
-    return ((logits.amax(-1) - chosen) / logits.abs().amax(-1).clamp_min(1e-12)).cpu()
+    return (logits.amax(-1, keepdim=True) - logits) / logits.abs().amax(-1, keepdim=True).clamp_min(1e-12)
+
+
+def relative_gaps(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """Per row of ``logits`` [n, vocab]: ``tokens[i]``'s gap to the row's best (``gaps_to_best``)."""
+    index = torch.tensor(tokens, device=logits.device)[:, None]
+    return gaps_to_best(logits).gather(-1, index)[:, 0].cpu()
 
 
 def check_tokens(logits: torch.Tensor, tokens: list[int], tolerance: float, *, exact: bool = False) -> TokenVerdict:

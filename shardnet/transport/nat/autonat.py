@@ -40,6 +40,7 @@ from multiaddr import Multiaddr
 
 from ..behaviour import Behaviour
 from ..compat.identify import observed_addr_manager
+from ..config import dial_place
 from ..limits import Refusals
 from .autonat_messages import (
     AUTONAT_PROTOCOL, AutoNATMessage, AutoNATType, Dial, DialResponse, DialStatus, decode_autonat, encode_autonat)
@@ -194,8 +195,8 @@ def dialable_tcp(addrs: list[Multiaddr]) -> list[Multiaddr]:
     """Plain IP/TCP addresses (no relay circuit, no loopback), without a /p2p part."""
     out, seen = [], set()
     for a in addrs:
-        text = str(a).split("/p2p/")[0]
-        if "/p2p-circuit" in str(a) or text in seen:
+        text = dial_place(a)
+        if "/p2p-circuit" in text or text in seen:
             continue
         ma = Multiaddr(text)
         ip, port = _ip_of(ma), _tcp_port(ma)

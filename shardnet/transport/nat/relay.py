@@ -26,6 +26,7 @@ from multiaddr import Multiaddr
 
 from ..behaviour import Behaviour
 from ..compat.swarm import is_relayed  # noqa: F401  (re-exported for nat/ and node.py)
+from ..config import dial_place
 from ..errors import ShardnetError
 from .rawstream import PrefixedStream, close_quietly, read_message
 from .relay_messages import (
@@ -59,7 +60,7 @@ class RelayLimits:
 
 def circuit_addr(relay_addr: Multiaddr | None, relay: ID, target: ID | None = None) -> Multiaddr:
     """``<relay addr>/p2p/<relay>/p2p-circuit[/p2p/<target>]`` (no address part without one)."""
-    base = str(relay_addr).split("/p2p/")[0] if relay_addr is not None else ""
+    base = dial_place(relay_addr) if relay_addr is not None else ""
     tail = f"/p2p/{target}" if target else ""
     return Multiaddr(f"{base}/p2p/{relay}/p2p-circuit{tail}")
 
