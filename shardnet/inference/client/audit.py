@@ -2,7 +2,8 @@
 
 A client cannot recompute what it sends through the chain (it holds only the head), but it can
 ask someone else. For a sampled step of the real session it picks a span of the chain and a
-**witness**: another peer serving exactly that span. It opens an audit session through the same
+**witness**: another peer serving exactly that span, or one whose span covers it and runs any
+layers within (``sub_spans``, as a sub-span session). It opens an audit session through the same
 chain with only that span swapped, replays the session's history before the step (every hop's
 KV cache then holds what the real session's did) and sends the step's own hidden states (the
 same tensor, the same wire bytes). The chain's outputs for that step must match the real ones
@@ -39,6 +40,7 @@ import trio
 
 from shardnet.errors import InferenceError, NoRouteError
 from shardnet.inference.client.request import RequestContext
+from shardnet.inference.client.routing import narrowed
 from shardnet.inference.client.session import open_session
 from shardnet.inference.receipt_service import ReceiptService, fetch_session_receipts
 from shardnet.protocols import receipt_gossip as rg
@@ -195,11 +197,7 @@ class RunAuditor:
             return
         claims = await self.request.planner.usable_claims()
         in_chain = {c.peer for c in job.route}
-        # a witness computes as the target claims to (same dtype, same quantization): an int4 peer
-        # differs from a plain one by more than any honest tolerance
-        witnesses = {i: [w for w in claims if (w.start, w.end) == (c.start, c.end) and w.peer not in in_chain
-                         and (w.quant, w.dtype) == (c.quant, c.dtype)]
-                     for i, c in enumerate(job.route)}
+        witnesses = {i: covering_witnesses(claims, c, in_chain) for i, c in enumerate(job.route)}
         spans = [i for i, ws in witnesses.items() if ws]
         if not spans:
             self.stats.no_witness += 1
@@ -267,6 +265,16 @@ class RunAuditor:
                 return out, s.session.hex()
         except NoRouteError as e:
             raise InferenceError(ErrorCode.NO_ROUTE, str(e)) from None
+
+
+def covering_witnesses(claims: list[Claim], hop: Claim, in_chain: set[str]) -> list[Claim]:
+    """The claims that can re-run ``hop``'s layers, narrowed to them: another peer's (not one
+    of the chain's) computing as the hop's claims to (same dtype, same quantization: an int4
+    peer differs from a plain one by more than any honest tolerance), whose span is the hop's
+    or, where it says ``sub_spans``, covers it."""
+    return [narrowed(w, hop.start, hop.end) for w in claims
+            if w.peer not in in_chain and (w.quant, w.dtype) == (hop.quant, hop.dtype)
+            and ((w.start, w.end) == (hop.start, hop.end) or (w.sub_spans and w.start <= hop.start < hop.end <= w.end))]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -23,6 +23,7 @@ from shardnet.inference.claims import CLAIM_TTL, RTT_SAMPLES
 from shardnet.inference.client.peer_speeds import PeerSpeeds, typical_tput
 from shardnet.inference.client.reputation import Reputation
 from shardnet.inference.client.routing import (
+    UNKNOWN_RTT,
     ChainCost,
     link_rtt,
     plan_route,
@@ -171,7 +172,8 @@ class RoutePlanner:
         the usable ones do not cover every layer."""
         usable = self.usable(claims, avoid)
         try:
-            plan_route(usable, self.num_layers)  # fail fast, before measuring anything
+            # fail fast, before measuring anything (every round trip a guess)
+            plan_route(usable, self.num_layers, cost=ChainCost(lambda peer: UNKNOWN_RTT), sub_spans=True)
         except NoRouteError as e:
             if await self._recheck_gone(claims, avoid):
                 return await self._cheapest(claims, avoid, kept)
@@ -186,7 +188,7 @@ class RoutePlanner:
         usable = self.usable(claims, avoid)  # without the peers found gone
 
         costs = self.costs(kept, usable)
-        route = plan_route(usable, self.num_layers, cost=costs)
+        route = plan_route(usable, self.num_layers, cost=costs, sub_spans=True)
         log.info("route: %s (estimated %.1f ms per token)",
                  " -> ".join(f"{c.peer[:12]}…[{c.start}:{c.end}]" for c in route), 1000 * costs.total(route))
         return route

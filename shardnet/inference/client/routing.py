@@ -13,6 +13,11 @@ over equivalent peers.
 ``plan_route`` relaxes each boundary's claims at their own cost once, from the cheapest state
 there, and later states only through the round trips their claim reported: exact, and linear in
 the claims instead of quadratic per boundary (a route over 10,000 claims in milliseconds).
+
+Chains may also enter and leave a span at any layer (issue 39): a claim that says ``sub_spans``
+may serve part of its span, priced per layer (``narrowed``). Every hop goes forward in the layers,
+so over such hops ``_LayerSweep`` needs no heap: one pass over the layer boundaries, vectorized
+over the claims.
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from shardnet.errors import NoRouteError
 from shardnet.protocols.block_claim import Claim
@@ -142,9 +150,9 @@ def plan_route(claims: Iterable[Claim], num_layers: int, *, cost: HopCost | Chai
     ``sub_spans``: a claim that says ``sub_spans`` may also be used for part of its span, from
     and to any *cut* inside it (a boundary where some usable claim starts or ends: ``narrowed``);
     such a hop comes back as the claim narrowed to the layers it runs (with a ``ChainCost``,
-    ``_SubSpanPlanner``; with any other cost, each narrowed claim priced by it). Not yet what
-    clients route with: healing and placement do not know partial hops, and planning is 7-30x
-    slower than over whole spans at 1,000-10,000 claims (bench/plan_routes.py; issue 39).
+    ``_LayerSweep``; with any other cost, each narrowed claim priced by it, which grows with the
+    square of the cuts: for tests and small swarms). Clients route this way (route_planner.py);
+    bench/plan_routes.py times it against whole spans.
 
     Raises NoRouteError naming the layers nobody serves, or saying that the claims do not line up.
     """
@@ -153,7 +161,7 @@ def plan_route(claims: Iterable[Claim], num_layers: int, *, cost: HopCost | Chai
     if sub_spans and any(c.sub_spans for c in usable):
         if isinstance(cost, ChainCost):
             rng.shuffle(usable)
-            return _SubSpanPlanner(usable, num_layers, cost).plan()
+            return _LayerSweep(usable, num_layers, cost).plan()
         usable = _with_sub_spans(usable)  # (any cost function: each narrowed claim priced by it)
     rng.shuffle(usable)  # among equal costs the first found wins: a random one
     by_start: dict[int, list[int]] = {}
@@ -222,93 +230,188 @@ def _with_sub_spans(usable: list[Claim]) -> list[Claim]:
     return out
 
 
-class _SubSpanPlanner:
-    """``plan_route`` with a ``ChainCost`` where claims may be cut (``sub_spans``): Dijkstra over
-    *out* states (boundary, the claim whose hop ended there; as ``plan_route``'s) and *in* states
-    (a cut inside a ``sub_spans`` claim's span, its hop still running). From an out state at b a
-    hop enters a claim covering b (a ``sub_spans`` one at any cut of its span, any other at its
-    start), paying half the round trip from the previous hop (as that peer reported it, else the
-    client's) and its compute up to the next cut; inside, each edge to the next cut pays that
-    stretch's compute, and the hop may end at any cut (the return to the client added at the
-    model's end). Compute is per layer (``narrowed``). A claim with c cuts inside costs about c
-    states, where adding its narrowed copies costs about c^2 / 2 claims. Each claim is entered
-    at its unreported round trip once per boundary, from the cheapest state there (the rule of
-    ``_ChainWeights``)."""
+class _LayerSweep:
+    """``plan_route`` with a ``ChainCost`` where claims may be cut (``sub_spans``). Every hop goes
+    forward in the layers, so the states form a DAG ordered by boundary and need no heap: one
+    sweep over the boundaries, each step vectorized over the claims (numpy), computes
+
+    - ``out[j]``: the cheapest chain whose last hop, in claim j, ends at this boundary (a
+      ``sub_spans`` claim at any cut inside or at the end of its span, any other at its end);
+    - ``enter[j]``: the cheapest chain whose next hop enters claim j here (a ``sub_spans`` claim at
+      any cut inside its span, any other at its start): over every hop ending here, what it cost
+      plus half the round trip to j's peer, as that hop's peer reported it, else the client's;
+    - ``inside[j]`` at the next boundary: the cheapest chain with claim j's hop past this layer
+      (entered here, or already inside), one layer's compute more (compute is per layer).
+
+    Exact, as the heap-based search over the same states: each hop's cost is ``ChainCost``'s,
+    and the round trip a hop pays depends on the previous hop only through what it reported, so
+    an entry's cheapest source is the cheapest ending hop that did not report the entered peer
+    (found among the few cheapest) or one that did. Time grows with the claims times the layers
+    in numpy, not in Python (issue 39: within 2x of planning over whole spans)."""
+
+    #: how many of a boundary's cheapest ending hops are looked at for an entry the cheapest one
+    #: cannot make (it is the entered claim, or reported a round trip to its peer); all of them
+    #: when these do not do
+    FEW = 4
 
     def __init__(self, usable: list[Claim], num_layers: int, cost: ChainCost) -> None:
-        self.usable, self.num_layers = usable, num_layers
-        self.cuts = sorted({c.start for c in usable} | {c.end for c in usable})
-        enter: dict[int, list[int]] = {}  # boundary -> claims a hop may start at there
+        self.usable, self.L = usable, num_layers
+        w = _ChainWeights(usable, {}, cost, num_layers)
+        n = len(usable)
+        self.start = np.fromiter((c.start for c in usable), np.int64, n)
+        self.end = np.fromiter((c.end for c in usable), np.int64, n)
+        self.cut = np.fromiter((c.sub_spans for c in usable), bool, n)
+        fk = np.array(w.factor, dtype=np.float64) * np.array(w.keep, dtype=np.float64)
+        compute = np.array(w.compute, dtype=np.float64)
+        self.hop = compute * fk  # a whole span's compute
+        self.per_layer = self.hop / (self.end - self.start)
+        self.client_half = np.array(w.client_rtt, dtype=np.float64) / 2 * fk
+        self.tail = np.array(w.tail, dtype=np.float64)
+        self.is_cut = np.zeros(num_layers + 1, bool)
+        self.is_cut[self.start] = True
+        self.is_cut[self.end] = True
+        # the round trips each claim's peer reported, as (source claim, entered claim, its half)
+        self.by_peer: dict[str, list[int]] = {}
+        for j, c in enumerate(usable):
+            self.by_peer.setdefault(c.peer, []).append(j)
+        # (flattened a claim at a time, joined to the entered claims in numpy: 80,000 round trips
+        # one at a time in Python were most of a plan's time)
+        peer_index = {peer: k for k, peer in enumerate(self.by_peer)}
+        src: list[int] = []
+        peers: list[str] = []
+        rtts: list[float] = []
         for i, c in enumerate(usable):
-            at = self.cuts[bisect.bisect_left(self.cuts, c.start):bisect.bisect_left(self.cuts, c.end)] \
-                if c.sub_spans else [c.start]
-            for b in at:
-                enter.setdefault(b, []).append(i)
-        #: each claim's compute, factor, discount, the client's round trip and the return to it
-        #: (a hop can end at the model's end only where its claim does), and the entries rule
-        self.weights = _ChainWeights(usable, enter, cost, num_layers)
-        self.fk = [f * k for f, k in zip(self.weights.factor, self.weights.keep)]
+            if c.rtts:
+                reported = dict(c.rtts)
+                src.extend([i] * len(reported))
+                peers.extend(reported)
+                rtts.extend(reported.values())
+        to = np.fromiter((peer_index.get(p, -1) for p in peers), np.int64, len(peers))
+        known = to >= 0
+        src_a, to, rtt_a = np.array(src, dtype=np.int64)[known], to[known], np.array(rtts, dtype=np.float64)[known]
+        # each reported peer's claims: claims sorted by peer, a run per peer
+        claim_peer = np.fromiter((peer_index[c.peer] for c in usable), np.int64, n)
+        by_peer_order = np.argsort(claim_peer, kind="stable")
+        first = np.searchsorted(claim_peer[by_peer_order], to, side="left")
+        count = np.searchsorted(claim_peer[by_peer_order], to, side="right") - first
+        self.pair_src = np.repeat(src_a, count)
+        offsets = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+        self.pair_dst = by_peer_order[np.repeat(first, count) + offsets]
+        pair_half = np.repeat(rtt_a, count) / 2 * fk[self.pair_dst]
+        # the boundaries where each pair may be used (its source's hop can end there, its entered
+        # claim be entered), a bucket per boundary: most pairs' spans do not meet and cost nothing
+        ps, pd = self.pair_src, self.pair_dst
+        lo = np.maximum(np.where(self.cut[ps], self.start[ps] + 1, self.end[ps]), self.start[pd])
+        hi = np.minimum(self.end[ps], np.where(self.cut[pd], self.end[pd] - 1, self.start[pd]))
+        length = np.clip(hi - lo + 1, 0, None) * (ps != pd)
+        pair = np.repeat(np.arange(len(ps)), length)
+        at = np.repeat(lo, length) + np.arange(length.sum()) - np.repeat(np.cumsum(length) - length, length)
+        order = np.argsort(at, kind="stable")
+        pair, at = pair[order], at[order]
+        self.bucket = np.searchsorted(at, np.arange(num_layers + 2))  # pairs usable at b: bucket[b]:bucket[b+1]
+        self.bucket_src, self.bucket_dst, self.bucket_half = ps[pair], pd[pair], pair_half[pair]
+        self._reports: dict[int, frozenset[int]] = {}
 
-    def _next_cut(self, i: int, b: int) -> int:
-        c = self.usable[i]
-        if not c.sub_spans:
-            return c.end
-        return min(c.end, self.cuts[bisect.bisect_right(self.cuts, b)])
+    def reports(self, i: int) -> frozenset[int]:
+        """The claims whose peers claim i's peer reported a round trip to."""
+        if i not in self._reports:
+            self._reports[i] = frozenset(j for peer in dict(self.usable[i].rtts) for j in self.by_peer.get(peer, ()))
+        return self._reports[i]
 
-    def _stretch(self, i: int, a: int, b: int) -> float:
-        c = self.usable[i]
-        return self.weights.compute[i] * (b - a) / (c.end - c.start) * self.fk[i]
+    def _entries(self, b: int, out: np.ndarray, enterable: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each claim's cheapest entry at boundary b (inf where none) and where it comes from (a
+        claim whose hop ends at b; -1: the client, at boundary 0)."""
+        n = len(self.usable)
+        if b == 0:
+            return np.where(enterable, self.client_half, np.inf), np.full(n, -1, np.int64)
+        first = int(out.argmin())
+        if not np.isfinite(out[first]):
+            return np.full(n, np.inf), np.full(n, -1, np.int64)
+        enter = np.where(enterable, out[first] + self.client_half, np.inf)
+        source = np.full(n, first, np.int64)
+        # the cheapest ending hop cannot enter its own claim, and pays its reported round trip to
+        # the peers it reported: those take the cheapest other ending hop that reported nothing
+        # on them (the reported round trips come next)
+        awkward = [j for j in (first, *self.reports(first)) if enterable[j]]
+        if awkward:
+            few = np.argpartition(out, self.FEW)[:self.FEW] if n > self.FEW else np.arange(n)
+            few = few[np.argsort(out[few])]
+            for j in awkward:
+                for order in (few, None):
+                    if order is None:
+                        order = np.argsort(out)
+                    s = next((s for s, d in zip(order.tolist(), out[order].tolist())
+                              if d < math.inf and s != j and j not in self.reports(s)), None)
+                    if s is not None or len(order) == n:
+                        break
+                enter[j], source[j] = (out[s] + self.client_half[j], s) if s is not None else (np.inf, -1)
+        # reported round trips, from every hop ending here
+        lo, hi = self.bucket[b], self.bucket[b + 1]
+        srcs, dsts, half = self.bucket_src[lo:hi], self.bucket_dst[lo:hi], self.bucket_half[lo:hi]
+        cand = out[srcs] + half
+        live = np.isfinite(cand) & enterable[dsts]
+        if live.any():
+            srcs, dsts, cand = srcs[live], dsts[live], cand[live]
+            order = np.lexsort((cand, dsts))  # by entered claim, cheapest first
+            dsts, cand, srcs = dsts[order], cand[order], srcs[order]
+            firsts = np.flatnonzero(np.diff(dsts, prepend=-1))
+            d, c, s = dsts[firsts], cand[firsts], srcs[firsts]
+            better = c < enter[d]
+            enter[d[better]], source[d[better]] = c[better], s[better]
+        return enter, source
 
     def plan(self) -> list[Claim]:
-        L = self.num_layers
-        # a state: (boundary, claim index, inside); (0, -1, False) is the client
-        start = (0, -1, False)
-        best: dict[tuple, float] = {start: 0.0}
-        came_from: dict[tuple, tuple] = {}
-        tie = itertools.count()
-        heap: list = [(0.0, next(tie), start)]
-        done: set = set()
-        goal = None
-
-        def relax(d: float, state, nxt, w: float) -> None:
-            if d + w < best.get(nxt, float("inf")):
-                best[nxt], came_from[nxt] = d + w, state
-                heapq.heappush(heap, (d + w, next(tie), nxt))
-
-        while heap:
-            d, _, state = heapq.heappop(heap)
-            if state in done:
+        L, n = self.L, len(self.usable)
+        inf = np.inf
+        # which claims' hops may end, be entered or go on at each boundary: rows of (L + 1, n)
+        bs = np.arange(L + 1)[:, None]
+        start, end, cut, at_cut = self.start[None], self.end[None], self.cut[None], self.is_cut[:, None]
+        may_end = cut & (start < bs) & (bs <= end) & at_cut
+        covers = cut & (start <= bs) & (bs < end)
+        may_enter = (covers & at_cut) | (~cut & (start == bs))
+        whole_ending = [np.flatnonzero(row) for row in ~cut & (end == bs)]
+        whole_starting = [np.flatnonzero(row) for row in ~cut & (start == bs)]
+        inside = np.full(n, inf)  # the cheapest chain with each claim's hop running up to this boundary
+        whole = np.full(n, inf)  # a whole-span hop entered at its start: its chain's cost at its end
+        whole_source = np.full(n, -1, np.int64)
+        entered_at: list[np.ndarray] = []  # per boundary: where each claim's hop entered (or not) there
+        source_at: list[np.ndarray] = []
+        nothing, nobody = np.zeros(n, bool), np.full(n, -1, np.int64)
+        for b in range(L + 1):
+            out = np.where(may_end[b], inside, inf)
+            ending = whole_ending[b]
+            out[ending] = whole[ending]
+            if b == L:
+                break
+            if not self.is_cut[b]:  # no hop ends or starts here: those inside go on
+                entered_at.append(nothing)
+                source_at.append(nobody)
+                inside = np.where(covers[b], inside + self.per_layer, inf)
                 continue
-            done.add(state)
-            at, idx, inside = state
-            if not inside:
-                if at == L and idx >= 0:
-                    goal = state
-                    break
-                for i, rtt in self.weights.entries(at, idx):
-                    c = self.usable[i]
-                    if i == idx:  # (a hop does not go on in the claim that just ended)
-                        continue
-                    if not c.sub_spans:  # the whole span, priced as plan_route's other path prices it
-                        relax(d, state, (c.end, i, False), self.weights._weight(i, rtt))
-                    else:
-                        nxt = self._next_cut(i, at)
-                        relax(d, state, (nxt, i, True), rtt / 2 * self.fk[i] + self._stretch(i, at, nxt))
-                continue
-            c = self.usable[idx]
-            relax(d, state, (at, idx, False), self.weights.tail[idx] if at == L else 0.0)  # the hop ends here
-            if at < c.end:
-                nxt = self._next_cut(idx, at)
-                relax(d, state, (nxt, idx, True), self._stretch(idx, at, nxt))
-        if goal is None:
+            enter, source = self._entries(b, out, may_enter[b])
+            entered_at.append(enter < inside)  # (inside is inf where the hop cannot go on)
+            source_at.append(source)
+            inside = np.where(covers[b], np.minimum(enter, inside) + self.per_layer, inf)
+            starting = whole_starting[b]
+            whole[starting] = enter[starting] + self.hop[starting]
+            whole_source[starting] = source[starting]
+        total = out + np.where(self.end == L, self.tail, inf)
+        last = int(total.argmin()) if n else -1
+        if last < 0 or not np.isfinite(total[last]):
             raise NoRouteError(explain_gap(self.usable, L))
-        chain, state = [], goal
-        while state[1] >= 0:  # back through an out state, the in states of its hop, its entry
-            i, end = state[1], state[0]
-            state = came_from[state]
-            while state[2]:
-                state = came_from[state]
-            chain.append(narrowed(self.usable[i], state[0], end))
+        chain, j, b = [], last, L
+        while j >= 0:
+            c = self.usable[j]
+            if not c.sub_spans:
+                chain.append(c)
+                j, b = int(whole_source[j]), c.start
+                continue
+            e = b
+            b -= 1
+            while not entered_at[b][j]:
+                b -= 1
+            chain.append(narrowed(c, b, e))
+            j = int(source_at[b][j])
         return chain[::-1]
 
 

@@ -225,3 +225,16 @@ def test_peers_serve_the_reports_they_heard_on_request(keys):
     assert got == {"reports": [blob] * rg.MAX_REPORTS_PER_RESPONSE}
     with pytest.raises(rg.GossipError):
         rg.decode_request(cbor2.dumps({"v": 1, "reports": "all"}))
+
+
+def test_a_witness_serves_the_hops_span_or_covers_it_and_runs_sub_spans():
+    from shardnet.inference.client.audit import covering_witnesses
+    from shardnet.testing.factories import claim
+
+    hop = claim(peer="target", start=3, end=5, sub_spans=True)
+    claims = [claim(peer="same", start=3, end=5), claim(peer="wide", start=0, end=8, sub_spans=True),
+              claim(peer="wide-whole", start=0, end=8), claim(peer="short", start=4, end=8, sub_spans=True),
+              claim(peer="in-chain", start=3, end=5), claim(peer="int4", start=0, end=8, sub_spans=True, quant="int4"),
+              claim(peer="target", start=0, end=8, sub_spans=True)]
+    got = covering_witnesses(claims, hop, {"target", "in-chain"})
+    assert [(w.peer, w.start, w.end) for w in got] == [("same", 3, 5), ("wide", 3, 5)]

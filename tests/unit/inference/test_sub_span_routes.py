@@ -96,3 +96,33 @@ def test_the_state_planner_finds_a_chain_as_cheap_as_every_narrowed_claim_would(
     assert all(by_peer[c.peer].start <= c.start < c.end <= by_peer[c.peer].end for c in fast)
     assert all((c.start, c.end) == (by_peer[c.peer].start, by_peer[c.peer].end)
                for c in fast if not by_peer[c.peer].sub_spans)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_layer_sweep_is_exact_where_every_peer_reported_on_most_others(seed):
+    """The sweep takes an entry's cheapest source among the few cheapest hops ending at its
+    boundary unless they all reported on the entered peer (then a reported round trip, or a
+    source further down): with most peers reporting on most others, it still finds the cost the
+    narrowed claims' generic search finds."""
+    rng = random.Random(100 + seed)
+    layers, peers = 10, [f"p{i}" for i in range(12)]
+    cs = []
+    for peer in peers:
+        k = rng.randint(1, 5)
+        a = rng.randrange(0, layers - k + 1)
+        rtts = tuple((other, rng.uniform(0.001, 0.2)) for other in peers if other != peer and rng.random() < 0.9)
+        cs.append(claim(peer=peer, start=a, end=a + k, tput=rng.uniform(5, 100), sub_spans=rng.random() < 0.7,
+                        rtts=rtts))
+    cs += [claim(peer="first", start=0, end=4, sub_spans=True, rtts=tuple((p, 0.3) for p in peers)),
+           claim(peer="last", start=4, end=layers, sub_spans=True)]
+    rtt = {p: rng.uniform(0.005, 0.08) for p in peers + ["first", "last"]}
+    costs = ChainCost(lambda p: rtt[p])
+    fast = plan_route(cs, layers, cost=costs, sub_spans=True, rng=random.Random(seed))
+    slow = plan_route(cs, layers, cost=lambda prev, c: costs.step(prev, c), finish=costs.finish, sub_spans=True,
+                      rng=random.Random(seed))
+
+    def weighed(route):
+        return sum(costs.step(p, c) for p, c in zip([None, *route], route)) + costs.finish(route[-1])
+
+    assert weighed(fast) == pytest.approx(weighed(slow), rel=1e-9)
+    assert fast[0].start == 0 and fast[-1].end == layers and all(a.end == b.start for a, b in zip(fast, fast[1:]))
