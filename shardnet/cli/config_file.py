@@ -46,15 +46,16 @@ def default_map(group: click.Group, path: Path) -> dict:
         fail(f"config {path}: cannot read it ({e.strerror or e})")
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         fail(f"config {path}: not valid TOML ({e})")
+    commands = group.all_commands() if hasattr(group, "all_commands") else group.commands
     shared = {k: v for k, v in config.items() if not isinstance(v, dict)}
     for name in config:
-        if name not in shared and name not in group.commands:
+        if name not in shared and name not in commands:
             fail(f"config {path}: [{name}]: there is no command `shardnet {name}`")
     for key in shared:
-        if not any(_option(cmd, key) for cmd in group.commands.values()):
+        if not any(_option(cmd, key) for cmd in commands.values()):
             fail(f"config {path}: {key}: no command has an option --{key.replace('_', '-')}")
     out: dict[str, dict] = {}
-    for name, cmd in group.commands.items():
+    for name, cmd in commands.items():
         values = {}
         for key, value in shared.items():
             if (opt := _option(cmd, key)) is not None:

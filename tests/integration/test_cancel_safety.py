@@ -13,7 +13,7 @@ from shardnet.transport import open_node  # noqa: E402
 
 # -- real connections --------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("path,rounds", [("direct", 1000), ("relayed", 250)])  # (relayed: 0.2 s a round)
+@pytest.mark.parametrize("path,rounds", [("direct", 1000), ("relayed", 100)])  # (relayed: 0.2-0.5 s a round)
 async def test_thousands_of_cut_writes_leave_the_connection_whole(path, rounds):
     r = await torture(path, rounds, seed=7)
     print("\n" + table([r]))

@@ -16,7 +16,7 @@ from bench.hostile_peers import ATTACKS, Scenario, cpus_apart, table  # noqa: E4
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = 9
+ROUNDS = 5
 RATIO_BOUND = 2.0
 MEMORY_BOUND = 256 << 20
 
