@@ -268,12 +268,12 @@ class RunAuditor:
 
 
 def covering_witnesses(claims: list[Claim], hop: Claim, in_chain: set[str]) -> list[Claim]:
-    """The claims that can re-run ``hop``'s layers, narrowed to them: another peer's (not one
-    of the chain's) computing as the hop's claims to (same dtype, same quantization: an int4
+    """The claims that can re-run ``hop``'s layers, narrowed to them: another serving peer's (not
+    one of the chain's) computing as the hop's claims to (same dtype, same quantization: an int4
     peer differs from a plain one by more than any honest tolerance), whose span is the hop's
     or, where it says ``sub_spans``, covers it."""
     return [narrowed(w, hop.start, hop.end) for w in claims
-            if w.peer not in in_chain and (w.quant, w.dtype) == (hop.quant, hop.dtype)
+            if w.serving and w.peer not in in_chain and (w.quant, w.dtype) == (hop.quant, hop.dtype)
             and ((w.start, w.end) == (hop.start, hop.end) or (w.sub_spans and w.start <= hop.start < hop.end <= w.end))]
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import math
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -247,7 +246,9 @@ class _LayerSweep:
     and the round trip a hop pays depends on the previous hop only through what it reported, so
     an entry's cheapest source is the cheapest ending hop that did not report the entered peer
     (found among the few cheapest) or one that did. Time grows with the claims times the layers
-    in numpy, not in Python (issue 39: within 2x of planning over whole spans)."""
+    in numpy, not in Python (issue 39: within 2x of planning over whole spans). A chain that
+    enters one claim twice (A 0:1, B 1:2, A 2:3) comes back with that claim running everything
+    from its first hop to its last (``_each_claim_once``): a peer holds one session per request."""
 
     #: how many of a boundary's cheapest ending hops are looked at for an entry the cheapest one
     #: cannot make (it is the entered claim, or reported a round trip to its peer); all of them
@@ -334,16 +335,19 @@ class _LayerSweep:
         # on them (the reported round trips come next)
         awkward = [j for j in (first, *self.reports(first)) if enterable[j]]
         if awkward:
-            few = np.argpartition(out, self.FEW)[:self.FEW] if n > self.FEW else np.arange(n)
-            few = few[np.argsort(out[few])]
+            ending = np.flatnonzero(np.isfinite(out))  # the hops ending here, cheapest first
+            if len(ending) > self.FEW:
+                few = ending[np.argpartition(out[ending], self.FEW)[:self.FEW]]
+                few = few[np.argsort(out[few])].tolist()
+            else:
+                few = ending[np.argsort(out[ending])].tolist()
+            every: list[int] | None = None  # all of them in order, sorted only if the few do not do
             for j in awkward:
-                for order in (few, None):
-                    if order is None:
-                        order = np.argsort(out)
-                    s = next((s for s, d in zip(order.tolist(), out[order].tolist())
-                              if d < math.inf and s != j and j not in self.reports(s)), None)
-                    if s is not None or len(order) == n:
-                        break
+                s = next((s for s in few if s != j and j not in self.reports(s)), None)
+                if s is None and len(few) < len(ending):
+                    if every is None:
+                        every = ending[np.argsort(out[ending])].tolist()
+                    s = next((s for s in every if s != j and j not in self.reports(s)), None)
                 enter[j], source[j] = (out[s] + self.client_half[j], s) if s is not None else (np.inf, -1)
         # reported round trips, from every hop ending here
         lo, hi = self.bucket[b], self.bucket[b + 1]
@@ -361,6 +365,10 @@ class _LayerSweep:
         return enter, source
 
     def plan(self) -> list[Claim]:
+        return [narrowed(self.usable[j], a, e) for j, a, e in _each_claim_once(self.cheapest_hops())]
+
+    def cheapest_hops(self) -> list[tuple[int, int, int]]:
+        """The cheapest chain as (claim index, first layer, end) per hop, a claim possibly twice."""
         L, n = self.L, len(self.usable)
         inf = np.inf
         # which claims' hops may end, be entered or go on at each boundary: rows of (L + 1, n)
@@ -399,20 +407,32 @@ class _LayerSweep:
         last = int(total.argmin()) if n else -1
         if last < 0 or not np.isfinite(total[last]):
             raise NoRouteError(explain_gap(self.usable, L))
-        chain, j, b = [], last, L
+        hops, j, b = [], last, L  # (claim, first layer, end), from the last hop back
         while j >= 0:
             c = self.usable[j]
             if not c.sub_spans:
-                chain.append(c)
+                hops.append((j, c.start, c.end))
                 j, b = int(whole_source[j]), c.start
                 continue
             e = b
             b -= 1
             while not entered_at[b][j]:
                 b -= 1
-            chain.append(narrowed(c, b, e))
+            hops.append((j, b, e))
             j = int(source_at[b][j])
-        return chain[::-1]
+        return hops[::-1]
+
+
+def _each_claim_once(hops: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """``hops`` (claim, first layer, end) with a claim the chain enters twice (cut at both ends
+    of a cheaper hop elsewhere: A 0:1, B 1:2, A 2:3) running everything from its first hop to its
+    last as one: a peer holds one session per request. That chain may cost a little more than
+    the one found; it is one the peers can run."""
+    for i, (j, a, _) in enumerate(hops):
+        last = max(k for k, hop in enumerate(hops) if hop[0] == j)
+        if last > i:
+            return _each_claim_once(hops[:i] + [(j, a, hops[last][2])] + hops[last + 1:])
+    return hops
 
 
 class _Weights:

@@ -235,6 +235,7 @@ def test_a_witness_serves_the_hops_span_or_covers_it_and_runs_sub_spans():
     claims = [claim(peer="same", start=3, end=5), claim(peer="wide", start=0, end=8, sub_spans=True),
               claim(peer="wide-whole", start=0, end=8), claim(peer="short", start=4, end=8, sub_spans=True),
               claim(peer="in-chain", start=3, end=5), claim(peer="int4", start=0, end=8, sub_spans=True, quant="int4"),
-              claim(peer="target", start=0, end=8, sub_spans=True)]
+              claim(peer="target", start=0, end=8, sub_spans=True),
+              claim(peer="loading", start=0, end=8, sub_spans=True, loading=(0, 8), tput=0.0)]
     got = covering_witnesses(claims, hop, {"target", "in-chain"})
     assert [(w.peer, w.start, w.end) for w in got] == [("same", 3, 5), ("wide", 3, 5)]

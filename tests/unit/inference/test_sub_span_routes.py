@@ -64,6 +64,15 @@ def test_spans_that_line_up_add_nothing_and_routes_are_unchanged():
         assert all(c in cs for c in route)
 
 
+def _swept(cs, layers, costs):
+    """The sweep's cheapest chain before a claim entered twice is merged (what the generic search
+    over narrowed claims finds too), narrowed."""
+    from shardnet.inference.client.routing import _LayerSweep
+
+    sweep = _LayerSweep([c for c in cs if c.serving], layers, costs)
+    return [narrowed(sweep.usable[j], a, e) for j, a, e in sweep.cheapest_hops()]
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_state_planner_finds_a_chain_as_cheap_as_every_narrowed_claim_would(seed):
     """With a ``ChainCost`` the planner walks states inside claims (one per cut); the generic path
@@ -82,7 +91,7 @@ def test_the_state_planner_finds_a_chain_as_cheap_as_every_narrowed_claim_would(
     cs.append(claim(peer="last", start=3, end=layers, sub_spans=True))
     rtt = {p: rng.uniform(0.005, 0.08) for p in peers + ["first", "last"]}
     costs = ChainCost(lambda p: rtt[p], kept=frozenset(rng.sample(peers, 2)))
-    fast = plan_route(cs, layers, cost=costs, sub_spans=True, rng=random.Random(1))
+    fast = _swept(cs, layers, costs)
     slow = plan_route(cs, layers, cost=lambda prev, c: costs.step(prev, c), finish=costs.finish, sub_spans=True,
                       rng=random.Random(1))
 
@@ -90,6 +99,8 @@ def test_the_state_planner_finds_a_chain_as_cheap_as_every_narrowed_claim_would(
         return sum(costs.step(p, c) for p, c in zip([None, *route], route)) + costs.finish(route[-1])
 
     assert weighed(fast) == pytest.approx(weighed(slow), rel=1e-9)
+    planned = plan_route(cs, layers, cost=costs, sub_spans=True, rng=random.Random(1))
+    assert len({c.peer for c in planned}) == len(planned) and weighed(planned) >= weighed(fast) * (1 - 1e-9)
     assert [c.start for c in fast][0] == 0 and fast[-1].end == layers
     assert all(a.end == b.start for a, b in zip(fast, fast[1:]))
     by_peer = {c.peer: c for c in cs}
@@ -117,7 +128,7 @@ def test_the_layer_sweep_is_exact_where_every_peer_reported_on_most_others(seed)
            claim(peer="last", start=4, end=layers, sub_spans=True)]
     rtt = {p: rng.uniform(0.005, 0.08) for p in peers + ["first", "last"]}
     costs = ChainCost(lambda p: rtt[p])
-    fast = plan_route(cs, layers, cost=costs, sub_spans=True, rng=random.Random(seed))
+    fast = _swept(cs, layers, costs)
     slow = plan_route(cs, layers, cost=lambda prev, c: costs.step(prev, c), finish=costs.finish, sub_spans=True,
                       rng=random.Random(seed))
 
@@ -125,4 +136,19 @@ def test_the_layer_sweep_is_exact_where_every_peer_reported_on_most_others(seed)
         return sum(costs.step(p, c) for p, c in zip([None, *route], route)) + costs.finish(route[-1])
 
     assert weighed(fast) == pytest.approx(weighed(slow), rel=1e-9)
+    planned = plan_route(cs, layers, cost=costs, sub_spans=True, rng=random.Random(seed))
+    assert len({c.peer for c in planned}) == len(planned) and weighed(planned) >= weighed(fast) * (1 - 1e-9)
+    fast = planned
     assert fast[0].start == 0 and fast[-1].end == layers and all(a.end == b.start for a, b in zip(fast, fast[1:]))
+
+
+def test_a_chain_never_enters_one_claim_twice():
+    """A slow peer (20 ms a layer over 0:3) and a fast one serving layer 1 only: entering the slow
+    one twice around the fast one (0:1, 1:2, 2:3) would be cheapest, but a peer holds one session
+    per request: the slow peer runs 0:3 in one hop."""
+    slow = claim(peer="slow", start=0, end=3, tput=1 / 0.06, sub_spans=True, rtts=(("fast", 0.002),))
+    fast = claim(peer="fast", start=1, end=2, tput=200.0, sub_spans=True, rtts=(("slow", 0.002),))
+    for seed in range(5):
+        route = plan_route([slow, fast], 3, cost=ChainCost(lambda peer: 0.002), sub_spans=True,
+                           rng=random.Random(seed))
+        assert [(c.peer, c.start, c.end) for c in route] == [("slow", 0, 3)]
