@@ -116,7 +116,8 @@ async def serve(node, raw) -> None:
         with trio.fail_after(TIMEOUT):
             msg = await read_message(raw, FrameBuffer(MAX_MESSAGE), _decode)
         listen = msg.get("listen")
-        asker_addrs = {dial_place(a) for a in listen[:MAX_ADDRS] if isinstance(a, str)} if isinstance(listen, list) else set()
+        listen = listen if isinstance(listen, list) else []
+        asker_addrs = {dial_place(a) for a in listen[:MAX_ADDRS] if isinstance(a, str)}
         others = [c for c in node.host.get_network().get_connections(asker) if c.muxed_conn is not raw.muxed_conn]
         live: list[str] = []
         original: list[Multiaddr] = []
