@@ -49,9 +49,6 @@ class LazyGroup(click.Group):
             self.commands[cmd_name] = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
         return self.commands.get(cmd_name)
 
-    def all_commands(self) -> dict[str, click.Command]:
-        return {name: self.get_command(None, name) for name in self.list_commands(None)}
-
 
 @click.group(cls=LazyGroup)
 @click.option("-v", "--verbose", count=True, help="More logging (-vv includes py-libp2p).")
@@ -65,4 +62,4 @@ def main(ctx: click.Context, verbose: int, quiet: bool, config: Path | None) -> 
     """shardnet: pool machines over a peer-to-peer overlay to run large language models."""
     logs.setup(-1 if quiet else verbose)
     if config is not None:
-        ctx.default_map = config_file.default_map(ctx.command, config)
+        ctx.default_map = config_file.default_map(ctx.command, config, ctx.invoked_subcommand)

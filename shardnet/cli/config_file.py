@@ -38,22 +38,27 @@ def _option(cmd: click.Command, key: str) -> click.Option | None:
     return None
 
 
-def default_map(group: click.Group, path: Path) -> dict:
-    """The ``default_map`` for ``group``'s commands from the TOML file at ``path``."""
+def default_map(group: click.Group, path: Path, only: str | None = None) -> dict:
+    """The ``default_map`` for ``group``'s commands from the TOML file at ``path`` (``only``: for
+    that command alone, the others imported only to check a top-level key it lacks: a bootstrap
+    started with a config file does not import the compute commands' torch)."""
     try:
         config = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         fail(f"config {path}: cannot read it ({e.strerror or e})")
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         fail(f"config {path}: not valid TOML ({e})")
-    commands = group.all_commands() if hasattr(group, "all_commands") else group.commands
+    names = group.list_commands(None)
     shared = {k: v for k, v in config.items() if not isinstance(v, dict)}
     for name in config:
-        if name not in shared and name not in commands:
+        if name not in shared and name not in names:
             fail(f"config {path}: [{name}]: there is no command `shardnet {name}`")
     for key in shared:
-        if not any(_option(cmd, key) for cmd in commands.values()):
+        if only is not None and _option(group.get_command(None, only), key):
+            continue
+        if not any(_option(group.get_command(None, name), key) for name in names):
             fail(f"config {path}: {key}: no command has an option --{key.replace('_', '-')}")
+    commands = {name: group.get_command(None, name) for name in (names if only is None else [only])}
     out: dict[str, dict] = {}
     for name, cmd in commands.items():
         values = {}
