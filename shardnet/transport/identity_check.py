@@ -124,7 +124,7 @@ async def serve(node, raw) -> None:
 
         async def probe(conn) -> None:
             addrs = await _identify_over(conn)
-            if addrs is not None and asker_addrs and {dial_place(str(a)) for a in addrs} == asker_addrs:
+            if addrs is not None and asker_addrs and {dial_place(a) for a in addrs} == asker_addrs:
                 return  # the asker itself on a second connection (both sides dialled at once)
             if addrs is not None:  # it answered: another live node with our asker's key
                 live.append(_shown(addrs, _remote_addr(conn)))
@@ -172,7 +172,7 @@ async def ask(node, server: ID) -> list[str]:
     with trio.fail_after(TIMEOUT + PROBE_TIMEOUT):
         raw = await node.host.new_stream(server, [TProtocol(PROTOCOL_ID)])
         try:
-            listen = [dial_place(str(a)) for a in node.listen_addrs]
+            listen = [dial_place(a) for a in node.listen_addrs]
             await raw.write(frame(cbor2.dumps({"listen": listen[:MAX_ADDRS]})))
             reply = await read_message(raw, FrameBuffer(MAX_MESSAGE), _decode)
         finally:

@@ -297,8 +297,7 @@ class _LayerSweep:
         first = np.searchsorted(claim_peer[by_peer_order], to, side="left")
         count = np.searchsorted(claim_peer[by_peer_order], to, side="right") - first
         self.pair_src = np.repeat(src_a, count)
-        offsets = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
-        self.pair_dst = by_peer_order[np.repeat(first, count) + offsets]
+        self.pair_dst = by_peer_order[_runs(first, count)]
         pair_half = np.repeat(rtt_a, count) / 2 * fk[self.pair_dst]
         # the boundaries where each pair may be used (its source's hop can end there, its entered
         # claim be entered), a bucket per boundary: most pairs' spans do not meet and cost nothing
@@ -307,7 +306,7 @@ class _LayerSweep:
         hi = np.minimum(self.end[ps], np.where(self.cut[pd], self.end[pd] - 1, self.start[pd]))
         length = np.clip(hi - lo + 1, 0, None) * (ps != pd)
         pair = np.repeat(np.arange(len(ps)), length)
-        at = np.repeat(lo, length) + np.arange(length.sum()) - np.repeat(np.cumsum(length) - length, length)
+        at = _runs(lo, length)
         order = np.argsort(at, kind="stable")
         pair, at = pair[order], at[order]
         self.bucket = np.searchsorted(at, np.arange(num_layers + 2))  # pairs usable at b: bucket[b]:bucket[b+1]
@@ -422,6 +421,11 @@ class _LayerSweep:
             hops.append((j, b, e))
             j = int(source_at[b][j])
         return hops[::-1]
+
+
+def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``starts[k], starts[k] + 1, ..`` (``lengths[k]`` of them) for each k, one after another."""
+    return np.repeat(starts, lengths) + np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
 
 def _each_claim_once(hops: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:

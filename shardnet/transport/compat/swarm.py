@@ -40,6 +40,7 @@ from typing import Any
 
 import trio
 
+from ..config import dial_place
 from .naps import TrioWithoutCleanupNaps
 from .tcp import _drop, _opening_bytes, _remote_ip
 
@@ -262,8 +263,6 @@ def addrs_first(peerstore: Any, peer_id: Any, addrs: list, ttl: int | None) -> N
 def dial_places(peerstore: Any, peer_id: Any) -> list[str]:
     """The distinct direct places held for ``peer_id``, in the order the swarm would take them
     (loopback ones only when no other is held, as ``Swarm.dial_peer`` picks)."""
-    from ..config import dial_place
-
     data = peerstore.peer_data_map.get(peer_id)
     direct = [dial_place(a) for a in (data.addrs if data is not None else ()) if "/p2p-circuit" not in str(a)]
     public = [a for a in direct if "/ip4/127." not in a and "/ip6/::1" not in a]
@@ -273,8 +272,6 @@ def dial_places(peerstore: Any, peer_id: Any) -> list[str]:
 def dialled_addr_to_back(peerstore: Any, peer_id: Any) -> None:
     """Move the place the swarm dialled for ``peer_id`` (``dial_places``' first; every spelling
     of it) to the back of its addresses: after that dial failed, the next one is dialled."""
-    from ..config import dial_place
-
     places = dial_places(peerstore, peer_id)
     if len(places) > 1:
         data = peerstore.peer_data_map[peer_id]
